@@ -1,0 +1,77 @@
+"""Applies checkpoint actions: check the file is unchanged, back it up, replace or delete.
+
+The caller guarantees kubelet is stopped (kubelet rewrites the file from memory).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpuguard.actuate.files import atomic_replace, backup, fsync_dir, remove_stale_temps
+from gpuguard.log import EventLog
+from gpuguard.model import Action, Outcome
+from gpuguard.reconcilers.checkpoint import DeleteCheckpoint, RewriteCheckpoint, sha256
+
+
+@dataclass(frozen=True)
+class CheckpointActuator:
+    backup_dir: Path
+    backup_keep: int
+    log: EventLog
+    dry_run: bool = False
+
+    def apply(self, action: Action) -> Outcome:
+        if not isinstance(action, (RewriteCheckpoint, DeleteCheckpoint)):
+            raise TypeError(f"not a checkpoint action: {action!r}")
+        if self.dry_run:
+            return Outcome(action, "dry-run", "would " + action.describe())
+        path = action.path
+        remove_stale_temps(path.parent, path.name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as e:
+            return self._failed(action, f"{path}: cannot open: {e.strerror}")
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return self._failed(action, f"{path}: no longer a regular file")
+            with os.fdopen(os.dup(fd), "rb") as f:
+                current = f.read()
+        finally:
+            os.close(fd)
+        if sha256(current) != action.expected_sha256:
+            # Someone (kubelet?) wrote it since we analysed it: never overwrite that.
+            return self._failed(action, f"{path}: changed since it was analysed; not modified")
+        saved = backup(current, path, self.backup_dir, keep=self.backup_keep)
+        if isinstance(action, RewriteCheckpoint):
+            atomic_replace(
+                path, action.content, mode=stat.S_IMODE(st.st_mode), uid=st.st_uid, gid=st.st_gid
+            )
+        else:
+            path.unlink()
+            fsync_dir(path.parent)
+        detail = f"backup {saved}"
+        self.log.event(
+            action.kind,
+            f"{action.describe()}; previous file saved as {saved}",
+            level="notice",
+            fields={
+                "GPUGUARD_RECONCILER": action.reconciler,
+                "GPUGUARD_ACTION": action.kind,
+                "BACKUP": str(saved),
+                **action.fields(),
+            },
+        )
+        return Outcome(action, "done", detail)
+
+    def _failed(self, action: Action, why: str) -> Outcome:
+        self.log.event(
+            "error",
+            why,
+            level="error",
+            fields={"GPUGUARD_RECONCILER": action.reconciler, "GPUGUARD_ACTION": action.kind},
+        )
+        return Outcome(action, "failed", why)

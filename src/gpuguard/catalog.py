@@ -1,0 +1,145 @@
+"""Every kind of journal entry gpuguard writes, with its fixed MESSAGE_ID and catalog text.
+
+MESSAGE_IDs are derived from the kind name with uuid5 under gpuguard's namespace, so
+they never change while the name stays. docs/gpuguard.catalog is generated from this
+table (`gpuguard catalog > docs/gpuguard.catalog`; a test keeps it in sync) and is
+installed to /usr/lib/systemd/catalog/ so `journalctl -x` explains each entry.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+NAMESPACE = uuid.UUID("5b0f3c2e-8d7a-4c1e-9f55-6a1d2b3c4e5f")
+
+
+def message_id(kind: str) -> str:
+    return uuid.uuid5(NAMESPACE, kind).hex
+
+
+@dataclass(frozen=True)
+class KindDoc:
+    subject: str
+    text: str
+
+
+_CHECKPOINT_WHY = (
+    "The kubelet device-manager checkpoint "
+    "(/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint) names devices "
+    "by ID. After a reboot or an instance replacement GPUs can come back with new "
+    "UUIDs; kubelet then fails re-admitted pods with UnexpectedAdmissionError."
+)
+
+KINDS: dict[str, KindDoc] = {
+    # generic levels, for entries that are not findings or actions
+    "debug": KindDoc("gpuguard debug message", "Diagnostic detail."),
+    "info": KindDoc("gpuguard message", "Informational."),
+    "warning": KindDoc("gpuguard warning", "Something unexpected that gpuguard worked around."),
+    "error": KindDoc("gpuguard error", "An error gpuguard could not work around; see MESSAGE."),
+    # checkpoint (F1)
+    "checkpoint-stale-registered": KindDoc(
+        "Checkpoint registers a device this host no longer has",
+        _CHECKPOINT_WHY + " A stale RegisteredDevices ID is mostly harmless; gpuguard "
+        "drops it when it repairs the file.",
+    ),
+    "checkpoint-stale-entry": KindDoc(
+        "Checkpoint allocates a device this host no longer has to a pod",
+        _CHECKPOINT_WHY + " gpuguard drops this pod entry (only this one) while kubelet is "
+        "stopped, so kubelet re-allocates the pod's devices at its next admission.",
+    ),
+    "checkpoint-unknown-id": KindDoc(
+        "Checkpoint holds a device ID gpuguard does not understand",
+        "The ID is neither a GPU or MIG UUID, a legacy MIG-GPU id, a replica, nor an "
+        "index. gpuguard leaves its resource untouched.",
+    ),
+    "checkpoint-corrupt": KindDoc(
+        "Kubelet checkpoint cannot be used",
+        "The file is not valid JSON, has a bad checksum or bad base64. Kubelet will "
+        "discard it and start with no device allocations. gpuguard does not modify it; "
+        "restore a backup from /var/lib/gpuguard/backups or let kubelet rebuild it.",
+    ),
+    "checkpoint-refused": KindDoc(
+        "gpuguard declined to repair the checkpoint",
+        "A safety rule stopped the repair (for example NVML reports no GPU at all, which "
+        "more likely means a driver problem than GPUs that all changed). Nothing was "
+        "modified. Check `nvidia-smi` and the MESSAGE for the reason.",
+    ),
+    "checkpoint-repaired": KindDoc(
+        "Kubelet checkpoint repaired",
+        "gpuguard rewrote the checkpoint without the stale IDs and pod entries, with a "
+        "checksum kubelet accepts. The previous file is in BACKUP.",
+    ),
+    "checkpoint-deleted": KindDoc(
+        "Kubelet checkpoint deleted (policy delete)",
+        "With Policy=delete gpuguard removes the whole checkpoint, as Alibaba's gpuops "
+        "does; kubelet rebuilds it and forgets every allocation. The old file is in BACKUP.",
+    ),
+    "kubelet-restart": KindDoc(
+        "gpuguard restarted kubelet to repair its checkpoint",
+        "Kubelet overwrites the checkpoint from memory, so the file can only be repaired "
+        "while kubelet is stopped. gpuguard restarted kubelet.service; its ExecStartPre= "
+        "hook (kubelet.service.d/10-gpuguard.conf) repaired the file before kubelet read it.",
+    ),
+    "kubelet-stop-start": KindDoc(
+        "gpuguard stopped kubelet, repaired its checkpoint and started it",
+        "The kubelet drop-in is not installed, so gpuguard stopped kubelet, repaired the "
+        "file and started kubelet again. Install the drop-in to make this a plain restart.",
+    ),
+    "kubelet-coordination-failed": KindDoc(
+        "gpuguard could not coordinate with kubelet",
+        "Kubelet runs but could not be stopped or restarted through systemd (not a "
+        "systemd unit, or the job failed). The checkpoint was not modified.",
+    ),
+    # daemon (issue: event-driven daemon)
+    "daemon-started": KindDoc("gpuguard daemon started", "The daemon finished its first pass."),
+    "daemon-stopping": KindDoc("gpuguard daemon stopping", "SIGTERM received; finishing the pass."),
+    "pass-complete": KindDoc(
+        "gpuguard pass complete", "A coalesced reconciliation pass ran; see FINDINGS/ACTIONS."
+    ),
+    "reconciler-crashed": KindDoc(
+        "A gpuguard reconciler raised an exception",
+        "A bug or an unexpected host state. The other reconcilers and the daemon went on; "
+        "TRACEBACK has the details. Please report it.",
+    ),
+    "config-reloaded": KindDoc(
+        "Configuration reloaded", "SIGHUP: the new configuration is in use."
+    ),
+    "config-rejected": KindDoc(
+        "New configuration rejected",
+        "SIGHUP found an error in the configuration; the previous configuration stays in "
+        "use. Fix the file named in MESSAGE and reload again (`gpuguard config` checks it).",
+    ),
+    "dbus-lost": KindDoc(
+        "Lost the system bus",
+        "The D-Bus connection to systemd dropped (dbus restart?). gpuguard reconnects with "
+        "back-off and runs a full pass after reconnecting.",
+    ),
+    "dbus-connected": KindDoc("Connected to the system bus", "Subscribed to systemd's signals."),
+    "hook-run": KindDoc("Operator hook ran", "An executable in /etc/gpuguard/hooks.d ran."),
+    "hook-refused": KindDoc(
+        "Operator hook refused",
+        "Hooks must be regular executables owned by root and not writable by group or "
+        "others. Fix the ownership/mode of the file in MESSAGE.",
+    ),
+    "hook-failed": KindDoc("Operator hook failed", "A hook exited non-zero or timed out."),
+}
+
+
+def render_catalog() -> str:
+    """The journal message catalog (see journalctl(1) --update-catalog)."""
+    out = ["# gpuguard journal message catalog; generated by `gpuguard catalog`.", ""]
+    for kind in sorted(KINDS):
+        doc = KINDS[kind]
+        out += [
+            f"-- {message_id(kind)}",
+            f"Subject: {doc.subject}",
+            "Defined-By: gpuguard",
+            "Support: man:gpuguard(8)",
+            "",
+            doc.text,
+            "",
+            f"gpuguard kind: {kind}",
+            "",
+        ]
+    return "\n".join(out)

@@ -1,0 +1,312 @@
+"""`gpuguard check`: the one-shot checkpoint repair (F1), coordinated with kubelet.
+
+Kubelet reads the checkpoint only at start-up and rewrites it from memory, so the
+file is changed only while kubelet is stopped:
+- kubelet not running (or we ARE its ExecStartPre= hook): repair directly;
+- kubelet running under systemd with our drop-in: RestartUnit, and the drop-in's
+  ExecStartPre= hook repairs the file between stop and start;
+- running under systemd without the drop-in: StopUnit, repair, StartUnit;
+- running but not through systemd: nothing we can safely do; report (exit 5).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+from gpuguard import exitcodes
+from gpuguard.actuate.checkpoint import CheckpointActuator
+from gpuguard.checkpoint import read_checkpoint
+from gpuguard.errors import BadInputError, KubeletError
+from gpuguard.inventory import Inventory
+from gpuguard.kubelet import KubeletStatus, kubelet_pids, kubelet_status
+from gpuguard.log import EventLog
+from gpuguard.model import Action, Finding, Outcome
+from gpuguard.paths import Root
+from gpuguard.reconcilers import checkpoint as ckpt
+
+if TYPE_CHECKING:  # dbus-next costs import time; a healthy node never needs it
+    from gpuguard.systemd import Systemd
+
+
+@dataclass(frozen=True)
+class CheckSettings:
+    checkpoint_path: str
+    resources: tuple[str, ...]
+    policy: str  # rewrite | delete | report
+    backup_dir: str
+    backup_keep: int
+    kubelet_unit: str
+    restart_kubelet: bool
+    dry_run: bool
+    kubelet_stopped: bool  # we run as kubelet's ExecStartPre=: kubelet is not up
+    bus_address: Optional[str]
+    reason: str = "check"
+
+
+@dataclass
+class CheckReport:
+    checkpoint: str
+    inventory: dict[str, Any] = field(default_factory=dict)
+    findings: list[Finding] = field(default_factory=list)
+    actions: list[Action] = field(default_factory=list)
+    outcomes: list[Outcome] = field(default_factory=list)
+    kubelet: str = ""
+    coordination: str = ""
+    result: str = ""
+    exit_code: int = exitcodes.OK
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "checkpoint": self.checkpoint,
+            "inventory": self.inventory,
+            "findings": [f.to_json() for f in self.findings],
+            "actions": [a.to_json() for a in self.actions],
+            "outcomes": [o.to_json() for o in self.outcomes],
+            "kubelet": self.kubelet,
+            "coordination": self.coordination,
+            "result": self.result,
+            "exit_code": self.exit_code,
+        }
+
+    def render(self) -> str:
+        lines = [f"checkpoint: {self.checkpoint}"]
+        inv = self.inventory
+        if inv:
+            lines.append(f"inventory:  {len(inv['gpus'])} GPU(s) from {inv['source']}")
+            lines += [f"            {g['index']}: {g['uuid']}" for g in inv["gpus"]]
+        for f in self.findings:
+            lines.append(f"{f.severity + ':':9}  {f.summary}")
+        for a in self.actions:
+            lines.append(f"plan:       {a.describe()}")
+        if self.kubelet:
+            lines.append(f"kubelet:    {self.kubelet}")
+        if self.coordination:
+            lines.append(f"how:        {self.coordination}")
+        for o in self.outcomes:
+            lines.append(f"{o.status + ':':11} {o.detail}")
+        lines.append(f"result:     {self.result}")
+        return "\n".join(lines)
+
+
+def _log_findings(log: EventLog, findings: list[Finding]) -> None:
+    for f in findings:
+        log.event(
+            f.kind,
+            f.summary,
+            level=f.severity if f.severity != "info" else "info",
+            fields={"GPUGUARD_RECONCILER": f.reconciler, **f.fields},
+        )
+
+
+def run_check(root: Root, inventory: Inventory, s: CheckSettings, log: EventLog) -> CheckReport:
+    """The CLI's entry: its own event loop, its own bus connection if one is needed."""
+    return asyncio.run(check_checkpoint(root, inventory, s, log))
+
+
+async def check_checkpoint(
+    root: Root,
+    inventory: Inventory,
+    s: CheckSettings,
+    log: EventLog,
+    systemd: Optional[Systemd] = None,
+) -> CheckReport:
+    """Analyse the checkpoint and repair it with kubelet stopped.
+
+    `systemd` is the daemon's connection; without one a connection is made only when
+    a repair needs to know about kubelet (a healthy node never touches D-Bus).
+    """
+    path = root.path(s.checkpoint_path)
+    report = CheckReport(checkpoint=str(path), inventory=inventory.to_json())
+    if not path.exists() and not path.is_symlink():
+        report.result = "no checkpoint file (kubelet's device manager has not written one yet)"
+        return report
+    try:
+        cp, raw, _st = read_checkpoint(path)
+    except BadInputError as e:
+        log.event("checkpoint-corrupt", e.message, level="error", fields={"CHECKPOINT": path})
+        raise
+    analysis = ckpt.analyse(cp, inventory, s.resources)
+    report.findings = list(analysis.findings)
+    _log_findings(log, report.findings)
+    report.actions = list(ckpt.plan(analysis, path=path, raw=raw, policy=s.policy))
+    if analysis.refused:
+        report.result = f"not repaired: {analysis.refused}"
+        report.exit_code = exitcodes.FINDINGS
+        return report
+    if not report.actions:
+        if analysis.stale:
+            report.result = "stale entries found; Policy=report leaves them"
+            report.exit_code = exitcodes.FINDINGS
+        else:
+            report.result = "checkpoint matches this host's GPUs; nothing to do"
+        return report
+
+    actuator = CheckpointActuator(
+        backup_dir=root.path(s.backup_dir), backup_keep=s.backup_keep, log=log, dry_run=s.dry_run
+    )
+    if s.kubelet_stopped:
+        pids = kubelet_pids(root)
+        report.kubelet = "stopped (running as kubelet's ExecStartPre= hook)"
+        if pids:
+            raise KubeletError(
+                f"{path}: not repaired: a kubelet process is still running "
+                f"(pid {', '.join(map(str, pids))}) and would overwrite the file"
+            )
+        report.coordination = "repair directly"
+        return _apply(report, actuator, s)
+    if systemd is not None:
+        return await _coordinated(root, s, report, actuator, log, systemd)
+    from gpuguard.systemd import Systemd, SystemdError, bus_address_for
+
+    own = Systemd(s.bus_address or bus_address_for(root.prefix))
+    try:
+        await own.connect()
+    except SystemdError as e:
+        return await _coordinated(root, s, report, actuator, log, None, str(e))
+    try:
+        return await _coordinated(root, s, report, actuator, log, own)
+    finally:
+        own.disconnect()
+
+
+def _apply(report: CheckReport, actuator: CheckpointActuator, s: CheckSettings) -> CheckReport:
+    report.outcomes = [actuator.apply(a) for a in report.actions]
+    statuses = {o.status for o in report.outcomes}
+    if statuses == {"done"}:
+        report.result = "repaired"
+    elif statuses == {"dry-run"}:
+        report.result = "dry run: nothing modified"
+        report.exit_code = exitcodes.FINDINGS
+    else:
+        report.result = "repair failed: " + "; ".join(o.detail for o in report.outcomes)
+        report.exit_code = exitcodes.BAD_INPUT
+    return report
+
+
+async def _coordinated(
+    root: Root,
+    s: CheckSettings,
+    report: CheckReport,
+    actuator: CheckpointActuator,
+    log: EventLog,
+    systemd: Optional[Systemd],
+    bus_error: str = "",
+) -> CheckReport:
+    if systemd is None:
+        status = KubeletStatus(s.kubelet_unit, kubelet_pids(root), None, bus_error)
+    else:
+        status = await kubelet_status(root, systemd, s.kubelet_unit)
+    report.kubelet = status.describe()
+    if not status.running:
+        report.coordination = "kubelet is not running: repair directly"
+        return _apply(report, actuator, s)
+    if not status.unit_active or systemd is None:
+        raise KubeletError(
+            f"{report.checkpoint}: not repaired: kubelet runs outside systemd "
+            f"({status.describe()}); stop it, then run `gpuguard check` again"
+        )
+    if not s.restart_kubelet:
+        report.coordination = "kubelet is running and restarts are off: left for its next start"
+        report.result = "not repaired: kubelet must be restarted to apply the repair"
+        report.exit_code = exitcodes.FINDINGS
+        return report
+    if status.has_dropin:
+        return await _restart_with_hook(systemd, s, report, log)
+    return await _stop_repair_start(systemd, s, report, actuator, log)
+
+
+async def _restart_with_hook(
+    systemd: Systemd, s: CheckSettings, report: CheckReport, log: EventLog
+) -> CheckReport:
+    from gpuguard.systemd import SystemdError
+
+    report.coordination = (
+        f"restart {s.kubelet_unit} through systemd; its ExecStartPre= hook repairs the file "
+        "between stop and start"
+    )
+    if s.dry_run:
+        report.result = "dry run: nothing modified, kubelet not restarted"
+        report.exit_code = exitcodes.FINDINGS
+        return report
+    try:
+        result = await systemd.restart_unit(s.kubelet_unit)
+    except SystemdError as e:
+        _coordination_failed(log, s, str(e))
+        raise KubeletError(
+            f"{report.checkpoint}: not repaired: restarting kubelet failed: {e}"
+        ) from None
+    log.event(
+        "kubelet-restart",
+        f"restarted {s.kubelet_unit} (job {result}) so its pre-start hook repairs "
+        f"{report.checkpoint}: {report.actions[0].reason}",
+        level="notice",
+        fields={
+            "GPUGUARD_RECONCILER": "checkpoint",
+            "GPUGUARD_ACTION": "kubelet-restart",
+            "UNIT": s.kubelet_unit,
+            "REASON": s.reason,
+        },
+    )
+    if result != "done":
+        raise KubeletError(f"{report.checkpoint}: kubelet restart job ended with '{result}'")
+    report.outcomes = [Outcome(a, "done", "by kubelet's pre-start hook") for a in report.actions]
+    report.result = "repaired by kubelet's pre-start hook during a kubelet restart"
+    return report
+
+
+async def _stop_repair_start(
+    systemd: Systemd,
+    s: CheckSettings,
+    report: CheckReport,
+    actuator: CheckpointActuator,
+    log: EventLog,
+) -> CheckReport:
+    from gpuguard.systemd import SystemdError
+
+    report.coordination = (
+        f"the gpuguard drop-in is not active for {s.kubelet_unit}: stop it, repair, start it"
+    )
+    if s.dry_run:
+        return _apply(report, actuator, s)
+    try:
+        result = await systemd.stop_unit(s.kubelet_unit)
+        if result != "done":
+            raise SystemdError(f"stop job ended with '{result}'")
+    except SystemdError as e:
+        _coordination_failed(log, s, str(e))
+        raise KubeletError(
+            f"{report.checkpoint}: not repaired: stopping kubelet failed: {e}"
+        ) from None
+    try:
+        _apply(report, actuator, s)
+    finally:
+        try:
+            start = await systemd.start_unit(s.kubelet_unit)
+        except SystemdError as e:
+            start = str(e)
+        log.event(
+            "kubelet-stop-start",
+            f"stopped {s.kubelet_unit}, repaired {report.checkpoint}, started it again "
+            f"(start: {start})",
+            level="notice",
+            fields={
+                "GPUGUARD_RECONCILER": "checkpoint",
+                "GPUGUARD_ACTION": "kubelet-stop-start",
+                "UNIT": s.kubelet_unit,
+                "REASON": s.reason,
+            },
+        )
+    if start != "done":
+        raise KubeletError(f"repaired {report.checkpoint}, but starting kubelet failed: {start}")
+    return report
+
+
+def _coordination_failed(log: EventLog, s: CheckSettings, why: str) -> None:
+    log.event(
+        "kubelet-coordination-failed",
+        f"{s.kubelet_unit}: {why}",
+        level="error",
+        fields={"UNIT": s.kubelet_unit, "GPUGUARD_RECONCILER": "checkpoint"},
+    )

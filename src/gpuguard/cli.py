@@ -1,0 +1,195 @@
+"""Command line. Imports are lazy so `gpuguard check` on a healthy node stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from gpuguard import __version__, exitcodes
+from gpuguard.errors import GpuguardError
+
+EPILOG = """exit codes: 0 healthy or repaired; 1 problems found and left (dry-run, policy);
+2 usage or configuration error; 3 corrupt or unreadable input (nothing modified);
+4 no NVIDIA driver/NVML (use --inventory); 5 kubelet could not be coordinated;
+70 internal error. See gpuguard(8)."""
+
+
+def _common() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("host")
+    g.add_argument(
+        "--root",
+        type=Path,
+        default=argparse.SUPPRESS,
+        help="host root prefix; every path is taken under it (default /)",
+    )
+    g.add_argument(
+        "--inventory",
+        type=Path,
+        default=argparse.SUPPRESS,
+        help="JSON GPU inventory standing in for NVML (tests, simulations)",
+    )
+    g.add_argument(
+        "--config",
+        type=Path,
+        default=argparse.SUPPRESS,
+        help="configuration file (default ROOT/etc/gpuguard/gpuguard.conf)",
+    )
+    g.add_argument(
+        "--bus",
+        default=argparse.SUPPRESS,
+        help="system bus address (default unix:path=ROOT/run/dbus/system_bus_socket)",
+    )
+    g.add_argument(
+        "--log-level",
+        choices=["debug", "info", "notice", "warning", "error"],
+        default=argparse.SUPPRESS,
+    )
+    g.add_argument(
+        "--log-json",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="log JSON lines to stderr even under journald",
+    )
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _common()
+    parser = argparse.ArgumentParser(
+        prog="gpuguard",
+        description="Keeps GPUs usable on Kubernetes nodes across reboots, daemon-reloads "
+        "and kubelet/containerd restarts.",
+        epilog=EPILOG,
+        parents=[common],
+    )
+    parser.add_argument("--version", action="version", version=f"gpuguard {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    c = sub.add_parser(
+        "check",
+        parents=[common],
+        epilog=EPILOG,
+        help="check and repair this node once (the kubelet checkpoint, ...)",
+    )
+    c.add_argument("--dry-run", action="store_true", help="print the plan; change nothing")
+    c.add_argument("--json", action="store_true", help="print the report as JSON")
+    c.add_argument("--only", choices=["checkpoint"], default=None, help="run only this check")
+    c.add_argument(
+        "--policy",
+        choices=["rewrite", "delete", "report"],
+        default=None,
+        help="what to do with a stale checkpoint (default from config: rewrite)",
+    )
+    c.add_argument(
+        "--kubelet-stopped",
+        action="store_true",
+        help="we run as kubelet's ExecStartPre= hook: repair in place, never restart kubelet",
+    )
+    c.add_argument(
+        "--no-restart", action="store_true", help="never restart or stop kubelet; report instead"
+    )
+    c.add_argument("--reason", default="check", help=argparse.SUPPRESS)
+
+    cp = sub.add_parser("checkpoint", parents=[common], help="inspect kubelet checkpoint files")
+    cps = cp.add_subparsers(dest="checkpoint_command", metavar="ACTION")
+    cps.required = True
+    ins = cps.add_parser(
+        "inspect",
+        parents=[common],
+        help="format, checksums, validity, contents and stale IDs of FILE",
+    )
+    ins.add_argument("file", type=Path)
+    ins.add_argument("--json", action="store_true")
+    can = cps.add_parser(
+        "canonical",
+        parents=[common],
+        help="print the exact bytes kubelet would write for FILE's data",
+    )
+    can.add_argument("file", type=Path)
+
+    sub.add_parser("catalog", parents=[common], help="print the journal message catalog")
+    return parser
+
+
+def _opt(args: argparse.Namespace, name: str, default: Any = None) -> Any:
+    return getattr(args, name, default)
+
+
+def _log(args: argparse.Namespace) -> Any:
+    from gpuguard.log import EventLog
+
+    return EventLog.auto(
+        level=_opt(args, "log_level", "info"), force_json=_opt(args, "log_json", False)
+    )
+
+
+def _root(args: argparse.Namespace) -> Any:
+    from gpuguard.paths import Root
+
+    return Root(Path(_opt(args, "root", "/")).resolve())
+
+
+def _inventory(args: argparse.Namespace, root: Any) -> Any:
+    from gpuguard.inventory import load_inventory
+
+    return load_inventory(_opt(args, "inventory"))
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from gpuguard.check import CheckSettings, run_check
+    from gpuguard.reconcilers.checkpoint import DEFAULT_RESOURCES
+
+    root = _root(args)
+    log = _log(args)
+    inventory = _inventory(args, root)
+    settings = CheckSettings(
+        checkpoint_path="/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint",
+        resources=DEFAULT_RESOURCES,
+        policy=args.policy or "rewrite",
+        backup_dir="/var/lib/gpuguard/backups",
+        backup_keep=20,
+        kubelet_unit="kubelet.service",
+        restart_kubelet=not args.no_restart,
+        dry_run=args.dry_run,
+        kubelet_stopped=args.kubelet_stopped,
+        bus_address=_opt(args, "bus"),
+        reason=args.reason,
+    )
+    report = run_check(root, inventory, settings, log)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        print(report.render())
+    return report.exit_code
+
+
+def cmd_catalog(args: argparse.Namespace) -> int:
+    from gpuguard.catalog import render_catalog
+
+    sys.stdout.write(render_catalog())
+    return exitcodes.OK
+
+
+COMMANDS = {"check": cmd_check, "catalog": cmd_catalog}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    name = args.command
+    if name == "checkpoint":
+        name = f"checkpoint-{args.checkpoint_command}"
+    try:
+        return COMMANDS[name](args)
+    except GpuguardError as e:
+        print(f"gpuguard: {e.message}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return exitcodes.OK

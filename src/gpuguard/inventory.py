@@ -1,0 +1,215 @@
+"""The GPUs this host has: from NVML (pynvml), or from a JSON file standing in for it.
+
+The file form (``--inventory FILE``) is what tests and simulations use::
+
+    {"gpus": [{"uuid": "GPU-...", "index": 0, "minor": 0,
+               "pci_bus_id": "00000000:00:07.0",
+               "mig": [{"uuid": "MIG-...", "gi": 1, "ci": 0}]}]}
+
+Optional additions (documented in docs/inventory.md): "name" per GPU, and
+"driver_version" at the top level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from gpuguard.errors import BadInputError, NoDriverError
+
+MAX_INVENTORY_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class MigDevice:
+    uuid: str
+    gi: int  # GPU instance id
+    ci: int  # compute instance id
+
+
+@dataclass(frozen=True)
+class Gpu:
+    uuid: str
+    index: int
+    minor: int
+    pci_bus_id: str
+    mig: tuple[MigDevice, ...] = ()
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Inventory:
+    gpus: tuple[Gpu, ...]
+    source: str  # "nvml" or the file's path
+    driver_version: str = ""
+
+    def by_uuid(self) -> dict[str, Gpu]:
+        return {g.uuid: g for g in self.gpus}
+
+    def mig_uuids(self) -> frozenset[str]:
+        return frozenset(m.uuid for g in self.gpus for m in g.mig)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "driver_version": self.driver_version,
+            "gpus": [
+                {
+                    "uuid": g.uuid,
+                    "index": g.index,
+                    "minor": g.minor,
+                    "pci_bus_id": g.pci_bus_id,
+                    "name": g.name,
+                    "mig": [{"uuid": m.uuid, "gi": m.gi, "ci": m.ci} for m in g.mig],
+                }
+                for g in self.gpus
+            ],
+        }
+
+
+def load_inventory_file(path: Path) -> Inventory:
+    """Read an inventory file; any problem is a one-line BadInputError naming the file."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_INVENTORY_BYTES + 1)
+    except OSError as e:
+        raise BadInputError(f"{path}: cannot read inventory: {e.strerror}") from None
+    if len(raw) > MAX_INVENTORY_BYTES:
+        raise BadInputError(f"{path}: inventory larger than {MAX_INVENTORY_BYTES} bytes")
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadInputError(f"{path}: inventory is not valid JSON ({e})") from None
+    return parse_inventory(doc, source=str(path))
+
+
+def _field(obj: dict[str, Any], key: str, typ: type, where: str, default: Any = None) -> Any:
+    if key not in obj:
+        if default is not None:
+            return default
+        raise BadInputError(f"{where}: missing '{key}'")
+    value = obj[key]
+    # bool is an int subclass in Python; an index of `true` is a mistake.
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise BadInputError(f"{where}: '{key}' must be a {typ.__name__}, got {value!r}")
+    return value
+
+
+def parse_inventory(doc: Any, *, source: str) -> Inventory:
+    if not isinstance(doc, dict) or not isinstance(doc.get("gpus"), list):
+        raise BadInputError(f'{source}: inventory must be an object with a "gpus" list')
+    gpus: list[Gpu] = []
+    for i, g in enumerate(doc["gpus"]):
+        where = f"{source}: gpus[{i}]"
+        if not isinstance(g, dict):
+            raise BadInputError(f"{where}: must be an object")
+        migs: list[MigDevice] = []
+        for j, m in enumerate(_field(g, "mig", list, where, default=[])):
+            mwhere = f"{where}.mig[{j}]"
+            if not isinstance(m, dict):
+                raise BadInputError(f"{mwhere}: must be an object")
+            migs.append(
+                MigDevice(
+                    uuid=_field(m, "uuid", str, mwhere),
+                    gi=_field(m, "gi", int, mwhere),
+                    ci=_field(m, "ci", int, mwhere),
+                )
+            )
+        gpus.append(
+            Gpu(
+                uuid=_field(g, "uuid", str, where),
+                index=_field(g, "index", int, where),
+                minor=_field(g, "minor", int, where),
+                pci_bus_id=_field(g, "pci_bus_id", str, where),
+                mig=tuple(migs),
+                name=_field(g, "name", str, where, default=""),
+            )
+        )
+    seen: set[str] = set()
+    for g in gpus:
+        if g.uuid in seen:
+            raise BadInputError(f"{source}: GPU {g.uuid} listed twice")
+        seen.add(g.uuid)
+    driver = doc.get("driver_version", "")
+    return Inventory(
+        gpus=tuple(gpus), source=source, driver_version=driver if isinstance(driver, str) else ""
+    )
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def load_nvml_inventory() -> Inventory:
+    """Query NVML. No driver or no libnvidia-ml is a NoDriverError, never a traceback."""
+    try:
+        import pynvml  # imported lazily: ~10 ms, and absent on hosts using --inventory
+    except ImportError:
+        raise NoDriverError(
+            "pynvml (package nvidia-ml-py) is not installed; reinstall gpuguard or pass "
+            "--inventory FILE"
+        ) from None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as e:
+        raise NoDriverError(_nvml_init_message(pynvml, e)) from None
+    try:
+        driver = _text(pynvml.nvmlSystemGetDriverVersion())
+        gpus = tuple(_nvml_gpu(pynvml, i) for i in range(pynvml.nvmlDeviceGetCount()))
+    except pynvml.NVMLError as e:
+        raise NoDriverError(f"NVML query failed: {e}; check `nvidia-smi` on this host") from None
+    finally:
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()
+    return Inventory(gpus=gpus, source="nvml", driver_version=driver)
+
+
+def _nvml_init_message(pynvml: Any, e: Exception) -> str:
+    hint = "pass --inventory FILE to simulate a node without a GPU"
+    if isinstance(e, pynvml.NVMLError_LibraryNotFound):
+        return (
+            f"NVIDIA driver library libnvidia-ml.so.1 not found: is the driver installed? ({hint})"
+        )
+    if isinstance(e, pynvml.NVMLError_DriverNotLoaded):
+        return "NVIDIA kernel driver is not loaded: run `modprobe nvidia` or check dmesg"
+    if isinstance(e, pynvml.NVMLError_NoPermission):
+        return "no permission to talk to the NVIDIA driver: run gpuguard as root"
+    return f"NVML could not initialise: {e} (check `nvidia-smi`; {hint})"
+
+
+def _nvml_gpu(pynvml: Any, i: int) -> Gpu:
+    h = pynvml.nvmlDeviceGetHandleByIndex(i)
+    pci = pynvml.nvmlDeviceGetPciInfo(h)
+    migs: list[MigDevice] = []
+    try:
+        current, _pending = pynvml.nvmlDeviceGetMigMode(h)
+    except pynvml.NVMLError:  # pre-Ampere GPUs do not support MIG
+        current = 0
+    if current == pynvml.NVML_DEVICE_MIG_ENABLE:
+        for j in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(h)):
+            try:
+                m = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(h, j)
+            except pynvml.NVMLError_NotFound:
+                continue
+            migs.append(
+                MigDevice(
+                    uuid=_text(pynvml.nvmlDeviceGetUUID(m)),
+                    gi=int(pynvml.nvmlDeviceGetGpuInstanceId(m)),
+                    ci=int(pynvml.nvmlDeviceGetComputeInstanceId(m)),
+                )
+            )
+    return Gpu(
+        uuid=_text(pynvml.nvmlDeviceGetUUID(h)),
+        index=int(pynvml.nvmlDeviceGetIndex(h)),
+        minor=int(pynvml.nvmlDeviceGetMinorNumber(h)),
+        pci_bus_id=_text(pci.busId),
+        mig=tuple(migs),
+        name=_text(pynvml.nvmlDeviceGetName(h)),
+    )
+
+
+def load_inventory(path: Optional[Path]) -> Inventory:
+    return load_inventory_file(path) if path is not None else load_nvml_inventory()

@@ -1,0 +1,213 @@
+"""A small systemd client over D-Bus (dbus-next), shared by `gpuguard check` and the daemon.
+
+Two hard limits of the real bus shape it (both seen on systemd 252 / dbus 1.14):
+- the bus daemon answers org.freedesktop.DBus.Error.LimitsExceeded beyond ~128
+  pending replies per connection;
+- dbus-next 0.2.3 drops the whole connection with BlockingIOError when its socket
+  buffer fills (python-dbus-next issue 153).
+So every call goes through one semaphore (MaxInFlight, default 64) and every reply is
+checked: an error reply raises SystemdError, never passes silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from dbus_next import BusType, Message, MessageType, Variant
+from dbus_next.aio import MessageBus
+
+SYSTEMD = "org.freedesktop.systemd1"
+MANAGER_PATH = "/org/freedesktop/systemd1"
+MANAGER = "org.freedesktop.systemd1.Manager"
+UNIT = "org.freedesktop.systemd1.Unit"
+PROPS = "org.freedesktop.DBus.Properties"
+
+
+class SystemdError(Exception):
+    """An error reply from systemd or the bus, or no bus at all."""
+
+    def __init__(self, message: str, *, name: str = "") -> None:
+        super().__init__(message)
+        self.name = name
+
+
+def bus_address_for(root: Path) -> str:
+    return f"unix:path={root / 'run/dbus/system_bus_socket'}"
+
+
+@dataclass(frozen=True)
+class UnitState:
+    name: str
+    load_state: str
+    active_state: str
+    sub_state: str
+    invocation_id: str
+    drop_in_paths: tuple[str, ...]
+    inactive_exit_us: int  # when it last left 'inactive': a (re)start, not noise
+
+    @property
+    def active(self) -> bool:
+        return self.active_state in ("active", "reloading", "deactivating")
+
+
+class Systemd:
+    """One connection to the system bus; calls bounded in flight, replies checked."""
+
+    def __init__(self, bus_address: str, *, max_in_flight: int = 64, timeout: float = 30.0):
+        self.bus_address = bus_address
+        self.timeout = timeout
+        self._sem = asyncio.Semaphore(max_in_flight)
+        self._bus: Optional[MessageBus] = None
+        self._job_waiters: dict[str, asyncio.Future[str]] = {}
+        self._signal_handlers: list[Callable[[Message], None]] = []
+
+    @property
+    def bus(self) -> MessageBus:
+        if self._bus is None:
+            raise SystemdError("not connected to the system bus")
+        return self._bus
+
+    async def connect(self) -> None:
+        try:
+            bus = MessageBus(bus_address=self.bus_address, bus_type=BusType.SYSTEM)
+            self._bus = await asyncio.wait_for(bus.connect(), timeout=5.0)
+        except Exception as e:  # dbus-next raises plain Exceptions on auth/handshake
+            raise SystemdError(
+                f"cannot connect to the system bus at {self.bus_address}: {e}"
+            ) from None
+        self._bus.add_message_handler(self._dispatch)
+
+    def disconnect(self) -> None:
+        if self._bus is not None:
+            self._bus.disconnect()
+            self._bus = None
+
+    async def wait_for_disconnect(self) -> None:
+        await self.bus.wait_for_disconnect()
+
+    def on_signal(self, handler: Callable[[Message], None]) -> None:
+        self._signal_handlers.append(handler)
+
+    def _dispatch(self, msg: Message) -> None:
+        if msg.message_type != MessageType.SIGNAL:
+            return
+        if msg.member == "JobRemoved" and msg.interface == MANAGER:
+            _id, job, _unit, result = msg.body
+            fut = self._job_waiters.pop(job, None)
+            if fut is not None and not fut.done():
+                fut.set_result(result)
+        for h in self._signal_handlers:
+            h(msg)
+
+    async def call(
+        self,
+        member: str,
+        signature: str = "",
+        body: Optional[list[Any]] = None,
+        *,
+        path: str = MANAGER_PATH,
+        interface: str = MANAGER,
+        destination: str = SYSTEMD,
+    ) -> list[Any]:
+        msg = Message(
+            destination=destination,
+            path=path,
+            interface=interface,
+            member=member,
+            signature=signature,
+            body=body or [],
+        )
+        async with self._sem:
+            try:
+                reply = await asyncio.wait_for(self.bus.call(msg), timeout=self.timeout)
+            except asyncio.TimeoutError:
+                raise SystemdError(
+                    f"{interface}.{member}: no reply in {self.timeout:.0f}s"
+                ) from None
+            except (OSError, EOFError) as e:
+                raise SystemdError(f"{interface}.{member}: bus connection lost: {e}") from None
+        if reply is None:
+            raise SystemdError(f"{interface}.{member}: no reply")
+        if reply.message_type == MessageType.ERROR:
+            detail = reply.body[0] if reply.body else ""
+            raise SystemdError(
+                f"{interface}.{member}: {reply.error_name}: {detail}", name=reply.error_name or ""
+            )
+        return list(reply.body)
+
+    async def add_match(self, rule: str) -> None:
+        await self.call(
+            "AddMatch",
+            "s",
+            [rule],
+            path="/org/freedesktop/DBus",
+            interface="org.freedesktop.DBus",
+            destination="org.freedesktop.DBus",
+        )
+
+    async def subscribe(self) -> None:
+        """Ask systemd for its signals and route Manager + unit property signals to us."""
+        await self.add_match(f"type='signal',sender='{SYSTEMD}',interface='{MANAGER}'")
+        await self.add_match(f"type='signal',sender='{SYSTEMD}',interface='{PROPS}'")
+        await self.add_match(
+            "type='signal',sender='org.freedesktop.DBus',member='NameOwnerChanged',"
+            f"arg0='{SYSTEMD}'"
+        )
+        await self.call("Subscribe")
+
+    async def unit_path(self, unit: str) -> str:
+        (path,) = await self.call("LoadUnit", "s", [unit])
+        return str(path)
+
+    async def unit_state(self, unit: str) -> UnitState:
+        path = await self.unit_path(unit)
+        (props,) = await self.call("GetAll", "s", [UNIT], path=path, interface=PROPS)
+
+        def get(name: str, default: Any) -> Any:
+            v = props.get(name)
+            return v.value if isinstance(v, Variant) else default
+
+        inv = get("InvocationID", b"")
+        return UnitState(
+            name=unit,
+            load_state=get("LoadState", ""),
+            active_state=get("ActiveState", ""),
+            sub_state=get("SubState", ""),
+            invocation_id=bytes(inv).hex() if isinstance(inv, (bytes, list)) else str(inv),
+            drop_in_paths=tuple(get("DropInPaths", [])),
+            inactive_exit_us=int(get("InactiveExitTimestamp", 0)),
+        )
+
+    async def _job(self, member: str, unit: str, *, wait: bool, timeout: float) -> str:
+        """Queue a start/stop/restart job; with wait, return its result ("done", ...)."""
+        if wait:
+            # Subscribe so systemd emits JobRemoved; the match routes it to us.
+            await self.add_match(f"type='signal',sender='{SYSTEMD}',member='JobRemoved'")
+            await self.call("Subscribe")
+        loop = asyncio.get_running_loop()
+        (job,) = await self.call(member, "ss", [unit, "replace"])
+        if not wait:
+            return "queued"
+        fut = self._job_waiters.setdefault(str(job), loop.create_future())
+        try:
+            return await asyncio.wait_for(fut, timeout=timeout)
+        except asyncio.TimeoutError:
+            self._job_waiters.pop(str(job), None)
+            raise SystemdError(
+                f"{member} {unit}: job {job} not finished in {timeout:.0f}s"
+            ) from None
+
+    async def restart_unit(self, unit: str, *, wait: bool = True, timeout: float = 120) -> str:
+        return await self._job("RestartUnit", unit, wait=wait, timeout=timeout)
+
+    async def stop_unit(self, unit: str, *, wait: bool = True, timeout: float = 120) -> str:
+        return await self._job("StopUnit", unit, wait=wait, timeout=timeout)
+
+    async def start_unit(self, unit: str, *, wait: bool = True, timeout: float = 120) -> str:
+        return await self._job("StartUnit", unit, wait=wait, timeout=timeout)
+
+    async def set_unit_properties(self, unit: str, runtime: bool, props: list[Any]) -> None:
+        await self.call("SetUnitProperties", "sba(sv)", [unit, runtime, props])
