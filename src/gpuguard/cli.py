@@ -112,6 +112,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     can.add_argument("file", type=Path)
 
+    d = sub.add_parser(
+        "daemon",
+        parents=[common],
+        epilog=EPILOG,
+        help="run the event-driven daemon (what gpuguard.service starts)",
+    )
+    d.add_argument(
+        "--dry-run", action="store_true", help="log the plan of every pass; change nothing"
+    )
+    d.add_argument("--no-udev", action="store_true", help="do not listen to udev events")
+
+    sub.add_parser(
+        "config", parents=[common], help="check the configuration and print the effective values"
+    )
     sub.add_parser("catalog", parents=[common], help="print the journal message catalog")
     return parser
 
@@ -120,11 +134,12 @@ def _opt(args: argparse.Namespace, name: str, default: Any = None) -> Any:
     return getattr(args, name, default)
 
 
-def _log(args: argparse.Namespace) -> Any:
+def _log(args: argparse.Namespace, cfg: Any = None) -> Any:
     from gpuguard.log import EventLog
 
+    default = cfg.daemon.log_level if cfg is not None else "info"
     return EventLog.auto(
-        level=_opt(args, "log_level", "info"), force_json=_opt(args, "log_json", False)
+        level=_opt(args, "log_level", default), force_json=_opt(args, "log_json", False)
     )
 
 
@@ -134,28 +149,37 @@ def _root(args: argparse.Namespace) -> Any:
     return Root(Path(_opt(args, "root", "/")).resolve())
 
 
-def _inventory(args: argparse.Namespace, root: Any) -> Any:
-    from gpuguard.inventory import load_inventory
+def _config(args: argparse.Namespace, root: Any) -> Any:
+    from gpuguard.config import load_config
 
-    return load_inventory(_opt(args, "inventory"))
+    return load_config(root, path=_opt(args, "config"))
+
+
+def _inventory_path(args: argparse.Namespace, cfg: Any) -> Optional[Path]:
+    explicit = _opt(args, "inventory")
+    if explicit is not None:
+        return Path(explicit)
+    return Path(cfg.inventory.file) if cfg.inventory.file else None
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     from gpuguard.check import CheckSettings, run_check
-    from gpuguard.reconcilers.checkpoint import DEFAULT_RESOURCES
+    from gpuguard.inventory import load_inventory
 
     root = _root(args)
-    log = _log(args)
-    inventory = _inventory(args, root)
+    cfg = _config(args, root)
+    log = _log(args, cfg)
+    inventory = load_inventory(_inventory_path(args, cfg))
+    k = cfg.kubelet
     settings = CheckSettings(
-        checkpoint_path="/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint",
-        resources=DEFAULT_RESOURCES,
-        policy=args.policy or "rewrite",
-        backup_dir="/var/lib/gpuguard/backups",
-        backup_keep=20,
-        kubelet_unit="kubelet.service",
-        restart_kubelet=not args.no_restart,
-        dry_run=args.dry_run,
+        checkpoint_path=k.checkpoint_path,
+        resources=tuple(k.resources),
+        policy=args.policy or k.policy,
+        backup_dir=k.backup_dir,
+        backup_keep=k.backup_keep,
+        kubelet_unit=k.unit,
+        restart_kubelet=k.restart_kubelet and not args.no_restart,
+        dry_run=args.dry_run or cfg.daemon.dry_run,
         kubelet_stopped=args.kubelet_stopped,
         bus_address=_opt(args, "bus"),
         reason=args.reason,
@@ -168,6 +192,35 @@ def cmd_check(args: argparse.Namespace) -> int:
     return report.exit_code
 
 
+def cmd_daemon(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from gpuguard.daemon import Daemon
+    from gpuguard.notify import Notifier
+
+    root = _root(args)
+    cfg = _config(args, root)
+    log = _log(args, cfg)
+    daemon = Daemon(
+        root=root,
+        config=cfg,
+        config_path=_opt(args, "config"),
+        log=log,
+        notifier=Notifier(),
+        inventory_path=_inventory_path(args, cfg),
+        bus_address=_opt(args, "bus"),
+        dry_run=args.dry_run,
+        udev=not args.no_udev,
+    )
+    return asyncio.run(daemon.run())
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    cfg = _config(args, _root(args))
+    sys.stdout.write(cfg.render())
+    return exitcodes.OK
+
+
 def cmd_catalog(args: argparse.Namespace) -> int:
     from gpuguard.catalog import render_catalog
 
@@ -175,7 +228,12 @@ def cmd_catalog(args: argparse.Namespace) -> int:
     return exitcodes.OK
 
 
-COMMANDS = {"check": cmd_check, "catalog": cmd_catalog}
+COMMANDS = {
+    "check": cmd_check,
+    "daemon": cmd_daemon,
+    "config": cmd_config,
+    "catalog": cmd_catalog,
+}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

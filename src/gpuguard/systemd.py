@@ -73,12 +73,13 @@ class Systemd:
     async def connect(self) -> None:
         try:
             bus = MessageBus(bus_address=self.bus_address, bus_type=BusType.SYSTEM)
-            self._bus = await asyncio.wait_for(bus.connect(), timeout=5.0)
+            connected = await asyncio.wait_for(bus.connect(), timeout=5.0)
         except Exception as e:  # dbus-next raises plain Exceptions on auth/handshake
             raise SystemdError(
                 f"cannot connect to the system bus at {self.bus_address}: {e}"
             ) from None
-        self._bus.add_message_handler(self._dispatch)
+        connected.add_message_handler(self._dispatch)
+        self._bus = connected
 
     def disconnect(self) -> None:
         if self._bus is not None:

@@ -1,0 +1,329 @@
+"""`gpuguard daemon`: one asyncio loop, sources mark work, one coalesced pass at a time.
+
+Start-up order matters: subscribe to udev and systemd FIRST, then run the initial
+full pass (so nothing that happens during start-up falls in between), and only then
+tell systemd READY=1 (units ordered After=gpuguard.service, kubelet among them, start
+once the node has been repaired).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Optional
+
+from gpuguard.check import CheckSettings, check_checkpoint
+from gpuguard.coalescer import Coalescer, Work
+from gpuguard.config import Config, load_config
+from gpuguard.errors import ConfigError, GpuguardError
+from gpuguard.inventory import Inventory, load_inventory
+from gpuguard.log import EventLog
+from gpuguard.model import Finding, Outcome
+from gpuguard.notify import Notifier, watchdog_interval
+from gpuguard.paths import Root
+from gpuguard.sources.systemd import ALL, SystemdSource
+from gpuguard.systemd import Systemd, bus_address_for
+
+STATUS_FILE = "/run/gpuguard/status.json"
+KUBELET_RESTART_COOLDOWN = 600.0  # never restart kubelet for the checkpoint more often
+PASS_STUCK_AFTER = 300.0  # a pass this old stops the watchdog pings: systemd restarts us
+
+
+@dataclass
+class PassContext:
+    work: Work
+    inventory: Optional[Inventory]
+    findings: list[Finding] = field(default_factory=list)
+    outcomes: list[Outcome] = field(default_factory=list)
+
+
+Step = Callable[[PassContext], Awaitable[None]]
+
+
+class Daemon:
+    def __init__(
+        self,
+        *,
+        root: Root,
+        config: Config,
+        config_path: Optional[Path],
+        log: EventLog,
+        notifier: Notifier,
+        inventory_path: Optional[Path],
+        bus_address: Optional[str],
+        dry_run: bool = False,
+        udev: bool = True,
+    ) -> None:
+        self.root = root
+        self.config = config
+        self.config_path = config_path
+        self.log = log
+        self.notifier = notifier
+        self.inventory_path = inventory_path
+        self.bus_address = bus_address or bus_address_for(root.prefix)
+        self.dry_run = dry_run or config.daemon.dry_run
+        self.use_udev = udev
+        self.steps: dict[str, Step] = {"checkpoint": self._step_checkpoint}
+        self.passes = 0
+        self.started_wall = time.time()
+        self.last_pass: dict[str, Any] = {}
+        self.last_kubelet_restart = -1e9
+        self.first_pass_done = asyncio.Event()
+        self.coalescer = self._make_coalescer()
+        self.sd_source = SystemdSource(
+            lambda: Systemd(self.bus_address, max_in_flight=self.config.systemd.max_in_flight),
+            self.coalescer.mark,
+            self.coalescer.hold,
+            log,
+            kubelet_units=config.systemd.kubelet_units,
+            runtime_units=config.systemd.runtime_units,
+        )
+        self.udev: Any = None
+
+    def _make_coalescer(self) -> Coalescer:
+        d = self.config.daemon
+        return Coalescer(
+            self._run_pass,
+            quiet=d.quiet_period,
+            urgent_quiet=d.reload_quiet_period,
+            max_delay=d.max_delay,
+        )
+
+    # -- lifecycle -------------------------------------------------------------
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.stop, "SIGTERM")
+        loop.add_signal_handler(signal.SIGINT, self.stop, "SIGINT")
+        loop.add_signal_handler(signal.SIGHUP, self.reload_config)
+        if self.use_udev:
+            self._start_udev(loop)
+        sd_task = asyncio.create_task(self.sd_source.run())
+        try:
+            await asyncio.wait_for(self.sd_source.first_attempt_done.wait(), timeout=10)
+        except asyncio.TimeoutError:
+            self.log.warning("systemd did not answer in 10s; going on without it for now")
+        self.coalescer.mark(ALL, "start-up", True)
+        pass_task = asyncio.create_task(self.coalescer.run())
+        first = asyncio.create_task(self.first_pass_done.wait())
+        await asyncio.wait({first, pass_task}, return_when=asyncio.FIRST_COMPLETED)
+        if pass_task.done():
+            pass_task.result()  # a crash of the pass loop itself: let it surface
+            return 0  # stopped before the first pass ended
+        self.notifier.ready(self.status_line())
+        self.log.event("daemon-started", f"gpuguard daemon ready: {self.status_line()}")
+        helpers = [asyncio.create_task(self._audit_timer())]
+        interval = watchdog_interval()
+        if interval is not None:
+            helpers.append(asyncio.create_task(self._watchdog(interval)))
+        try:
+            await pass_task
+        finally:
+            for t in helpers:
+                t.cancel()
+            self.sd_source.stop()
+            sd_task.cancel()
+            if self.udev is not None:
+                self.udev.stop()
+            await asyncio.gather(sd_task, *helpers, return_exceptions=True)
+        return 0
+
+    def _start_udev(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            from gpuguard.sources.udev import UdevSource
+
+            self.udev = UdevSource(loop, self.coalescer.mark, log=self.log)
+            self.udev.start()
+        except Exception as e:  # no netlink permission, no libudev: the audit still runs
+            self.udev = None
+            self.log.warning(f"udev events unavailable ({e}); relying on systemd and the audit")
+
+    def stop(self, why: str = "stop") -> None:
+        self.log.event("daemon-stopping", f"{why}: finishing the current pass and exiting")
+        self.notifier.stopping(f"stopping ({why})")
+        self.coalescer.stop()
+
+    def reload_config(self) -> None:
+        self.notifier.reloading()
+        try:
+            new = load_config(self.root, path=self.config_path)
+        except ConfigError as e:
+            self.log.event(
+                "config-rejected", f"kept the previous configuration: {e.message}", level="error"
+            )
+            self.notifier.send("READY=1", f"STATUS=config rejected; {self.status_line()}")
+            return
+        self.config = new
+        self.dry_run = new.daemon.dry_run
+        self.log.set_level(new.daemon.log_level)
+        c, d = self.coalescer, new.daemon
+        c.quiet, c.urgent_quiet, c.max_delay = d.quiet_period, d.reload_quiet_period, d.max_delay
+        self.sd_source.set_units(new.systemd.kubelet_units, new.systemd.runtime_units)
+        self.log.event("config-reloaded", "configuration reloaded (SIGHUP)", level="notice")
+        self.notifier.send("READY=1", f"STATUS={self.status_line()}")
+        self.coalescer.mark(ALL, "configuration reloaded", False)
+
+    async def _audit_timer(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.daemon.audit_interval)
+            self.coalescer.mark(ALL, "periodic audit", False)
+
+    async def _watchdog(self, interval: float) -> None:
+        while True:
+            c = self.coalescer
+            stuck = c.running and time.monotonic() - c.pass_started > PASS_STUCK_AFTER
+            if not stuck:  # a stuck pass withholds the ping, so systemd restarts us
+                self.notifier.watchdog()
+            await asyncio.sleep(interval)
+
+    # -- passes ----------------------------------------------------------------
+
+    async def _run_pass(self, work: Work) -> None:
+        started_wall, t0 = time.time(), time.monotonic()
+        self.passes += 1
+        ctx = PassContext(work, await self._inventory())
+        for name in sorted(work.reconcilers):
+            step = self.steps.get(name)
+            if step is None:
+                continue
+            try:
+                await step(ctx)
+            except Exception as e:
+                self.log.event(
+                    "reconciler-crashed",
+                    f"reconciler {name} raised {type(e).__name__}: {e}",
+                    level="error",
+                    fields={"GPUGUARD_RECONCILER": name},
+                    exc=e,
+                )
+        duration = time.monotonic() - t0
+        changed = [o for o in ctx.outcomes if o.status == "done"]
+        self.last_pass = {
+            "number": self.passes,
+            "reasons": list(work.reasons[:8]),
+            "reconcilers": sorted(work.reconcilers),
+            "first_mark_age_ms": round((t0 - work.first_mark) * 1000, 1),
+            "started": started_wall,
+            "ended": time.time(),
+            "duration_ms": round(duration * 1000, 2),
+            "findings": [f.to_json() for f in ctx.findings],
+            "outcomes": [o.to_json() for o in ctx.outcomes],
+            "gpus": len(ctx.inventory.gpus) if ctx.inventory else None,
+        }
+        level = "notice" if ctx.findings or changed else "info"
+        self.log.event(
+            "pass-complete",
+            f"pass {self.passes} ({work.reasons[0]}{', ...' if len(work.reasons) > 1 else ''}): "
+            f"{len(ctx.findings)} finding(s), {len(changed)} change(s) in {duration * 1000:.1f} ms",
+            level=level,
+            fields={
+                "PASS": self.passes,
+                "REASONS": "; ".join(work.reasons[:8]),
+                "FINDINGS": len(ctx.findings),
+                "ACTIONS": len(ctx.outcomes),
+                "DURATION_MS": f"{duration * 1000:.2f}",
+            },
+        )
+        self._write_status()
+        self.notifier.status(self.status_line())
+        self.first_pass_done.set()
+        if ctx.findings or ctx.outcomes:
+            await self._run_hooks(work, ctx)
+
+    async def _inventory(self) -> Optional[Inventory]:
+        try:
+            return await asyncio.wait_for(
+                asyncio.to_thread(load_inventory, self.inventory_path), timeout=30
+            )
+        except GpuguardError as e:
+            self.log.warning(f"GPU inventory unavailable: {e.message}")
+        except asyncio.TimeoutError:
+            self.log.warning("GPU inventory: NVML did not answer in 30s")
+        return None
+
+    async def _step_checkpoint(self, ctx: PassContext) -> None:
+        if ctx.inventory is None:
+            return
+        k = self.config.kubelet
+        cooled = time.monotonic() - self.last_kubelet_restart > KUBELET_RESTART_COOLDOWN
+        settings = CheckSettings(
+            checkpoint_path=k.checkpoint_path,
+            resources=tuple(k.resources),
+            policy=k.policy,
+            backup_dir=k.backup_dir,
+            backup_keep=k.backup_keep,
+            kubelet_unit=k.unit,
+            restart_kubelet=k.restart_kubelet and cooled,
+            dry_run=self.dry_run,
+            kubelet_stopped=False,
+            bus_address=self.bus_address,
+            reason="daemon: " + ctx.work.reasons[0],
+        )
+        try:
+            report = await check_checkpoint(
+                self.root, ctx.inventory, settings, self.log, systemd=self.sd_source.client
+            )
+        except GpuguardError as e:
+            ctx.findings.append(
+                Finding("checkpoint-corrupt", "checkpoint", e.message, severity="error")
+            )
+            return
+        if report.coordination.startswith("restart") and not self.dry_run:
+            self.last_kubelet_restart = time.monotonic()
+        ctx.findings += report.findings
+        ctx.outcomes += report.outcomes
+
+    async def _run_hooks(self, work: Work, ctx: PassContext) -> None:
+        from gpuguard.hooks import plan_hooks, run_hooks
+
+        runnable, refused = plan_hooks(self.root)
+        for path, why in refused:
+            self.log.event("hook-refused", f"refused hook {path}: {why}", level="warning")
+        results = await run_hooks(
+            runnable,
+            event=work.reasons[0],
+            findings=ctx.findings,
+            outcomes=ctx.outcomes,
+            timeout=self.config.daemon.hook_timeout,
+            env_base=dict(os.environ),
+            dry_run=self.dry_run,
+        )
+        for r in results:
+            kind = "hook-run" if r.ok else "hook-failed"
+            self.log.event(kind, r.describe(), level="info" if r.ok else "warning")
+
+    # -- reporting -------------------------------------------------------------
+
+    def status_line(self) -> str:
+        p = self.last_pass
+        if not p:
+            return "starting"
+        gpus = "no GPU inventory" if p["gpus"] is None else f"{p['gpus']} GPU(s)"
+        bus = "bus ok" if self.sd_source.client is not None else "bus down"
+        return (
+            f"pass {p['number']}: {len(p['findings'])} finding(s), "
+            f"{sum(o['status'] == 'done' for o in p['outcomes'])} change(s); {gpus}; {bus}"
+        )
+
+    def _write_status(self) -> None:
+        from gpuguard.actuate.files import write_new
+
+        doc = {
+            "pid": os.getpid(),
+            "started": self.started_wall,
+            "passes": self.passes,
+            "bus_connected": self.sd_source.client is not None,
+            "dry_run": self.dry_run,
+            "last_pass": self.last_pass,
+        }
+        path = self.root.path(STATUS_FILE)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_new(path, json.dumps(doc, indent=1).encode(), mode=0o644)
+        except OSError as e:
+            self.log.debug(f"cannot write {path}: {e}")

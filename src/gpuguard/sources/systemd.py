@@ -1,0 +1,182 @@
+"""systemd over D-Bus: daemon-reload/reexec, boot finished, runtime and kubelet (re)starts.
+
+Only marks work. What each signal means:
+- Reloading(true) ... Reloading(false): a daemon-reload (also the two halves of a
+  daemon-reexec). Units are in flux in between, so the coalescer is held, and the
+  end marks everything urgently: this is when device cgroups were rewritten.
+- NameOwnerChanged of org.freedesktop.systemd1 from one unique name to another: a
+  reexec. It arrives inside its Reloading pair; outside one it marks on its own.
+- StartupFinished: boot is complete.
+- PropertiesChanged of a watched unit whose ActiveState becomes "active" from
+  anything else: a (re)start. A reload re-sends properties of every unit; those
+  keep ActiveState "active" and are ignored, so a reload is one pass, not many.
+- UnitNew of a container scope (cri-containerd-/crio-/docker-*.scope): a new
+  container whose device grant can be made durable before any reload.
+The connection is re-made with back-off when the bus goes away (dbus restart), and
+a full pass follows every reconnection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from typing import Callable, Iterable, Optional
+
+from dbus_next import Message
+
+from gpuguard.log import EventLog
+from gpuguard.systemd import MANAGER, PROPS, UNIT, Systemd, SystemdError
+
+Mark = Callable[[frozenset[str], str, bool], None]
+
+ALL = frozenset({"checkpoint", "device_nodes", "container_access", "device_plugin"})
+ON_RUNTIME_START = frozenset({"container_access", "device_plugin"})
+ON_KUBELET_START = frozenset({"checkpoint", "container_access", "device_plugin"})
+ON_SCOPE_NEW = frozenset({"container_access"})
+_SCOPE = re.compile(r"^(cri-containerd|crio|docker)-[0-9a-f]{12,64}\.scope$")
+
+
+def unit_object_path(unit: str) -> str:
+    """systemd's bus path for a unit: bytes outside [A-Za-z0-9] become _xx."""
+    out = []
+    for i, b in enumerate(unit.encode()):
+        c = chr(b)
+        if c.isascii() and (c.isalpha() or (c.isdigit() and i > 0)):
+            out.append(c)
+        else:
+            out.append(f"_{b:02x}")
+    return "/org/freedesktop/systemd1/unit/" + "".join(out)
+
+
+class SystemdSource:
+    def __init__(
+        self,
+        make_client: Callable[[], Systemd],
+        mark: Mark,
+        hold: Callable[[bool], None],
+        log: EventLog,
+        *,
+        kubelet_units: Iterable[str] = ("kubelet.service",),
+        runtime_units: Iterable[str] = ("containerd.service", "crio.service", "docker.service"),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.make_client = make_client
+        self.mark = mark
+        self.hold = hold
+        self.log = log
+        self.clock = clock
+        self.client: Optional[Systemd] = None
+        self.connected = asyncio.Event()
+        self.first_attempt_done = asyncio.Event()
+        self._stopping = False
+        self._reloading = False
+        self._reload_ended = -1e9
+        self.set_units(kubelet_units, runtime_units)
+
+    def set_units(self, kubelet_units: Iterable[str], runtime_units: Iterable[str]) -> None:
+        self._watch: dict[str, tuple[str, frozenset[str]]] = {}
+        for u in runtime_units:
+            self._watch[unit_object_path(u)] = (u, ON_RUNTIME_START)
+        for u in kubelet_units:
+            self._watch[unit_object_path(u)] = (u, ON_KUBELET_START)
+        self._active: dict[str, str] = {}
+
+    def stop(self) -> None:
+        self._stopping = True
+        if self.client is not None:
+            self.client.disconnect()
+
+    async def run(self) -> None:
+        backoff = 0.25
+        ever_connected = False
+        while not self._stopping:
+            client = self.make_client()
+            try:
+                await client.connect()
+                client.on_signal(self._on_signal)
+                await client.subscribe()
+                await self._snapshot_units(client)
+            except SystemdError as e:
+                client.disconnect()
+                self.first_attempt_done.set()
+                self.log.event(
+                    "dbus-lost",
+                    f"system bus not available: {e}; retrying in {backoff:.1f}s",
+                    level="warning" if ever_connected else "info",
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 30.0)
+                continue
+            self.client = client
+            self.connected.set()
+            self.first_attempt_done.set()
+            backoff = 0.25
+            self.log.event("dbus-connected", f"subscribed to systemd at {client.bus_address}")
+            if ever_connected:
+                self.mark(ALL, "reconnected to the system bus", True)
+            ever_connected = True
+            try:
+                await client.wait_for_disconnect()
+            except Exception as e:  # dbus-next surfaces socket errors here (issue 153)
+                self.log.event("dbus-lost", f"system bus connection failed: {e}", level="warning")
+            self.client = None
+            self.connected.clear()
+            self._reloading = False
+            self.hold(False)
+            if not self._stopping:
+                self.log.event("dbus-lost", "lost the system bus; reconnecting", level="warning")
+                await asyncio.sleep(backoff)
+
+    async def _snapshot_units(self, client: Systemd) -> None:
+        for path in self._watch:
+            try:
+                (state,) = await client.call(
+                    "Get", "ss", [UNIT, "ActiveState"], path=path, interface=PROPS
+                )
+                self._active[path] = str(state.value)
+            except SystemdError:
+                self._active[path] = ""  # not loaded: its first start will show up
+
+    def _on_signal(self, msg: Message) -> None:
+        try:
+            self._handle(msg)
+        except Exception as e:  # a malformed signal must never take the loop down
+            self.log.event("warning", f"ignored malformed D-Bus signal {msg.member}: {e}")
+
+    def _handle(self, msg: Message) -> None:
+        member = msg.member
+        if msg.interface == MANAGER:
+            if member == "Reloading":
+                (active,) = msg.body
+                self._reloading = bool(active)
+                self.hold(self._reloading)
+                if not active:
+                    self._reload_ended = self.clock()
+                    self.mark(ALL, "systemd: daemon-reload/reexec finished", True)
+            elif member == "StartupFinished":
+                self.mark(ALL, "systemd: startup finished", False)
+            elif member == "UnitNew" and not self._reloading:
+                unit = str(msg.body[0])
+                if _SCOPE.match(unit):
+                    self.mark(ON_SCOPE_NEW, f"systemd: new container scope {unit}", False)
+        elif (
+            member == "NameOwnerChanged" and msg.body and msg.body[0] == "org.freedesktop.systemd1"
+        ):
+            _name, old, new = msg.body
+            recent = self.clock() - self._reload_ended < 2.0
+            if old and new and old != new and not self._reloading and not recent:
+                self.mark(ALL, "systemd: daemon-reexec", True)
+        elif member == "PropertiesChanged" and msg.interface == PROPS:
+            watched = self._watch.get(msg.path or "")
+            if watched is None or not msg.body or msg.body[0] != UNIT:
+                return
+            changed = msg.body[1]
+            if "ActiveState" not in changed:
+                return
+            state = str(changed["ActiveState"].value)
+            before = self._active.get(msg.path or "", "")
+            self._active[msg.path or ""] = state
+            if state == "active" and before != "active":
+                unit, reconcilers = watched
+                self.mark(reconcilers, f"systemd: {unit} started", False)
