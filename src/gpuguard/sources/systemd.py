@@ -177,6 +177,8 @@ class SystemdSource:
             state = str(changed["ActiveState"].value)
             before = self._active.get(msg.path or "", "")
             self._active[msg.path or ""] = state
-            if state == "active" and before != "active":
+            # Inside a reload the Reloading end marks everything anyway; a unit that
+            # looked new to us there is re-registration, not a start.
+            if state == "active" and before != "active" and not self._reloading:
                 unit, reconcilers = watched
                 self.mark(reconcilers, f"systemd: {unit} started", False)

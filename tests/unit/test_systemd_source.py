@@ -1,0 +1,161 @@
+"""How the systemd source reads signals: one mark per real event, none for noise."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from dbus_next import Message, MessageType, Variant
+
+from gpuguard.log import EventLog
+from gpuguard.sources.systemd import ALL, SystemdSource, unit_object_path
+from gpuguard.systemd import MANAGER, PROPS, UNIT
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.marks: list[tuple[frozenset[str], str, bool]] = []
+        self.holds: list[bool] = []
+        self.now = 100.0
+
+    def mark(self, r: frozenset[str], why: str, urgent: bool) -> None:
+        self.marks.append((r, why, urgent))
+
+
+def _source() -> tuple[SystemdSource, Recorder]:
+    rec = Recorder()
+    src = SystemdSource(
+        lambda: None,  # type: ignore[arg-type,return-value]
+        rec.mark,
+        rec.holds.append,
+        EventLog(level="error"),
+        clock=lambda: rec.now,
+    )
+    return src, rec
+
+
+def _sig(
+    member: str, body: list[Any], *, interface: str = MANAGER, path: str = "/x", sig: str = ""
+) -> Message:
+    return Message(
+        message_type=MessageType.SIGNAL,
+        path=path,
+        interface=interface,
+        member=member,
+        signature=sig,
+        body=body,
+    )
+
+
+def _props(unit: str, state: str) -> Message:
+    return _sig(
+        "PropertiesChanged",
+        [UNIT, {"ActiveState": Variant("s", state)}, []],
+        interface=PROPS,
+        path=unit_object_path(unit),
+        sig="sa{sv}as",
+    )
+
+
+@pytest.mark.parametrize(
+    ("unit", "path"),
+    [
+        ("kubelet.service", "/org/freedesktop/systemd1/unit/kubelet_2eservice"),
+        ("containerd.service", "/org/freedesktop/systemd1/unit/containerd_2eservice"),
+        (
+            "cri-containerd-ab12.scope",
+            "/org/freedesktop/systemd1/unit/cri_2dcontainerd_2dab12_2escope",
+        ),
+        ("1x.service", "/org/freedesktop/systemd1/unit/_31x_2eservice"),
+    ],
+)
+def test_unit_object_path(unit: str, path: str) -> None:
+    assert unit_object_path(unit) == path
+
+
+def test_reload_holds_then_marks_everything_once() -> None:
+    src, rec = _source()
+    src._handle(_sig("Reloading", [True], sig="b"))
+    for i in range(50):  # the burst a reload brings: ignored while reloading
+        src._handle(_sig("UnitNew", [f"cri-containerd-{i:064x}.scope", "/p"], sig="so"))
+        src._handle(_props("kubelet.service", "active"))
+    src._handle(_sig("Reloading", [False], sig="b"))
+    assert rec.holds == [True, False]
+    assert rec.marks == [(ALL, "systemd: daemon-reload/reexec finished", True)]
+
+
+def test_reexec_inside_reload_pair_is_one_mark() -> None:
+    src, rec = _source()
+    src._handle(_sig("Reloading", [True], sig="b"))
+    src._handle(
+        _sig(
+            "NameOwnerChanged",
+            ["org.freedesktop.systemd1", ":1.1", ":1.9"],
+            interface="org.freedesktop.DBus",
+            sig="sss",
+        )
+    )
+    src._handle(_sig("Reloading", [False], sig="b"))
+    rec.now += 0.5  # a late NameOwnerChanged right after the pair is the same reexec
+    src._handle(
+        _sig(
+            "NameOwnerChanged",
+            ["org.freedesktop.systemd1", ":1.9", ":1.10"],
+            interface="org.freedesktop.DBus",
+            sig="sss",
+        )
+    )
+    assert len(rec.marks) == 1
+
+
+def test_lone_reexec_marks() -> None:
+    src, rec = _source()
+    src._handle(
+        _sig(
+            "NameOwnerChanged",
+            ["org.freedesktop.systemd1", ":1.1", ":1.9"],
+            interface="org.freedesktop.DBus",
+            sig="sss",
+        )
+    )
+    src._handle(  # systemd going away (shutdown) is not a reexec
+        _sig(
+            "NameOwnerChanged",
+            ["org.freedesktop.systemd1", ":1.9", ""],
+            interface="org.freedesktop.DBus",
+            sig="sss",
+        )
+    )
+    assert rec.marks == [(ALL, "systemd: daemon-reexec", True)]
+
+
+def test_restart_detected_from_active_state_transitions() -> None:
+    src, rec = _source()
+    src._active[unit_object_path("kubelet.service")] = "active"
+    for state in ("active", "deactivating", "inactive", "activating", "active", "active"):
+        src._handle(_props("kubelet.service", state))
+    src._handle(_props("containerd.service", "active"))  # first seen: a start
+    src._handle(_props("unrelated.service", "active"))
+    whys = [m[1] for m in rec.marks]
+    assert whys == ["systemd: kubelet.service started", "systemd: containerd.service started"]
+    assert "checkpoint" in rec.marks[0][0]
+    assert "checkpoint" not in rec.marks[1][0]
+
+
+def test_new_container_scope_marks_container_access() -> None:
+    src, rec = _source()
+    src._handle(_sig("UnitNew", ["cri-containerd-" + "a" * 64 + ".scope", "/p"], sig="so"))
+    src._handle(_sig("UnitNew", ["session-3.scope", "/p"], sig="so"))
+    assert rec.marks == [
+        (
+            frozenset({"container_access"}),
+            "systemd: new container scope cri-containerd-" + "a" * 64 + ".scope",
+            False,
+        )
+    ]
+
+
+def test_malformed_signal_is_ignored() -> None:
+    src, rec = _source()
+    src._on_signal(_sig("Reloading", [], sig=""))  # body missing
+    assert rec.marks == []
