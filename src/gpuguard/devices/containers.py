@@ -1,0 +1,264 @@
+"""Kubernetes containers from the kubepods cgroup tree, cgroup v1 and v2, both drivers.
+
+Layouts (kubelet's cgroup-root is ``/`` unless ``--cgroup-root`` says otherwise):
+
+- systemd driver: ``kubepods.slice/kubepods-burstable.slice/
+  kubepods-burstable-pod<uid with _ for ->.slice/cri-containerd-<id>.scope``
+  (``crio-<id>.scope``, ``docker-<id>.scope``; guaranteed pods sit directly under
+  kubepods.slice as ``kubepods-pod<uid>.slice``);
+- cgroupfs driver: ``kubepods/burstable/pod<uid>/<id>``, ``kubepods/pod<uid>/<id>``
+  (cri-o names it ``crio-<id>``).
+
+Hierarchies: v1 devices at /sys/fs/cgroup/devices; cgroup2 at /sys/fs/cgroup/unified on
+hybrid hosts and /sys/fs/cgroup on unified ones. On a hybrid host BOTH apply to a
+device open (the kernel runs the cgroup2 BPF device programs, then the v1 controller),
+so a container is reported with both paths when both exist.
+
+The walk never raises on odd trees: unknown names, undecodable names, vanished
+directories (a pod deleted mid-walk: ENOENT) are skipped with a debug reason. Depth is
+bounded by the layout (kubepods / qos / pod / container), so a deep tree costs nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+from gpuguard.paths import Root
+
+log = logging.getLogger(__name__)
+
+CGROUP_MOUNT = "/sys/fs/cgroup"
+
+_SYSTEMD_POD = re.compile(
+    r"^kubepods(?:-(?:burstable|besteffort|guaranteed))?-pod([0-9a-f_]+)\.slice$"
+)
+_SYSTEMD_QOS = re.compile(r"^kubepods-(burstable|besteffort|guaranteed)\.slice$")
+_SYSTEMD_CONTAINER = re.compile(r"^(cri-containerd|crio|docker)-([0-9a-f]{64})\.scope$")
+_CGROUPFS_POD = re.compile(r"^pod([0-9a-f-]+)$")
+_CGROUPFS_QOS = ("burstable", "besteffort", "guaranteed")
+_CGROUPFS_CONTAINER = re.compile(r"^(?:(crio|docker|cri-containerd)-)?([0-9a-f]{64})$")
+
+_RUNTIME = {"cri-containerd": "containerd", "crio": "cri-o", "docker": "docker"}
+
+# The sandbox's only process runs the pause binary (k8s.gcr.io/pause: /pause).
+_PAUSE_COMMANDS = ("/pause", "pause")
+
+
+@dataclass(frozen=True)
+class CgroupLayout:
+    """Where the hierarchies are, as host paths (None: not mounted)."""
+
+    v1_devices: Optional[str]
+    v2: Optional[str]
+
+    @property
+    def kind(self) -> str:
+        if self.v1_devices and self.v2:
+            return "hybrid"
+        if self.v2:
+            return "unified"
+        return "legacy" if self.v1_devices else "none"
+
+
+@dataclass(frozen=True)
+class ContainerCgroup:
+    pod_uid: str
+    container_id: str
+    runtime: str  # "containerd" | "cri-o" | "docker" | "unknown" (cgroupfs, plain id)
+    driver: str  # "systemd" | "cgroupfs"
+    cgroup_v1_devices: Optional[Path]  # under the Root, ready to open
+    cgroup_v2: Optional[Path]
+    unit: Optional[str]  # the systemd scope, e.g. "cri-containerd-<id>.scope"
+    pids: tuple[int, ...]
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.pod_uid, self.container_id)
+
+
+def detect_layout(root: Root) -> CgroupLayout:
+    """Read the root's /proc/self/mountinfo; fall back to looking at the tree.
+
+    mountinfo is authoritative on a real host (a stray directory named ``unified`` is not
+    a cgroup2 mount); the fallback serves fake roots and containers without /proc."""
+    v1: Optional[str] = None
+    v2: Optional[str] = None
+    try:
+        text = root.path("/proc/self/mountinfo").read_text(errors="replace")
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields, rfields = left.split(), right.split()
+        if not sep or len(fields) < 5 or len(rfields) < 3:
+            continue
+        mountpoint, fstype, opts = fields[4], rfields[0], rfields[2].split(",")
+        if not mountpoint.startswith(CGROUP_MOUNT):
+            continue
+        if fstype == "cgroup2" and v2 is None:
+            v2 = mountpoint
+        elif fstype == "cgroup" and "devices" in opts and v1 is None:
+            v1 = mountpoint
+    if text and (v1 or v2):
+        return CgroupLayout(v1, v2)
+    if root.path(f"{CGROUP_MOUNT}/devices/devices.list").exists():
+        v1 = f"{CGROUP_MOUNT}/devices"
+    if root.path(f"{CGROUP_MOUNT}/cgroup.controllers").exists():
+        v2 = CGROUP_MOUNT
+    elif root.path(f"{CGROUP_MOUNT}/unified/cgroup.controllers").exists():
+        v2 = f"{CGROUP_MOUNT}/unified"
+    return CgroupLayout(v1, v2)
+
+
+@dataclass(frozen=True)
+class _Found:
+    pod_uid: str
+    container_id: str
+    runtime: str
+    driver: str
+    unit: Optional[str]
+    path: Path
+
+
+def _subdirs(d: Path) -> list[tuple[str, Path]]:
+    """Child directories, sorted; [] with a debug reason when ``d`` vanished or is odd."""
+    try:
+        with os.scandir(d) as it:
+            out = []
+            for e in it:
+                try:
+                    if e.is_dir(follow_symlinks=False):
+                        out.append((e.name, Path(e.path)))
+                except OSError as err:
+                    log.debug("skipping %s: %s", e.path, err.strerror)
+            return sorted(out)
+    except OSError as err:
+        log.debug("cannot list %s: %s", d, err.strerror)
+        return []
+
+
+def _systemd_pods(kubepods: Path) -> Iterator[tuple[str, Path]]:
+    for name, path in _subdirs(kubepods):
+        m = _SYSTEMD_POD.match(name)
+        if m:
+            yield m.group(1).replace("_", "-"), path
+        elif _SYSTEMD_QOS.match(name):
+            for qname, qpath in _subdirs(path):
+                qm = _SYSTEMD_POD.match(qname)
+                if qm:
+                    yield qm.group(1).replace("_", "-"), qpath
+                else:
+                    log.debug("skipping %s: not a pod slice", qpath)
+        else:
+            log.debug("skipping %s: not a pod or QoS slice", path)
+
+
+def _cgroupfs_pods(kubepods: Path) -> Iterator[tuple[str, Path]]:
+    for name, path in _subdirs(kubepods):
+        m = _CGROUPFS_POD.match(name)
+        if m:
+            yield m.group(1), path
+        elif name in _CGROUPFS_QOS:
+            for qname, qpath in _subdirs(path):
+                qm = _CGROUPFS_POD.match(qname)
+                if qm:
+                    yield qm.group(1), qpath
+                else:
+                    log.debug("skipping %s: not a pod directory", qpath)
+        else:
+            log.debug("skipping %s: not a pod or QoS directory", path)
+
+
+def _walk(hierarchy: Path) -> Iterator[_Found]:
+    systemd = hierarchy / "kubepods.slice"
+    for uid, pod in _systemd_pods(systemd) if systemd.is_dir() else ():
+        for name, path in _subdirs(pod):
+            m = _SYSTEMD_CONTAINER.match(name)
+            if not m:
+                # crio-conmon-<id>.scope is the monitor, not the container
+                log.debug("skipping %s: not a container scope", path)
+                continue
+            yield _Found(uid, m.group(2), _RUNTIME[m.group(1)], "systemd", name, path)
+    cgroupfs = hierarchy / "kubepods"
+    for uid, pod in _cgroupfs_pods(cgroupfs) if cgroupfs.is_dir() else ():
+        for name, path in _subdirs(pod):
+            m = _CGROUPFS_CONTAINER.match(name)
+            if not m:
+                log.debug("skipping %s: not a container directory", path)
+                continue
+            runtime = _RUNTIME[m.group(1)] if m.group(1) else "unknown"
+            yield _Found(uid, m.group(2), runtime, "cgroupfs", None, path)
+
+
+def read_pids(cgroup_dir: Path) -> tuple[int, ...]:
+    """cgroup.procs of a v1 or v2 directory; () if it vanished."""
+    try:
+        text = (cgroup_dir / "cgroup.procs").read_text()
+    except OSError:
+        return ()
+    return tuple(int(x) for x in text.split() if x.isdigit())
+
+
+def _is_pause(root: Root, pids: tuple[int, ...]) -> bool:
+    """True when the cgroup's only process is the pause binary (the pod sandbox)."""
+    if len(pids) != 1:
+        return False
+    try:
+        raw = root.path(f"/proc/{pids[0]}/cmdline").read_bytes()
+    except OSError:
+        return False
+    argv0 = raw.split(b"\0", 1)[0].decode(errors="replace")
+    return argv0 in _PAUSE_COMMANDS or argv0.endswith("/pause")
+
+
+def discover_containers(
+    root: Root,
+    layout: Optional[CgroupLayout] = None,
+    *,
+    cgroup_root: str = "/",
+    skip_pause: bool = True,
+) -> tuple[ContainerCgroup, ...]:
+    """Every kubepods container with its v1 devices and v2 directories, sorted by key.
+
+    ``cgroup_root`` is kubelet's ``--cgroup-root`` (tests use a private sub-tree)."""
+    layout = layout or detect_layout(root)
+    sub = cgroup_root.strip("/")
+    found: dict[tuple[str, str], dict[str, _Found]] = {}
+    for which, mount in (("v1", layout.v1_devices), ("v2", layout.v2)):
+        if mount is None:
+            continue
+        base = root.path(mount)
+        if sub:
+            base = base / sub
+        for f in _walk(base):
+            found.setdefault((f.pod_uid, f.container_id), {})[which] = f
+    out: list[ContainerCgroup] = []
+    for key in sorted(found):
+        by = found[key]
+        first = by.get("v1") or by["v2"]
+        v1 = by["v1"].path if "v1" in by else None
+        v2 = by["v2"].path if "v2" in by else None
+        pids = read_pids(v2) if v2 is not None else ()
+        if not pids and v1 is not None:
+            pids = read_pids(v1)
+        if skip_pause and _is_pause(root, pids):
+            log.debug("skipping %s/%s: pod sandbox (pause)", key[0], key[1])
+            continue
+        out.append(
+            ContainerCgroup(
+                pod_uid=first.pod_uid,
+                container_id=first.container_id,
+                runtime=first.runtime,
+                driver=first.driver,
+                cgroup_v1_devices=v1,
+                cgroup_v2=v2,
+                unit=first.unit,
+                pids=pids,
+            )
+        )
+    return tuple(out)

@@ -1,0 +1,373 @@
+"""NVIDIA device nodes: majors from /proc/devices, the nodes in a /dev, the expected set.
+
+The driver's conventions (nvidia-modprobe's nvidia-modprobe-utils.[ch], the
+container toolkit's internal/info/proc/devices):
+
+- GPUs are ``/dev/nvidia<minor>`` on major 195 (nvidia-modprobe hardcodes 195);
+  ``/dev/nvidiactl`` is 195:255 and ``/dev/nvidia-modeset`` 195:254. In /proc/devices
+  the major is named ``nvidia-frontend`` before driver 550.40 and ``nvidia`` (plus
+  ``nvidiactl``) since.
+- ``/dev/nvidia-uvm`` and ``/dev/nvidia-uvm-tools`` are minors 0 and 1 of the dynamic
+  ``nvidia-uvm`` major.
+- MIG capabilities are ``/dev/nvidia-caps/nvidia-cap<N>`` on the dynamic ``nvidia-caps``
+  major, N being ``DeviceFileMinor:`` in /proc/driver/nvidia/capabilities/.../access
+  (gpu<minor>/mig/gi<G>/access, .../gi<G>/ci<C>/access, mig/config, mig/monitor).
+- Names must match exactly: ``nvidia-caps-imex-channels`` is another major
+  (kubernetes-sigs/dra-driver-nvidia-gpu#304 created cap nodes on it by substring match).
+
+runc turns a ``DeviceAllow=`` for a systemd unit into ``/dev/char/MAJ:MIN`` and only if
+that link exists (failure-modes.md F2), so the expected ``/dev/char`` links are part of
+the expected set.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional, Protocol, Sequence
+
+from gpuguard.devices.rules import allow_line
+from gpuguard.paths import Root
+
+log = logging.getLogger(__name__)
+
+NVIDIA_MAJOR = 195
+CTL_MINOR = 255
+MODESET_MINOR = 254
+UVM_MINOR = 0
+UVM_TOOLS_MINOR = 1
+
+# /proc/devices names of the GPU major, newest first (550.40 renamed nvidia-frontend).
+GPU_MAJOR_NAMES = ("nvidia", "nvidiactl", "nvidia-frontend")
+UVM_NAME = "nvidia-uvm"
+CAPS_NAME = "nvidia-caps"
+
+CAPS_PROC_DIR = "/proc/driver/nvidia/capabilities"
+
+ROLE_GPU = "gpu"
+ROLE_CTL = "ctl"
+ROLE_MODESET = "modeset"
+ROLE_UVM = "uvm"
+ROLE_UVM_TOOLS = "uvm-tools"
+ROLE_CAP = "cap"
+ROLE_OTHER = "other"  # e.g. nvidia-nvswitch*, nvidia-nvlink: never granted by us
+
+
+class MigLike(Protocol):
+    @property
+    def uuid(self) -> str: ...
+    @property
+    def gi(self) -> int: ...
+    @property
+    def ci(self) -> int: ...
+
+
+class GpuLike(Protocol):
+    """What gpuguard needs of a GPU (gpuguard.inventory.Gpu fits)."""
+
+    @property
+    def uuid(self) -> str: ...
+    @property
+    def index(self) -> int: ...
+    @property
+    def minor(self) -> int: ...
+    @property
+    def mig(self) -> Sequence[MigLike]: ...
+
+
+@dataclass(frozen=True)
+class ProcDevices:
+    """/proc/devices: (major, name) per section, in file order."""
+
+    char: tuple[tuple[int, str], ...] = ()
+    block: tuple[tuple[int, str], ...] = ()
+
+    def char_major(self, name: str) -> Optional[int]:
+        for major, n in self.char:
+            if n == name:
+                return major
+        return None
+
+
+def parse_proc_devices(text: str) -> ProcDevices:
+    """Parse /proc/devices. Only the ``Character devices:`` section names NVIDIA majors
+    (the toolkit's parser ignores sections; a block driver named nvidia* would fool it)."""
+    char: list[tuple[int, str]] = []
+    block: list[tuple[int, str]] = []
+    section: Optional[list[tuple[int, str]]] = None
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line == "Character devices:":
+            section = char
+            continue
+        if line == "Block devices:":
+            section = block
+            continue
+        parts = line.split(None, 1)
+        if section is None or len(parts) != 2 or not parts[0].isdigit():
+            continue
+        section.append((int(parts[0]), parts[1].strip()))
+    return ProcDevices(tuple(char), tuple(block))
+
+
+@dataclass(frozen=True)
+class NvidiaMajors:
+    """The NVIDIA character majors this host has registered (None: module not loaded)."""
+
+    nvidia: Optional[int]
+    uvm: Optional[int]
+    caps: Optional[int]
+
+
+def nvidia_majors(proc: ProcDevices) -> NvidiaMajors:
+    gpu: Optional[int] = None
+    for name in GPU_MAJOR_NAMES:
+        gpu = proc.char_major(name)
+        if gpu is not None:
+            break
+    return NvidiaMajors(nvidia=gpu, uvm=proc.char_major(UVM_NAME), caps=proc.char_major(CAPS_NAME))
+
+
+@dataclass(frozen=True)
+class DeviceNode:
+    """A device node, by its path on the host (``/dev/nvidia0``) and its numbers."""
+
+    path: str
+    major: int
+    minor: int
+    role: str
+    type: str = "c"
+    mode: Optional[int] = None  # permission bits when read from stat(); None when expected
+    cap: str = ""  # for ROLE_CAP: the capability, e.g. "gpu0/mig/gi1/access"
+
+    @property
+    def numbers(self) -> str:
+        return f"{self.major}:{self.minor}"
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        """What the kernel checks: type and numbers (paths are irrelevant to it)."""
+        return (self.type, self.major, self.minor)
+
+    @property
+    def dev_char(self) -> str:
+        """The ``/dev/char/MAJ:MIN`` path systemd/runc use for DeviceAllow=."""
+        return f"/dev/{'char' if self.type == 'c' else 'block'}/{self.numbers}"
+
+    def allow_line(self, access: str = "rw") -> str:
+        return allow_line(self.type, self.major, self.minor, access)
+
+
+def classify(name: str, major: int, minor: int, majors: NvidiaMajors) -> str:
+    """The role of a node called ``name`` (relative to /dev) with these numbers.
+
+    The numbers decide, not the name (a container may name nodes differently); names
+    only tell apart nodes on a major we do not know."""
+    if majors.nvidia is not None and major == majors.nvidia:
+        if minor == CTL_MINOR:
+            return ROLE_CTL
+        if minor == MODESET_MINOR:
+            return ROLE_MODESET
+        return ROLE_GPU
+    if majors.uvm is not None and major == majors.uvm:
+        if minor == UVM_MINOR:
+            return ROLE_UVM
+        if minor == UVM_TOOLS_MINOR:
+            return ROLE_UVM_TOOLS
+        return ROLE_OTHER
+    if majors.caps is not None and major == majors.caps:
+        return ROLE_CAP
+    return ROLE_OTHER
+
+
+def _stat(path: Path, follow_symlinks: bool) -> os.stat_result:
+    """os.stat, one indirection so unit tests can fake device nodes without CAP_MKNOD."""
+    return os.stat(path, follow_symlinks=follow_symlinks)
+
+
+def _is_nvidia_name(name: str) -> bool:
+    return name.startswith("nvidia")
+
+
+def list_nvidia_nodes(
+    root: Root, majors: NvidiaMajors, dev_dir: str = "/dev"
+) -> tuple[DeviceNode, ...]:
+    """The character nodes named nvidia* in ``dev_dir`` and ``dev_dir``/nvidia-caps.
+
+    ``dev_dir`` is a host path (``/dev``, or ``/proc/<pid>/root/dev`` for a container);
+    the returned paths are as seen from that /dev (``/dev/nvidia0``). Entries that vanish
+    or are not character devices are skipped."""
+    out: list[DeviceNode] = []
+    for sub in ("", "nvidia-caps/"):
+        host_dir = root.path(dev_dir.rstrip("/") + "/" + sub)
+        try:
+            names = sorted(os.listdir(host_dir))
+        except OSError as e:
+            log.debug("cannot list %s: %s", host_dir, e.strerror)
+            continue
+        for name in names:
+            if not _is_nvidia_name(name):
+                continue
+            try:
+                st = _stat(host_dir / name, False)
+            except OSError as e:
+                log.debug("skipping %s: %s", host_dir / name, e.strerror)
+                continue
+            if not stat.S_ISCHR(st.st_mode):
+                continue
+            major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
+            out.append(
+                DeviceNode(
+                    path=f"/dev/{sub}{name}",
+                    major=major,
+                    minor=minor,
+                    role=classify(sub + name, major, minor, majors),
+                    mode=stat.S_IMODE(st.st_mode),
+                )
+            )
+    return tuple(out)
+
+
+def parse_cap_access(text: str) -> Optional[int]:
+    """``DeviceFileMinor: N`` from a capability file (the first one, as nvidia-modprobe)."""
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == "DeviceFileMinor":
+            v = value.strip()
+            return int(v) if v.isdigit() else None
+    return None
+
+
+def read_cap_minors(root: Root, max_depth: int = 6) -> dict[str, int]:
+    """Capability path (relative to /proc/driver/nvidia/capabilities) -> device minor."""
+    base = root.path(CAPS_PROC_DIR)
+    out: dict[str, int] = {}
+
+    def walk(d: Path, rel: str, depth: int) -> None:
+        if depth > max_depth:
+            return
+        try:
+            entries = sorted(os.scandir(d), key=lambda e: e.name)
+        except OSError:
+            return
+        for e in entries:
+            r = f"{rel}{e.name}"
+            try:
+                if e.is_dir(follow_symlinks=False):
+                    walk(Path(e.path), r + "/", depth + 1)
+                elif e.is_file(follow_symlinks=False):
+                    minor = parse_cap_access(Path(e.path).read_text(errors="replace"))
+                    if minor is not None:
+                        out[r] = minor
+            except OSError as err:
+                log.debug("skipping %s: %s", e.path, err.strerror)
+
+    walk(base, "", 0)
+    return out
+
+
+def mig_cap_paths(gpu_minor: int, gi: int, ci: int) -> tuple[str, str]:
+    """The capabilities a MIG device (GPU instance gi, compute instance ci) needs."""
+    gi_path = f"gpu{gpu_minor}/mig/gi{gi}/access"
+    return gi_path, f"gpu{gpu_minor}/mig/gi{gi}/ci{ci}/access"
+
+
+def expected_nodes(
+    gpus: Sequence[GpuLike],
+    majors: NvidiaMajors,
+    cap_minors: Mapping[str, int],
+    *,
+    modeset: bool = False,
+) -> tuple[DeviceNode, ...]:
+    """The nodes this host should have for its GPUs, in a stable order.
+
+    ``modeset``: whether nvidia-modeset is loaded (/proc/modules): only then does
+    /dev/nvidia-modeset make sense. uvm nodes are expected once the nvidia-uvm major is
+    registered, even though the driver creates them lazily (F3)."""
+    out: list[DeviceNode] = []
+    if majors.nvidia is not None:
+        for g in sorted(gpus, key=lambda g: g.minor):
+            out.append(DeviceNode(f"/dev/nvidia{g.minor}", majors.nvidia, g.minor, ROLE_GPU))
+        out.append(DeviceNode("/dev/nvidiactl", majors.nvidia, CTL_MINOR, ROLE_CTL))
+        if modeset:
+            out.append(
+                DeviceNode("/dev/nvidia-modeset", majors.nvidia, MODESET_MINOR, ROLE_MODESET)
+            )
+    if majors.uvm is not None:
+        out.append(DeviceNode("/dev/nvidia-uvm", majors.uvm, UVM_MINOR, ROLE_UVM))
+        out.append(DeviceNode("/dev/nvidia-uvm-tools", majors.uvm, UVM_TOOLS_MINOR, ROLE_UVM_TOOLS))
+    if majors.caps is not None:
+        for cap, minor in sorted(cap_minors.items(), key=lambda kv: kv[1]):
+            out.append(
+                DeviceNode(
+                    f"/dev/nvidia-caps/nvidia-cap{minor}", majors.caps, minor, ROLE_CAP, cap=cap
+                )
+            )
+    return tuple(out)
+
+
+def dev_char_link(node: DeviceNode) -> tuple[str, str]:
+    """(link path, target) as udev writes them: ``/dev/char/195:0 -> ../nvidia0``."""
+    if not node.path.startswith("/dev/"):
+        raise ValueError(f"not a /dev path: {node.path}")
+    return node.dev_char, "../" + node.path[len("/dev/") :]
+
+
+@dataclass(frozen=True)
+class LinkState:
+    node: DeviceNode
+    link: str  # /dev/char/MAJ:MIN
+    state: str  # "ok" | "missing" | "wrong" (points at another device or none)
+    detail: str = ""
+
+
+def check_dev_char_links(root: Root, nodes: Sequence[DeviceNode]) -> tuple[LinkState, ...]:
+    """Whether each node's /dev/char link resolves to a node with the same numbers.
+
+    Any target is fine (udev writes ``../nvidia0``, nvidia-ctk ``/dev/nvidia0``); only
+    where it leads counts, because that is all runc checks. Targets are resolved under
+    the root, never on the host when the root is a test directory."""
+    out: list[LinkState] = []
+    for node in nodes:
+        link = node.dev_char
+        host_link = root.path(link)
+        try:
+            target = os.readlink(host_link)
+        except FileNotFoundError:
+            out.append(LinkState(node, link, "missing"))
+            continue
+        except OSError as e:
+            out.append(LinkState(node, link, "wrong", f"not a symlink: {e.strerror}"))
+            continue
+        resolved = root.path(target) if target.startswith("/") else host_link.parent / target
+        try:
+            st = _stat(resolved, True)
+        except OSError as e:
+            out.append(LinkState(node, link, "wrong", f"-> {target}: {e.strerror}"))
+            continue
+        same = stat.S_ISCHR(st.st_mode) == (node.type == "c") and (
+            os.major(st.st_rdev),
+            os.minor(st.st_rdev),
+        ) == (node.major, node.minor)
+        out.append(LinkState(node, link, "ok" if same else "wrong", "" if same else f"-> {target}"))
+    return tuple(out)
+
+
+def read_proc_devices(root: Root) -> ProcDevices:
+    try:
+        return parse_proc_devices(root.path("/proc/devices").read_text(errors="replace"))
+    except OSError as e:
+        log.debug("cannot read /proc/devices: %s", e.strerror)
+        return ProcDevices()
+
+
+def read_loaded_modules(root: Root) -> frozenset[str]:
+    """Module names from /proc/modules (``nvidia_modeset``, ``nvidia_uvm``, ...)."""
+    try:
+        text = root.path("/proc/modules").read_text(errors="replace")
+    except OSError:
+        return frozenset()
+    return frozenset(line.split(None, 1)[0] for line in text.splitlines() if line.strip())

@@ -1,0 +1,179 @@
+"""Ask the kernel itself whether a cgroup may open a device node.
+
+Why a probe and not an interpretation of the cgroup v2 policy: on v2 the policy is a
+BPF_PROG_TYPE_CGROUP_DEVICE program (runc or systemd generate them, possibly several
+attached with BPF_F_ALLOW_MULTI, on the container's cgroup and its ancestors). Reading
+it back means fetching the instructions (BPF_OBJ_GET_INFO_BY_ID, needs CAP_SYS_ADMIN and
+gives the *translated* program) and emulating eBPF; any generator change breaks that.
+Opening the node from a process inside the cgroup runs exactly the checks the
+container's own open() runs: BPF programs of every ancestor, then (hybrid hosts) the
+v1 devices controller. The denial (EPERM) happens in inode_permission() before the
+driver's open handler, so a denied probe never touches the device; an allowed probe
+does reach the driver (ENXIO/ENODEV on a node without driver, success on a real GPU, in
+which case the fd is closed at once).
+
+`query_device_programs` lists the attached program ids (BPF_PROG_QUERY) for reports.
+
+The probe forks: the child moves itself into the target cgroup(s) (v1: the devices
+directory only, so no other controller sees it; v2: the container's directory), opens
+the node with O_RDWR|O_NONBLOCK|O_NOCTTY, reports the errno over a pipe and _exits. The
+parent waits with a timeout and SIGKILLs a child that hangs (a frozen cgroup). Call it
+from a worker thread of the daemon; the child only makes raw syscalls before _exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import platform
+import select
+import signal
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+OPEN_FLAGS = os.O_RDWR | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+
+# Errnos meaning "the cgroup let the open through and something else answered".
+_ALLOWED_ERRNOS = frozenset({0, errno.ENXIO, errno.ENODEV, errno.EBUSY, errno.EIO})
+
+_MOVE_FAILED = 1
+_OPEN_DONE = 2
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    node: str
+    errno: int  # 0: opened
+    verdict: Optional[bool]  # True allowed, False denied, None unknown
+    detail: str = ""
+
+
+def interpret_errno(err: int) -> Optional[bool]:
+    """EPERM is the device cgroup's answer (v1 and BPF alike); ENXIO/ENODEV/success
+    mean the open got past it. ENOENT/EACCES/others say nothing about the cgroup."""
+    if err == errno.EPERM:
+        return False
+    if err in _ALLOWED_ERRNOS:
+        return True
+    return None
+
+
+def _child(node: bytes, procs_files: Sequence[bytes], wfd: int) -> None:
+    """Runs in the forked child: raw syscalls only, then _exit."""
+    code = _OPEN_DONE
+    err = 0
+    try:
+        pid = str(os.getpid()).encode()
+        for pf in procs_files:
+            fd = os.open(pf, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                os.write(fd, pid)
+            finally:
+                os.close(fd)
+        try:
+            os.close(os.open(node, OPEN_FLAGS))
+        except OSError as e:
+            err = e.errno or 0
+    except OSError as e:
+        code, err = _MOVE_FAILED, e.errno or 0
+    except BaseException:
+        code, err = _MOVE_FAILED, 0
+    try:
+        os.write(wfd, struct.pack("<ii", code, err))
+    finally:
+        os._exit(0)
+
+
+def probe_open(node: Path, cgroup_dirs: Sequence[Path], *, timeout: float = 5.0) -> ProbeResult:
+    """Open ``node`` from a child placed in every directory of ``cgroup_dirs``.
+
+    Pass the container's v1 devices directory and/or its v2 directory (host paths under
+    the root). Nothing is left behind: the child exits and leaves the cgroup with it."""
+    procs = [os.fsencode(d / "cgroup.procs") for d in cgroup_dirs]
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child's coverage is not collected
+        os.close(rfd)
+        _child(os.fsencode(node), procs, wfd)
+    os.close(wfd)
+    data = b""
+    try:
+        deadline = time.monotonic() + timeout
+        while len(data) < 8:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            ready, _, _ = select.select([rfd], [], [], left)
+            if not ready:
+                break
+            chunk = os.read(rfd, 8 - len(data))
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(rfd)
+        if len(data) < 8:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    if len(data) < 8:
+        return ProbeResult(str(node), -1, None, f"probe timed out after {timeout}s")
+    code, err = struct.unpack("<ii", data)
+    if code == _MOVE_FAILED:
+        why = os.strerror(err) if err else "unexpected error"
+        return ProbeResult(str(node), err, None, f"could not join the cgroup: {why}")
+    return ProbeResult(str(node), err, interpret_errno(err), os.strerror(err) if err else "opened")
+
+
+# --- bpf(2) through ctypes: enough for BPF_PROG_QUERY (and for tests to load a program)
+
+BPF_PROG_LOAD = 5
+BPF_PROG_ATTACH = 8
+BPF_PROG_DETACH = 9
+BPF_PROG_QUERY = 16
+BPF_PROG_TYPE_CGROUP_DEVICE = 15
+BPF_CGROUP_DEVICE = 6  # attach type
+BPF_ATTR_SIZE = 128  # large enough for the commands used here; the rest stays zero
+
+_BPF_NR = {"x86_64": 321, "aarch64": 280, "ppc64le": 361, "s390x": 351}
+
+
+def bpf_syscall(cmd: int, attr: ctypes.Array[ctypes.c_char]) -> int:
+    """Raw bpf(2). Returns the result; raises OSError with the errno on failure."""
+    nr = _BPF_NR.get(platform.machine())
+    if nr is None:
+        raise OSError(errno.ENOSYS, f"bpf(2) number unknown on {platform.machine()}")
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    ret = int(
+        libc.syscall(
+            ctypes.c_long(nr), ctypes.c_int(cmd), ctypes.byref(attr), ctypes.c_uint(len(attr))
+        )
+    )
+    if ret < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+    return ret
+
+
+def query_device_programs(cgroup_dir: Path, max_progs: int = 64) -> tuple[int, ...]:
+    """Ids of the BPF device programs attached to a cgroup2 directory (not ancestors)."""
+    ids = (ctypes.c_uint32 * max_progs)()
+    fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        attr = ctypes.create_string_buffer(BPF_ATTR_SIZE)
+        # union bpf_attr.query: target_fd, attach_type, query_flags, attach_flags,
+        # prog_ids (u64 pointer), prog_cnt
+        struct.pack_into(
+            "<IIIIQI", attr, 0, fd, BPF_CGROUP_DEVICE, 0, 0, ctypes.addressof(ids), max_progs
+        )
+        bpf_syscall(BPF_PROG_QUERY, attr)
+        (count,) = struct.unpack_from("<I", attr, 24)
+    finally:
+        os.close(fd)
+    return tuple(ids[i] for i in range(min(count, max_progs)))
