@@ -72,6 +72,7 @@ class Daemon:
         self.passes = 0
         self.started_wall = time.time()
         self.last_pass: dict[str, Any] = {}
+        self.first_pass: dict[str, Any] = {}
         self.last_kubelet_restart = -1e9
         self.first_pass_done = asyncio.Event()
         self.coalescer = self._make_coalescer()
@@ -135,9 +136,15 @@ class Daemon:
 
     def _start_udev(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
-            from gpuguard.sources.udev import UdevSource
+            from gpuguard.log import stdlib_logger
+            from gpuguard.sources.udev import UdevSource, choose_source
 
-            self.udev = UdevSource(loop, self.coalescer.mark, log=self.log)
+            self.udev = UdevSource(
+                loop,
+                self.coalescer.mark,
+                source=choose_source(str(self.root.path("/run"))),
+                log=stdlib_logger(self.log, "udev"),
+            )
             self.udev.start()
         except Exception as e:  # no netlink permission, no libudev: the audit still runs
             self.udev = None
@@ -215,6 +222,8 @@ class Daemon:
             "outcomes": [o.to_json() for o in ctx.outcomes],
             "gpus": len(ctx.inventory.gpus) if ctx.inventory else None,
         }
+        if not self.first_pass:
+            self.first_pass = self.last_pass
         level = "notice" if ctx.findings or changed else "info"
         self.log.event(
             "pass-complete",
@@ -319,6 +328,7 @@ class Daemon:
             "passes": self.passes,
             "bus_connected": self.sd_source.client is not None,
             "dry_run": self.dry_run,
+            "first_pass": self.first_pass,
             "last_pass": self.last_pass,
         }
         path = self.root.path(STATUS_FILE)

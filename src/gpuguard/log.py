@@ -9,6 +9,7 @@ used (`level`, `msg`, `time`) plus the structured fields.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import traceback
@@ -118,3 +119,24 @@ class EventLog:
 
     def error(self, msg: str, **fields: Any) -> None:
         self.event("error", msg, level="error", fields=fields)
+
+
+class _Bridge(logging.Handler):
+    """Routes a library's stdlib logging into the EventLog (one logger, one format)."""
+
+    def __init__(self, log: EventLog) -> None:
+        super().__init__()
+        self.log = log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        level = {50: "error", 40: "error", 30: "warning", 20: "info"}.get(record.levelno, "debug")
+        exc = record.exc_info[1] if record.exc_info else None
+        self.log.event(level, record.getMessage(), level=level, exc=exc)
+
+
+def stdlib_logger(log: EventLog, name: str) -> logging.Logger:
+    logger = logging.getLogger(f"gpuguard.{name}")
+    logger.handlers[:] = [_Bridge(log)]
+    logger.propagate = False
+    logger.setLevel(logging.DEBUG)
+    return logger

@@ -63,6 +63,7 @@ class Systemd:
         self._bus: Optional[MessageBus] = None
         self._job_waiters: dict[str, asyncio.Future[str]] = {}
         self._signal_handlers: list[Callable[[Message], None]] = []
+        self._subscribed = False
 
     @property
     def bus(self) -> MessageBus:
@@ -151,13 +152,24 @@ class Systemd:
 
     async def subscribe(self) -> None:
         """Ask systemd for its signals and route Manager + unit property signals to us."""
-        await self.add_match(f"type='signal',sender='{SYSTEMD}',interface='{MANAGER}'")
         await self.add_match(f"type='signal',sender='{SYSTEMD}',interface='{PROPS}'")
         await self.add_match(
             "type='signal',sender='org.freedesktop.DBus',member='NameOwnerChanged',"
             f"arg0='{SYSTEMD}'"
         )
-        await self.call("Subscribe")
+        await self._subscribe_manager()
+
+    async def _subscribe_manager(self) -> None:
+        """Manager signals (JobRemoved, Reloading, UnitNew, ...) to this connection, once."""
+        if self._subscribed:
+            return
+        await self.add_match(f"type='signal',sender='{SYSTEMD}',interface='{MANAGER}'")
+        try:
+            await self.call("Subscribe")
+        except SystemdError as e:
+            if e.name != "org.freedesktop.systemd1.AlreadySubscribed":
+                raise
+        self._subscribed = True
 
     async def unit_path(self, unit: str) -> str:
         (path,) = await self.call("LoadUnit", "s", [unit])
@@ -184,10 +196,8 @@ class Systemd:
 
     async def _job(self, member: str, unit: str, *, wait: bool, timeout: float) -> str:
         """Queue a start/stop/restart job; with wait, return its result ("done", ...)."""
-        if wait:
-            # Subscribe so systemd emits JobRemoved; the match routes it to us.
-            await self.add_match(f"type='signal',sender='{SYSTEMD}',member='JobRemoved'")
-            await self.call("Subscribe")
+        if wait:  # systemd emits JobRemoved only to subscribed clients
+            await self._subscribe_manager()
         loop = asyncio.get_running_loop()
         (job,) = await self.call(member, "ss", [unit, "replace"])
         if not wait:
@@ -210,5 +220,9 @@ class Systemd:
     async def start_unit(self, unit: str, *, wait: bool = True, timeout: float = 120) -> str:
         return await self._job("StartUnit", unit, wait=wait, timeout=timeout)
 
-    async def set_unit_properties(self, unit: str, runtime: bool, props: list[Any]) -> None:
-        await self.call("SetUnitProperties", "sba(sv)", [unit, runtime, props])
+    async def set_unit_properties(
+        self, unit: str, runtime: bool, props: list[tuple[str, Variant]]
+    ) -> None:
+        # dbus-next wants D-Bus structs as Python lists
+        body = [[name, value] for name, value in props]
+        await self.call("SetUnitProperties", "sba(sv)", [unit, runtime, body])

@@ -1,0 +1,229 @@
+"""The real daemon, from the repo's unit file, on a real systemd (PID 1 of a namespace)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+
+import pytest
+
+from gpuguard.checkpoint import parse, verify
+from gpuguard.systemd import Systemd, SystemdError
+from integration.gpuguard_ns import (
+    CHECKPOINT,
+    KEPT_GPU,
+    MOVED_GPU,
+    events,
+    gpuguard_units,
+    kubelet_reads,
+    passes,
+    settle,
+    setup_node,
+    status,
+    wait_for,
+)
+from integration.harness import systemd_ns as systemd_ns
+
+pytestmark = pytest.mark.root
+
+
+def _active_enter_us(ns, unit: str) -> int:  # type: ignore[no-untyped-def]
+    out = ns.run(
+        [
+            "busctl",
+            "get-property",
+            "org.freedesktop.systemd1",
+            "/org/freedesktop/systemd1/unit/" + unit.replace(".", "_2e").replace("-", "_2d"),
+            "org.freedesktop.systemd1.Unit",
+            "ActiveEnterTimestamp",
+        ],
+        check=True,
+    ).stdout.split()
+    return int(out[1])
+
+
+def _start(ns) -> None:  # type: ignore[no-untyped-def]
+    r = ns.systemctl("start", "gpuguard.service")
+    assert r.returncode == 0, (
+        r.stderr + "\n" + ns.run(["journalctl", "-u", "gpuguard", "-n", "40"]).stdout
+    )
+
+
+def test_ready_only_after_the_first_pass_which_repairs_at_boot(systemd_ns) -> None:  # type: ignore[no-untyped-def]
+    ns = systemd_ns(units=gpuguard_units())
+    setup_node(ns, stale=True)
+    _start(ns)  # Type=notify: returns once READY=1 arrived
+    assert ns.unit_property("gpuguard.service", "ActiveState") == "active"
+    st = status(ns)
+    first = st["first_pass"]
+    ready_us = _active_enter_us(ns, "gpuguard.service")
+    assert first["ended"] * 1e6 <= ready_us, "READY=1 came before the first pass ended"
+    assert "start-up" in first["reasons"]
+    # kubelet is not running yet: the boot pass repaired the checkpoint directly.
+    cp = parse(ns.path(CHECKPOINT).read_bytes(), source=CHECKPOINT)
+    assert verify(cp)
+    ids = [i for e in cp.entries or () for i in e.all_device_ids()]
+    assert KEPT_GPU in ids and MOVED_GPU not in ids
+    kinds = [e["GPUGUARD_KIND"] for e in events(ns)]
+    assert kinds.index("pass-complete") < kinds.index("daemon-started")
+    assert "checkpoint-repaired" in kinds
+    repaired = events(ns, "checkpoint-repaired")[0]
+    assert repaired["MESSAGE_ID"] and repaired["SYSLOG_IDENTIFIER"] == "gpuguard"
+    assert ns.path(repaired["BACKUP"]).exists()
+
+
+@pytest.mark.parametrize("verb", ["daemon-reload", "daemon-reexec"])
+def test_reload_and_reexec_each_trigger_exactly_one_pass(systemd_ns, verb: str) -> None:  # type: ignore[no-untyped-def]
+    ns = systemd_ns(units=gpuguard_units())
+    setup_node(ns, stale=False)
+    _start(ns)
+    ns.systemctl("start", "kubelet.service")
+    before = settle(ns)
+    for i in range(3):
+        r = ns.systemctl(verb)
+        assert r.returncode == 0, r.stderr
+        after = settle(ns)
+        assert after == before + 1, f"{verb} #{i + 1} gave {after - before} passes"
+        assert any("systemd:" in why for why in status(ns)["last_pass"]["reasons"])
+        before = after
+    assert ns.unit_property("gpuguard.service", "ActiveState") == "active"
+
+
+def test_kubelet_restart_repairs_before_kubelet_reads(systemd_ns) -> None:  # type: ignore[no-untyped-def]
+    ns = systemd_ns(units=gpuguard_units())
+    setup_node(ns, stale=False)
+    _start(ns)
+    ns.systemctl("start", "kubelet.service")
+    ns.wait_active("kubelet.service")
+    before = settle(ns)
+    # The GPUs change under a running kubelet: its next start must not see the old IDs.
+    setup_node(ns, stale=True)
+    assert ns.systemctl("restart", "kubelet.service").returncode == 0
+    wait_for(lambda: passes(ns) > before, what="a pass after the kubelet restart")
+    reads = kubelet_reads(ns)
+    assert len(reads) == 2
+    seen = parse(reads[-1], source="what kubelet read")
+    assert verify(seen), "kubelet would reject the repaired checkpoint"
+    ids = [i for e in seen.entries or () for i in e.all_device_ids()]
+    assert MOVED_GPU not in ids and KEPT_GPU in ids
+    assert "kubelet.service started" in " ".join(status(ns)["last_pass"]["reasons"])
+
+
+def test_daemon_restarts_running_kubelet_to_repair(systemd_ns) -> None:  # type: ignore[no-untyped-def]
+    ns = systemd_ns(units=gpuguard_units())
+    setup_node(ns, stale=False)
+    _start(ns)
+    ns.systemctl("start", "kubelet.service")
+    settle(ns)
+    setup_node(ns, stale=True)
+    ns.systemctl("daemon-reload")  # any pass finds it; kubelet must be restarted
+    wait_for(lambda: len(kubelet_reads(ns)) == 2, what="kubelet restarted by gpuguard")
+    seen = parse(kubelet_reads(ns)[-1], source="what kubelet read")
+    assert verify(seen) and MOVED_GPU not in [
+        i for e in seen.entries or () for i in e.all_device_ids()
+    ]
+    wait_for(lambda: events(ns, "kubelet-restart"), what="kubelet-restart in the journal")
+
+
+def test_survives_dbus_restart(systemd_ns) -> None:  # type: ignore[no-untyped-def]
+    ns = systemd_ns(units=gpuguard_units())
+    setup_node(ns, stale=False)
+    _start(ns)
+    before = settle(ns)
+    ns.run(["systemctl", "kill", "-s", "KILL", "dbus.service"], check=True)
+    wait_for(
+        lambda: not status(ns).get("bus_connected", True) or passes(ns) > before,
+        what="gpuguard to notice the bus going away",
+    )
+    ns.run(["systemctl", "start", "dbus.service"], check=True)
+    wait_for(lambda: events(ns, "dbus-lost"), what="dbus-lost logged")
+    wait_for(lambda: len(events(ns, "dbus-connected")) >= 2, timeout=30, what="reconnect")
+    after_reconnect = settle(ns)
+    assert after_reconnect > before  # a full pass after reconnecting
+    assert "reconnected to the system bus" in json.dumps(status(ns))
+    ns.systemctl("daemon-reload")
+    assert settle(ns) == after_reconnect + 1  # and signals flow again
+    assert ns.unit_property("gpuguard.service", "ActiveState") == "active"
+
+
+def test_sighup_with_broken_config_keeps_the_old_one(systemd_ns) -> None:  # type: ignore[no-untyped-def]
+    ns = systemd_ns(units=gpuguard_units())
+    setup_node(ns, stale=False)
+    _start(ns)
+    settle(ns)
+    conf = ns.path("/etc/gpuguard/gpuguard.conf")
+    good = conf.read_text()
+    conf.write_text(good + "[Daemon]\nQuietPeriod=banana\n")
+    assert ns.systemctl("reload", "gpuguard.service").returncode == 0
+    rejected = wait_for(lambda: events(ns, "config-rejected"), what="config-rejected")
+    assert "gpuguard.conf" in rejected[0]["MESSAGE"] and "QuietPeriod" in rejected[0]["MESSAGE"]
+    assert ns.unit_property("gpuguard.service", "ActiveState") == "active"
+    conf.write_text(good + "[Daemon]\nQuietPeriod=50ms\n")
+    ns.run(["systemctl", "kill", "-s", "HUP", "gpuguard.service"], check=True)
+    wait_for(lambda: events(ns, "config-reloaded"), what="config-reloaded")
+    # SIGTERM: finishes and exits 0 (no failed state)
+    ns.run(["systemctl", "kill", "-s", str(int(signal.SIGTERM)), "gpuguard.service"], check=True)
+    wait_for(lambda: ns.unit_property("gpuguard.service", "ActiveState") in ("inactive", "failed"))
+    assert ns.unit_property("gpuguard.service", "Result") == "success"
+
+
+def test_bounded_dbus_calls_survive_hundreds_in_flight(systemd_ns) -> None:  # type: ignore[no-untyped-def]
+    """500 concurrent calls through the daemon's D-Bus layer: none fails, none is lost."""
+    ns = systemd_ns()
+    scopes = []
+    for i in range(20):
+        unit = f"gg-test-{i}.scope"
+        ns.popen(
+            [
+                "systemd-run",
+                "--scope",
+                f"--unit={unit}",
+                "-p",
+                "DevicePolicy=closed",
+                "sleep",
+                "300",
+            ]
+        )
+        scopes.append(unit)
+    wait_for(
+        lambda: all(ns.unit_property(u, "ActiveState") == "active" for u in scopes),
+        what="scopes active",
+    )
+
+    async def main() -> tuple[list[str], str]:
+        sd = Systemd(ns.bus_address, max_in_flight=64)
+        await sd.connect()
+        try:
+            calls = []
+            for i in range(300):
+                calls.append(sd.unit_state(scopes[i % len(scopes)]))
+            for i in range(200):
+                dev = ("/dev/null", "rw") if i % 2 else ("/dev/zero", "rw")
+                calls.append(
+                    sd.set_unit_properties(
+                        scopes[i % len(scopes)], True, [("DeviceAllow", _variant([dev]))]
+                    )
+                )
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            errors = [repr(r) for r in results if isinstance(r, BaseException)]
+            try:
+                await sd.call("GetUnit", "s", ["no-such-unit.service"])
+                missing = ""
+            except SystemdError as e:
+                missing = e.name
+            return errors, missing
+        finally:
+            sd.disconnect()
+
+    errors, missing = asyncio.run(main())
+    assert errors == [], f"{len(errors)} calls failed, e.g. {errors[:2]}"
+    assert missing == "org.freedesktop.systemd1.NoSuchUnit"  # error replies are raised
+    allow = ns.cgroup_dir("devices") / "system.slice" / scopes[1] / "devices.list"
+    assert "c 1:3 rw" in allow.read_text()
+
+
+def _variant(devices: list[tuple[str, str]]):  # type: ignore[no-untyped-def]
+    from dbus_next import Variant
+
+    return Variant("a(ss)", [list(d) for d in devices])
