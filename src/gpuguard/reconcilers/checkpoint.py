@@ -52,14 +52,14 @@ def analyse(cp: Checkpoint, inventory: Inventory, resources: Sequence[str]) -> A
         return understood.setdefault(resource, resource_matches(resource, resources))
 
     all_ids: dict[str, list[str]] = {}
-    for resource, ids in cp.registered or ():
-        all_ids.setdefault(resource, []).extend(ids or ())
+    for resource, reg in cp.registered or ():
+        all_ids.setdefault(resource, []).extend(reg or ())
     for e in cp.entries or ():
         all_ids.setdefault(e.resource_name, []).extend(e.all_device_ids())
-    for resource, ids in all_ids.items():
+    for resource, found in all_ids.items():
         if not gpu_resource(resource):
             continue
-        unknown = sorted({i for i in ids if classify(i).form == "unknown"})
+        unknown = sorted({i for i in found if classify(i).form == "unknown"})
         if unknown:
             understood[resource] = False
             findings.append(
