@@ -82,3 +82,16 @@ download_wheels() {
     /usr/bin/python3 -m pip download --quiet --disable-pip-version-check --no-deps \
         --only-binary=:all: --require-hashes -r "$r" -d "$d" "$@" >&2
 }
+
+# ensure_catalog TREE: docs/gpuguard.catalog if the tree has it, else generated
+# with `gpuguard catalog` from the tree's own sources (the catalog's source of truth).
+ensure_catalog() {
+    [ -f "$1/docs/gpuguard.catalog" ] && return 0
+    if (cd "$1" && PYTHONPATH=src /usr/bin/python3 -m gpuguard catalog > docs/gpuguard.catalog.tmp 2>/dev/null) &&
+        grep -q '^-- [0-9a-f]\{32\}' "$1/docs/gpuguard.catalog.tmp"; then
+        mv "$1/docs/gpuguard.catalog.tmp" "$1/docs/gpuguard.catalog"
+    else
+        rm -f "$1/docs/gpuguard.catalog.tmp"
+        echo "WARNING: no docs/gpuguard.catalog and \`gpuguard catalog\` failed: no journal catalog in this build" >&2
+    fi
+}

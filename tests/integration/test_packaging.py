@@ -1,0 +1,188 @@
+"""Builds the .deb and .rpm from this checkout and checks what they contain.
+
+Needs (Debian 12, scripts/bootstrap --full): debhelper dh-python
+pybuild-plugin-pyproject python3-all python3-setuptools python3-pip rpm lintian,
+and PyPI (or GPUGUARD_WHEELHOUSE) for the pinned nvidia-ml-py wheel.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+from conftest import require_tool
+from integration.pkgroot import REPO, build_seconds, built_packages, debian_env, source_version
+
+#: The install layout shared by both packages (packaging/README.md).
+LAYOUT = [
+    "/usr/bin/gpuguard",
+    "/usr/lib/systemd/system/gpuguard.service",
+    "/usr/lib/systemd/system/kubelet.service.d/10-gpuguard.conf",
+    "/usr/libexec/gpuguard/kubelet-pre-start",
+    "/usr/lib/udev/rules.d/71-gpuguard.rules",
+    "/usr/lib/systemd/catalog/gpuguard.catalog",
+    "/usr/lib/gpuguard/vendor/pynvml.py",
+    "/usr/share/doc/gpuguard/LICENSE.nvidia-ml-py",
+    "/etc/gpuguard/gpuguard.conf",
+    "/etc/gpuguard/gpuguard.conf.d",
+    "/etc/gpuguard/hooks.d",
+    "/var/lib/gpuguard",
+]
+
+#: A command line (not a comment or message) that acts on kubelet.service.
+NO_KUBELET_RESTART = re.compile(r"^[^#\n]*(systemctl|deb-systemd-invoke)\b[^\n]*\bkubelet", re.M)
+
+
+def sh(*argv: str) -> str:
+    res = subprocess.run(argv, capture_output=True, text=True, env=debian_env(), timeout=120)
+    assert res.returncode == 0, f"{argv}: {res.returncode}\n{res.stdout}\n{res.stderr}"
+    return res.stdout
+
+
+@pytest.fixture(scope="module")
+def pkgs() -> Dict[str, Path]:
+    require_tool("dpkg-buildpackage", "dh_python3", "rpmbuild", "/usr/bin/python3")
+    return built_packages()
+
+
+@pytest.fixture(scope="module")
+def deb_files(pkgs: Dict[str, Path]) -> Dict[str, str]:
+    """path -> `dpkg-deb -c` line (mode owner size date time path)."""
+    out = {}
+    for line in sh("dpkg-deb", "-c", str(pkgs["deb"])).splitlines():
+        path = line.split(None, 5)[5].split(" -> ")[0]
+        out[path[1:].rstrip("/") or "/"] = line
+    return out
+
+
+@pytest.fixture(scope="module")
+def rpm_files(pkgs: Dict[str, Path]) -> Dict[str, str]:
+    out = {}
+    for line in sh("rpm", "-qlpv", str(pkgs["rpm"])).splitlines():
+        out[line.split()[-1]] = line
+    return out
+
+
+def test_version_comes_from_init(pkgs: Dict[str, Path]) -> None:
+    v = source_version()
+    assert pkgs["deb"].name == f"gpuguard_{v}-1_all.deb"
+    assert pkgs["rpm"].name == f"gpuguard-{v}-1.noarch.rpm"
+    assert sh("dpkg-deb", "-f", str(pkgs["deb"]), "Version").strip() == f"{v}-1"
+    assert sh("rpm", "-qp", "--qf", "%{VERSION}", str(pkgs["rpm"])) == v
+    # The committed changelog must follow __version__ (build-deb only warns).
+    top = sh("dpkg-parsechangelog", "-l", str(REPO / "packaging/debian/changelog"), "-S", "Version")
+    assert top.strip() == f"{v}-1", "add a packaging/debian/changelog entry for the new version"
+    spec = (REPO / "packaging/rpm/gpuguard.spec").read_text()
+    assert re.search(rf"^\* .* - {re.escape(v)}-1$", spec, re.M), (
+        "add a %changelog entry to gpuguard.spec"
+    )
+
+
+def test_deb_layout(deb_files: Dict[str, str]) -> None:
+    missing = [p for p in LAYOUT if p not in deb_files]
+    assert not missing, missing
+    assert "/usr/share/man/man8/gpuguard.8.gz" in deb_files
+    assert deb_files["/var/lib/gpuguard"].startswith("drwx------ root/root")
+    assert deb_files["/usr/libexec/gpuguard/kubelet-pre-start"].startswith("-rwxr-xr-x")
+    assert any(p.startswith("/usr/lib/python3/dist-packages/gpuguard/") for p in deb_files)
+    # Nothing in the old /lib paths (one layout), no bytecode, no tests.
+    bad = [
+        p
+        for p in deb_files
+        if p.startswith(("/lib/", "/usr/local")) or "__pycache__" in p or "/tests/" in p
+    ]
+    assert not bad, bad
+
+
+def test_deb_control(pkgs: Dict[str, Path]) -> None:
+    deb = str(pkgs["deb"])
+    depends = sh("dpkg-deb", "-f", deb, "Depends")
+    for dep in ("python3", "python3-pyudev", "python3-dbus-next", "python3-systemd", "procps"):
+        assert re.search(rf"(^|, ){re.escape(dep)}\b", depends), (dep, depends)
+    assert sh("dpkg-deb", "-f", deb, "Architecture").strip() == "all"
+    conffiles = subprocess.run(
+        ["dpkg-deb", "-I", deb, "conffiles"], capture_output=True, text=True, env=debian_env()
+    ).stdout.split()
+    assert conffiles == ["/etc/gpuguard/gpuguard.conf"]
+    postinst = sh("dpkg-deb", "-I", deb, "postinst")
+    assert "deb-systemd-helper enable 'gpuguard.service'" in postinst
+    assert "deb-systemd-invoke $_dh_action 'gpuguard.service'" in postinst
+    assert "udevadm control --reload" in postinst and "[ -S /run/udev/control ]" in postinst
+    assert "--subsystem-match=module --sysname-match='nvidia*'" in postinst
+    assert "--attr-match=vendor=0x10de" in postinst
+    assert "journalctl --update-catalog" in postinst
+    assert "kubelet" in postinst and not NO_KUBELET_RESTART.search(postinst)
+    postrm = sh("dpkg-deb", "-I", deb, "postrm")
+    assert "rm -rf /etc/gpuguard /var/lib/gpuguard" in postrm
+    prerm = sh("dpkg-deb", "-I", deb, "prerm")
+    assert "deb-systemd-invoke stop 'gpuguard.service'" in prerm
+
+
+def test_lintian_has_no_errors(pkgs: Dict[str, Path]) -> None:
+    require_tool("lintian")
+    res = subprocess.run(
+        ["lintian", "--pedantic", "--display-info", str(pkgs["deb"])],
+        capture_output=True,
+        text=True,
+        env=debian_env(),
+        timeout=300,
+    )
+    tags = [
+        line for line in (res.stdout + res.stderr).splitlines() if re.match(r"^[EWIPX]: ", line)
+    ]
+    print("lintian:\n" + "\n".join(tags))
+    errors = [t for t in tags if t.startswith("E: ")]
+    assert not errors, "\n".join(tags)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_rpm_layout(rpm_files: Dict[str, str], pkgs: Dict[str, Path]) -> None:
+    missing = [p for p in LAYOUT if p not in rpm_files]
+    assert not missing, missing
+    assert any(p.startswith("/usr/share/man/man8/gpuguard.8") for p in rpm_files)
+    assert rpm_files["/var/lib/gpuguard"].startswith("drwx------")
+    assert any(re.match(r"/usr/lib/python3\.\d+/site-packages/gpuguard/", p) for p in rpm_files)
+    configs = sh("rpm", "-qcp", str(pkgs["rpm"])).split()
+    assert configs == ["/etc/gpuguard/gpuguard.conf"]
+    # %config(noreplace): verify flags include "n"
+    flags = sh("rpm", "-qp", "--qf", "[%{FILEFLAGS:fflags} %{FILENAMES}\n]", str(pkgs["rpm"]))
+    assert re.search(r"^cn /etc/gpuguard/gpuguard.conf$", flags, re.M), flags
+
+
+def test_rpm_requires_and_scripts(pkgs: Dict[str, Path]) -> None:
+    rpm = str(pkgs["rpm"])
+    requires: List[str] = sh("rpm", "-qp", "--requires", rpm).splitlines()
+    for dep in (
+        "python3-pyudev",
+        "python3-systemd",
+        "python3-dbus-next",
+        "systemd",
+        "/usr/bin/kill",
+    ):
+        assert dep in requires, (dep, requires)
+    # nvidia-ml-py is bundled: no requirement on it may leak out of the wheel metadata.
+    assert not [r for r in requires if "nvidia" in r or "dbus-next)" in r], requires
+    provides = sh("rpm", "-qp", "--provides", rpm)
+    assert "bundled(python3dist(nvidia-ml-py))" in provides
+    scripts = sh("rpm", "-qp", "--scripts", rpm)
+    assert "systemctl enable --now gpuguard.service" in scripts
+    assert "disable --now gpuguard.service" in scripts  # %systemd_preun
+    assert "try-restart gpuguard.service" in scripts or "mark-restart-system-units" in scripts
+    assert "--sysname-match='nvidia*'" in scripts and "vendor=0x10de" in scripts
+    assert "journalctl --update-catalog" in scripts
+    assert not NO_KUBELET_RESTART.search(scripts)
+
+
+def test_sizes(pkgs: Dict[str, Path]) -> None:
+    for kind, path in pkgs.items():
+        print(
+            f"{kind}: {path.name} {path.stat().st_size} bytes, built in {build_seconds[kind]:.1f} s"
+        )
+    installed = sh("dpkg-deb", "-f", str(pkgs["deb"]), "Installed-Size").strip()
+    print(f"deb Installed-Size: {installed} KiB")
+    assert pkgs["deb"].stat().st_size < 1024 * 1024
+    assert pkgs["rpm"].stat().st_size < 1024 * 1024
