@@ -152,6 +152,9 @@ class RewriteCheckpoint(Action):
     def kind(self) -> str:
         return "checkpoint-repaired"
 
+    def describe(self) -> str:
+        return f"rewrite {self.target} without them ({self.reason})"
+
     def fields(self) -> Mapping[str, str]:
         return {
             "CHECKPOINT": str(self.path),
@@ -170,6 +173,9 @@ class DeleteCheckpoint(Action):
     @property
     def kind(self) -> str:
         return "checkpoint-deleted"
+
+    def describe(self) -> str:
+        return f"delete {self.target} (Policy=delete; {self.reason})"
 
     def fields(self) -> Mapping[str, str]:
         return {"CHECKPOINT": str(self.path)}
