@@ -12,13 +12,14 @@ file is changed only while kubelet is stopped:
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from gpuguard import exitcodes
 from gpuguard.actuate.checkpoint import CheckpointActuator
 from gpuguard.checkpoint import read_checkpoint
-from gpuguard.errors import BadInputError, KubeletError
+from gpuguard.errors import BadInputError, GpuguardError, KubeletError
 from gpuguard.inventory import Inventory
 from gpuguard.kubelet import KubeletStatus, kubelet_pids, kubelet_status
 from gpuguard.log import EventLog
@@ -27,6 +28,7 @@ from gpuguard.paths import Root
 from gpuguard.reconcilers import checkpoint as ckpt
 
 if TYPE_CHECKING:  # dbus-next costs import time; a healthy node never needs it
+    from gpuguard.daemon import PassContext, Services
     from gpuguard.systemd import Systemd
 
 
@@ -310,3 +312,53 @@ def _coordination_failed(log: EventLog, s: CheckSettings, why: str) -> None:
         level="error",
         fields={"UNIT": s.kubelet_unit, "GPUGUARD_RECONCILER": "checkpoint"},
     )
+
+
+class CheckpointStep:
+    """The daemon's checkpoint step: the same check, on the daemon's bus connection.
+
+    Restarting kubelet is rate limited here: at most once per KUBELET_RESTART_COOLDOWN,
+    whatever the passes find, so a checkpoint that keeps coming back stale (a plugin
+    re-registering old IDs?) is reported, never fought in a restart loop.
+    """
+
+    COOLDOWN = 600.0
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.last_restart = -1e18
+
+    async def __call__(self, svc: Services, ctx: PassContext) -> None:
+        if ctx.inventory is None:
+            return
+        k = svc.config.kubelet
+        cooled = self.clock() - self.last_restart > self.COOLDOWN
+        settings = CheckSettings(
+            checkpoint_path=k.checkpoint_path,
+            resources=tuple(k.resources),
+            policy=k.policy,
+            backup_dir=k.backup_dir,
+            backup_keep=k.backup_keep,
+            kubelet_unit=k.unit,
+            restart_kubelet=k.restart_kubelet and cooled,
+            dry_run=svc.dry_run,
+            kubelet_stopped=False,
+            bus_address=svc.bus_address,
+            reason="daemon: " + ctx.work.reasons[0],
+        )
+        try:
+            report = await check_checkpoint(
+                svc.root, ctx.inventory, settings, svc.log, systemd=svc.systemd
+            )
+        except GpuguardError as e:
+            kind = (
+                "checkpoint-corrupt"
+                if isinstance(e, BadInputError)
+                else "kubelet-coordination-failed"
+            )
+            ctx.findings.append(Finding(kind, "checkpoint", e.message, severity="error"))
+            return
+        if report.coordination.startswith("restart") and not svc.dry_run:
+            self.last_restart = self.clock()
+        ctx.findings += report.findings
+        ctx.outcomes += report.outcomes

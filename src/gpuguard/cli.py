@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -195,6 +196,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_daemon(args: argparse.Namespace) -> int:
     import asyncio
 
+    from gpuguard.check import CheckpointStep
     from gpuguard.daemon import Daemon
     from gpuguard.notify import Notifier
 
@@ -209,6 +211,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         notifier=Notifier(),
         inventory_path=_inventory_path(args, cfg),
         bus_address=_opt(args, "bus"),
+        steps={"checkpoint": CheckpointStep()},
         dry_run=args.dry_run,
         udev=not args.no_udev,
     )
@@ -344,7 +347,14 @@ COMMANDS = {
 }
 
 
+# The .deb/.rpm ship nvidia-ml-py (and dbus-next where the distribution lacks it) here.
+# Appended, not inserted: a distribution package of the same module wins.
+VENDOR_DIR = "/usr/lib/gpuguard/vendor"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    if VENDOR_DIR not in sys.path and os.path.isdir(VENDOR_DIR):
+        sys.path.append(VENDOR_DIR)
     parser = build_parser()
     args = parser.parse_args(argv)
     name = args.command

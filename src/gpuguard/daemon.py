@@ -15,9 +15,8 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Mapping, Optional, Protocol
 
-from gpuguard.check import CheckSettings, check_checkpoint
 from gpuguard.coalescer import Coalescer, Work
 from gpuguard.config import Config, load_config
 from gpuguard.errors import ConfigError, GpuguardError
@@ -30,19 +29,34 @@ from gpuguard.sources.systemd import ALL, SystemdSource
 from gpuguard.systemd import Systemd, bus_address_for
 
 STATUS_FILE = "/run/gpuguard/status.json"
-KUBELET_RESTART_COOLDOWN = 600.0  # never restart kubelet for the checkpoint more often
 PASS_STUCK_AFTER = 300.0  # a pass this old stops the watchdog pings: systemd restarts us
 
 
 @dataclass
 class PassContext:
+    """One pass: why it runs, the GPUs as of now, and what the steps found and did."""
+
     work: Work
     inventory: Optional[Inventory]
     findings: list[Finding] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)
 
 
-Step = Callable[[PassContext], Awaitable[None]]
+class Services(Protocol):
+    """What a step may use: the daemon's shared objects, read at call time."""
+
+    root: Root
+    config: Config
+    log: EventLog
+    dry_run: bool
+    bus_address: str
+
+    @property
+    def systemd(self) -> Optional[Systemd]: ...
+
+
+# A step observes, runs one reconciler and hands its actions to actuators.
+Step = Callable[[Services, PassContext], Awaitable[None]]
 
 
 class Daemon:
@@ -56,6 +70,7 @@ class Daemon:
         notifier: Notifier,
         inventory_path: Optional[Path],
         bus_address: Optional[str],
+        steps: Mapping[str, Step],
         dry_run: bool = False,
         udev: bool = True,
     ) -> None:
@@ -68,12 +83,11 @@ class Daemon:
         self.bus_address = bus_address or bus_address_for(root.prefix)
         self.dry_run = dry_run or config.daemon.dry_run
         self.use_udev = udev
-        self.steps: dict[str, Step] = {"checkpoint": self._step_checkpoint}
+        self.steps = dict(steps)
         self.passes = 0
         self.started_wall = time.time()
         self.last_pass: dict[str, Any] = {}
         self.first_pass: dict[str, Any] = {}
-        self.last_kubelet_restart = -1e9
         self.first_pass_done = asyncio.Event()
         self.coalescer = self._make_coalescer()
         self.sd_source = SystemdSource(
@@ -85,6 +99,11 @@ class Daemon:
             runtime_units=config.systemd.runtime_units,
         )
         self.udev: Any = None
+
+    @property
+    def systemd(self) -> Optional[Systemd]:
+        """The live bus connection, None while the bus is down."""
+        return self.sd_source.client
 
     def _make_coalescer(self) -> Coalescer:
         d = self.config.daemon
@@ -199,7 +218,7 @@ class Daemon:
             if step is None:
                 continue
             try:
-                await step(ctx)
+                await step(self, ctx)
             except Exception as e:
                 self.log.event(
                     "reconciler-crashed",
@@ -254,38 +273,6 @@ class Daemon:
         except asyncio.TimeoutError:
             self.log.warning("GPU inventory: NVML did not answer in 30s")
         return None
-
-    async def _step_checkpoint(self, ctx: PassContext) -> None:
-        if ctx.inventory is None:
-            return
-        k = self.config.kubelet
-        cooled = time.monotonic() - self.last_kubelet_restart > KUBELET_RESTART_COOLDOWN
-        settings = CheckSettings(
-            checkpoint_path=k.checkpoint_path,
-            resources=tuple(k.resources),
-            policy=k.policy,
-            backup_dir=k.backup_dir,
-            backup_keep=k.backup_keep,
-            kubelet_unit=k.unit,
-            restart_kubelet=k.restart_kubelet and cooled,
-            dry_run=self.dry_run,
-            kubelet_stopped=False,
-            bus_address=self.bus_address,
-            reason="daemon: " + ctx.work.reasons[0],
-        )
-        try:
-            report = await check_checkpoint(
-                self.root, ctx.inventory, settings, self.log, systemd=self.sd_source.client
-            )
-        except GpuguardError as e:
-            ctx.findings.append(
-                Finding("checkpoint-corrupt", "checkpoint", e.message, severity="error")
-            )
-            return
-        if report.coordination.startswith("restart") and not self.dry_run:
-            self.last_kubelet_restart = time.monotonic()
-        ctx.findings += report.findings
-        ctx.outcomes += report.outcomes
 
     async def _run_hooks(self, work: Work, ctx: PassContext) -> None:
         from gpuguard.hooks import plan_hooks, run_hooks
