@@ -91,6 +91,71 @@ KINDS: dict[str, KindDoc] = {
         "Kubelet runs but could not be stopped or restarted through systemd (not a "
         "systemd unit, or the job failed). The checkpoint was not modified.",
     ),
+    # device nodes and /dev/char links (F2, F3)
+    "device-node-created": KindDoc(
+        "gpuguard created an NVIDIA device node",
+        "The driver registered the device (/proc/devices) but its node was missing, for "
+        "example /dev/nvidia-uvm, which the driver creates lazily. Without it a device "
+        "plugin that starts now would hand containers a set of devices without it (F3).",
+    ),
+    "device-node-missing": KindDoc(
+        "An NVIDIA device node is missing",
+        "The driver registered the device but its node does not exist, and CreateNodes=no.",
+    ),
+    "device-node-mismatch": KindDoc(
+        "An NVIDIA device node has other numbers than the driver registered",
+        "Left as it is: check what created it (a stale node from an older driver?).",
+    ),
+    "char-link-created": KindDoc(
+        "gpuguard created a /dev/char link for an NVIDIA node",
+        "runc writes a DeviceAllow= entry for a device, and systemd resolves one, only "
+        "through /dev/char/MAJ:MIN, which udev does not create for NVIDIA nodes. Without "
+        "it a daemon-reload wipes the GPU from containers (F2).",
+    ),
+    "char-link-missing": KindDoc(
+        "A /dev/char link for an NVIDIA node is missing",
+        "CreateCharLinks=no: grants of this node cannot be made durable.",
+    ),
+    # container device access (F2)
+    "container-device-denied": KindDoc(
+        "A GPU container's cgroup denies a device it was given",
+        "Inside the container nvidia-smi says 'Failed to initialize NVML: Unknown Error' "
+        "and CUDA returns error 30. Usual causes: systemctl daemon-reload/daemon-reexec "
+        "re-applied the container's scope without the device (systemd cgroup driver), or "
+        "the kubelet CPU manager's runc update rewrote the device cgroup. gpuguard "
+        "re-grants exactly the nodes the container has in its own /dev (CAUSE, DEVICE).",
+    ),
+    "container-device-missing": KindDoc(
+        "A GPU container lacks a device node the host has",
+        "Typically /dev/nvidia-uvm: the device plugin started before the node existed and "
+        "gave the container its GPUs without it (F3). A cgroup grant cannot add a node to a "
+        "container's /dev: restart the device plugin, then recreate the container.",
+    ),
+    "container-device-conflict": KindDoc(
+        "A container holds a GPU its records do not give it",
+        "The node is in the container's /dev but neither NVIDIA_VISIBLE_DEVICES nor the "
+        "kubelet checkpoint names that GPU. gpuguard never grants it.",
+    ),
+    "cgroup-v1-allow": KindDoc(
+        "gpuguard re-granted GPU devices in a container's cgroup",
+        "A direct write to the container's devices.allow restored the nodes it was given "
+        "(the fast path, microseconds). A durable grant follows where systemd manages the "
+        "container's scope.",
+    ),
+    "unit-device-allow": KindDoc(
+        "gpuguard made a container's GPU grant durable",
+        "A runtime DeviceAllow=/dev/char/MAJ:MIN on the container's systemd scope: later "
+        "daemon-reloads and reexecs re-apply the grant instead of wiping it.",
+    ),
+    "v2-report-only": KindDoc(
+        "GPU access lost on cgroup v2 without a systemd scope",
+        "The device policy is runc's BPF program, which gpuguard does not rewrite. "
+        "Recreate the container, or set V2Remedy=restart-container.",
+    ),
+    "restart-container": KindDoc(
+        "gpuguard stopped a container to restore its GPU access",
+        "V2Remedy=restart-container: kubelet recreates it with a fresh device policy.",
+    ),
     # daemon (issue: event-driven daemon)
     "daemon-started": KindDoc("gpuguard daemon started", "The daemon finished its first pass."),
     "daemon-stopping": KindDoc("gpuguard daemon stopping", "SIGTERM received; finishing the pass."),

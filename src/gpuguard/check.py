@@ -92,16 +92,6 @@ class CheckReport:
         return "\n".join(lines)
 
 
-def _log_findings(log: EventLog, findings: list[Finding]) -> None:
-    for f in findings:
-        log.event(
-            f.kind,
-            f.summary,
-            level=f.severity if f.severity != "info" else "info",
-            fields={"GPUGUARD_RECONCILER": f.reconciler, **f.fields},
-        )
-
-
 def run_check(root: Root, inventory: Inventory, s: CheckSettings, log: EventLog) -> CheckReport:
     """The CLI's entry: its own event loop, its own bus connection if one is needed."""
     return asyncio.run(check_checkpoint(root, inventory, s, log))
@@ -131,7 +121,8 @@ async def check_checkpoint(
         raise
     analysis = ckpt.analyse(cp, inventory, s.resources)
     report.findings = list(analysis.findings)
-    _log_findings(log, report.findings)
+    for f in report.findings:
+        log.finding(f)
     report.actions = list(ckpt.plan(analysis, path=path, raw=raw, policy=s.policy))
     if analysis.refused:
         report.result = f"not repaired: {analysis.refused}"
@@ -329,7 +320,8 @@ class CheckpointStep:
         self.last_restart = -1e18
 
     async def __call__(self, svc: Services, ctx: PassContext) -> None:
-        if ctx.inventory is None:
+        inventory = await ctx.inventory()
+        if inventory is None:
             return
         k = svc.config.kubelet
         cooled = self.clock() - self.last_restart > self.COOLDOWN
@@ -348,7 +340,7 @@ class CheckpointStep:
         )
         try:
             report = await check_checkpoint(
-                svc.root, ctx.inventory, settings, svc.log, systemd=svc.systemd
+                svc.root, inventory, settings, svc.log, systemd=svc.systemd
             )
         except GpuguardError as e:
             kind = (

@@ -199,6 +199,8 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     from gpuguard.check import CheckpointStep
     from gpuguard.daemon import Daemon
     from gpuguard.notify import Notifier
+    from gpuguard.steps.container_access import ContainerAccessStep
+    from gpuguard.steps.device_nodes import DeviceNodesStep
 
     root = _root(args)
     cfg = _config(args, root)
@@ -211,7 +213,14 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         notifier=Notifier(),
         inventory_path=_inventory_path(args, cfg),
         bus_address=_opt(args, "bus"),
-        steps={"checkpoint": CheckpointStep()},
+        # Order matters: nodes and links first (durable grants resolve /dev/char), the
+        # container access repair next (the urgent one after a daemon-reload), then the
+        # checkpoint, which may restart kubelet.
+        steps={
+            "device_nodes": DeviceNodesStep(),
+            "container_access": ContainerAccessStep(),
+            "checkpoint": CheckpointStep(),
+        },
         dry_run=args.dry_run,
         udev=not args.no_udev,
     )

@@ -34,12 +34,38 @@ PASS_STUCK_AFTER = 300.0  # a pass this old stops the watchdog pings: systemd re
 
 @dataclass
 class PassContext:
-    """One pass: why it runs, the GPUs as of now, and what the steps found and did."""
+    """One pass: why it runs, the GPUs, and what the steps found and did.
+
+    The inventory is loaded on first use: NVML can take a second to initialise, and
+    the container access repair after a daemon-reload must not wait for it (it uses
+    `previous_inventory`, the last pass's, when it needs GPU identities at all).
+    """
 
     work: Work
-    inventory: Optional[Inventory]
+    load_inventory: Callable[[], Awaitable[Optional[Inventory]]]
+    previous_inventory: Optional[Inventory] = None
     findings: list[Finding] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)
+    _inventory: Optional[Inventory] = None
+    _loaded: bool = False
+
+    async def inventory(self) -> Optional[Inventory]:
+        if not self._loaded:
+            self._inventory = await self.load_inventory()
+            self._loaded = True
+        return self._inventory
+
+    @property
+    def known_inventory(self) -> Optional[Inventory]:
+        return self._inventory if self._loaded else self.previous_inventory
+
+    async def device_inventory(self) -> Optional[Inventory]:
+        """The inventory for device work: a systemd event (reload, a unit start) does
+        not change the GPUs, so the last one serves and NVML is not waited for."""
+        systemd_only = all(r.startswith("systemd:") for r in self.work.reasons)
+        if systemd_only and self.previous_inventory is not None:
+            return self.known_inventory
+        return await self.inventory()
 
 
 class Services(Protocol):
@@ -88,6 +114,7 @@ class Daemon:
         self.started_wall = time.time()
         self.last_pass: dict[str, Any] = {}
         self.first_pass: dict[str, Any] = {}
+        self.inventory: Optional[Inventory] = None
         self.first_pass_done = asyncio.Event()
         self.coalescer = self._make_coalescer()
         self.sd_source = SystemdSource(
@@ -212,10 +239,9 @@ class Daemon:
     async def _run_pass(self, work: Work) -> None:
         started_wall, t0 = time.time(), time.monotonic()
         self.passes += 1
-        ctx = PassContext(work, await self._inventory())
-        for name in sorted(work.reconcilers):
-            step = self.steps.get(name)
-            if step is None:
+        ctx = PassContext(work, self._inventory, previous_inventory=self.inventory)
+        for name, step in self.steps.items():  # in the order main() gave: it matters
+            if name not in work.reconcilers:
                 continue
             try:
                 await step(self, ctx)
@@ -228,6 +254,8 @@ class Daemon:
                     exc=e,
                 )
         duration = time.monotonic() - t0
+        if ctx.known_inventory is not None:
+            self.inventory = ctx.known_inventory
         changed = [o for o in ctx.outcomes if o.status == "done"]
         self.last_pass = {
             "number": self.passes,
@@ -239,7 +267,7 @@ class Daemon:
             "duration_ms": round(duration * 1000, 2),
             "findings": [f.to_json() for f in ctx.findings],
             "outcomes": [o.to_json() for o in ctx.outcomes],
-            "gpus": len(ctx.inventory.gpus) if ctx.inventory else None,
+            "gpus": len(self.inventory.gpus) if self.inventory else None,
         }
         if not self.first_pass:
             self.first_pass = self.last_pass

@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable, Mapping, Optional, TextIO
 
 from gpuguard.catalog import message_id
+from gpuguard.model import Finding, Outcome
 
 LEVELS = {"debug": 7, "info": 6, "notice": 5, "warning": 4, "error": 3}
 
@@ -107,6 +108,31 @@ class EventLog:
             line["traceback"] = tb
         self.stream.write(json.dumps(line, ensure_ascii=False) + "\n")
         self.stream.flush()
+
+    def finding(self, f: Finding) -> None:
+        self.event(
+            f.kind,
+            f.summary,
+            level=f.severity,
+            fields={"GPUGUARD_RECONCILER": f.reconciler, **f.fields},
+        )
+
+    def outcome(self, o: Outcome) -> None:
+        """One journal entry per change (or declined/failed change), with its reason."""
+        a = o.action
+        level = {"done": "notice", "failed": "error", "declined": "warning"}.get(o.status, "info")
+        detail = f": {o.detail}" if o.detail else ""
+        self.event(
+            a.kind,
+            f"{a.describe()} [{o.status}{detail}]",
+            level=level,
+            fields={
+                "GPUGUARD_RECONCILER": a.reconciler,
+                "GPUGUARD_ACTION": a.kind,
+                "GPUGUARD_STATUS": o.status,
+                **a.fields(),
+            },
+        )
 
     def debug(self, msg: str, **fields: Any) -> None:
         self.event("debug", msg, level="debug", fields=fields)

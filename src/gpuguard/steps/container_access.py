@@ -1,0 +1,302 @@
+"""The container_access step (F2): GPU containers keep exactly the devices they were given.
+
+Per pass: find GPU containers, read what their cgroup admits, and
+1. re-grant what is denied by the fastest path first: a direct write to the v1
+   devices.allow (microseconds per container), so CUDA works again at once;
+2. then make grants durable: a runtime DeviceAllow=/dev/char/MAJ:MIN on the
+   container's systemd scope, so the next daemon-reload/reexec re-applies them
+   instead of wiping them. This is also done for containers whose access is still
+   intact, as soon as they are seen (a new scope's UnitNew marks this step), so a
+   reload never wipes them in the first place.
+Entitlements (what a container was given) are read once per container process and
+cached; a pass after a reload only re-reads devices.list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, AbstractSet, Mapping, Optional
+
+from gpuguard.devices.audit import (
+    AccessKey,
+    CgroupV1Allow,
+    RestartContainer,
+    UnitDeviceAllow,
+    V2ReportOnly,
+    audit,
+    verdicts_from_rules,
+)
+from gpuguard.devices.cgroupio import CgroupWriteError, read_devices_list, write_allow
+from gpuguard.devices.containers import ContainerCgroup, detect_layout, discover_containers
+from gpuguard.devices.entitlement import Entitlement, read_entitlement
+from gpuguard.devices.nodes import (
+    DeviceNode,
+    list_nvidia_nodes,
+    nvidia_majors,
+    read_proc_devices,
+)
+from gpuguard.devices.probe import probe_open
+from gpuguard.devices.rules import DeviceRules
+from gpuguard.inventory import Inventory
+from gpuguard.model import Action, Outcome
+from gpuguard.paths import Root
+
+if TYPE_CHECKING:
+    from gpuguard.daemon import PassContext, Services
+    from gpuguard.systemd import Systemd
+
+NAME = "container_access"
+SCOPE_IFACE = "org.freedesktop.systemd1.Scope"
+
+
+@dataclass(frozen=True)
+class AccessView:
+    containers: tuple[ContainerCgroup, ...]
+    entitlements: Mapping[tuple[str, str], Entitlement]
+    access: Mapping[AccessKey, Optional[bool]]
+    rules: Mapping[str, DeviceRules]
+
+
+def checkpoint_ids(root: Root, path: str) -> dict[str, set[str]]:
+    """pod UID -> device IDs from the kubelet checkpoint; {} when it cannot be read."""
+    from gpuguard.checkpoint import load
+    from gpuguard.errors import BadInputError
+
+    try:
+        cp = load(root.path(path)).checkpoint
+    except (BadInputError, OSError):
+        return {}
+    out: dict[str, set[str]] = {}
+    for e in cp.entries or ():
+        out.setdefault(e.pod_uid, set()).update(e.all_device_ids())
+    return out
+
+
+class AccessObserver:
+    """Reads the host for the step; caches each container's entitlement by its PID."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[str, str], tuple[int, Entitlement]] = {}
+
+    def observe(
+        self, root: Root, inventory: Optional[Inventory], checkpoint_path: str
+    ) -> Optional[AccessView]:
+        majors = nvidia_majors(read_proc_devices(root))
+        if majors.nvidia is None:
+            return None  # driver not loaded: no GPU node can be granted
+        containers = discover_containers(root, detect_layout(root))
+        gpus = inventory.gpus if inventory is not None else ()
+        host_nodes: Optional[tuple[DeviceNode, ...]] = None
+        ckpt: Optional[dict[str, set[str]]] = None
+        ents: dict[tuple[str, str], Entitlement] = {}
+        live = set()
+        for c in containers:
+            live.add(c.key)
+            cached = self._cache.get(c.key)
+            if cached is not None and cached[0] in c.pids:
+                ents[c.key] = cached[1]
+                continue
+            if host_nodes is None:
+                host_nodes = list_nvidia_nodes(root, majors)
+                ckpt = checkpoint_ids(root, checkpoint_path)
+            ent = read_entitlement(root, c, host_nodes, majors, gpus, ckpt or {})
+            ents[c.key] = ent
+            if ent.readable and c.pids:
+                self._cache[c.key] = (c.pids[0], ent)
+        for gone in set(self._cache) - live:
+            del self._cache[gone]
+        access: dict[AccessKey, Optional[bool]] = {}
+        rules: dict[str, DeviceRules] = {}
+        for c in containers:
+            ent = ents[c.key]
+            if not ent.is_gpu_container:
+                continue
+            if c.cgroup_v1_devices is not None:
+                try:
+                    r = read_devices_list(c.cgroup_v1_devices)
+                except OSError:
+                    continue  # the container went away
+                rules[c.container_id] = r
+                access.update(verdicts_from_rules(c.container_id, ent.nodes, r))
+            elif c.cgroup_v2 is not None:
+                for n in ent.nodes:
+                    res = probe_open(root.path(n.path), [c.cgroup_v2])
+                    access[(c.container_id, n.numbers)] = res.verdict
+        return AccessView(tuple(containers), ents, access, rules)
+
+
+def plan_durable(
+    view: AccessView,
+    planned: tuple[Action, ...],
+    durable: Mapping[str, AbstractSet[str]],
+    links: AbstractSet[str],
+) -> tuple[UnitDeviceAllow, ...]:
+    """DeviceAllow= for GPU containers whose scope does not carry their grant yet.
+
+    `durable`: unit -> device numbers its DeviceAllow= already has (only units we
+    know); `links`: the /dev/char paths that exist (systemd resolves through them).
+    """
+    already = {a.unit: set(a.numbers) for a in planned if isinstance(a, UnitDeviceAllow)}
+    out: list[UnitDeviceAllow] = []
+    for c in view.containers:
+        ent = view.entitlements.get(c.key)
+        if c.unit is None or ent is None or not ent.readable or not ent.is_gpu_container:
+            continue
+        have = set(durable.get(c.unit, ())) | already.get(c.unit, set())
+        todo = [n for n in ent.nodes if n.numbers not in have and n.dev_char in links]
+        if not todo:
+            continue
+        out.append(
+            UnitDeviceAllow(
+                reconciler=NAME,
+                reason="make the grant durable before any daemon-reload can wipe it",
+                target=c.unit,
+                unit=c.unit,
+                devices=tuple((n.dev_char, "rw") for n in todo),
+                pod_uid=c.pod_uid,
+                container_id=c.container_id,
+                nodes=tuple(n.path for n in todo),
+                numbers=tuple(n.numbers for n in todo),
+            )
+        )
+    return tuple(out)
+
+
+def _numbers_of(root: Root, path: str) -> Optional[str]:
+    name = os.path.basename(path)
+    if path.startswith("/dev/char/") and ":" in name:
+        return name
+    try:
+        st = os.stat(root.path(path))
+    except OSError:
+        return None
+    return f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
+
+
+class ContainerAccessStep:
+    def __init__(self) -> None:
+        self.observer = AccessObserver()
+        self.durable: dict[str, set[str]] = {}  # unit -> numbers in its DeviceAllow=
+
+    async def __call__(self, svc: Services, ctx: PassContext) -> None:
+        cfg = svc.config
+        view = await asyncio.to_thread(
+            self.observer.observe, svc.root, ctx.known_inventory, cfg.kubelet.checkpoint_path
+        )
+        if view is None:
+            return
+        findings, actions = audit(
+            view.containers,
+            view.entitlements,
+            view.access,
+            device_rules=view.rules,
+            restart_on_v2=cfg.devices.v2_remedy == "restart-container",
+        )
+        for f in findings:
+            svc.log.finding(f)
+        ctx.findings += findings
+        if not cfg.devices.regrant:
+            return
+        # 1. the fast path: direct cgroup writes, before anything slower
+        outcomes = [self._v1(a, svc) for a in actions if isinstance(a, CgroupV1Allow)]
+        # 2. durable grants through systemd
+        systemd = svc.systemd
+        units = [a for a in actions if isinstance(a, UnitDeviceAllow)]
+        if cfg.devices.durable_grants and systemd is not None:
+            await self._learn_durable(systemd, view, svc.root)
+            links = {
+                n.dev_char
+                for e in view.entitlements.values()
+                for n in e.nodes
+                if os.path.lexists(svc.root.path(n.dev_char))
+            }
+            units += plan_durable(view, tuple(units), self.durable, links)
+        outcomes += await asyncio.gather(*(self._unit(a, svc, systemd) for a in units))
+        for a in actions:
+            if isinstance(a, (V2ReportOnly, RestartContainer)):
+                outcomes.append(self._other(a, svc))
+        for o in outcomes:
+            svc.log.outcome(o)
+        ctx.outcomes += outcomes
+
+    def _v1(self, a: CgroupV1Allow, svc: Services) -> Outcome:
+        if svc.dry_run:
+            return Outcome(a, "dry-run", "would write " + "; ".join(a.rules))
+        try:
+            write_allow(Path(a.cgroup_dir), a.rules)
+        except (CgroupWriteError, OSError) as e:
+            return Outcome(a, "failed", str(e))
+        return Outcome(a, "done", "wrote " + "; ".join(a.rules))
+
+    async def _unit(self, a: UnitDeviceAllow, svc: Services, sd: Optional[Systemd]) -> Outcome:
+        from dbus_next import Variant
+
+        from gpuguard.systemd import SystemdError
+
+        if svc.dry_run:
+            return Outcome(
+                a, "dry-run", "would set DeviceAllow= " + ", ".join(d for d, _ in a.devices)
+            )
+        if sd is None:
+            return Outcome(a, "failed", "system bus down; the next pass retries")
+        value = Variant("a(ss)", [[dev, perm] for dev, perm in a.devices])
+        try:
+            await sd.set_unit_properties(a.unit, a.runtime, [("DeviceAllow", value)])
+        except SystemdError as e:
+            return Outcome(a, "failed", str(e))
+        self.durable.setdefault(a.unit, set()).update(a.numbers)
+        return Outcome(a, "done", "DeviceAllow=" + " ".join(d for d, _ in a.devices))
+
+    def _other(self, a: Action, svc: Services) -> Outcome:
+        if isinstance(a, V2ReportOnly):
+            return Outcome(
+                a,
+                "declined",
+                "cgroup v2 without a systemd scope: gpuguard does not rewrite runc's device "
+                "program; recreate the container (V2Remedy=restart-container does it)",
+            )
+        assert isinstance(a, RestartContainer)
+        if svc.dry_run:
+            return Outcome(a, "dry-run", "would stop the container through the CRI")
+        from gpuguard.commands import CommandError, run
+
+        dp = svc.config.device_plugin
+        try:
+            res = run([dp.crictl, "--runtime-endpoint", dp.cri_endpoint, "stop", a.container_id])
+        except CommandError as e:
+            return Outcome(a, "failed", str(e))
+        if res.returncode != 0:
+            return Outcome(a, "failed", res.stderr.strip()[:200])
+        return Outcome(a, "done", "stopped; kubelet recreates it")
+
+    async def _learn_durable(self, sd: Systemd, view: AccessView, root: Root) -> None:
+        """Ask systemd once per scope what its DeviceAllow= already holds."""
+        from gpuguard.systemd import PROPS, SystemdError
+
+        todo = [
+            c.unit
+            for c in view.containers
+            if c.unit is not None
+            and c.unit not in self.durable
+            and view.entitlements.get(c.key) is not None
+            and view.entitlements[c.key].is_gpu_container
+        ]
+        live_units = {c.unit for c in view.containers if c.unit}
+        for gone in set(self.durable) - live_units:
+            del self.durable[gone]
+
+        async def learn(unit: str) -> None:
+            try:
+                path = await sd.unit_path(unit)
+                (v,) = await sd.call(
+                    "Get", "ss", [SCOPE_IFACE, "DeviceAllow"], path=path, interface=PROPS
+                )
+            except SystemdError:
+                return
+            numbers = {_numbers_of(root, dev) for dev, _perm in v.value}
+            self.durable[unit] = {n for n in numbers if n}
+
+        await asyncio.gather(*(learn(u) for u in todo))

@@ -1,0 +1,86 @@
+"""The device_nodes step: NVIDIA nodes and /dev/char links exist while the driver is up."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Sequence
+
+from gpuguard.actuate.devnodes import DeviceNodeActuator
+from gpuguard.devices.nodes import (
+    DeviceNode,
+    LinkState,
+    check_dev_char_links,
+    expected_nodes,
+    list_nvidia_nodes,
+    nvidia_majors,
+    read_cap_minors,
+    read_loaded_modules,
+    read_proc_devices,
+)
+from gpuguard.inventory import Inventory
+from gpuguard.model import Action, Finding, Outcome
+from gpuguard.paths import Root
+from gpuguard.reconcilers import device_nodes
+
+if TYPE_CHECKING:
+    from gpuguard.daemon import PassContext, Services
+
+
+@dataclass(frozen=True)
+class NodesView:
+    loaded: bool  # the nvidia major is registered: the driver is up
+    expected: tuple[DeviceNode, ...]
+    existing: tuple[DeviceNode, ...]
+    links: tuple[LinkState, ...]
+
+
+def observe_nodes(root: Root, inventory: Optional[Inventory]) -> NodesView:
+    majors = nvidia_majors(read_proc_devices(root))
+    if majors.nvidia is None or inventory is None:
+        return NodesView(False, (), (), ())
+    modules = read_loaded_modules(root)
+    expected = expected_nodes(
+        inventory.gpus, majors, read_cap_minors(root), modeset="nvidia_modeset" in modules
+    )
+    return NodesView(
+        True, expected, list_nvidia_nodes(root, majors), check_dev_char_links(root, expected)
+    )
+
+
+def plan_nodes(
+    view: NodesView, *, create_nodes: bool, create_links: bool
+) -> tuple[tuple[Finding, ...], tuple[Action, ...]]:
+    if not view.loaded:
+        return (), ()
+    return device_nodes.plan(
+        view.expected,
+        view.existing,
+        view.links,
+        create_nodes=create_nodes,
+        create_links=create_links,
+    )
+
+
+def apply_all(actuator: DeviceNodeActuator, actions: Sequence[Action]) -> list[Outcome]:
+    # Nodes before links: a link is only planned for a node that exists or is created.
+    ordered = sorted(actions, key=lambda a: a.kind != "device-node-created")
+    return [actuator.apply(a) for a in ordered]
+
+
+class DeviceNodesStep:
+    async def __call__(self, svc: Services, ctx: PassContext) -> None:
+        inventory = await ctx.device_inventory()
+        cfg = svc.config.devices
+        view = await asyncio.to_thread(observe_nodes, svc.root, inventory)
+        findings, actions = plan_nodes(
+            view, create_nodes=cfg.create_nodes, create_links=cfg.create_char_links
+        )
+        for f in findings:
+            svc.log.finding(f)
+        ctx.findings += findings
+        if actions:
+            actuator = DeviceNodeActuator(
+                svc.root, svc.log, nvidia_modprobe=cfg.nvidia_modprobe, dry_run=svc.dry_run
+            )
+            ctx.outcomes += await asyncio.to_thread(apply_all, actuator, actions)
