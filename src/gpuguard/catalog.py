@@ -188,6 +188,60 @@ KINDS: dict[str, KindDoc] = {
         "others. Fix the ownership/mode of the file in MESSAGE.",
     ),
     "hook-failed": KindDoc("Operator hook failed", "A hook exited non-zero or timed out."),
+    # device plugin (F3, F4)
+    "plugin-missing-device": KindDoc(
+        "The GPU device plugin does not see an NVIDIA device node the host has",
+        "The NVIDIA device plugin hands containers /dev/nvidiactl, /dev/nvidia-uvm, "
+        "/dev/nvidia-uvm-tools and /dev/nvidia-modeset only if it finds them in its own "
+        "/dev, which is fixed when it starts. It started before the node existed (uvm is "
+        "created lazily), so the GPU containers it sets up lack the node and CUDA fails "
+        "with 'unknown error'. gpuguard restarts the plugin, within CoolDown and "
+        "MaxRestartsPerHour ([DevicePlugin] in gpuguard.conf).",
+    ),
+    "plugin-not-registered": KindDoc(
+        "A GPU device plugin did not register again after kubelet started",
+        "Kubelet removes the plugin sockets when it starts; a plugin must serve a new "
+        "socket and register, or the node advertises no GPUs (allocatable nvidia.com/gpu "
+        "is 0). RegistrationGrace passed without that. gpuguard restarts the plugin when "
+        "its process is known; otherwise check the plugin's pod.",
+    ),
+    "plugin-not-serving": KindDoc(
+        "A device plugin socket has no listening process",
+        "The plugin exited and left its socket behind. Kubelet or the container runtime "
+        "should start it again; if this persists, check the plugin pod's logs.",
+    ),
+    "container-missing-uvm": KindDoc(
+        "A GPU container has no /dev/nvidia-uvm",
+        "It was set up by a device plugin that did not see /dev/nvidia-uvm. Granting "
+        "access in its cgroup cannot add a node to its /dev: delete its pod so it is "
+        "recreated (after the plugin was restarted).",
+    ),
+    "plugin-restarted": KindDoc(
+        "gpuguard restarted a GPU device plugin",
+        "Through the container runtime (crictl stop / ctr task kill, so kubelet recreates "
+        "the container), systemd (a host service) or, as a last resort, SIGTERM. METHOD "
+        "says which; REASON/MISSING why. A plugin-recovered or plugin-restart-failed entry "
+        "follows.",
+    ),
+    "plugin-restart-declined": KindDoc(
+        "gpuguard did not restart a GPU device plugin that needs it",
+        "REASON: disabled (Restart=no or MaxRestartsPerHour=0), cool-down (it started less "
+        "than CoolDown ago), budget (MaxRestartsPerHour reached), back-off (earlier attempts "
+        "failed), pending (an earlier restart is being verified) or dry-run. Budgets "
+        "persist in /var/lib/gpuguard/plugin-restarts.json.",
+    ),
+    "plugin-recovered": KindDoc(
+        "A restarted GPU device plugin is back and healthy",
+        "A new plugin process serves the socket and its /dev has every NVIDIA node the "
+        "host has. Containers set up before still lack the nodes (see "
+        "container-missing-uvm).",
+    ),
+    "plugin-restart-failed": KindDoc(
+        "Restarting a GPU device plugin did not help",
+        "The restart command failed, no new plugin came up in time, or the new plugin still "
+        "lacks a node. gpuguard backs off exponentially and stops at MaxRestartsPerHour. "
+        "Check the plugin pod (kubectl describe) and how its /dev is populated.",
+    ),
 }
 
 
