@@ -1,0 +1,143 @@
+"""GPU "containers" as systemd scopes in a namespace harness, the way the systemd cgroup
+driver lays them out: kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-
+pod<uid>.slice/cri-containerd-<id>.scope, each process in its own mount namespace whose
+/dev holds exactly the nodes "the runtime gave it" (a directory of fake nodes made with
+mknod in the test's tmp dir, bound over its /dev). Its device cgroup gets the nodes the
+way the legacy NVIDIA hook grants them: written to devices.allow behind systemd's back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+from integration.gpuguard_ns import wait_for
+from integration.harness import SystemdNamespace
+
+UVM_MAJOR = 511
+NODES: Dict[str, Tuple[int, int]] = {
+    "nvidiactl": (195, 255),
+    "nvidia-uvm": (UVM_MAJOR, 0),
+    "nvidia-uvm-tools": (UVM_MAJOR, 1),
+}
+
+
+def fake_proc_devices(path: Path) -> Path:
+    """The host's /proc/devices plus what a loaded NVIDIA driver registers."""
+    text = Path("/proc/devices").read_text()
+    head, _, tail = text.partition("\nBlock devices:")
+    path.write_text(
+        head.rstrip("\n") + f"\n195 nvidia\n{UVM_MAJOR} nvidia-uvm\n\nBlock devices:" + tail
+    )
+    return path
+
+
+def gpu_inventory(n: int) -> dict:  # type: ignore[type-arg]
+    return {
+        "gpus": [
+            {
+                "uuid": f"GPU-{uuid.UUID(int=i + 1)}",
+                "index": i,
+                "minor": i,
+                "pci_bus_id": f"00000000:{i + 0x10:02X}:00.0",
+            }
+            for i in range(n)
+        ]
+    }
+
+
+@dataclass
+class Container:
+    pod_uid: str
+    container_id: str
+    gpus: Tuple[int, ...]
+
+    @property
+    def unit(self) -> str:
+        return f"cri-containerd-{self.container_id}.scope"
+
+    @property
+    def slice(self) -> str:
+        return f"kubepods-besteffort-pod{self.pod_uid.replace('-', '_')}.slice"
+
+    def cgroup(self, ns: SystemdNamespace) -> Path:
+        return (
+            ns.cgroup_dir("devices")
+            / "kubepods.slice/kubepods-besteffort.slice"
+            / self.slice
+            / self.unit
+        )
+
+    def given(self) -> List[Tuple[int, int]]:
+        return [(195, g) for g in self.gpus] + list(NODES.values())
+
+    def devices_list(self, ns: SystemdNamespace) -> str:
+        return (self.cgroup(ns) / "devices.list").read_text()
+
+
+def make_dev_dir(path: Path, gpus: Sequence[int]) -> Path:
+    path.mkdir(parents=True)
+    for name, (ma, mi) in [(f"nvidia{g}", (195, g)) for g in gpus] + list(NODES.items()):
+        os.mknod(path / name, stat.S_IFCHR | 0o666, os.makedev(ma, mi))
+    (path / "null").touch()  # the shell redirects to /dev/null
+    return path
+
+
+def dev_binds(tmp: Path, containers: Sequence[Container]) -> Dict[str, Path]:
+    return {
+        f"/run/ctrdev/{c.container_id[:12]}": make_dev_dir(
+            tmp / f"dev-{c.container_id[:12]}", c.gpus
+        )
+        for c in containers
+    }
+
+
+def start(ns: SystemdNamespace, c: Container, *, hook_grant: bool = True) -> None:
+    """Start the container's scope; grant its nodes like the legacy NVIDIA hook does."""
+    ns.popen(
+        [
+            "systemd-run",
+            "--scope",
+            "--quiet",
+            f"--unit={c.unit}",
+            f"--slice={c.slice}",
+            "-p",
+            "DevicePolicy=strict",
+            "-p",
+            "DeviceAllow=/dev/null rw",
+            "unshare",
+            "-m",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            f"mount --bind /run/ctrdev/{c.container_id[:12]} /dev && exec sleep 3000",
+        ]
+    )
+    procs = c.cgroup(ns) / "cgroup.procs"
+    wait_for(lambda: procs.exists() and procs.read_text().strip(), what=f"{c.unit} running")
+    if hook_grant:
+        with open(c.cgroup(ns) / "devices.allow", "w") as f:
+            for ma, mi in c.given():
+                f.write(f"c {ma}:{mi} rw")
+                f.flush()
+
+
+def containers(n: int, gpus_per_node: int = 2) -> List[Container]:
+    return [
+        Container(
+            str(uuid.UUID(int=0xA000 + i)),
+            hashlib.sha256(b"ctr%d" % i).hexdigest(),
+            (i % gpus_per_node,),
+        )
+        for i in range(n)
+    ]
+
+
+def has(c: Container, ns: SystemdNamespace, numbers: Tuple[int, int]) -> bool:
+    return f"c {numbers[0]}:{numbers[1]} rw" in c.devices_list(ns)
