@@ -216,6 +216,11 @@ KINDS: dict[str, KindDoc] = {
         "access in its cgroup cannot add a node to its /dev: delete its pod so it is "
         "recreated (after the plugin was restarted).",
     ),
+    "restart-plugin": KindDoc(
+        "gpuguard plans to restart a GPU device plugin",
+        "The action behind plugin-restarted / plugin-restart-declined (GPUGUARD_ACTION); "
+        "hooks and --dry-run show it with the plugin and the reason.",
+    ),
     "plugin-restarted": KindDoc(
         "gpuguard restarted a GPU device plugin",
         "Through the container runtime (crictl stop / ctr task kill, so kubelet recreates "
