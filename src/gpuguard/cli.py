@@ -127,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "config", parents=[common], help="check the configuration and print the effective values"
     )
+    st = sub.add_parser(
+        "status", parents=[common], help="per GPU container: is its device access intact?"
+    )
+    st.add_argument("--json", action="store_true")
     sub.add_parser("catalog", parents=[common], help="print the journal message catalog")
     return parser
 
@@ -186,11 +190,70 @@ def cmd_check(args: argparse.Namespace) -> int:
         reason=args.reason,
     )
     report = run_check(root, inventory, settings, log)
+    doc = report.to_json()
+    code = report.exit_code
+    if args.only is None:
+        import asyncio
+
+        from gpuguard.oneshot import OneShotServices, run_device_steps
+        from gpuguard.systemd import bus_address_for
+
+        svc = OneShotServices(
+            root, cfg, log, settings.dry_run, _opt(args, "bus") or bus_address_for(root.prefix)
+        )
+        findings, outcomes = asyncio.run(run_device_steps(svc, inventory))
+        doc["devices"] = {
+            "findings": [f.to_json() for f in findings],
+            "outcomes": [o.to_json() for o in outcomes],
+        }
+        left = [o for o in outcomes if o.status not in ("done", "skipped")]
+        if (left or (findings and not outcomes)) and code == exitcodes.OK:
+            code = exitcodes.FINDINGS
+        doc["exit_code"] = code
     if args.json:
-        print(json.dumps(report.to_json(), indent=2))
+        print(json.dumps(doc, indent=2))
     else:
         print(report.render())
-    return report.exit_code
+        for f in doc.get("devices", {}).get("findings", []):
+            print(f"{f['severity'] + ':':11} {f['summary']}")
+        for o in doc.get("devices", {}).get("outcomes", []):
+            print(f"{o['status'] + ':':11} {o['kind']} {o['target']}: {o['detail']}")
+    return code
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from gpuguard.errors import NoDriverError
+    from gpuguard.inventory import load_inventory
+    from gpuguard.oneshot import container_status, daemon_status
+
+    root = _root(args)
+    cfg = _config(args, root)
+    try:
+        inventory = load_inventory(_inventory_path(args, cfg))
+    except NoDriverError:
+        inventory = None
+    rows = container_status(root, cfg, inventory)
+    daemon = daemon_status(root)
+    if args.json:
+        print(json.dumps({"daemon": daemon, "containers": rows}, indent=2))
+    else:
+        if daemon is None:
+            print("daemon:     not running (no status file)")
+        else:
+            last = daemon.get("last_pass") or {}
+            print(
+                f"daemon:     pid {daemon['pid']}, {daemon['passes']} pass(es); last: "
+                f"{', '.join(last.get('reasons', [])[:2])} with "
+                f"{len(last.get('findings', []))} finding(s)"
+            )
+        print(f"containers: {len(rows)} with GPUs")
+        for r in rows:
+            what = r["access"] if r["access"] != "denied" else "DENIED " + ", ".join(r["denied"])
+            print(f"  pod {r['pod_uid']} {r['container_id'][:12]} {', '.join(r['nodes'])}: {what}")
+            for p in r["problems"]:
+                print(f"    {p}")
+    bad = any(r["access"] != "ok" or r["missing"] for r in rows)
+    return exitcodes.FINDINGS if bad else exitcodes.OK
 
 
 def cmd_daemon(args: argparse.Namespace) -> int:
@@ -350,6 +413,7 @@ COMMANDS = {
     "check": cmd_check,
     "daemon": cmd_daemon,
     "config": cmd_config,
+    "status": cmd_status,
     "checkpoint-inspect": cmd_checkpoint_inspect,
     "checkpoint-canonical": cmd_checkpoint_canonical,
     "catalog": cmd_catalog,

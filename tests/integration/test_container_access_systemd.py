@@ -108,3 +108,43 @@ def test_new_container_is_made_durable_before_any_reload(systemd_ns, tmp_path) -
     settle(ns)
     assert len(events(ns, "cgroup-v1-allow")) == before
     assert all(not has(c, ns, (195, 1 - c.gpus[0])) for c in ctrs)
+
+
+def test_status_reports_and_oneshot_check_repairs(systemd_ns, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from integration.gpuguard_ns import GPUGUARD
+
+    ctrs = containers(2)
+    ns = _boot(systemd_ns, tmp_path, ctrs)
+    for c in ctrs:
+        start(ns, c)
+    ns.systemctl("daemon-reload")  # wipes both (gpuguard not running)
+    # The nodes and links a running daemon would have made: check makes them too.
+    res = ns.run([str(GPUGUARD), "status", "--json"])
+    assert res.returncode == 0, res.stderr  # no host nodes yet: nothing to judge
+    check = ns.run([str(GPUGUARD), "check", "--json"], timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+    doc = json.loads(check.stdout)
+    kinds = [o["kind"] for o in doc["devices"]["outcomes"] if o["status"] == "done"]
+    assert "device-node-created" in kinds and "cgroup-v1-allow" in kinds
+    assert "unit-device-allow" in kinds
+    status = json.loads(ns.run([str(GPUGUARD), "status", "--json"], check=True).stdout)
+    rows = {r["container_id"]: r for r in status["containers"]}
+    assert {rows[c.container_id]["access"] for c in ctrs} == {"ok"}
+    ns.systemctl("daemon-reload")  # durable now, even without the daemon
+    assert all(has(c, ns, (195, c.gpus[0])) for c in ctrs)
+    # A wipe behind everyone's back shows up in status as DENIED with exit code 1.
+    ns.run(
+        [
+            "sh",
+            "-c",
+            f"echo 'c 195:{ctrs[0].gpus[0]} rw' > "
+            f"/sys/fs/cgroup/devices/kubepods.slice/kubepods-besteffort.slice/"
+            f"{ctrs[0].slice}/{ctrs[0].unit}/devices.deny",
+        ],
+        check=True,
+    )
+    res = ns.run([str(GPUGUARD), "status", "--json"])
+    assert res.returncode == 1
+    rows = {r["container_id"]: r for r in json.loads(res.stdout)["containers"]}
+    assert rows[ctrs[0].container_id]["denied"] == [f"/dev/nvidia{ctrs[0].gpus[0]}"]
+    assert rows[ctrs[1].container_id]["access"] == "ok"

@@ -1,0 +1,101 @@
+"""The device steps outside the daemon: `gpuguard check` runs them once, `gpuguard status`
+reads the same observations without acting."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from gpuguard.coalescer import Work
+from gpuguard.config import Config
+from gpuguard.daemon import STATUS_FILE, PassContext
+from gpuguard.devices.audit import audit
+from gpuguard.inventory import Inventory
+from gpuguard.log import EventLog
+from gpuguard.model import Finding, Outcome
+from gpuguard.paths import Root
+from gpuguard.steps.container_access import AccessObserver, ContainerAccessStep
+from gpuguard.steps.device_nodes import DeviceNodesStep
+from gpuguard.systemd import Systemd, SystemdError
+
+
+@dataclass
+class OneShotServices:
+    root: Root
+    config: Config
+    log: EventLog
+    dry_run: bool
+    bus_address: str
+    client: Optional[Systemd] = None
+
+    @property
+    def systemd(self) -> Optional[Systemd]:
+        return self.client
+
+
+async def run_device_steps(
+    svc: OneShotServices, inventory: Optional[Inventory]
+) -> tuple[list[Finding], list[Outcome]]:
+    async def load() -> Optional[Inventory]:
+        return inventory
+
+    now = time.monotonic()
+    ctx = PassContext(Work(frozenset(), ("check",), now, now), load, previous_inventory=inventory)
+    sd = Systemd(svc.bus_address, max_in_flight=svc.config.systemd.max_in_flight)
+    try:
+        await sd.connect()
+        svc.client = sd
+    except SystemdError:
+        svc.client = None  # no systemd: direct cgroup repairs only
+    try:
+        await DeviceNodesStep()(svc, ctx)
+        await ContainerAccessStep()(svc, ctx)
+    finally:
+        sd.disconnect()
+    return ctx.findings, ctx.outcomes
+
+
+def container_status(
+    root: Root, cfg: Config, inventory: Optional[Inventory]
+) -> list[dict[str, Any]]:
+    view = AccessObserver().observe(root, inventory, cfg.kubelet.checkpoint_path)
+    if view is None:
+        return []
+    findings, _ = audit(view.containers, view.entitlements, view.access, device_rules=view.rules)
+    rows = []
+    for c in view.containers:
+        ent = view.entitlements.get(c.key)
+        if ent is None or not ent.is_gpu_container:
+            continue
+        denied = [
+            n.path for n in ent.nodes if view.access.get((c.container_id, n.numbers)) is False
+        ]
+        unknown = [
+            n.path for n in ent.nodes if view.access.get((c.container_id, n.numbers)) is None
+        ]
+        problems = [f.summary for f in findings if f.fields.get("CONTAINER_ID") == c.container_id]
+        rows.append(
+            {
+                "pod_uid": c.pod_uid,
+                "container_id": c.container_id,
+                "unit": c.unit,
+                "driver": c.driver,
+                "nodes": [n.path for n in ent.nodes],
+                "missing": [n.path for n in ent.missing],
+                "denied": denied,
+                "unknown": unknown,
+                "access": "denied" if denied else ("unknown" if unknown else "ok"),
+                "problems": problems,
+            }
+        )
+    return rows
+
+
+def daemon_status(root: Root) -> Optional[dict[str, Any]]:
+    try:
+        doc: dict[str, Any] = json.loads(root.path(STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc
