@@ -9,7 +9,10 @@ the multiply carries upward only, so hashing a segment of length m from state h 
 h * P**m + C(h & 255) (mod 2**32). C depends on the segment and the low byte alone: a
 256-entry table per segment, computed for all 256 low bytes at once with 64-bit lanes
 packed into one Python int. Segments that repeat (the constant parts of every entry,
-identical AllocResp blobs, identical device lists) then cost one step each.
+identical device lists, the top-level protobuf fields of AllocResp values: the same
+env for the same GPUs, the same /dev/nvidia* specs) then cost one step each; a cost
+model decides which segments get a table. AllocResp bytes nobody repeats are hashed
+through per-byte tables of the tokens " 0" .. " 255" (one step per byte).
 """
 
 from __future__ import annotations
@@ -68,13 +71,13 @@ def _registered(cp: Checkpoint) -> str:
 
 
 # A rendering cut into segments; bytes stand for an AllocResp value still to render.
-Segment = Union[str, bytes]
+RenderSegment = Union[str, bytes]
 
 
-def _segments(cp: Checkpoint) -> List[Segment]:
+def _segments(cp: Checkpoint) -> List[RenderSegment]:
     fmt = cp.effective_format()
     dev = _DEV[fmt]
-    segs: List[Segment] = []
+    segs: List[RenderSegment] = []
     if cp.entries is None:
         segs.append(_TOP + "<nil>" + _REG)
     elif not cp.entries:
@@ -96,7 +99,7 @@ def _segments(cp: Checkpoint) -> List[Segment]:
     return segs
 
 
-def _text(seg: Segment) -> str:
+def _text(seg: RenderSegment) -> str:
     return _alloc(seg) if isinstance(seg, bytes) else seg
 
 
@@ -130,44 +133,239 @@ _LANE_MASK = _LANE_ONES * MASK
 _LANE_START = sum(j << (64 * j) for j in range(256))  # lane j starts at low byte j
 _LANE_BYTE = tuple(_LANE_ONES * c for c in range(256))
 _UNPACK = struct.Struct("<256Q")
+_HIGH = MASK & ~0xFF
+
+# A table: (P**len mod 2**32, lanes) with lanes[j] = fnv(data, j), and then
+# fnv(data, h) == ((h & ~255) * P**len + lanes[h & 255]) mod 2**32: the high part of the
+# state only ever gets multiplied (it has a zero low byte, so the XORs never touch it).
+Table = Tuple[int, Tuple[int, ...]]
 
 
-def _table(data: bytes) -> Tuple[int, List[int]]:
-    """(P**len mod 2**32, C) with fnv(data, h) == (h * P**len + C[h & 255]) & MASK."""
-    state = _LANE_START
+def _lanes(data: bytes, state: int = _LANE_START) -> int:
     for c in data:  # one step hashes `data` from all 256 low bytes at once
         state = ((state ^ _LANE_BYTE[c]) * PRIME) & _LANE_MASK
-    mult = pow(PRIME, len(data), 1 << 32)
-    lanes = _UNPACK.unpack(state.to_bytes(256 * 8, "little"))
-    return mult, [(v - j * mult) & MASK for j, v in enumerate(lanes)]
+    return state
 
 
-# A table costs about 30 plain hashes of its segment; build one only past that.
-_TABLE_MIN_USES = 32
-_TABLE_CACHE_MAX = 512
-_tables: Dict[Segment, Tuple[int, List[int]]] = {}
+def _table(data: bytes) -> Table:
+    return pow(PRIME, len(data), 1 << 32), _UNPACK.unpack(_lanes(data).to_bytes(2048, "little"))
 
 
-def _cached_table(seg: Segment) -> Tuple[int, List[int]]:
-    found = _tables.get(seg)
+# AllocResp values: a protobuf ContainerAllocateResponse. Cut at its top-level fields
+# (envs, mounts, device specs, annotations), the pieces repeat across entries even when
+# whole responses do not (the same /dev/nvidia* specs, the same env for the same GPUs).
+# A piece is (first, bytes) and renders as "d d d" (first) or " d d d" (the others).
+Piece = Tuple[bool, bytes]
+
+
+def _varint_end(data: bytes, i: int) -> int:
+    n = len(data)
+    for k in range(i, min(n, i + 10)):
+        if data[k] < 0x80:
+            return k + 1
+    return -1
+
+
+def _field_ends(data: bytes) -> Optional[List[int]]:
+    """End offsets of `data`'s top-level protobuf fields; None if it is not protobuf."""
+    ends = []
+    i, n = 0, len(data)
+    while i < n:
+        j = _varint_end(data, i)
+        if j < 0:
+            return None
+        wire = data[i] & 7
+        if wire == 2:
+            k = _varint_end(data, j)
+            if k < 0:
+                return None
+            size = 0
+            for b in reversed(data[j:k]):
+                size = size << 7 | (b & 0x7F)
+            i = k + size
+        elif wire == 0:
+            i = _varint_end(data, j)
+            if i < 0:
+                return None
+        elif wire in (1, 5):
+            i = j + (8 if wire == 1 else 4)
+        else:
+            return None
+        if i > n:
+            return None
+        ends.append(i)
+    return ends
+
+
+_pieces_cache: Dict[bytes, Tuple[Piece, ...]] = {}
+
+
+def _pieces(data: bytes) -> Tuple[Piece, ...]:
+    found = _pieces_cache.get(data)
+    if found is None:
+        if len(_pieces_cache) >= 4096:
+            _pieces_cache.clear()
+        ends = _field_ends(data) or [len(data)]
+        start, out = 0, []
+        for end in ends:
+            out.append((start == 0, data[start:end]))
+            start = end
+        found = _pieces_cache[data] = tuple(out)
+    return found
+
+
+def _piece_text(piece: Piece) -> str:
+    text = " ".join(map(_DEC.__getitem__, piece[1]))
+    return text if piece[0] else " " + text
+
+
+# Per-byte tables for the tokens " 0" .. " 255" an AllocResp renders as: with them a
+# piece nobody repeats costs one table step per byte instead of ~3.7 character steps.
+# Built once per process (about 2 ms), and only when a checksum has that much to hash.
+_tokens: Optional[Tuple[Tuple[int, ...], Tuple[Tuple[int, ...], ...]]] = None
+
+
+def _token_tables() -> Tuple[Tuple[int, ...], Tuple[Tuple[int, ...], ...]]:
+    global _tokens
+    if _tokens is None:
+        prefix = {" ": _lanes(b" ")}
+        mults, lanes = [], []
+        for text in sorted((" " + d for d in _DEC), key=len):  # " 1" before " 12"
+            prefix[text] = _lanes(text[-1:].encode(), prefix[text[:-1]])
+        for d in _DEC:
+            text = " " + d
+            mults.append(pow(PRIME, len(text), 1 << 32))
+            lanes.append(_UNPACK.unpack(prefix[text].to_bytes(2048, "little")))
+        _tokens = tuple(mults), tuple(lanes)
+    return _tokens
+
+
+def _hash_piece(piece: Piece, h: int) -> int:
+    first, data = piece
+    if first:
+        if not data:
+            return h
+        h = fnv1a_32(_DEC[data[0]].encode(), h)
+        data = data[1:]
+    mults, lanes = _token_tables()
+    for c in data:
+        h = ((h & _HIGH) * mults[c] + lanes[c][h & 255]) & MASK
+    return h
+
+
+# The cost model, in units of one plain FNV step of one character (~80 ns on CPython
+# 3.11): a table costs ~17 per character of its segment plus ~100 once, then ~2 a use.
+_LANE_COST = 17
+_TABLE_FIXED = 100
+_STEP_COST = 2
+_TOKENS_WORTH = 40_000  # AllocResp bytes to hash by tokens before building them pays off
+_TABLE_CACHE_MAX = 4096
+_tables: Dict[Union[str, Piece], Table] = {}
+
+
+def _worth_a_table(size: int, uses: int) -> bool:
+    return uses * size > _LANE_COST * size + _TABLE_FIXED + _STEP_COST * uses
+
+
+def _cached_table(key: Union[str, Piece]) -> Table:
+    found = _tables.get(key)
     if found is None:
         if len(_tables) >= _TABLE_CACHE_MAX:
             _tables.clear()
-        found = _tables[seg] = _table(_text(seg).encode("utf-8"))
+        text = key if isinstance(key, str) else _piece_text(key)
+        found = _tables[key] = _table(text.encode("utf-8"))
     return found
+
+
+# A checksum segment: constant or repeated text, or (bytes) one AllocResp value's body.
+Segment = Union[str, bytes]
+
+
+def _hash_segments(cp: Checkpoint) -> List[Segment]:
+    """The rendering of `cp` cut where the parts that repeat across entries begin/end."""
+    fmt = cp.effective_format()
+    dev = _DEV[fmt]
+    segs: List[Segment] = []
+    if cp.entries is None:
+        segs.append(_TOP + "<nil>" + _REG)
+    elif not cp.entries:
+        segs.append(_TOP + "[]" + _REG)
+    else:
+        lead = _TOP + "[{PodUID:(string)"
+        devices: Dict[Any, str] = {}
+        for e in cp.entries:
+            segs.append(lead)
+            segs.append(e.pod_uid)  # unique per pod: not worth a table
+            segs.append(
+                f" ContainerName:(string){e.container_name}"
+                f" ResourceName:(string){e.resource_name}{dev}"
+            )
+            key = e.device_ids
+            text = devices.get(key)
+            if text is None:
+                text = devices[key] = _devices(e, fmt)
+            if e.alloc_resp is None:
+                segs.append(text + " AllocResp:([]uint8)<nil>")
+                lead = "} {PodUID:(string)"
+            else:
+                segs.append(text + " AllocResp:([]uint8)[")
+                segs.append(e.alloc_resp)
+                lead = "]} {PodUID:(string)"
+        segs.append(("]" if lead[0] == "]" else "") + "}]" + _REG)
+    segs.append(_registered(cp) + "}")
+    return segs
 
 
 def checksum(cp: Checkpoint, *, v1_compat: bool = False) -> int:
     """Kubelet's checksum of `cp` (see render() for v1_compat)."""
     if v1_compat:
         return fnv1a_32(render(cp, v1_compat=True).encode("utf-8"))
-    segs = _segments(cp)
+    segs = _hash_segments(cp)
     uses = Counter(segs)
+    tables: Dict[str, Table] = {}
+    piece_uses: Counter[Piece] = Counter()
+    cuts = {seg: _pieces(seg) for seg in uses if isinstance(seg, bytes)}
+    for seg, n in uses.items():
+        if isinstance(seg, bytes):
+            for piece in cuts[seg]:
+                piece_uses[piece] += n
+        elif seg in _tables or _worth_a_table(len(seg), n):
+            tables[seg] = _cached_table(seg)
+    # Each AllocResp value: its pieces, each with a table or None (hash it plainly).
+    programs: Dict[bytes, List[Tuple[Optional[Table], Piece]]] = {}
+    plain_bytes = 0
+    for seg, n in uses.items():
+        if isinstance(seg, bytes):
+            program = programs[seg] = []
+            for piece in cuts[seg]:
+                if piece in _tables or _worth_a_table(4 * len(piece[1]), piece_uses[piece]):
+                    program.append((_cached_table(piece), piece))
+                else:
+                    program.append((None, piece))
+                    plain_bytes += n * len(piece[1])
+    tokens = _tokens is not None or plain_bytes > _TOKENS_WORTH
     h = OFFSET
     for seg in segs:
-        if uses[seg] >= _TABLE_MIN_USES or seg in _tables:
-            mult, table = _cached_table(seg)
-            h = (h * mult + table[h & 255]) & MASK
-        else:
-            h = fnv1a_32(_text(seg).encode("utf-8"), h)
+        if isinstance(seg, str):
+            t = tables.get(seg)
+            if t is None:
+                h = fnv1a_32(seg.encode("utf-8"), h)
+            else:
+                h = ((h & _HIGH) * t[0] + t[1][h & 255]) & MASK
+            continue
+        for t, piece in programs[seg]:
+            if t is not None:
+                h = ((h & _HIGH) * t[0] + t[1][h & 255]) & MASK
+            elif tokens:
+                h = _hash_piece(piece, h)
+            else:
+                h = fnv1a_32(_piece_text(piece).encode("utf-8"), h)
     return h
+
+
+def clear_caches() -> None:
+    """Forget every table and cut (benchmarks: make a run pay what a fresh process pays)."""
+    global _tokens
+    _tables.clear()
+    _pieces_cache.clear()
+    _tokens = None
