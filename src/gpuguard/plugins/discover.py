@@ -1,0 +1,524 @@
+"""Find the device plugins and what they see: sockets, serving processes, their /dev.
+
+A device plugin is a unix socket in kubelet's device-plugins directory (SocketDir,
+``/var/lib/kubelet/device-plugins``) other than ``kubelet.sock``, served by one
+process. The serving process is found the way ``ss -xlp`` does it, but precisely:
+
+1. /proc/<pid>/net/unix is read once per network namespace (a plugin in a pod
+   without hostNetwork binds its socket in the pod's namespace, which the host's
+   /proc/net/unix does not list); a listening entry (flag __SO_ACCEPTCON) whose
+   path has a plugin socket's name is a candidate, by socket inode;
+2. the processes of that namespace holding ``socket:[inode]`` among their fds;
+3. the candidate is confirmed when ``/proc/<pid>/root/<path it bound>`` is the very
+   file (st_dev, st_ino) the host sees in SocketDir: the path in /proc/net/unix is
+   the one in the plugin's mount namespace, which need not be the host's.
+
+Which resource a socket serves is not in the socket. The heuristic, by name
+(NVIDIA's plugin names its socket ``nvidia-<resource name without the
+nvidia.com/ prefix>.sock``):
+
+- ``nvidia.sock`` and ``nvidia-gpu.sock``: ``nvidia.com/gpu``;
+- ``nvidia-<x>.sock`` (``nvidia-mig-1g.10gb.sock``, ``nvidia-gpu.shared.sock``):
+  ``nvidia.com/<x>``;
+- ``extra`` (glob of the socket name -> resource) is consulted first, for plugins
+  with other names (e.g. Alibaba's gpushare); anything else is not a GPU plugin and
+  is ignored.
+
+Start times are wall-clock seconds: /proc/<pid>/stat field 22 (clock ticks since
+boot) plus ``btime`` of /proc/stat, so about one second precise.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+import re
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Mapping, Optional
+
+from gpuguard.devices.containers import (
+    _CGROUPFS_CONTAINER,
+    _CGROUPFS_POD,
+    _RUNTIME,
+    _SYSTEMD_CONTAINER,
+    _SYSTEMD_POD,
+    discover_containers,
+)
+from gpuguard.paths import DEVICE_PLUGINS_DIR, Root
+
+log = logging.getLogger(__name__)
+
+KUBELET_SOCKET = "kubelet.sock"
+SO_ACCEPTCON = 0x10000  # __SO_ACCEPTCON in /proc/net/unix Flags: a listening socket
+
+# The nodes a plugin hands to containers (seed 004's apiDeviceSpecs) and the GPUs.
+_PLUGIN_NODE = re.compile(r"^nvidia(?:[0-9]+|ctl|-uvm|-uvm-tools|-modeset)$")
+_GPU_NODE = re.compile(r"^nvidia[0-9]+$")
+UVM_PATH = "/dev/nvidia-uvm"
+
+_SOCKET_GPU = ("nvidia.sock", "nvidia-gpu.sock")
+_SOCKET_NVIDIA = re.compile(r"^nvidia-(.+)\.sock$")
+
+
+def resource_for_socket(name: str, extra: Optional[Mapping[str, str]] = None) -> str:
+    """The extended resource a plugin socket serves ("" when not a GPU plugin)."""
+    for pattern, resource in (extra or {}).items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return resource
+    if name in _SOCKET_GPU:
+        return "nvidia.com/gpu"
+    m = _SOCKET_NVIDIA.match(name)
+    return f"nvidia.com/{m.group(1)}" if m else ""
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """A device node as seen in some /dev (the host's, a plugin's, a container's)."""
+
+    path: str  # /dev/nvidia-uvm
+    type: str  # "c" | "b"
+    major: int
+    minor: int
+    ctime: float
+
+    @property
+    def numbers(self) -> tuple[str, int, int]:
+        return (self.type, self.major, self.minor)
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    pid: int
+    start: float  # wall-clock seconds
+    comm: str
+    kind: str  # "container" | "service" | "process"
+    container_id: str = ""
+    runtime: str = ""  # containerd | cri-o | docker | unknown
+    pod_uid: str = ""
+    unit: str = ""  # the systemd service of a host-service plugin
+    cgroup: str = ""
+
+    def describe(self) -> str:
+        if self.kind == "container":
+            return f"container {self.container_id[:13]} (pid {self.pid})"
+        if self.kind == "service":
+            return f"{self.unit} (pid {self.pid})"
+        return f"process {self.comm} (pid {self.pid})"
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "pid": self.pid,
+            "start": self.start,
+            "comm": self.comm,
+            "kind": self.kind,
+            "container_id": self.container_id,
+            "runtime": self.runtime,
+            "pod_uid": self.pod_uid,
+            "unit": self.unit,
+            "cgroup": self.cgroup,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, object]) -> ProcessInfo:
+        def s(key: str) -> str:
+            v = d.get(key, "")
+            return v if isinstance(v, str) else ""
+
+        pid, start = d.get("pid", 0), d.get("start", 0.0)
+        return cls(
+            pid=int(pid) if isinstance(pid, (int, float)) else 0,
+            start=float(start) if isinstance(start, (int, float)) else 0.0,
+            comm=s("comm"),
+            kind=s("kind") or "process",
+            container_id=s("container_id"),
+            runtime=s("runtime"),
+            pod_uid=s("pod_uid"),
+            unit=s("unit"),
+            cgroup=s("cgroup"),
+        )
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    socket: str  # host path of the socket
+    resource: str
+    socket_ctime: float
+    process: Optional[ProcessInfo]  # None: nobody listens on it
+    dev: Optional[tuple[NodeInfo, ...]]  # its /dev view; None: no process or unreadable
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.socket)
+
+    @property
+    def identity(self) -> str:
+        """Stable across restarts (container ids and pids are not)."""
+        return self.resource or self.name
+
+
+@dataclass(frozen=True)
+class ContainerDev:
+    container_id: str
+    pod_uid: str
+    runtime: str
+    pid: int
+    dev: tuple[NodeInfo, ...]
+
+    @property
+    def is_gpu(self) -> bool:
+        return any(_GPU_NODE.match(os.path.basename(n.path)) for n in self.dev)
+
+
+@dataclass(frozen=True)
+class PluginObservation:
+    now: float
+    host_nodes: tuple[NodeInfo, ...]
+    plugins: tuple[PluginInfo, ...]
+    kubelet_started: Optional[float]  # latest kubelet (re)start; None: unknown/not running
+    containers: tuple[ContainerDev, ...] = ()
+    # identity -> the remembered plugin process, when it still runs (F4: its socket is gone)
+    remembered: Mapping[str, Optional[ProcessInfo]] = field(default_factory=dict)
+
+
+# -- /proc readers -------------------------------------------------------------------
+
+
+def boot_time(root: Root) -> float:
+    try:
+        for line in root.path("/proc/stat").read_text().splitlines():
+            if line.startswith("btime "):
+                return float(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0.0
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def process_start(root: Root, pid: int, btime: Optional[float] = None) -> Optional[float]:
+    """Wall-clock start of ``pid`` (None: gone). Field 22 of /proc/<pid>/stat."""
+    try:
+        text = root.path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    rest = text[text.rfind(")") + 2 :].split()
+    try:
+        ticks = int(rest[19])
+    except (IndexError, ValueError):
+        return None
+    return (boot_time(root) if btime is None else btime) + ticks / _CLK_TCK
+
+
+def _comm(root: Root, pid: int) -> str:
+    try:
+        return root.path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def classify_cgroup(path: str) -> tuple[str, str, str, str, str]:
+    """(kind, container_id, runtime, pod_uid, unit) for a cgroup path.
+
+    Reuses devices.containers' kubepods patterns, wherever the kubepods tree sits
+    (kubelet's --cgroup-root); a ``*.service`` component outside a pod is a host
+    service (``system.slice/nvidia-device-plugin.service``)."""
+    parts = [p for p in path.split("/") if p]
+    pod = ""
+    for i, part in enumerate(parts):
+        m = _SYSTEMD_CONTAINER.match(part)
+        if m:
+            if i > 0:
+                pm = _SYSTEMD_POD.match(parts[i - 1])
+                pod = pm.group(1).replace("_", "-") if pm else ""
+            return ("container", m.group(2), _RUNTIME[m.group(1)], pod, "")
+        pm2 = _CGROUPFS_POD.match(part)
+        if pm2 and i + 1 < len(parts):
+            cm = _CGROUPFS_CONTAINER.match(parts[i + 1])
+            if cm:
+                rt = _RUNTIME[cm.group(1)] if cm.group(1) else "unknown"
+                return ("container", cm.group(2), rt, pm2.group(1), "")
+    for part in reversed(parts):
+        if part.endswith(".service"):
+            return ("service", "", "", "", part)
+    return ("process", "", "", "", "")
+
+
+def read_cgroup(root: Root, pid: int) -> str:
+    """The process's cgroup: the v1 devices one, else cgroup2's, else name=systemd."""
+    try:
+        text = root.path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        return ""
+    by: dict[str, str] = {}
+    for line in text.splitlines():
+        _h, _sep, rest = line.partition(":")
+        ctrls, _sep2, path = rest.partition(":")
+        for c in ctrls.split(",") if ctrls else [""]:
+            by.setdefault(c, path)
+    return by.get("devices") or by.get("") or by.get("name=systemd", "")
+
+
+def process_info(root: Root, pid: int, btime: Optional[float] = None) -> Optional[ProcessInfo]:
+    start = process_start(root, pid, btime)
+    if start is None:
+        return None
+    cg = read_cgroup(root, pid)
+    kind, cid, runtime, pod, unit = classify_cgroup(cg)
+    return ProcessInfo(pid, start, _comm(root, pid), kind, cid, runtime, pod, unit, cg)
+
+
+def still_running(root: Root, proc: ProcessInfo, btime: Optional[float] = None) -> bool:
+    """Same pid and same start time: the very process, not a recycled pid."""
+    start = process_start(root, proc.pid, btime)
+    return start is not None and abs(start - proc.start) < 0.5
+
+
+def _pids(root: Root) -> list[int]:
+    try:
+        return sorted(int(n) for n in os.listdir(root.path("/proc")) if n.isdigit())
+    except OSError:
+        return []
+
+
+def parse_unix_table(text: str) -> list[tuple[int, int, str]]:
+    """(flags, inode, path) of each path-bound entry of a /proc/net/unix table."""
+    out: list[tuple[int, int, str]] = []
+    for line in text.splitlines()[1:]:
+        f = line.split(None, 7)
+        if len(f) < 8 or not f[7].startswith("/"):
+            continue
+        try:
+            out.append((int(f[3], 16), int(f[6]), f[7].strip()))
+        except ValueError:
+            continue
+    return out
+
+
+def find_listeners(root: Root, sockets: Mapping[str, os.stat_result]) -> dict[str, tuple[int, str]]:
+    """Host socket path -> (pid, path as that process bound it), for listening sockets.
+
+    ``sockets`` maps each host socket path to its lstat()."""
+    if not sockets:
+        return {}
+    by_name: dict[str, list[str]] = {}
+    for host_path in sockets:
+        by_name.setdefault(os.path.basename(host_path), []).append(host_path)
+    netns: dict[str, list[int]] = {}
+    for pid in _pids(root):
+        try:
+            ns = os.readlink(root.path(f"/proc/{pid}/ns/net"))
+        except OSError:
+            continue
+        netns.setdefault(ns, []).append(pid)
+    found: dict[str, tuple[int, str]] = {}
+    for pids in netns.values():
+        table = ""
+        for pid in pids:  # the first one whose table is readable
+            try:
+                table = root.path(f"/proc/{pid}/net/unix").read_text(errors="replace")
+                break
+            except OSError:
+                continue
+        cands: dict[int, str] = {}
+        for flags, inode, path in parse_unix_table(table):
+            if flags & SO_ACCEPTCON and os.path.basename(path) in by_name:
+                cands[inode] = path
+        if not cands:
+            continue
+        for pid in pids:
+            fd_dir = root.path(f"/proc/{pid}/fd")
+            try:
+                fds = os.listdir(fd_dir)
+            except OSError:
+                continue
+            for fd in fds:
+                try:
+                    link = os.readlink(fd_dir / fd)
+                except OSError:
+                    continue
+                if not link.startswith("socket:["):
+                    continue
+                inode = int(link[8:-1]) if link[8:-1].isdigit() else -1
+                inner = cands.get(inode)
+                if inner is None:
+                    continue
+                for host_path in by_name[os.path.basename(inner)]:
+                    if host_path in found:
+                        continue
+                    if _same_file(root, pid, inner, sockets[host_path]):
+                        found[host_path] = (pid, inner)
+    return found
+
+
+def _same_file(root: Root, pid: int, inner: str, host_st: os.stat_result) -> bool:
+    try:
+        st = os.stat(root.path(f"/proc/{pid}/root{inner}"), follow_symlinks=False)
+    except OSError as e:
+        log.debug("cannot confirm %s of pid %d: %s", inner, pid, e.strerror)
+        return False
+    return (st.st_dev, st.st_ino) == (host_st.st_dev, host_st.st_ino)
+
+
+def _stat(path: Path) -> os.stat_result:
+    """lstat, one indirection so unit tests can fake device nodes without CAP_MKNOD."""
+    return os.stat(path, follow_symlinks=False)
+
+
+def list_nodes(
+    dev_dir: Path, pattern: re.Pattern[str] = _PLUGIN_NODE
+) -> Optional[tuple[NodeInfo, ...]]:
+    """The NVIDIA nodes a plugin cares about in ``dev_dir`` (None: not listable)."""
+    try:
+        names = sorted(os.listdir(dev_dir))
+    except OSError as e:
+        log.debug("cannot list %s: %s", dev_dir, e.strerror)
+        return None
+    out: list[NodeInfo] = []
+    for name in names:
+        if not pattern.match(name):
+            continue
+        try:
+            st = _stat(dev_dir / name)
+        except OSError:
+            continue
+        if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+            t = "c" if stat.S_ISCHR(st.st_mode) else "b"
+            out.append(
+                NodeInfo(f"/dev/{name}", t, os.major(st.st_rdev), os.minor(st.st_rdev), st.st_ctime)
+            )
+    return tuple(out)
+
+
+def _ctime(p: Path) -> Optional[float]:
+    try:
+        return os.stat(p, follow_symlinks=False).st_ctime
+    except OSError:
+        return None
+
+
+def discover_plugins(
+    root: Root,
+    socket_dir: str = DEVICE_PLUGINS_DIR,
+    *,
+    extra: Optional[Mapping[str, str]] = None,
+    btime: Optional[float] = None,
+) -> tuple[PluginInfo, ...]:
+    """Every GPU plugin socket in ``socket_dir``, with its serving process and /dev view."""
+    d = root.path(socket_dir)
+    sockets: dict[str, os.stat_result] = {}
+    try:
+        names = sorted(os.listdir(d))
+    except OSError as e:
+        log.debug("cannot list %s: %s", d, e.strerror)
+        return ()
+    for name in names:
+        if name == KUBELET_SOCKET or not resource_for_socket(name, extra):
+            continue
+        try:
+            st = os.stat(d / name, follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISSOCK(st.st_mode):
+            sockets[str(d / name)] = st
+    listeners = find_listeners(root, sockets)
+    bt = boot_time(root) if btime is None else btime
+    out: list[PluginInfo] = []
+    for host_path, st in sockets.items():
+        proc: Optional[ProcessInfo] = None
+        dev: Optional[tuple[NodeInfo, ...]] = None
+        if host_path in listeners:
+            pid = listeners[host_path][0]
+            proc = process_info(root, pid, bt)
+            if proc is not None:
+                dev = list_nodes(root.path(f"/proc/{pid}/root/dev"))
+        name = os.path.basename(host_path)
+        out.append(
+            PluginInfo(
+                socket=f"{socket_dir.rstrip('/')}/{name}",
+                resource=resource_for_socket(name, extra),
+                socket_ctime=st.st_ctime,
+                process=proc,
+                dev=dev,
+            )
+        )
+    return tuple(out)
+
+
+def kubelet_started(
+    root: Root, socket_dir: str, *, unit_started: Optional[float] = None
+) -> Optional[float]:
+    """The latest kubelet (re)start: kubelet.sock's ctime (made by the device manager
+    at start-up), the unit's InactiveExitTimestamp, a kubelet process's start.
+    None when kubelet does not seem to run (no kubelet.sock, no process)."""
+    from gpuguard.kubelet import kubelet_pids
+
+    times: list[float] = []
+    sock = _ctime(root.path(socket_dir) / KUBELET_SOCKET)
+    pids = kubelet_pids(root)
+    if sock is None and not pids:
+        return None
+    if sock is not None:
+        times.append(sock)
+    if unit_started:
+        times.append(unit_started)
+    for pid in pids:
+        s = process_start(root, pid)
+        if s is not None:
+            times.append(s)
+    return max(times) if times else None
+
+
+def container_devs(root: Root, cgroup_root: str = "/") -> tuple[ContainerDev, ...]:
+    """Kubernetes containers with their NVIDIA nodes (GPU containers only)."""
+    out: list[ContainerDev] = []
+    for c in discover_containers(root, cgroup_root=cgroup_root):
+        for pid in c.pids[:1]:
+            dev = list_nodes(root.path(f"/proc/{pid}/root/dev"))
+            if dev is None:
+                continue
+            cd = ContainerDev(c.container_id, c.pod_uid, c.runtime, pid, dev)
+            if cd.is_gpu:
+                out.append(cd)
+    return tuple(out)
+
+
+def container_init_pid(root: Root, pid: int) -> Optional[int]:
+    """The init (pid 1 of its pid namespace) of the container ``pid`` runs in."""
+
+    def nspid(p: int) -> list[str]:
+        try:
+            for line in root.path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("NSpid:"):
+                    return line.split()[1:]
+        except OSError:
+            pass
+        return []
+
+    own = nspid(pid)
+    if own and own[-1] == "1":
+        return pid
+    try:
+        ns = os.readlink(root.path(f"/proc/{pid}/ns/pid"))
+    except OSError:
+        return None
+    for p in _pids(root):
+        try:
+            if os.readlink(root.path(f"/proc/{p}/ns/pid")) != ns:
+                continue
+        except OSError:
+            continue
+        v = nspid(p)
+        if v and v[-1] == "1":
+            return p
+    return None
+
+
+def find_plugin(plugins: Iterable[PluginInfo], identity: str) -> Optional[PluginInfo]:
+    for p in plugins:
+        if p.identity == identity:
+            return p
+    return None

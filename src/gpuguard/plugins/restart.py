@@ -1,0 +1,233 @@
+"""Restart a device plugin so that it starts afresh (and sees today's /dev), and verify.
+
+How, in order of preference:
+
+- a plugin in a Kubernetes container: stop the container through the runtime, so
+  kubelet recreates it from its pod spec: ``crictl --runtime-endpoint EP stop ID``
+  when crictl exists, else containerd's own client,
+  ``ctr --address SOCK -n NAMESPACE task kill -s SIGTERM ID`` (kubelet's containers
+  live in containerd namespace ``k8s.io``);
+- a plugin run as a host service: systemd ``RestartUnit`` over D-Bus;
+- last resort only (no runtime client worked, or a bare process): SIGTERM to the
+  container's init (pid 1 of its pid namespace) or to the process, through a pidfd
+  after checking that the pid still is the process we judged (same start time).
+
+Every command goes through :meth:`PluginRestarter._run` with a timeout. Verification
+waits (bounded) for a NEW process on the plugin's socket, then checks its /dev.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
+
+from gpuguard.paths import Root
+from gpuguard.plugins.discover import (
+    NodeInfo,
+    PluginInfo,
+    ProcessInfo,
+    container_init_pid,
+    discover_plugins,
+    find_plugin,
+    list_nodes,
+    still_running,
+)
+from gpuguard.plugins.health import RestartPlugin, view_gaps
+
+if TYPE_CHECKING:
+    from gpuguard.config import DevicePluginConfig
+    from gpuguard.systemd import Systemd
+
+
+@dataclass(frozen=True)
+class RestartResult:
+    ok: bool
+    method: str  # crictl | ctr | systemd | signal | none
+    detail: str
+
+
+@dataclass(frozen=True)
+class Verification:
+    status: str  # "recovered" | "still-stale" | "timeout"
+    plugin: Optional[PluginInfo]
+    missing: tuple[str, ...]
+    waited: float
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "recovered"
+
+
+def _endpoint_path(endpoint: str) -> str:
+    return endpoint[len("unix://") :] if endpoint.startswith("unix://") else endpoint
+
+
+class PluginRestarter:
+    def __init__(
+        self,
+        *,
+        crictl: str = "/usr/bin/crictl",
+        cri_endpoint: str = "unix:///run/containerd/containerd.sock",
+        ctr: str = "/usr/bin/ctr",
+        ctr_address: Optional[str] = None,
+        ctr_namespace: str = "k8s.io",
+        command_timeout: float = 30.0,
+        stop_timeout: int = 10,
+        signal_fallback: bool = True,
+    ) -> None:
+        self.crictl = crictl
+        self.cri_endpoint = cri_endpoint
+        self.ctr = ctr
+        self.ctr_address = ctr_address or _endpoint_path(cri_endpoint)
+        self.ctr_namespace = ctr_namespace
+        self.command_timeout = command_timeout
+        self.stop_timeout = stop_timeout
+        self.signal_fallback = signal_fallback
+
+    @classmethod
+    def from_config(cls, c: DevicePluginConfig) -> PluginRestarter:
+        return cls(crictl=c.crictl, cri_endpoint=c.cri_endpoint)
+
+    def plan(self, p: ProcessInfo) -> str:
+        """The method that will be tried first (for dry-run and journal)."""
+        if p.kind == "container":
+            if p.runtime in ("containerd", "cri-o", "unknown") and os.access(self.crictl, os.X_OK):
+                return "crictl"
+            if p.runtime in ("containerd", "unknown") and os.access(self.ctr, os.X_OK):
+                return "ctr"
+            return "signal"
+        if p.kind == "service":
+            return "systemd"
+        return "signal"
+
+    async def _run(self, argv: Sequence[str]) -> tuple[int, str]:
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+            )
+        except OSError as e:
+            return 127, f"{argv[0]}: {e.strerror}"
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), self.command_timeout)
+        except asyncio.TimeoutError:
+            proc.kill()
+            await proc.wait()
+            return 124, f"{' '.join(argv)}: no answer in {self.command_timeout:.0f}s"
+        return proc.returncode or 0, out.decode(errors="replace").strip()[-500:]
+
+    async def restart(
+        self, root: Root, action: RestartPlugin, systemd: Optional[Systemd]
+    ) -> RestartResult:
+        p = action.process
+        if not still_running(root, p):
+            return RestartResult(False, "none", f"pid {p.pid} is no longer the plugin we judged")
+        errors: list[str] = []
+        method = self.plan(p)
+        if method == "crictl":
+            argv = [self.crictl, "--runtime-endpoint", self.cri_endpoint, "stop"]
+            argv += ["--timeout", str(self.stop_timeout), p.container_id]
+            rc, out = await self._run(argv)
+            if rc == 0:
+                return RestartResult(True, "crictl", f"crictl stop {p.container_id[:13]}")
+            errors.append(f"crictl exited {rc}: {out}")
+            method = "ctr" if os.access(self.ctr, os.X_OK) else "signal"
+        if method == "ctr":
+            argv = [self.ctr, "--address", self.ctr_address, "-n", self.ctr_namespace]
+            argv += ["task", "kill", "-s", "SIGTERM", p.container_id]
+            rc, out = await self._run(argv)
+            if rc == 0:
+                return RestartResult(
+                    True,
+                    "ctr",
+                    f"ctr -n {self.ctr_namespace} task kill -s SIGTERM {p.container_id[:13]}",
+                )
+            errors.append(f"ctr exited {rc}: {out}")
+            method = "signal"
+        if method == "systemd":
+            if systemd is None:
+                return RestartResult(False, "systemd", f"{p.unit}: the system bus is down")
+            from gpuguard.systemd import SystemdError
+
+            try:
+                result = await systemd.restart_unit(p.unit, timeout=self.command_timeout)
+            except SystemdError as e:
+                return RestartResult(False, "systemd", f"RestartUnit {p.unit}: {e}")
+            ok = result == "done"
+            return RestartResult(ok, "systemd", f"RestartUnit {p.unit}: job {result}")
+        if not self.signal_fallback:
+            return RestartResult(False, "none", "; ".join(errors) or "no way to restart it")
+        return self._signal(root, p, errors)
+
+    def _signal(self, root: Root, p: ProcessInfo, errors: list[str]) -> RestartResult:
+        target = p.pid
+        if p.kind == "container":
+            target = container_init_pid(root, p.pid) or p.pid
+        prefix = ("; ".join(errors) + "; ") if errors else ""
+        try:
+            fd = os.pidfd_open(target)
+        except OSError as e:
+            return RestartResult(False, "signal", f"{prefix}pidfd_open({target}): {e.strerror}")
+        try:
+            if target == p.pid and not still_running(root, p):
+                return RestartResult(False, "signal", f"{prefix}pid {target} was recycled")
+            signal.pidfd_send_signal(fd, signal.SIGTERM)
+        except OSError as e:
+            return RestartResult(False, "signal", f"{prefix}SIGTERM {target}: {e.strerror}")
+        finally:
+            os.close(fd)
+        return RestartResult(True, "signal", f"{prefix}sent SIGTERM to pid {target}")
+
+
+def check_new_plugin(
+    root: Root,
+    socket_dir: str,
+    identity: str,
+    old: ProcessInfo,
+    host_nodes: tuple[NodeInfo, ...],
+    *,
+    extra: Optional[dict[str, str]] = None,
+) -> tuple[Optional[PluginInfo], tuple[str, ...]]:
+    """The plugin now serving ``identity`` if it is a new process, and what it lacks."""
+    p = find_plugin(discover_plugins(root, socket_dir, extra=extra), identity)
+    if p is None or p.process is None:
+        return None, ()
+    if p.process.pid == old.pid and abs(p.process.start - old.start) < 0.5:
+        return None, ()
+    view = p.dev if p.dev is not None else list_nodes(root.path(f"/proc/{p.process.pid}/root/dev"))
+    gaps, _how = view_gaps(host_nodes, view, p.process.start)
+    return p, tuple(gaps)
+
+
+async def verify(
+    root: Root,
+    socket_dir: str,
+    identity: str,
+    old: ProcessInfo,
+    host_nodes: Callable[[], tuple[NodeInfo, ...]],
+    *,
+    timeout: float,
+    poll: float = 0.25,
+    extra: Optional[dict[str, str]] = None,
+) -> Verification:
+    """Wait up to ``timeout`` for a new plugin process on the socket; check its /dev."""
+    t0 = time.monotonic()
+    last: tuple[Optional[PluginInfo], tuple[str, ...]] = (None, ())
+    while True:
+        nodes = await asyncio.to_thread(host_nodes)
+        last = await asyncio.to_thread(
+            check_new_plugin, root, socket_dir, identity, old, nodes, extra=extra
+        )
+        waited = time.monotonic() - t0
+        if last[0] is not None and not last[1]:
+            return Verification("recovered", last[0], (), waited)
+        if waited >= timeout:
+            status = "still-stale" if last[0] is not None else "timeout"
+            return Verification(status, last[0], last[1], waited)
+        await asyncio.sleep(poll)

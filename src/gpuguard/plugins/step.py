@@ -1,0 +1,442 @@
+"""The daemon's device_plugin step: observe, assess, restart within limits, verify.
+
+Limits (never a restart loop):
+
+- ``Restart=no`` or ``MaxRestartsPerHour=0``: report only;
+- cool-down from the plugin's START: a plugin younger than ``CoolDown`` is still
+  starting (or was just restarted) and is left alone;
+- at most ``MaxRestartsPerHour`` restarts per plugin identity (its resource, or its
+  socket name: container ids and pids change with every restart) in any hour;
+- exponential back-off after failed attempts (``backoff_base`` * 2^(failures-1),
+  capped at ``backoff_max``);
+- one restart per plugin per pass, and none while an earlier one awaits verification.
+
+Every decision is a journal entry, the declined ones included (plugin-restart-declined
+with REASON). The budget lives in this object and in
+``/var/lib/gpuguard/plugin-restarts.json`` (restarts are recorded BEFORE acting), so a
+daemon restart, or a crash in the middle of one, does not reset it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from gpuguard.model import Finding, Outcome
+from gpuguard.paths import STATE_DIR, Root
+from gpuguard.plugins.discover import (
+    NodeInfo,
+    PluginObservation,
+    ProcessInfo,
+    container_devs,
+    discover_plugins,
+    kubelet_started,
+    list_nodes,
+    still_running,
+)
+from gpuguard.plugins.health import RECONCILER, RestartPlugin, assess
+from gpuguard.plugins.restart import PluginRestarter, check_new_plugin, verify
+
+if TYPE_CHECKING:
+    from gpuguard.config import DevicePluginConfig
+    from gpuguard.daemon import PassContext, Services
+    from gpuguard.log import EventLog
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = f"{STATE_DIR}/plugin-restarts.json"
+HOUR = 3600.0
+
+K_RESTARTED = "plugin-restarted"
+K_DECLINED = "plugin-restart-declined"
+K_RECOVERED = "plugin-recovered"
+K_FAILED = "plugin-restart-failed"
+
+
+@dataclass
+class PluginState:
+    restarts: list[float] = field(default_factory=list)  # wall-clock times, last hour
+    failures: int = 0  # consecutive failed attempts
+    last_failure: float = 0.0
+    last: Optional[ProcessInfo] = None  # the last process seen serving it
+    last_seen: float = 0.0
+    socket: str = ""
+    pending_since: float = 0.0  # when the restart awaiting verification happened
+    pending_deadline: float = 0.0  # restarted, not verified yet: give up after this
+    pending_old: Optional[ProcessInfo] = None
+    declined: str = ""  # code of the last decline, so repeats log quieter
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "restarts": self.restarts,
+            "failures": self.failures,
+            "last_failure": self.last_failure,
+            "last": self.last.to_json() if self.last else None,
+            "last_seen": self.last_seen,
+            "socket": self.socket,
+            "pending_since": self.pending_since,
+            "pending_deadline": self.pending_deadline,
+            "pending_old": self.pending_old.to_json() if self.pending_old else None,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> PluginState:
+        def proc(v: Any) -> Optional[ProcessInfo]:
+            return ProcessInfo.from_json(v) if isinstance(v, dict) else None
+
+        def num(v: Any) -> float:
+            return float(v) if isinstance(v, (int, float)) else 0.0
+
+        r = d.get("restarts")
+        return cls(
+            restarts=[float(x) for x in r if isinstance(x, (int, float))]
+            if isinstance(r, list)
+            else [],
+            failures=int(num(d.get("failures"))),
+            last_failure=num(d.get("last_failure")),
+            last=proc(d.get("last")),
+            last_seen=num(d.get("last_seen")),
+            socket=str(d.get("socket") or ""),
+            pending_since=num(d.get("pending_since")),
+            pending_deadline=num(d.get("pending_deadline")),
+            pending_old=proc(d.get("pending_old")),
+        )
+
+
+class DevicePluginStep:
+    """``steps={"device_plugin": DevicePluginStep()}``; one object for the daemon's life."""
+
+    def __init__(
+        self,
+        *,
+        restarter: Optional[PluginRestarter] = None,
+        clock: Callable[[], float] = time.time,
+        verify_timeout: float = 30.0,
+        poll: float = 0.25,
+        backoff_base: float = 60.0,
+        backoff_max: float = HOUR,
+        forget_after: float = HOUR,
+        cgroup_root: str = "/",
+        dev_dir: str = "/dev",
+        extra_sockets: Optional[dict[str, str]] = None,
+        state_file: str = STATE_FILE,
+    ) -> None:
+        self.restarter = restarter
+        self.clock = clock
+        self.verify_timeout = verify_timeout
+        self.poll = poll
+        self.backoff_base = backoff_base
+        self.backoff_max = backoff_max
+        self.forget_after = forget_after
+        self.cgroup_root = cgroup_root
+        self.dev_dir = dev_dir
+        self.extra = extra_sockets
+        self.state_file = state_file
+        self.state: dict[str, PluginState] = {}
+        self._loaded_from: Optional[Root] = None
+
+    # -- persisted state -----------------------------------------------------------
+
+    def _load(self, root: Root, elog: EventLog) -> None:
+        if self._loaded_from == root:
+            return
+        self._loaded_from = root
+        path = root.path(self.state_file)
+        try:
+            doc = json.loads(path.read_text())
+            plugins = doc.get("plugins", {}) if isinstance(doc, dict) else {}
+            self.state = {
+                str(k): PluginState.from_json(v) for k, v in plugins.items() if isinstance(v, dict)
+            }
+        except FileNotFoundError:
+            self.state = {}
+        except (OSError, ValueError, AttributeError) as e:
+            elog.warning(f"ignoring unreadable {path} ({e}); plugin restart budgets start afresh")
+            self.state = {}
+
+    def _save(self, root: Root, elog: EventLog) -> None:
+        from gpuguard.actuate.files import write_new
+
+        path = root.path(self.state_file)
+        doc = {"version": 1, "plugins": {k: v.to_json() for k, v in sorted(self.state.items())}}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_new(path, json.dumps(doc, indent=1).encode(), mode=0o644)
+        except OSError as e:
+            elog.warning(f"cannot save plugin restart budgets to {path}: {e}")
+
+    # -- the pass --------------------------------------------------------------------
+
+    def host_nodes(self, root: Root) -> tuple[NodeInfo, ...]:
+        return list_nodes(root.path(self.dev_dir)) or ()
+
+    def observe(
+        self, root: Root, cfg: DevicePluginConfig, unit_started: Optional[float]
+    ) -> PluginObservation:
+        now = self.clock()
+        plugins = discover_plugins(root, cfg.socket_dir, extra=self.extra)
+        served = {p.identity for p in plugins if p.process is not None}
+        remembered: dict[str, Optional[ProcessInfo]] = {}
+        for ident, st in self.state.items():
+            if ident in served or st.last is None:
+                continue
+            if still_running(root, st.last):
+                remembered[ident] = st.last
+            elif now - st.last_seen < self.forget_after:
+                remembered[ident] = None
+        return PluginObservation(
+            now=now,
+            host_nodes=self.host_nodes(root),
+            plugins=plugins,
+            kubelet_started=kubelet_started(root, cfg.socket_dir, unit_started=unit_started),
+            containers=container_devs(root, self.cgroup_root),
+            remembered=remembered,
+        )
+
+    async def _kubelet_unit_started(self, svc: Services) -> Optional[float]:
+        sd = svc.systemd
+        if sd is None:
+            return None
+        from gpuguard.systemd import SystemdError
+
+        try:
+            st = await sd.unit_state(svc.config.kubelet.unit)
+        except SystemdError:
+            return None
+        if not st.active or st.inactive_exit_us <= 0:
+            return None
+        return st.inactive_exit_us / 1e6
+
+    async def __call__(self, svc: Services, ctx: PassContext) -> None:
+        cfg = svc.config.device_plugin
+        root, elog = svc.root, svc.log
+        self._load(root, elog)
+        unit_started = await self._kubelet_unit_started(svc)
+        obs = await asyncio.to_thread(self.observe, root, cfg, unit_started)
+        result = assess(obs, registration_grace=cfg.registration_grace)
+        for p in obs.plugins:
+            if p.process is not None:
+                st = self.state.setdefault(p.identity, PluginState())
+                st.last, st.last_seen, st.socket = p.process, obs.now, p.socket
+        for ident in [k for k, v in self.state.items() if self._forgettable(v, obs.now)]:
+            del self.state[ident]
+        for f in result.findings:
+            elog.event(
+                f.kind,
+                f.summary,
+                level=f.severity,
+                fields={"GPUGUARD_RECONCILER": f.reconciler, **f.fields},
+            )
+        ctx.findings += result.findings
+        await self._check_pending(svc, ctx, obs)
+        restarter = self.restarter or PluginRestarter.from_config(cfg)
+        for action in result.actions:
+            ctx.outcomes.append(await self._decide(svc, ctx, cfg, restarter, action))
+        self._save(root, elog)
+
+    def _forgettable(self, st: PluginState, now: float) -> bool:
+        recent = [t for t in st.restarts if now - t < HOUR]
+        st.restarts = recent
+        return (
+            not recent
+            and not st.pending_deadline
+            and now - st.last_seen > self.forget_after
+            and (st.last is None or now - st.last_failure > self.backoff_max)
+        )
+
+    # -- decisions ---------------------------------------------------------------------
+
+    def _why_not(
+        self, cfg: DevicePluginConfig, st: PluginState, a: RestartPlugin, now: float
+    ) -> Optional[tuple[str, str]]:
+        """(code, sentence) when this restart must not happen now; None when it may."""
+        if not cfg.restart:
+            return "disabled", "restarts are off (Restart=no)"
+        if cfg.max_restarts_per_hour == 0:
+            return "disabled", "restarts are off (MaxRestartsPerHour=0)"
+        if st.pending_deadline:
+            return "pending", "an earlier restart is still being verified"
+        age = now - a.process.start
+        if age < cfg.cool_down:
+            return (
+                "cool-down",
+                f"it started {age:.0f}s ago, less than CoolDown={cfg.cool_down:.0f}s: "
+                "it may still be starting",
+            )
+        recent = [t for t in st.restarts if now - t < HOUR]
+        if len(recent) >= cfg.max_restarts_per_hour:
+            return (
+                "budget",
+                f"{len(recent)} restart(s) in the last hour already "
+                f"(MaxRestartsPerHour={cfg.max_restarts_per_hour}); "
+                "recreate it by hand once the cause is fixed",
+            )
+        if st.failures:
+            wait = min(self.backoff_base * 2 ** (st.failures - 1), self.backoff_max)
+            if now < st.last_failure + wait:
+                return (
+                    "back-off",
+                    f"{st.failures} failed attempt(s); next one not before "
+                    f"{st.last_failure + wait - now:.0f}s from now",
+                )
+        return None
+
+    def _journal(
+        self,
+        elog: EventLog,
+        kind: str,
+        a: RestartPlugin,
+        msg: str,
+        level: str,
+        **extra: str,
+    ) -> None:
+        elog.event(
+            kind,
+            msg,
+            level=level,
+            fields={"GPUGUARD_RECONCILER": RECONCILER, "GPUGUARD_ACTION": a.kind}
+            | dict(a.fields())
+            | extra,
+        )
+
+    async def _decide(
+        self,
+        svc: Services,
+        ctx: PassContext,
+        cfg: DevicePluginConfig,
+        restarter: PluginRestarter,
+        a: RestartPlugin,
+    ) -> Outcome:
+        root, elog = svc.root, svc.log
+        now = self.clock()
+        st = self.state.setdefault(a.identity, PluginState())
+        why = self._why_not(cfg, st, a, now)
+        if why is None and svc.dry_run:
+            why = ("dry-run", f"dry run: would restart it via {restarter.plan(a.process)}")
+        if why is not None:
+            code, sentence = why
+            level = "info" if st.declined == code else "notice"
+            st.declined = code
+            self._journal(
+                elog,
+                K_DECLINED,
+                a,
+                f"not restarting device plugin {a.identity} ({a.target}), {a.reason}: {sentence}",
+                level,
+                REASON=code,
+            )
+            return Outcome(a, "dry-run" if code == "dry-run" else "declined", sentence)
+        st.declined = ""
+        st.restarts.append(now)
+        self._save(root, elog)  # counted before acting: a crash cannot reset the budget
+        res = await restarter.restart(root, a, svc.systemd)
+        if not res.ok:
+            st.failures += 1
+            st.last_failure = self.clock()
+            self._journal(
+                elog,
+                K_FAILED,
+                a,
+                f"restarting device plugin {a.identity} ({a.target}) failed: {res.detail}",
+                "error",
+                METHOD=res.method,
+            )
+            return Outcome(a, "failed", res.detail)
+        self._journal(
+            elog,
+            K_RESTARTED,
+            a,
+            f"restarted device plugin {a.identity} ({a.target}) because {a.reason}: {res.detail}",
+            "notice",
+            METHOD=res.method,
+        )
+        timeout = min(self.verify_timeout, cfg.registration_grace or self.verify_timeout)
+        v = await verify(
+            root,
+            cfg.socket_dir,
+            a.identity,
+            a.process,
+            lambda: self.host_nodes(root),
+            timeout=timeout,
+            poll=self.poll,
+            extra=self.extra,
+        )
+        if v.ok and v.plugin is not None and v.plugin.process is not None:
+            self._recovered(elog, st, a, v.plugin.process, v.waited)
+            return Outcome(a, "done", f"{res.detail}; verified in {v.waited:.1f}s")
+        if v.status == "still-stale":
+            self._failed(elog, st, a, f"the new plugin still lacks {', '.join(v.missing)}")
+            return Outcome(a, "failed", f"{res.detail}; new plugin still lacks {v.missing}")
+        st.pending_since = now
+        st.pending_deadline = now + max(cfg.registration_grace, timeout)
+        st.pending_old = a.process
+        return Outcome(a, "done", f"{res.detail}; no new plugin yet after {v.waited:.0f}s")
+
+    def _recovered(
+        self, elog: EventLog, st: PluginState, a: RestartPlugin, new: ProcessInfo, waited: float
+    ) -> None:
+        st.failures, st.last_failure = 0, 0.0
+        st.pending_deadline, st.pending_old = 0.0, None
+        st.last, st.last_seen = new, self.clock()
+        self._journal(
+            elog,
+            K_RECOVERED,
+            a,
+            f"device plugin {a.identity} is back as {new.describe()} {waited:.1f}s after "
+            "the restart and sees every NVIDIA node the host has",
+            "notice",
+            NEW_PLUGIN_PID=str(new.pid),
+        )
+
+    def _failed(self, elog: EventLog, st: PluginState, a: RestartPlugin, why: str) -> None:
+        st.failures += 1
+        st.last_failure = self.clock()
+        st.pending_deadline, st.pending_old = 0.0, None
+        self._journal(
+            elog,
+            K_FAILED,
+            a,
+            f"restarting device plugin {a.identity} did not help: {why}",
+            "error",
+        )
+
+    async def _check_pending(self, svc: Services, ctx: PassContext, obs: PluginObservation) -> None:
+        cfg = svc.config.device_plugin
+        for ident, st in self.state.items():
+            if not st.pending_deadline or st.pending_old is None:
+                continue
+            old = st.pending_old
+            plugin, missing = await asyncio.to_thread(
+                check_new_plugin,
+                svc.root,
+                cfg.socket_dir,
+                ident,
+                old,
+                obs.host_nodes,
+                extra=self.extra,
+            )
+            a = RestartPlugin(
+                reconciler=RECONCILER,
+                reason="verifying an earlier restart",
+                target=old.describe(),
+                identity=ident,
+                socket=st.socket,
+                process=old,
+                cause="verify",
+            )
+            if plugin is not None and plugin.process is not None and not missing:
+                self._recovered(svc.log, st, a, plugin.process, obs.now - st.pending_since)
+            elif plugin is not None:
+                self._failed(svc.log, st, a, f"the new plugin still lacks {', '.join(missing)}")
+                ctx.findings.append(
+                    Finding(K_FAILED, RECONCILER, f"{ident}: new plugin still lacks {missing}")
+                )
+            elif obs.now > st.pending_deadline:
+                self._failed(svc.log, st, a, "no new plugin process came up in time")
+                ctx.findings.append(
+                    Finding(K_FAILED, RECONCILER, f"{ident}: no new plugin after the restart")
+                )

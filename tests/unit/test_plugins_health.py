@@ -1,0 +1,229 @@
+"""The pure device plugin reconciler: tables of observations -> findings and restarts."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+
+from gpuguard.plugins.discover import (
+    ContainerDev,
+    NodeInfo,
+    PluginInfo,
+    PluginObservation,
+    ProcessInfo,
+    classify_cgroup,
+    resource_for_socket,
+)
+from gpuguard.plugins.health import (
+    CAUSE_STALE,
+    CAUSE_UNREGISTERED,
+    K_CONTAINER_NO_UVM,
+    K_MISSING_DEVICE,
+    K_NOT_REGISTERED,
+    K_NOT_SERVING,
+    assess,
+)
+
+T0 = 1_700_000_000.0
+CID = "a" * 64
+UVM_MAJOR = 510
+
+
+def node(path: str, major: int, minor: int, ctime: float = T0 - 1000) -> NodeInfo:
+    return NodeInfo(path, "c", major, minor, ctime)
+
+
+GPU0 = node("/dev/nvidia0", 195, 0)
+CTL = node("/dev/nvidiactl", 195, 255)
+UVM = node("/dev/nvidia-uvm", UVM_MAJOR, 0, T0 + 50)
+UVM_TOOLS = node("/dev/nvidia-uvm-tools", UVM_MAJOR, 1, T0 + 50)
+HOST = (GPU0, CTL, UVM, UVM_TOOLS)
+
+
+def proc(start: float = T0, pid: int = 4242, **kw: str) -> ProcessInfo:
+    base = dict(kind="container", container_id=CID, runtime="containerd", pod_uid="p-1")
+    base.update(kw)
+    return ProcessInfo(pid, start, "nvidia-device-plugin", **base)
+
+
+def plugin(
+    dev: Optional[tuple[NodeInfo, ...]],
+    process: Optional[ProcessInfo] = None,
+    *,
+    ctime: float = T0,
+    name: str = "nvidia-gpu.sock",
+) -> PluginInfo:
+    sock = f"/var/lib/kubelet/device-plugins/{name}"
+    return PluginInfo(sock, resource_for_socket(name), ctime, process or proc(), dev)
+
+
+def obs(*plugins: PluginInfo, **kw: object) -> PluginObservation:
+    args: dict[str, object] = dict(now=T0 + 600, host_nodes=HOST, kubelet_started=None)
+    args.update(kw)
+    return PluginObservation(plugins=tuple(plugins), **args)  # type: ignore[arg-type]
+
+
+def test_healthy_plugin_sees_every_host_node() -> None:
+    r = assess(obs(plugin(HOST)), registration_grace=120)
+    assert r.findings == () and r.actions == ()
+    assert r.healthy == ("nvidia.com/gpu",)
+
+
+def test_seed_004_plugin_without_uvm_is_restarted() -> None:
+    r = assess(obs(plugin((GPU0, CTL))), registration_grace=120)
+    (f,) = r.findings
+    assert f.kind == K_MISSING_DEVICE and f.severity == "error"
+    assert f.fields["MISSING"] == "/dev/nvidia-uvm /dev/nvidia-uvm-tools"
+    (a,) = r.actions
+    assert a.cause == CAUSE_STALE and a.identity == "nvidia.com/gpu"
+    assert a.fields()["CONTAINER_ID"] == CID
+    assert a.missing == ("/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+
+
+def test_node_with_other_numbers_counts_as_missing() -> None:
+    old_uvm = node("/dev/nvidia-uvm", 509, 0)
+    r = assess(obs(plugin((GPU0, CTL, old_uvm, UVM_TOOLS))), registration_grace=120)
+    (a,) = r.actions
+    assert a.missing == ("/dev/nvidia-uvm",)
+    assert "other numbers" in r.findings[0].summary
+
+
+@pytest.mark.parametrize(
+    ("uvm_ctime", "stale"),
+    [(T0 + 50, True), (T0 - 50, False), (T0 + 1, False)],  # +1: within start precision
+)
+def test_unreadable_view_uses_node_creation_vs_plugin_start(uvm_ctime: float, stale: bool) -> None:
+    host = (GPU0, CTL, node("/dev/nvidia-uvm", UVM_MAJOR, 0, uvm_ctime))
+    r = assess(obs(plugin(None), host_nodes=host), registration_grace=120)
+    assert bool(r.actions) == stale
+
+
+def test_no_driver_no_verdict() -> None:
+    r = assess(obs(plugin(()), host_nodes=()), registration_grace=120)
+    assert r.findings == () and r.actions == ()
+
+
+def test_socket_without_listener_is_reported_not_restarted() -> None:
+    p = PluginInfo(
+        "/var/lib/kubelet/device-plugins/nvidia-gpu.sock", "nvidia.com/gpu", T0, None, None
+    )
+    r = assess(obs(p), registration_grace=120)
+    assert [f.kind for f in r.findings] == [K_NOT_SERVING] and r.actions == ()
+
+
+# -- F4: kubelet restart without re-registration ------------------------------------
+
+KUBELET = T0 + 300
+
+
+@pytest.mark.parametrize(
+    ("now", "sock_ctime", "expect"),
+    [
+        (KUBELET + 60, T0, False),  # inside the grace period: wait
+        (KUBELET + 121, T0, True),  # grace over, socket predates kubelet's start
+        (KUBELET + 121, KUBELET + 5, False),  # re-registered in time
+        (KUBELET + 5000, KUBELET + 200, False),  # registered late, but registered
+    ],
+)
+def test_registration_after_kubelet_restart(now: float, sock_ctime: float, expect: bool) -> None:
+    o = obs(plugin(HOST, ctime=sock_ctime), now=now, kubelet_started=KUBELET)
+    r = assess(o, registration_grace=120)
+    assert (K_NOT_REGISTERED in [f.kind for f in r.findings]) == expect
+    assert bool(r.actions) == expect
+    if expect:
+        assert r.actions[0].cause == CAUSE_UNREGISTERED
+
+
+def test_socket_gone_and_process_alive_restarts_the_remembered_process() -> None:
+    p = proc()
+    o = obs(now=KUBELET + 121, kubelet_started=KUBELET, remembered={"nvidia.com/gpu": p})
+    r = assess(o, registration_grace=120)
+    (a,) = r.actions
+    assert a.process == p and a.cause == CAUSE_UNREGISTERED and a.socket == ""
+    assert "socket is gone" in r.findings[0].summary
+
+
+def test_socket_gone_and_process_gone_is_only_reported() -> None:
+    o = obs(now=KUBELET + 121, kubelet_started=KUBELET, remembered={"nvidia.com/gpu": None})
+    r = assess(o, registration_grace=120)
+    assert [f.kind for f in r.findings] == [K_NOT_REGISTERED] and r.actions == ()
+    assert "nothing to restart" in r.findings[0].summary
+
+
+def test_kubelet_not_running_means_no_registration_verdict() -> None:
+    o = obs(plugin(HOST, ctime=T0), now=T0 + 99999, kubelet_started=None)
+    assert assess(o, registration_grace=120).findings == ()
+
+
+def test_stale_and_unregistered_is_one_restart() -> None:
+    o = obs(plugin((GPU0, CTL), ctime=T0), now=KUBELET + 500, kubelet_started=KUBELET)
+    r = assess(o, registration_grace=120)
+    assert len(r.actions) == 1 and r.actions[0].cause == CAUSE_STALE
+    assert {f.kind for f in r.findings} == {K_MISSING_DEVICE, K_NOT_REGISTERED}
+
+
+# -- GPU containers without uvm --------------------------------------------------------
+
+
+def test_gpu_container_without_uvm_must_be_recreated() -> None:
+    bad = ContainerDev("b" * 64, "pod-b", "containerd", 10, (GPU0, CTL))
+    good = ContainerDev("c" * 64, "pod-c", "containerd", 11, (GPU0, CTL, UVM))
+    cpu = ContainerDev("d" * 64, "pod-d", "containerd", 12, ())
+    r = assess(obs(plugin((GPU0, CTL)), containers=(bad, good, cpu)), registration_grace=120)
+    (f,) = [f for f in r.findings if f.kind == K_CONTAINER_NO_UVM]
+    assert f.fields["CONTAINER_ID"] == "b" * 64 and "recreated" in f.summary
+    assert "nvidia.com/gpu" in f.summary  # names the stale plugin
+
+
+def test_no_uvm_on_host_no_container_finding() -> None:
+    c = ContainerDev("b" * 64, "pod-b", "containerd", 10, (GPU0, CTL))
+    r = assess(
+        obs(plugin((GPU0, CTL)), host_nodes=(GPU0, CTL), containers=(c,)), registration_grace=1
+    )
+    assert r.findings == ()
+
+
+# -- heuristics --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "resource"),
+    [
+        ("nvidia-gpu.sock", "nvidia.com/gpu"),
+        ("nvidia.sock", "nvidia.com/gpu"),
+        ("nvidia-mig-1g.10gb.sock", "nvidia.com/mig-1g.10gb"),
+        ("nvidia-gpu.shared.sock", "nvidia.com/gpu.shared"),
+        ("kubelet.sock", ""),
+        ("rdma-hca.sock", ""),
+    ],
+)
+def test_socket_name_heuristic(name: str, resource: str) -> None:
+    assert resource_for_socket(name) == resource
+
+
+def test_socket_name_extra_patterns_come_first() -> None:
+    assert resource_for_socket("aliyungpushare.sock", {"aliyun*.sock": "aliyun.com/gpu-mem"}) == (
+        "aliyun.com/gpu-mem"
+    )
+
+
+@pytest.mark.parametrize(
+    ("cgroup", "expect"),
+    [
+        (
+            "/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod1234_ab.slice/"
+            f"cri-containerd-{CID}.scope",
+            ("container", CID, "containerd", "1234-ab", ""),
+        ),
+        (f"/kubepods/besteffort/pod1234-ab/{CID}", ("container", CID, "unknown", "1234-ab", "")),
+        (f"/custom-root/kubepods/pod99/crio-{CID}", ("container", CID, "cri-o", "99", "")),
+        (
+            "/system.slice/nvidia-device-plugin.service",
+            ("service", "", "", "", "nvidia-device-plugin.service"),
+        ),
+        ("/user.slice/user-0.slice/session-1.scope", ("process", "", "", "", "")),
+    ],
+)
+def test_classify_cgroup(cgroup: str, expect: tuple[str, ...]) -> None:
+    assert classify_cgroup(cgroup) == expect
