@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 
 from conftest import REPO
-
 from gpuguard.catalog import KINDS, message_id, render_catalog
 
 
@@ -29,6 +28,8 @@ def test_every_kind_the_code_logs_is_in_the_catalog() -> None:
     for path in src.rglob("*.py"):
         used |= set(pattern.findall(path.read_text()))
     for path in src.rglob("*.py"):  # action kinds: `return "..."` inside a kind property
-        used |= set(re.findall(r'def kind\(self\) -> str:\s*return "([a-z0-9-]+)"', path.read_text()))
+        used |= set(
+            re.findall(r'def kind\(self\) -> str:\s*return "([a-z0-9-]+)"', path.read_text())
+        )
     missing = sorted(used - set(KINDS))
     assert not missing, f"kinds logged but not in gpuguard.catalog.KINDS: {missing}"
