@@ -55,9 +55,11 @@ def gpuguard_units(config: str = "") -> Dict[str, str]:
     assert hook in dropin
     return {
         "gpuguard.service": unit,
-        # Only the binary's path differs from a packaged host.
+        # Only the binary's path differs from a packaged host. The unit's PrivateTmp= and
+        # ProtectHome= would hide a checkout under /tmp or /root, so it is bound in.
         "gpuguard.service.d/50-checkout.conf": (
             f"[Service]\nExecStart=\nExecStart={GPUGUARD} daemon\n"
+            f"BindReadOnlyPaths={REPO}\n"
         ),
         "kubelet.service": FAKE_KUBELET,
         "kubelet.service.d/10-gpuguard.conf": dropin.replace(
