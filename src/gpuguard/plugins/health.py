@@ -231,7 +231,10 @@ def _containers(obs: PluginObservation, stale: list[str]) -> list[Finding]:
     if not any(n.path == UVM_PATH for n in obs.host_nodes):
         return []
     out: list[Finding] = []
+    plugin_ids = {p.process.container_id for p in obs.plugins if p.process is not None}
     for c in obs.containers:
+        if c.container_id in plugin_ids:  # the plugin itself: handled above
+            continue
         if not c.is_gpu or any(n.path == UVM_PATH for n in c.dev):
             continue
         by = f" (stale plugin(s): {', '.join(stale)})" if stale else ""

@@ -225,8 +225,9 @@ async def verify(
             check_new_plugin, root, socket_dir, identity, old, nodes, extra=extra
         )
         waited = time.monotonic() - t0
-        if last[0] is not None and not last[1]:
-            return Verification("recovered", last[0], (), waited)
+        if last[0] is not None:  # a new plugin's /dev is final once it runs
+            status = "still-stale" if last[1] else "recovered"
+            return Verification(status, last[0], last[1], waited)
         if waited >= timeout:
             status = "still-stale" if last[0] is not None else "timeout"
             return Verification(status, last[0], last[1], waited)

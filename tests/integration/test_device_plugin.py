@@ -1,0 +1,263 @@
+"""F3 on a real container runtime: a device plugin that started before /dev/nvidia-uvm.
+
+A private containerd (harness/containerd.py) runs a "plugin" container: busybox +
+the host's python3 serving ``nvidia-gpu.sock`` in a device-plugins directory bound
+from the test root, with /dev/nvidia0 and /dev/nvidiactl (fake numbers, 195:N) but no
+uvm. Then the host gains the uvm nodes (mknod in a tmpfs private to containerd's
+mount namespace: never the host /dev), and the step is called as the daemon would
+call it after the nvidia_uvm module event. It must find the plugin through its socket
+(in the container's own network namespace), see that its /dev lacks uvm, stop the
+container through the real runtime (``ctr task kill``), and verify the replacement.
+
+No kubelet runs, so the test plays kubelet: whenever the plugin's task is no longer
+running it deletes the container and starts a new one, with the devices "the
+plugin" would now be given.
+
+The test root is a directory whose ``proc``/``sys`` link to the host's and whose
+``dev`` links to the private node tmpfs (through containerd's /proc/PID/root).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import io
+import json
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+from conftest import require_root, require_tool
+from gpuguard.coalescer import Work
+from gpuguard.config import Config, DevicePluginConfig
+from gpuguard.daemon import PassContext
+from gpuguard.log import EventLog
+from gpuguard.paths import Root
+from gpuguard.plugins.restart import PluginRestarter
+from gpuguard.plugins.step import DevicePluginStep
+from integration.harness.containerd import SOCKET_SERVER, PrivateContainerd
+
+pytestmark = pytest.mark.root
+
+DP = "/var/lib/kubelet/device-plugins"
+UVM_MAJOR = 510
+GPU_DEVS = [("/dev/nvidia0", 195, 0), ("/dev/nvidiactl", 195, 255)]
+UVM_DEVS = [("/dev/nvidia-uvm", UVM_MAJOR, 0), ("/dev/nvidia-uvm-tools", UVM_MAJOR, 1)]
+UVM_REASON = "udev: module nvidia_uvm add"
+
+
+@dataclasses.dataclass
+class Svc:
+    root: Root
+    config: Config
+    log: EventLog
+    dry_run: bool = False
+    bus_address: str = ""
+
+    @property
+    def systemd(self) -> None:
+        return None
+
+
+class Node:
+    """The test's host: a private containerd, a test root, and a kubelet stand-in."""
+
+    def __init__(self, c: PrivateContainerd) -> None:
+        self.c = c
+        self.root = c.work / "host"
+        for d in (DP.lstrip("/"), "var/lib/gpuguard"):
+            (self.root / d).mkdir(parents=True)
+        os.symlink("/proc", self.root / "proc")
+        os.symlink("/sys", self.root / "sys")
+        os.symlink(c.host_dev, self.root / "dev")
+        for name, major, minor in GPU_DEVS:
+            c.mknod(os.path.basename(name), major, minor)
+        self.plugin = ""
+        self.plugin_uvm = False  # whether "the plugin" would be given uvm now
+        self.plugins_started: list[tuple[str, int]] = []
+
+    def add_uvm(self) -> None:
+        for name, major, minor in UVM_DEVS:
+            self.c.mknod(os.path.basename(name), major, minor)
+
+    def start_plugin(self) -> int:
+        cid = secrets.token_hex(32)
+        devs = GPU_DEVS + (UVM_DEVS if self.plugin_uvm else [])
+        pid = self.c.run(
+            cid,
+            ["/usr/bin/python3", "-I", "-S", "-c", SOCKET_SERVER, f"{DP}/nvidia-gpu.sock"],
+            pod_uid=secrets.token_hex(4),
+            devices=devs,
+            binds=[(str(self.root / DP.lstrip("/")), DP, True)],
+        )
+        self.plugin = cid
+        self.plugins_started.append((cid, pid))
+        sock = self.root / DP.lstrip("/") / "nvidia-gpu.sock"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # served once the new socket exists
+            if sock.exists() and self._listening(pid):
+                return pid
+            time.sleep(0.02)
+        raise AssertionError(f"plugin {cid[:12]} did not serve its socket: {self.c.log_tail()}")
+
+    @staticmethod
+    def _listening(pid: int) -> bool:
+        text = Path(f"/proc/{pid}/net/unix").read_text()
+        return any(
+            line.endswith("nvidia-gpu.sock") and " 00010000 " in line for line in text.splitlines()
+        )
+
+    def start_workload(self) -> str:
+        cid = secrets.token_hex(32)
+        self.c.run(cid, ["/bin/sleep", "3600"], pod_uid=secrets.token_hex(4), devices=GPU_DEVS)
+        return cid
+
+    async def play_kubelet(self, stop: asyncio.Event) -> None:
+        """Recreate the plugin container whenever its task is gone (kubelet's job)."""
+        while not stop.is_set():
+            status = await asyncio.to_thread(self.c.task_status, self.plugin)
+            if status != "RUNNING":
+                await asyncio.to_thread(self.c.remove, self.plugin)
+                await asyncio.to_thread(self.start_plugin)
+            await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+def node() -> Iterator[Node]:
+    require_root()
+    require_tool("containerd", "ctr", "runc", "busybox", "nsenter", "unshare", "setpriv")
+    with PrivateContainerd(namespace="default") as c:
+        yield Node(c)
+    # nothing of it may be left behind
+    assert not c.cgroup_dirs()
+    assert not c._shim_pids()
+    assert not c.work.exists()
+
+
+def make_step(node: Node, **kw: Any) -> DevicePluginStep:
+    restarter = PluginRestarter(
+        crictl="/nonexistent/crictl",  # as on this host: no crictl, so containerd's ctr
+        ctr=shutil.which("ctr") or "/usr/bin/ctr",
+        ctr_address=node.c.sock,
+        ctr_namespace="default",
+        command_timeout=20,
+    )
+    args: dict[str, Any] = dict(
+        restarter=restarter, cgroup_root=node.c.cgroup_prefix, verify_timeout=20, poll=0.05
+    )
+    args.update(kw)
+    return DevicePluginStep(**args)
+
+
+def make_svc(node: Node, **dp: Any) -> tuple[Svc, io.StringIO]:
+    cfg = Config(device_plugin=dataclasses.replace(DevicePluginConfig(), socket_dir=DP, **dp))
+    out = io.StringIO()
+    return Svc(Root(node.root), cfg, EventLog(stream=out, level="debug")), out
+
+
+async def _none() -> None:
+    return None
+
+
+def uvm_pass() -> PassContext:
+    now = time.monotonic()
+    return PassContext(Work(frozenset({"device_plugin"}), (UVM_REASON,), now, now), _none)
+
+
+def journal(out: io.StringIO, kind: Optional[str] = None) -> list[dict[str, Any]]:
+    all_ = [json.loads(line) for line in out.getvalue().splitlines()]
+    return [e for e in all_ if kind is None or e["kind"] == kind]
+
+
+async def run_pass(step: DevicePluginStep, svc: Svc, node: Node) -> PassContext:
+    """One pass with kubelet played alongside (it recreates what the step stops)."""
+    stop = asyncio.Event()
+    kubelet = asyncio.create_task(node.play_kubelet(stop))
+    try:
+        ctx = uvm_pass()
+        await step(svc, ctx)  # type: ignore[arg-type]
+        return ctx
+    finally:
+        stop.set()
+        await kubelet
+
+
+def test_stale_plugin_is_restarted_through_containerd_and_recovers(node: Node) -> None:
+    first_pid = node.start_plugin()
+    workload = node.start_workload()  # set up by the stale plugin: no uvm
+    svc, out = make_svc(node, cool_down=0.0)
+    step = make_step(node)
+
+    ctx = uvm_pass()
+    asyncio.run(step(svc, ctx))  # type: ignore[arg-type]
+    assert ctx.findings == [] and ctx.outcomes == []  # no uvm on the host yet: healthy
+
+    node.add_uvm()
+    node.plugin_uvm = True  # a plugin started now sees uvm
+    old_cid = node.plugin
+    t0 = time.monotonic()
+    ctx = asyncio.run(run_pass(step, svc, node))
+    took = time.monotonic() - t0
+
+    kinds = [f.kind for f in ctx.findings]
+    assert "plugin-missing-device" in kinds
+    (missing,) = [f for f in ctx.findings if f.kind == "plugin-missing-device"]
+    assert missing.fields["CONTAINER_ID"] == old_cid
+    assert missing.fields["MISSING"] == "/dev/nvidia-uvm /dev/nvidia-uvm-tools"
+    (o,) = ctx.outcomes
+    assert o.status == "done", o.detail
+    (restarted,) = journal(out, "plugin-restarted")
+    assert restarted["METHOD"] == "ctr" and restarted["CONTAINER_ID"] == old_cid
+    (rec,) = journal(out, "plugin-recovered")
+    new_cid, new_pid = node.plugins_started[-1]
+    assert new_cid != old_cid and int(rec["NEW_PLUGIN_PID"]) == new_pid != first_pid
+    assert "nvidia-uvm" in os.listdir(f"/proc/{new_pid}/root/dev")
+    # the workload set up by the stale plugin must be recreated: reported, not touched
+    (w,) = [f for f in ctx.findings if f.kind == "container-missing-uvm"]
+    assert w.fields["CONTAINER_ID"] == workload
+    assert node.c.task_status(workload) == "RUNNING"
+    assert took < 20
+
+    # the next pass finds a healthy plugin and does nothing more
+    ctx = asyncio.run(run_pass(step, svc, node))
+    assert not [f for f in ctx.findings if f.kind.startswith("plugin-")] and ctx.outcomes == []
+    assert len(node.plugins_started) == 2
+
+
+def test_plugin_that_stays_stale_is_restarted_at_most_max_per_hour(node: Node) -> None:
+    node.start_plugin()
+    node.add_uvm()  # ... but every new plugin comes up without it again
+    svc, out = make_svc(node, cool_down=0.0, max_restarts_per_hour=2)
+    step = make_step(node, backoff_base=0.0)
+    statuses = []
+    for _ in range(4):
+        ctx = asyncio.run(run_pass(step, svc, node))
+        statuses.append(ctx.outcomes[0].status)
+    assert statuses == ["failed", "failed", "declined", "declined"]
+    assert len(node.plugins_started) == 3  # the original and two restarts, no more
+    assert len(journal(out, "plugin-restart-failed")) == 2
+    assert [e["REASON"] for e in journal(out, "plugin-restart-declined")] == ["budget"] * 2
+    # a new daemon keeps the budget (persisted), and so declines too
+    ctx = asyncio.run(run_pass(make_step(node, backoff_base=0.0), svc, node))
+    assert ctx.outcomes[0].status == "declined"
+    assert len(node.plugins_started) == 3
+    saved = json.loads((node.root / "var/lib/gpuguard/plugin-restarts.json").read_text())
+    assert len(saved["plugins"]["nvidia.com/gpu"]["restarts"]) == 2
+
+
+def test_cool_down_from_the_plugin_start_is_respected(node: Node) -> None:
+    node.start_plugin()
+    node.add_uvm()
+    svc, out = make_svc(node, cool_down=300.0)
+    ctx = asyncio.run(run_pass(make_step(node), svc, node))
+    assert ctx.outcomes[0].status == "declined"
+    (d,) = journal(out, "plugin-restart-declined")
+    assert d["REASON"] == "cool-down"
+    assert node.c.task_status(node.plugin) == "RUNNING"
+    assert len(node.plugins_started) == 1
