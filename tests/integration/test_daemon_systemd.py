@@ -227,3 +227,31 @@ def _variant(devices: list[tuple[str, str]]):  # type: ignore[no-untyped-def]
     from dbus_next import Variant
 
     return Variant("a(ss)", [list(d) for d in devices])
+
+
+def test_operator_hook_gets_the_pass_as_json(systemd_ns) -> None:  # type: ignore[no-untyped-def]
+    ns = systemd_ns(units=gpuguard_units())
+    setup_node(ns, stale=True)
+    hooks = ns.path("/etc/gpuguard/hooks.d")
+    hooks.mkdir(parents=True)
+    # Hooks run inside gpuguard's sandbox: /run/gpuguard is one of the few writable paths.
+    record = hooks / "10-record"
+    record.write_text(
+        "#!/bin/sh\ncat > /run/gpuguard/hook-stdin.json\n"
+        'echo "$GPUGUARD_EVENT|$GPUGUARD_FINDINGS|$GPUGUARD_KINDS" > /run/gpuguard/hook-env\n'
+    )
+    record.chmod(0o755)
+    unsafe = hooks / "20-writable"
+    unsafe.write_text("#!/bin/sh\ntouch /run/gpuguard/should-not-run\n")
+    unsafe.chmod(0o777)
+    _start(ns)
+    seen = wait_for(lambda: ns.path("/run/gpuguard/hook-env").exists(), what="hook ran")
+    assert seen
+    doc = json.loads(ns.path("/run/gpuguard/hook-stdin.json").read_text())
+    assert doc["event"] == "start-up"
+    assert {f["kind"] for f in doc["findings"]} >= {"checkpoint-stale-entry"}
+    assert [a["status"] for a in doc["actions"] if a["kind"] == "checkpoint-repaired"] == ["done"]
+    event, count, kinds = ns.path("/run/gpuguard/hook-env").read_text().strip().split("|")
+    assert event == "start-up" and int(count) >= 2 and "checkpoint-repaired" in kinds
+    assert not ns.path("/run/gpuguard/should-not-run").exists()
+    assert any("20-writable" in e["MESSAGE"] for e in events(ns, "hook-refused"))
