@@ -151,7 +151,9 @@ def _log(args: argparse.Namespace, cfg: Any = None) -> Any:
 def _root(args: argparse.Namespace) -> Any:
     from gpuguard.paths import Root
 
-    return Root(Path(_opt(args, "root", "/")).resolve())
+    # abspath, not resolve(): /proc/<pid>/root (another mount namespace's root) is a
+    # magic link that resolves to "/", which would silently mean this host's files.
+    return Root(Path(os.path.abspath(_opt(args, "root", "/"))))
 
 
 def _config(args: argparse.Namespace, root: Any) -> Any:
