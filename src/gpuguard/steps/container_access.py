@@ -166,9 +166,13 @@ def plan_durable(
 
 
 def _numbers_of(root: Root, path: str) -> Optional[str]:
+    """MAJ:MIN of a DeviceAllow= entry; None for class entries ("char-*", "block-*",
+    "char-pts": runc writes these on every container) and for unresolvable paths."""
     name = os.path.basename(path)
     if path.startswith("/dev/char/") and ":" in name:
         return name
+    if not path.startswith("/"):
+        return None
     try:
         st = os.stat(root.path(path))
     except OSError:
