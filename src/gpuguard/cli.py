@@ -264,6 +264,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     from gpuguard.check import CheckpointStep
     from gpuguard.daemon import Daemon
     from gpuguard.notify import Notifier
+    from gpuguard.plugins.step import DevicePluginStep
     from gpuguard.steps.container_access import ContainerAccessStep
     from gpuguard.steps.device_nodes import DeviceNodesStep
 
@@ -285,6 +286,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
             "device_nodes": DeviceNodesStep(),
             "container_access": ContainerAccessStep(),
             "checkpoint": CheckpointStep(),
+            "device_plugin": DevicePluginStep(),
         },
         dry_run=args.dry_run,
         udev=not args.no_udev,

@@ -58,8 +58,7 @@ def gpuguard_units(config: str = "") -> Dict[str, str]:
         # Only the binary's path differs from a packaged host. The unit's PrivateTmp= and
         # ProtectHome= would hide a checkout under /tmp or /root, so it is bound in.
         "gpuguard.service.d/50-checkout.conf": (
-            f"[Service]\nExecStart=\nExecStart={GPUGUARD} daemon\n"
-            f"BindReadOnlyPaths={REPO}\n"
+            f"[Service]\nExecStart=\nExecStart={GPUGUARD} daemon\nBindReadOnlyPaths={REPO}\n"
         ),
         "kubelet.service": FAKE_KUBELET,
         "kubelet.service.d/10-gpuguard.conf": dropin.replace(
