@@ -1,0 +1,146 @@
+"""Seed 002 through the running daemon, on the cgroupfs driver's layout.
+
+kubelet's CPU manager (policy static) periodically updates each container's cpuset
+through the runtime; older runc then re-wrote the container's whole v1 device cgroup:
+``a`` to devices.deny, then only runc's default list and the spec's devices, which
+never name the GPU nodes the legacy NVIDIA hook granted. Nothing announces such an
+update (no systemd unit, no uevent), so only gpuguard's periodic audit can see it. The
+container here is in no systemd scope, so no grant can be made durable: the audit
+repairs every rewrite again, within its interval (AuditInterval=1s in this test).
+
+Layout, inside the systemd namespace harness (whose v1 devices root is the instance's
+cgroup, ``ns.cgroup_dir("devices")``): ``kubepods/burstable/pod<uid>/<64-hex id>``,
+holding a process that runs in its own mount namespace with a /dev of only its nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+from gpuguard.devices.audit import CAUSE_REWRITE
+from gpuguard.devices.probe import probe_open
+from gpuguard.devices.rules import RUNC_DEFAULT_RULES
+from integration.gpu_scopes import (
+    Container,
+    containers,
+    dev_binds,
+    fake_proc_devices,
+    gpu_inventory,
+)
+from integration.gpuguard_ns import events, gpuguard_units, wait_for
+from integration.harness import SystemdNamespace
+from integration.harness import systemd_ns as systemd_ns
+
+pytestmark = pytest.mark.root
+
+AUDIT_INTERVAL = 1.0
+
+
+def _cgroup(ns: SystemdNamespace, c: Container) -> Path:
+    return ns.cgroup_dir("devices") / f"kubepods/burstable/pod{c.pod_uid}/{c.container_id}"
+
+
+def _write(path: Path, rules: list[str]) -> None:
+    with open(path, "w") as f:
+        for r in rules:
+            f.write(r)  # one rule per write(2), as runc does
+            f.flush()
+
+
+def _runc_rewrite(cgroup: Path) -> None:
+    """Seed 002: deny everything, then allow runc's defaults + the spec (no GPU)."""
+    _write(cgroup / "devices.deny", ["a"])
+    _write(cgroup / "devices.allow", [r.render() for r in RUNC_DEFAULT_RULES])
+
+
+def _allows(ns: SystemdNamespace, c: Container, ma: int, mi: int) -> bool:
+    return f"c {ma}:{mi} rw" in (_cgroup(ns, c) / "devices.list").read_text()
+
+
+def _verdict(ns: SystemdNamespace, c: Container, minor: int) -> Optional[bool]:
+    return probe_open(ns.path(f"/dev/nvidia{minor}"), [_cgroup(ns, c)]).verdict
+
+
+def _start(ns: SystemdNamespace, c: Container) -> None:
+    """runc create: the cgroup, its process (own /dev), runc's list; then the hook."""
+    cg = _cgroup(ns, c)
+    cg.mkdir(parents=True)
+    _runc_rewrite(cg)  # what runc writes at create, too
+    inner = f"/sys/fs/cgroup/devices/kubepods/burstable/pod{c.pod_uid}/{c.container_id}"
+    ns.popen(
+        [
+            "sh",
+            "-c",
+            f"echo $$ > {inner}/cgroup.procs && exec unshare -m --propagation private "
+            f"sh -c 'mount --bind /run/ctrdev/{c.container_id[:12]} /dev && exec sleep 3000'",
+        ]
+    )
+    wait_for(lambda: (cg / "cgroup.procs").read_text().strip(), what=f"{c.container_id[:12]}")
+    _write(cg / "devices.allow", [f"c {ma}:{mi} rw" for ma, mi in c.given()])  # the hook
+
+
+def test_cpu_manager_rewrite_is_repaired_by_the_periodic_audit(systemd_ns, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    ctrs = containers(2)
+    units = gpuguard_units()
+    units["gpuguard.service.d/60-fake-driver.conf"] = (
+        "[Service]\nBindReadOnlyPaths=/run/fake/devices:/proc/devices\n"
+    )
+    devices = fake_proc_devices(tmp_path / "devices")
+    ns = systemd_ns(
+        units=units,
+        ro_binds={
+            "/run/fake/devices": devices,
+            "/proc/devices": devices,
+            **dev_binds(tmp_path, ctrs),
+        },
+    )
+    etc = ns.path("/etc/gpuguard")
+    etc.mkdir(parents=True, exist_ok=True)
+    (etc / "inventory.json").write_text(json.dumps(gpu_inventory(2)))
+    (etc / "gpuguard.conf").write_text(
+        "[Inventory]\nFile=/etc/gpuguard/inventory.json\n"
+        f"[Daemon]\nAuditInterval={AUDIT_INTERVAL:g}s\n"
+    )
+    for c in ctrs:
+        _start(ns, c)
+    assert ns.systemctl("start", "gpuguard.service").returncode == 0
+    wait_for(lambda: ns.path("/dev/nvidia1").exists(), what="gpuguard's nodes")
+    time.sleep(AUDIT_INTERVAL + 0.5)  # at least one audit pass over intact containers
+    assert not events(ns, "container-device-denied")
+    assert all(_verdict(ns, c, c.gpus[0]) is True for c in ctrs)
+
+    repair_s = []
+    for round_ in range(3):
+        before = len(events(ns, "container-device-denied"))
+        for c in ctrs:
+            _runc_rewrite(_cgroup(ns, c))
+        t0 = time.monotonic()
+        for c in ctrs:
+            assert not _allows(ns, c, 195, c.gpus[0]) and not _allows(ns, c, 511, 0)
+            assert "c 1:3 rwm" in (_cgroup(ns, c) / "devices.list").read_text()
+        wait_for(
+            lambda: all(_allows(ns, c, *n) for c in ctrs for n in c.given()),
+            timeout=AUDIT_INTERVAL + 2.0,
+            what=f"the audit to repair rewrite {round_}",
+        )
+        repair_s.append(time.monotonic() - t0)
+        for c in ctrs:  # exactly what it was given, by the kernel's verdict
+            mine, other = c.gpus[0], 1 - c.gpus[0]
+            assert _verdict(ns, c, mine) is True  # ENXIO: allowed
+            assert _verdict(ns, c, other) is False  # EPERM: never granted
+            assert not _allows(ns, c, 195, other)
+        new = events(ns, "container-device-denied")[before:]
+        for c in ctrs:
+            mine = [e for e in new if e["CONTAINER_ID"] == c.container_id]
+            assert {e["DEVICE_NUMBERS"] for e in mine} >= {f"{ma}:{mi}" for ma, mi in c.given()}
+            assert {e["CAUSE"] for e in mine} == {CAUSE_REWRITE}
+            assert {e["CGROUP_DRIVER"] for e in mine} == {"cgroupfs"}
+            assert {e["POD_UID"] for e in mine} == {c.pod_uid}
+    print(f"\nrewrite -> repaired (s): {[round(s, 3) for s in repair_s]}")
+    assert not events(ns, "unit-device-allow"), "no scope: nothing can be made durable"
+    assert not events(ns, "reconciler-crashed")
