@@ -46,8 +46,14 @@ class PassContext:
     previous_inventory: Optional[Inventory] = None
     findings: list[Finding] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)
+    # (delay seconds, reconcilers, why): passes a step wants later, e.g. when a grace
+    # period ends; nothing else would announce that moment.
+    followups: list[tuple[float, frozenset[str], str]] = field(default_factory=list)
     _inventory: Optional[Inventory] = None
     _loaded: bool = False
+
+    def recheck(self, after: float, reconcilers: frozenset[str], why: str) -> None:
+        self.followups.append((max(0.0, after), reconcilers, why))
 
     async def inventory(self) -> Optional[Inventory]:
         if not self._loaded:
@@ -115,6 +121,7 @@ class Daemon:
         self.last_pass: dict[str, Any] = {}
         self.first_pass: dict[str, Any] = {}
         self.inventory: Optional[Inventory] = None
+        self._followups: dict[tuple[frozenset[str], str], float] = {}
         self.first_pass_done = asyncio.Event()
         self.coalescer = self._make_coalescer()
         self.sd_source = SystemdSource(
@@ -286,10 +293,30 @@ class Daemon:
             },
         )
         self._write_status()
+        self._schedule_followups(ctx.followups)
         self.notifier.status(self.status_line())
         self.first_pass_done.set()
         if ctx.findings or ctx.outcomes:
             await self._run_hooks(work, ctx)
+
+    def _schedule_followups(self, followups: list[tuple[float, frozenset[str], str]]) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for delay, reconcilers, why in followups:
+            due = now + delay
+            key = (reconcilers, why)
+            # One timer per reason: the earliest due time wins, repeats are dropped.
+            if key in self._followups and self._followups[key] <= due:
+                continue
+            self._followups[key] = due
+            loop.call_later(delay, self._followup_due, key)
+
+    def _followup_due(self, key: tuple[frozenset[str], str]) -> None:
+        due = self._followups.get(key)
+        if due is None or due > asyncio.get_running_loop().time() + 0.001:
+            return  # superseded by an earlier timer that already fired
+        del self._followups[key]
+        self.coalescer.mark(key[0], key[1], False)
 
     async def _inventory(self) -> Optional[Inventory]:
         try:

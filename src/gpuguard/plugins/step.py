@@ -218,6 +218,14 @@ class DevicePluginStep:
         unit_started = await self._kubelet_unit_started(svc)
         obs = await asyncio.to_thread(self.observe, root, cfg, unit_started)
         result = assess(obs, registration_grace=cfg.registration_grace)
+        k = obs.kubelet_started
+        if k is not None and obs.now < k + cfg.registration_grace:
+            # F4 can only be judged once the grace period is over: ask for that pass.
+            ctx.recheck(
+                k + cfg.registration_grace - obs.now + 0.2,
+                frozenset({RECONCILER}),
+                "device plugin registration grace period over",
+            )
         for p in obs.plugins:
             if p.process is not None:
                 st = self.state.setdefault(p.identity, PluginState())
