@@ -79,18 +79,27 @@ def remove_stale_temps(directory: Path, name: str) -> list[Path]:
 def backup(src_data: bytes, src: Path, backup_dir: Path, *, keep: int) -> Path:
     """Store `src_data` (the bytes of `src` we are about to change) in `backup_dir`.
 
-    Name: <file>.<UTC timestamp>.bak; the newest `keep` backups of that file are kept.
+    Name: <file>.<UTC time to the microsecond>.<random>.bak, so names sort by age even
+    within one second; the newest `keep` backups of that file are kept, and the one
+    just written is never among those pruned.
     """
     backup_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    ns = time.time_ns()
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(ns // 10**9)) + f".{ns // 1000 % 10**6:06d}Z"
     dest = backup_dir / f"{src.name}.{stamp}.{secrets.token_hex(2)}.bak"
     write_new(dest, src_data, mode=0o600)
-    prune_backups(backup_dir, src.name, keep=keep)
+    prune_backups(backup_dir, src.name, keep=keep, protect=dest)
     return dest
 
 
-def prune_backups(backup_dir: Path, name: str, *, keep: int) -> list[Path]:
-    backups = sorted(backup_dir.glob(f"{name}.*.bak"), key=lambda p: p.name)
+def prune_backups(
+    backup_dir: Path, name: str, *, keep: int, protect: Optional[Path] = None
+) -> list[Path]:
+    backups = sorted(
+        (p for p in backup_dir.glob(f"{name}.*.bak") if p != protect), key=lambda p: p.name
+    )
+    if protect is not None:
+        keep -= 1
     doomed = backups[: max(0, len(backups) - keep)]
     for p in doomed:
         p.unlink(missing_ok=True)
