@@ -263,7 +263,8 @@ def test_newest_backup_survives_pruning_within_one_second(
 ) -> None:
     suffixes = iter(["ffff", "0000"])
     monkeypatch.setattr(files.secrets, "token_hex", lambda n: next(suffixes))
-    monkeypatch.setattr(files.time, "gmtime", lambda: files.time.gmtime(1_700_000_000))
+    # both in the same microsecond: only the random suffix tells them apart
+    monkeypatch.setattr(files.time, "time_ns", lambda: 1_700_000_000 * 10**9)
     bdir = tmp_path / "backups"
     backup(b"older", node, bdir, keep=1)
     newest = backup(b"newest", node, bdir, keep=1)
