@@ -368,13 +368,6 @@ class DaemonConfig:
         "Kill an operator hook in /etc/gpuguard/hooks.d, with its whole process "
         "group, when it runs longer than this.",
     )
-    watchdog_fallback: float | None = _key(
-        "WatchdogFallback",
-        TimeSpan(0.001, optional=True),
-        "",
-        "Event-loop watchdog timeout to use when systemd passes no WATCHDOG_USEC "
-        "(no WatchdogSec=); empty: no watchdog then.",
-    )
     log_level: str = _key(
         "LogLevel",
         Choice("debug", "info", "warning", "error"),

@@ -65,8 +65,8 @@ VALID = [
     ("Daemon", "QuietPeriod", "100\u00b5s", 0.0001),
     ("Daemon", "QuietPeriod", "1.5s", 1.5),
     ("Daemon", "QuietPeriod", ".5s", 0.5),
-    ("Daemon", "WatchdogFallback", "30s", 30.0),
-    ("Daemon", "WatchdogFallback", "", None),
+    ("Inventory", "File", "/etc/gpuguard/inventory.json", "/etc/gpuguard/inventory.json"),
+    ("Inventory", "File", "", None),
     # choices
     ("Daemon", "LogLevel", "debug", "debug"),
     ("Kubelet", "Policy", "delete", "delete"),
@@ -318,15 +318,15 @@ def test_empty_value_in_a_dropin_resets_to_default_or_empties_a_list(tmp_path: P
     root = Root(tmp_path)
     write(
         root.path(CONFIG_FILE),
-        "[Daemon]\nQuietPeriod=1s\nWatchdogFallback=30s\n[Kubelet]\nResources=a.io/b\n",
+        "[Daemon]\nQuietPeriod=1s\nHookTimeout=30s\n[Kubelet]\nResources=a.io/b\n",
     )
     write(
         root.path(CONFIG_DROPIN_DIR) / "50-x.conf",
-        "[Daemon]\nQuietPeriod=\nWatchdogFallback=\n[Kubelet]\nResources=\n",
+        "[Daemon]\nQuietPeriod=\nHookTimeout=\n[Kubelet]\nResources=\n",
     )
     cfg = load_config(root)
     assert cfg.daemon.quiet_period == 0.15
-    assert cfg.daemon.watchdog_fallback is None
+    assert cfg.daemon.hook_timeout == 10.0
     assert cfg.kubelet.resources == ()
 
 
@@ -353,7 +353,6 @@ MaxDelay=5s
 ReloadQuietPeriod=1ms
 DryRun=yes
 HookTimeout=2.5s
-WatchdogFallback=45s
 LogLevel=debug
 [Kubelet]
 Unit=kubelet-custom.service
@@ -460,11 +459,7 @@ def test_expected_defaults() -> None:
     d = Config()
     assert (d.daemon.audit_interval, d.daemon.quiet_period, d.daemon.max_delay) == (300, 0.15, 2)
     assert (d.daemon.reload_quiet_period, d.daemon.hook_timeout) == (0.02, 10)
-    assert (d.daemon.dry_run, d.daemon.watchdog_fallback, d.daemon.log_level) == (
-        False,
-        None,
-        "info",
-    )
+    assert (d.daemon.dry_run, d.daemon.log_level, d.inventory.file) == (False, "info", None)
     assert d.kubelet.resources == ("nvidia.com/gpu", "nvidia.com/gpu.shared", "nvidia.com/mig-*")
     assert (d.kubelet.policy, d.kubelet.backup_keep, d.kubelet.restart_kubelet) == (
         "rewrite",
