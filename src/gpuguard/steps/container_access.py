@@ -45,7 +45,7 @@ from gpuguard.model import Action, Outcome
 from gpuguard.paths import Root
 
 if TYPE_CHECKING:
-    from gpuguard.daemon import PassContext, Services
+    from gpuguard.passes import PassContext, Services
     from gpuguard.systemd import Systemd
 
 NAME = "container_access"
@@ -208,7 +208,10 @@ class ContainerAccessStep:
         outcomes = [self._v1(a, svc) for a in actions if isinstance(a, CgroupV1Allow)]
         # 2. durable grants through systemd
         systemd = svc.systemd
-        units = [a for a in actions if isinstance(a, UnitDeviceAllow)]
+        # DurableGrants=no: the direct writes only, no DeviceAllow= at all
+        units = [
+            a for a in actions if isinstance(a, UnitDeviceAllow) and cfg.devices.durable_grants
+        ]
         if cfg.devices.durable_grants and systemd is not None:
             await self._learn_durable(systemd, view, svc.root)
             links = {
