@@ -11,7 +11,6 @@ file is changed only while kubelet is stopped:
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -28,7 +27,7 @@ from gpuguard.paths import Root
 from gpuguard.reconcilers import checkpoint as ckpt
 
 if TYPE_CHECKING:  # dbus-next costs import time; a healthy node never needs it
-    from gpuguard.daemon import PassContext, Services
+    from gpuguard.passes import PassContext, Services
     from gpuguard.systemd import Systemd
 
 
@@ -93,8 +92,14 @@ class CheckReport:
 
 
 def run_check(root: Root, inventory: Inventory, s: CheckSettings, log: EventLog) -> CheckReport:
-    """The CLI's entry: its own event loop, its own bus connection if one is needed."""
-    return asyncio.run(check_checkpoint(root, inventory, s, log))
+    """The CLI's entry. An event loop and a bus connection only when kubelet must be
+    asked about: a healthy node never loads asyncio or D-Bus."""
+    report, actuator = analyse_checkpoint(root, inventory, s, log)
+    if actuator is None:
+        return report
+    import asyncio
+
+    return asyncio.run(_coordinate(root, s, report, actuator, log, None))
 
 
 async def check_checkpoint(
@@ -104,16 +109,23 @@ async def check_checkpoint(
     log: EventLog,
     systemd: Optional[Systemd] = None,
 ) -> CheckReport:
-    """Analyse the checkpoint and repair it with kubelet stopped.
+    """The same for the daemon, on its own bus connection (`systemd`)."""
+    report, actuator = analyse_checkpoint(root, inventory, s, log)
+    if actuator is None:
+        return report
+    return await _coordinate(root, s, report, actuator, log, systemd)
 
-    `systemd` is the daemon's connection; without one a connection is made only when
-    a repair needs to know about kubelet (a healthy node never touches D-Bus).
-    """
+
+def analyse_checkpoint(
+    root: Root, inventory: Inventory, s: CheckSettings, log: EventLog
+) -> tuple[CheckReport, Optional[CheckpointActuator]]:
+    """Read and analyse the checkpoint; the actuator comes back only when a repair that
+    needs kubelet stopped is planned (the report is final otherwise)."""
     path = root.path(s.checkpoint_path)
     report = CheckReport(checkpoint=str(path), inventory=inventory.to_json())
     if not path.exists() and not path.is_symlink():
         report.result = "no checkpoint file (kubelet's device manager has not written one yet)"
-        return report
+        return report, None
     try:
         cp, raw, _st = read_checkpoint(path)
     except BadInputError as e:
@@ -127,14 +139,14 @@ async def check_checkpoint(
     if analysis.refused:
         report.result = f"not repaired: {analysis.refused}"
         report.exit_code = exitcodes.FINDINGS
-        return report
+        return report, None
     if not report.actions:
         if analysis.stale:
             report.result = "stale entries found; Policy=report leaves them"
             report.exit_code = exitcodes.FINDINGS
         else:
             report.result = "checkpoint matches this host's GPUs; nothing to do"
-        return report
+        return report, None
 
     actuator = CheckpointActuator(
         backup_dir=root.path(s.backup_dir), backup_keep=s.backup_keep, log=log, dry_run=s.dry_run
@@ -148,7 +160,18 @@ async def check_checkpoint(
                 f"(pid {', '.join(map(str, pids))}) and would overwrite the file"
             )
         report.coordination = "repair directly"
-        return _apply(report, actuator, s)
+        return _apply(report, actuator, s), None
+    return report, actuator
+
+
+async def _coordinate(
+    root: Root,
+    s: CheckSettings,
+    report: CheckReport,
+    actuator: CheckpointActuator,
+    log: EventLog,
+    systemd: Optional[Systemd],
+) -> CheckReport:
     if systemd is not None:
         return await _coordinated(root, s, report, actuator, log, systemd)
     from gpuguard.systemd import Systemd, SystemdError, bus_address_for

@@ -194,7 +194,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     report = run_check(root, inventory, settings, log)
     doc = report.to_json()
     code = report.exit_code
-    if args.only is None:
+    from gpuguard.oneshot import driver_loaded
+
+    if args.only is None and driver_loaded(root):
         import asyncio
 
         from gpuguard.oneshot import OneShotServices, run_device_steps

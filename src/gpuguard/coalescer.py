@@ -14,17 +14,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass
 from typing import Awaitable, Callable, Optional
 
-
-@dataclass(frozen=True)
-class Work:
-    reconcilers: frozenset[str]
-    reasons: tuple[str, ...]
-    first_mark: float  # monotonic time of the first mark this pass serves
-    last_mark: float
-
+from gpuguard.passes import Work
 
 RunPass = Callable[[Work], Awaitable[None]]
 

@@ -13,82 +13,21 @@ import json
 import os
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Mapping, Optional, Protocol
+from typing import Any, Mapping, Optional
 
-from gpuguard.coalescer import Coalescer, Work
+from gpuguard.coalescer import Coalescer
 from gpuguard.config import Config, load_config
 from gpuguard.errors import ConfigError, GpuguardError
 from gpuguard.inventory import Inventory, load_inventory
 from gpuguard.log import EventLog
-from gpuguard.model import Finding, Outcome
 from gpuguard.notify import Notifier, watchdog_interval
+from gpuguard.passes import STATUS_FILE, PassContext, Step, Work
 from gpuguard.paths import Root
 from gpuguard.sources.systemd import ALL, SystemdSource
 from gpuguard.systemd import Systemd, bus_address_for
 
-STATUS_FILE = "/run/gpuguard/status.json"
 PASS_STUCK_AFTER = 300.0  # a pass this old stops the watchdog pings: systemd restarts us
-
-
-@dataclass
-class PassContext:
-    """One pass: why it runs, the GPUs, and what the steps found and did.
-
-    The inventory is loaded on first use: NVML can take a second to initialise, and
-    the container access repair after a daemon-reload must not wait for it (it uses
-    `previous_inventory`, the last pass's, when it needs GPU identities at all).
-    """
-
-    work: Work
-    load_inventory: Callable[[], Awaitable[Optional[Inventory]]]
-    previous_inventory: Optional[Inventory] = None
-    findings: list[Finding] = field(default_factory=list)
-    outcomes: list[Outcome] = field(default_factory=list)
-    # (delay seconds, reconcilers, why): passes a step wants later, e.g. when a grace
-    # period ends; nothing else would announce that moment.
-    followups: list[tuple[float, frozenset[str], str]] = field(default_factory=list)
-    _inventory: Optional[Inventory] = None
-    _loaded: bool = False
-
-    def recheck(self, after: float, reconcilers: frozenset[str], why: str) -> None:
-        self.followups.append((max(0.0, after), reconcilers, why))
-
-    async def inventory(self) -> Optional[Inventory]:
-        if not self._loaded:
-            self._inventory = await self.load_inventory()
-            self._loaded = True
-        return self._inventory
-
-    @property
-    def known_inventory(self) -> Optional[Inventory]:
-        return self._inventory if self._loaded else self.previous_inventory
-
-    async def device_inventory(self) -> Optional[Inventory]:
-        """The inventory for device work: a systemd event (reload, a unit start) does
-        not change the GPUs, so the last one serves and NVML is not waited for."""
-        systemd_only = all(r.startswith("systemd:") for r in self.work.reasons)
-        if systemd_only and self.previous_inventory is not None:
-            return self.known_inventory
-        return await self.inventory()
-
-
-class Services(Protocol):
-    """What a step may use: the daemon's shared objects, read at call time."""
-
-    root: Root
-    config: Config
-    log: EventLog
-    dry_run: bool
-    bus_address: str
-
-    @property
-    def systemd(self) -> Optional[Systemd]: ...
-
-
-# A step observes, runs one reconciler and hands its actions to actuators.
-Step = Callable[[Services, PassContext], Awaitable[None]]
 
 
 class Daemon:

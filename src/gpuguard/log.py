@@ -53,12 +53,12 @@ class EventLog:
         self,
         *,
         level: str = "info",
-        stream: TextIO = sys.stderr,
+        stream: Optional[TextIO] = None,  # default: sys.stderr as it is when built
         journal: Optional[Sender] = None,
         static_fields: Optional[Mapping[str, str]] = None,
     ) -> None:
         self.threshold = LEVELS[level]
-        self.stream = stream
+        self.stream = stream if stream is not None else sys.stderr
         self.journal = journal
         self.static = dict(static_fields or {})
 

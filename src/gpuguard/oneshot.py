@@ -6,19 +6,24 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from gpuguard.coalescer import Work
 from gpuguard.config import Config
-from gpuguard.daemon import STATUS_FILE, PassContext
-from gpuguard.devices.audit import audit
+from gpuguard.devices.nodes import nvidia_majors, read_proc_devices
 from gpuguard.inventory import Inventory
 from gpuguard.log import EventLog
 from gpuguard.model import Finding, Outcome
+from gpuguard.passes import STATUS_FILE, PassContext, Work
 from gpuguard.paths import Root
-from gpuguard.steps.container_access import AccessObserver, ContainerAccessStep
-from gpuguard.steps.device_nodes import DeviceNodesStep
-from gpuguard.systemd import Systemd, SystemdError
+
+if TYPE_CHECKING:
+    from gpuguard.systemd import Systemd
+
+
+def driver_loaded(root: Root) -> bool:
+    """Whether the NVIDIA driver registered its devices; without it the device steps
+    have nothing to do (and `gpuguard check` need not load D-Bus or asyncio)."""
+    return nvidia_majors(read_proc_devices(root)).nvidia is not None
 
 
 @dataclass
@@ -38,6 +43,10 @@ class OneShotServices:
 async def run_device_steps(
     svc: OneShotServices, inventory: Optional[Inventory]
 ) -> tuple[list[Finding], list[Outcome]]:
+    from gpuguard.steps.container_access import ContainerAccessStep
+    from gpuguard.steps.device_nodes import DeviceNodesStep
+    from gpuguard.systemd import Systemd, SystemdError
+
     async def load() -> Optional[Inventory]:
         return inventory
 
@@ -60,6 +69,9 @@ async def run_device_steps(
 def container_status(
     root: Root, cfg: Config, inventory: Optional[Inventory]
 ) -> list[dict[str, Any]]:
+    from gpuguard.devices.audit import audit
+    from gpuguard.steps.container_access import AccessObserver
+
     view = AccessObserver().observe(root, inventory, cfg.kubelet.checkpoint_path)
     if view is None:
         return []

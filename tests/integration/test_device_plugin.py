@@ -34,10 +34,9 @@ from typing import Any, Optional
 import pytest
 
 from conftest import require_root, require_tool
-from gpuguard.coalescer import Work
 from gpuguard.config import Config, DevicePluginConfig
-from gpuguard.daemon import PassContext
 from gpuguard.log import EventLog
+from gpuguard.passes import PassContext, Work
 from gpuguard.paths import Root
 from gpuguard.plugins.restart import PluginRestarter
 from gpuguard.plugins.step import DevicePluginStep

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from gpuguard.coalescer import Coalescer, Work
+from gpuguard.coalescer import Coalescer
+from gpuguard.passes import Work
 
 A = frozenset({"checkpoint"})
 B = frozenset({"container_access"})

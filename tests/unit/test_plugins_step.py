@@ -13,10 +13,10 @@ from typing import Any, Optional
 
 import pytest
 
-from gpuguard.coalescer import Work
 from gpuguard.config import Config, DevicePluginConfig
 from gpuguard.log import EventLog
 from gpuguard.model import Finding, Outcome
+from gpuguard.passes import Work
 from gpuguard.paths import Root
 from gpuguard.plugins import step as step_mod
 from gpuguard.plugins.discover import NodeInfo, PluginInfo, PluginObservation, ProcessInfo

@@ -43,8 +43,8 @@ from gpuguard.plugins.restart import PluginRestarter, check_new_plugin, verify
 
 if TYPE_CHECKING:
     from gpuguard.config import DevicePluginConfig
-    from gpuguard.daemon import PassContext, Services
     from gpuguard.log import EventLog
+    from gpuguard.passes import PassContext, Services
 
 log = logging.getLogger(__name__)
 

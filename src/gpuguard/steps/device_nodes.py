@@ -24,7 +24,7 @@ from gpuguard.paths import Root
 from gpuguard.reconcilers import device_nodes
 
 if TYPE_CHECKING:
-    from gpuguard.daemon import PassContext, Services
+    from gpuguard.passes import PassContext, Services
 
 
 @dataclass(frozen=True)

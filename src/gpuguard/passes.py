@@ -1,0 +1,89 @@
+"""What a pass is made of, shared by the daemon, one-shot `gpuguard check` and the steps.
+
+Kept free of D-Bus and asyncio imports: `gpuguard check` on a healthy node must start fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Awaitable, Callable, Optional, Protocol
+
+from gpuguard.config import Config
+from gpuguard.inventory import Inventory
+from gpuguard.log import EventLog
+from gpuguard.model import Finding, Outcome
+from gpuguard.paths import Root
+
+if TYPE_CHECKING:
+    from gpuguard.systemd import Systemd
+
+STATUS_FILE = "/run/gpuguard/status.json"
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one pass serves: the reconcilers marked, why, and when the marks came."""
+
+    reconcilers: frozenset[str]
+    reasons: tuple[str, ...]
+    first_mark: float  # monotonic time of the first mark this pass serves
+    last_mark: float
+
+
+@dataclass
+class PassContext:
+    """One pass: why it runs, the GPUs, and what the steps found and did.
+
+    The inventory is loaded on first use: NVML can take a second to initialise, and
+    the container access repair after a daemon-reload must not wait for it (it uses
+    `previous_inventory`, the last pass's, when it needs GPU identities at all).
+    """
+
+    work: Work
+    load_inventory: Callable[[], Awaitable[Optional[Inventory]]]
+    previous_inventory: Optional[Inventory] = None
+    findings: list[Finding] = field(default_factory=list)
+    outcomes: list[Outcome] = field(default_factory=list)
+    # (delay seconds, reconcilers, why): passes a step wants later, e.g. when a grace
+    # period ends; nothing else would announce that moment.
+    followups: list[tuple[float, frozenset[str], str]] = field(default_factory=list)
+    _inventory: Optional[Inventory] = None
+    _loaded: bool = False
+
+    def recheck(self, after: float, reconcilers: frozenset[str], why: str) -> None:
+        self.followups.append((max(0.0, after), reconcilers, why))
+
+    async def inventory(self) -> Optional[Inventory]:
+        if not self._loaded:
+            self._inventory = await self.load_inventory()
+            self._loaded = True
+        return self._inventory
+
+    @property
+    def known_inventory(self) -> Optional[Inventory]:
+        return self._inventory if self._loaded else self.previous_inventory
+
+    async def device_inventory(self) -> Optional[Inventory]:
+        """The inventory for device work: a systemd event (reload, a unit start) does
+        not change the GPUs, so the last one serves and NVML is not waited for."""
+        systemd_only = all(r.startswith("systemd:") for r in self.work.reasons)
+        if systemd_only and self.previous_inventory is not None:
+            return self.known_inventory
+        return await self.inventory()
+
+
+class Services(Protocol):
+    """What a step may use: the daemon's shared objects, read at call time."""
+
+    root: Root
+    config: Config
+    log: EventLog
+    dry_run: bool
+    bus_address: str
+
+    @property
+    def systemd(self) -> Optional[Systemd]: ...
+
+
+# A step observes, runs one reconciler and hands its actions to actuators.
+Step = Callable[[Services, PassContext], Awaitable[None]]
