@@ -253,17 +253,12 @@ async def _restart_with_hook(
         raise KubeletError(
             f"{report.checkpoint}: not repaired: restarting kubelet failed: {e}"
         ) from None
-    log.event(
+    _log_kubelet(
+        log,
+        s,
         "kubelet-restart",
         f"restarted {s.kubelet_unit} (job {result}) so its pre-start hook repairs "
         f"{report.checkpoint}: {report.actions[0].reason}",
-        level="notice",
-        fields={
-            "GPUGUARD_RECONCILER": "checkpoint",
-            "GPUGUARD_ACTION": "kubelet-restart",
-            "UNIT": s.kubelet_unit,
-            "REASON": s.reason,
-        },
     )
     if result != "done":
         raise KubeletError(f"{report.checkpoint}: kubelet restart job ended with '{result}'")
@@ -302,21 +297,31 @@ async def _stop_repair_start(
             start = await systemd.start_unit(s.kubelet_unit)
         except SystemdError as e:
             start = str(e)
-        log.event(
+        _log_kubelet(
+            log,
+            s,
             "kubelet-stop-start",
             f"stopped {s.kubelet_unit}, repaired {report.checkpoint}, started it again "
             f"(start: {start})",
-            level="notice",
-            fields={
-                "GPUGUARD_RECONCILER": "checkpoint",
-                "GPUGUARD_ACTION": "kubelet-stop-start",
-                "UNIT": s.kubelet_unit,
-                "REASON": s.reason,
-            },
         )
     if start != "done":
         raise KubeletError(f"repaired {report.checkpoint}, but starting kubelet failed: {start}")
     return report
+
+
+def _log_kubelet(log: EventLog, s: CheckSettings, kind: str, msg: str) -> None:
+    """The journal entry for a kubelet restart or stop/start made for the checkpoint."""
+    log.event(
+        kind,
+        msg,
+        level="notice",
+        fields={
+            "GPUGUARD_RECONCILER": "checkpoint",
+            "GPUGUARD_ACTION": kind,
+            "UNIT": s.kubelet_unit,
+            "REASON": s.reason,
+        },
+    )
 
 
 def _coordination_failed(log: EventLog, s: CheckSettings, why: str) -> None:
