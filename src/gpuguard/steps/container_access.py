@@ -199,13 +199,16 @@ class ContainerAccessStep:
             device_rules=view.rules,
             restart_on_v2=cfg.devices.v2_remedy == "restart-container",
         )
+        # 1. the fast path: direct cgroup writes, before anything slower (logging the
+        # findings is one journal message each: 4 per container after a reload)
+        outcomes = []
+        if cfg.devices.regrant:
+            outcomes = [self._v1(a, svc) for a in actions if isinstance(a, CgroupV1Allow)]
         for f in findings:
             svc.log.finding(f)
         ctx.findings += findings
         if not cfg.devices.regrant:
             return
-        # 1. the fast path: direct cgroup writes, before anything slower
-        outcomes = [self._v1(a, svc) for a in actions if isinstance(a, CgroupV1Allow)]
         # 2. durable grants through systemd
         systemd = svc.systemd
         # DurableGrants=no: the direct writes only, no DeviceAllow= at all
