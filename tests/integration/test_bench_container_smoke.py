@@ -1,0 +1,44 @@
+"""bench/bench_container_access.py runs end to end in a tiny configuration and prints
+every figure (the values are the bench's business, not this test's)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from integration.harness import require_systemd_ns
+
+pytestmark = pytest.mark.root
+
+FIGURES = (
+    "(a) 5 scopes started in",
+    "start -> durable DeviceAllow=: p50",
+    "containers without a durable grant after 120 s: ",
+    "(d) full audit pass, nothing to repair, 5 GPU containers: p50",
+    "per container: p50",
+    "(b) 5 containers x 5 daemon-reloads",
+    "container-reloads without the GPU right after the reload returned: ",
+    "real losses (re-granted by gpuguard): ",
+    "(c) fast path only (DurableGrants=no), 5 new scopes, 5 reloads",
+    "reload returned -> every container restored: p50",
+    "reload returned -> repair pass ended:        p50",
+    "repair pass duration:",
+    "reconciler crashes: ",
+)
+
+
+def test_bench_prints_every_figure() -> None:
+    require_systemd_ns()
+    bench = str(REPO / "bench/bench_container_access.py")
+    res = subprocess.run(
+        [sys.executable, bench, "--containers", "5", "--reloads", "5", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    missing = [f for f in FIGURES if f not in res.stdout]
+    assert not missing, f"missing {missing} in:\n{res.stdout}"
