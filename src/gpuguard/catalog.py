@@ -210,6 +210,23 @@ KINDS: dict[str, KindDoc] = {
         "The plugin exited and left its socket behind. Kubelet or the container runtime "
         "should start it again; if this persists, check the plugin pod's logs.",
     ),
+    "plugin-nvml-failed": KindDoc(
+        "NVML cannot initialise in a GPU device plugin's context",
+        "With NvmlProbe=yes gpuguard loads libnvidia-ml.so.1 from the plugin's own "
+        "filesystem, inside its device cgroup, and calls nvmlInit: it failed (NVML_ERROR; "
+        "the plugin logs 'Failed to initialize NVML: ' followed by it), or the library "
+        "cannot be loaded there. Typical causes: a device node the plugin's cgroup denies, "
+        "a driver upgraded under a running plugin, libraries not injected into its "
+        "container. gpuguard restarts the plugin, within CoolDown and MaxRestartsPerHour.",
+    ),
+    "plugin-nvml-unchecked": KindDoc(
+        "gpuguard could not check NVML in a GPU device plugin's context",
+        "The NVML probe (NvmlProbe=yes) could not run (NVML_STAGE: cgroup, namespace, "
+        "timeout or error), so there is no verdict on the plugin and nothing is done. "
+        "namespace: entering the plugin's mount namespace needs CAP_SYS_ADMIN and "
+        "CAP_SYS_CHROOT in gpuguard.service's CapabilityBoundingSet= and mnt allowed by "
+        "its RestrictNamespaces=.",
+    ),
     "container-missing-uvm": KindDoc(
         "A GPU container has no /dev/nvidia-uvm",
         "It was set up by a device plugin that did not see /dev/nvidia-uvm. Granting "

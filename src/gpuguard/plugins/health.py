@@ -19,6 +19,10 @@ Rules:
   container's /dev, so they must be recreated. Reported, never acted on here.
 - A plugin socket nobody listens on is reported (the plugin died; kubelet or the
   runtime restarts it).
+- NVML (``NvmlProbe=yes``, results from plugins/nvml_probe.py): a plugin in whose
+  context NVML cannot initialise ("Failed to initialize NVML: Unknown Error") is
+  restarted, unless a stale view already asks for that; a probe that could not run
+  (no verdict) is reported as a warning only.
 
 Whether a restart is allowed (cool-down, hourly budget, back-off) is the step's
 business: the reconciler only says what would make the node healthy.
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
 from gpuguard.model import Action, Finding
 from gpuguard.plugins.discover import (
@@ -39,15 +43,21 @@ from gpuguard.plugins.discover import (
     ProcessInfo,
 )
 
+if TYPE_CHECKING:
+    from gpuguard.plugins.nvml_probe import NvmlResult
+
 RECONCILER = "device_plugin"
 
 K_MISSING_DEVICE = "plugin-missing-device"
 K_NOT_REGISTERED = "plugin-not-registered"
 K_NOT_SERVING = "plugin-not-serving"
 K_CONTAINER_NO_UVM = "container-missing-uvm"
+K_NVML_FAILED = "plugin-nvml-failed"
+K_NVML_UNCHECKED = "plugin-nvml-unchecked"
 
 CAUSE_STALE = "stale-view"
 CAUSE_UNREGISTERED = "not-registered"
+CAUSE_NVML = "nvml-failed"  # NVML cannot initialise in the plugin's context
 
 # A node is "newer than the plugin" only beyond start-time precision (btime is whole
 # seconds, start is in clock ticks).
@@ -59,7 +69,7 @@ class RestartPlugin(Action):
     identity: str
     socket: str
     process: ProcessInfo
-    cause: str  # CAUSE_STALE | CAUSE_UNREGISTERED
+    cause: str  # CAUSE_STALE | CAUSE_UNREGISTERED | CAUSE_NVML
     missing: tuple[str, ...] = ()
 
     @property
@@ -126,7 +136,13 @@ def _fields(p: PluginInfo) -> dict[str, str]:
     return out
 
 
-def assess(obs: PluginObservation, *, registration_grace: float) -> Assessment:
+def assess(
+    obs: PluginObservation,
+    *,
+    registration_grace: float,
+    nvml: Optional[Mapping[str, NvmlResult]] = None,
+) -> Assessment:
+    """``nvml``: NVML probe results by plugin identity (empty: NvmlProbe=no)."""
     findings: list[Finding] = []
     actions: dict[str, RestartPlugin] = {}
     healthy: list[str] = []
@@ -148,9 +164,23 @@ def assess(obs: PluginObservation, *, registration_grace: float) -> Assessment:
             continue
         if not driver_up:
             continue
+        res = (nvml or {}).get(p.identity)
+        if res is not None and not res.ok:
+            findings.append(_nvml_finding(p, p.process, res))
         gaps, how = view_gaps(obs.host_nodes, p.dev, p.process.start)
         if not gaps:
-            healthy.append(p.identity)
+            if res is not None and res.failed:
+                actions[p.identity] = RestartPlugin(
+                    reconciler=RECONCILER,
+                    reason=f"NVML cannot initialise in its context: {res.detail}",
+                    target=p.process.describe(),
+                    identity=p.identity,
+                    socket=p.socket,
+                    process=p.process,
+                    cause=CAUSE_NVML,
+                )
+            else:
+                healthy.append(p.identity)
             continue
         stale.append(p.identity)
         findings.append(
@@ -178,6 +208,32 @@ def assess(obs: PluginObservation, *, registration_grace: float) -> Assessment:
     findings += _registration(obs, registration_grace, actions)
     findings += _containers(obs, stale)
     return Assessment(tuple(findings), tuple(actions.values()), tuple(healthy))
+
+
+def _nvml_finding(p: PluginInfo, proc: ProcessInfo, res: NvmlResult) -> Finding:
+    fields = {**_fields(p), "NVML_ERROR": res.detail}
+    if res.code is not None:
+        fields["NVML_CODE"] = str(res.code)
+    if res.library:
+        fields["NVML_LIBRARY"] = res.library
+    if not res.failed:
+        return Finding(
+            K_NVML_UNCHECKED,
+            RECONCILER,
+            f"cannot check NVML in device plugin {p.identity}'s context "
+            f"({proc.describe()}): {res.detail}",
+            {**fields, "NVML_STAGE": res.stage},
+            "warning",
+        )
+    said = f"Failed to initialize NVML: {res.detail}" if res.stage == "init" else res.detail
+    return Finding(
+        K_NVML_FAILED,
+        RECONCILER,
+        f"NVML cannot initialise in device plugin {p.identity}'s context "
+        f"({proc.describe()}): {said}; it must be restarted",
+        fields,
+        "error",
+    )
 
 
 def _registration(

@@ -11,6 +11,10 @@ Limits (never a restart loop):
   capped at ``backoff_max``);
 - one restart per plugin per pass, and none while an earlier one awaits verification.
 
+With ``NvmlProbe=yes`` every served plugin (a container or a host service) is also
+probed for NVML in its own context (plugins/nvml_probe.py: one child process per
+plugin process and pass, off the event loop); NvmlProbe=no runs no probe at all.
+
 Every decision is a journal entry, the declined ones included (plugin-restart-declined
 with REASON). The budget lives in this object and in
 ``/var/lib/gpuguard/plugin-restarts.json`` (restarts are recorded BEFORE acting), so a
@@ -45,6 +49,7 @@ if TYPE_CHECKING:
     from gpuguard.config import DevicePluginConfig
     from gpuguard.log import EventLog
     from gpuguard.passes import PassContext, Services
+    from gpuguard.plugins.nvml_probe import NvmlResult
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +129,7 @@ class DevicePluginStep:
         dev_dir: str = "/dev",
         extra_sockets: Optional[dict[str, str]] = None,
         state_file: str = STATE_FILE,
+        nvml_timeout: float = 10.0,
     ) -> None:
         self.restarter = restarter
         self.clock = clock
@@ -136,6 +142,7 @@ class DevicePluginStep:
         self.dev_dir = dev_dir
         self.extra = extra_sockets
         self.state_file = state_file
+        self.nvml_timeout = nvml_timeout
         self.state: dict[str, PluginState] = {}
         self._loaded_from: Optional[Root] = None
 
@@ -197,6 +204,26 @@ class DevicePluginStep:
             remembered=remembered,
         )
 
+    def probe_nvml(self, root: Root, obs: PluginObservation) -> dict[str, NvmlResult]:
+        """NVML in each served plugin's context, by identity (one probe per process)."""
+        if not obs.host_nodes:  # no driver: NVML fails everywhere, nothing to judge
+            return {}
+        from gpuguard.plugins import nvml_probe  # ctypes: only with NvmlProbe=yes
+
+        by_pid: dict[int, NvmlResult] = {}
+        out: dict[str, NvmlResult] = {}
+        for p in obs.plugins:
+            proc = p.process
+            if proc is None or proc.kind not in ("container", "service"):
+                continue
+            if proc.pid not in by_pid:
+                dirs = nvml_probe.plugin_cgroup_dirs(root, proc.pid)
+                by_pid[proc.pid] = nvml_probe.probe_nvml(
+                    proc.pid, dirs, timeout=self.nvml_timeout, root=root
+                )
+            out[p.identity] = by_pid[proc.pid]
+        return out
+
     async def _kubelet_unit_started(self, svc: Services) -> Optional[float]:
         sd = svc.systemd
         if sd is None:
@@ -217,7 +244,8 @@ class DevicePluginStep:
         self._load(root, elog)
         unit_started = await self._kubelet_unit_started(svc)
         obs = await asyncio.to_thread(self.observe, root, cfg, unit_started)
-        result = assess(obs, registration_grace=cfg.registration_grace)
+        nvml = await asyncio.to_thread(self.probe_nvml, root, obs) if cfg.nvml_probe else {}
+        result = assess(obs, registration_grace=cfg.registration_grace, nvml=nvml)
         k = obs.kubelet_started
         if k is not None and obs.now < k + cfg.registration_grace:
             # F4 can only be judged once the grace period is over: ask for that pass.
