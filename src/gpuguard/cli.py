@@ -281,12 +281,13 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         notifier=Notifier(),
         inventory_path=_inventory_path(args, cfg),
         bus_address=_opt(args, "bus"),
-        # Order matters: nodes and links first (durable grants resolve /dev/char), the
-        # container access repair next (the urgent one after a daemon-reload), then the
-        # checkpoint, which may restart kubelet.
+        # Order matters: the container access repair first (after a daemon-reload every
+        # millisecond counts), then nodes and /dev/char links (a new link asks for a
+        # follow-up pass, so durable grants follow at once), then the checkpoint, which
+        # may restart kubelet, then the device plugins.
         steps={
-            "device_nodes": DeviceNodesStep(),
             "container_access": ContainerAccessStep(),
+            "device_nodes": DeviceNodesStep(),
             "checkpoint": CheckpointStep(),
             "device_plugin": DevicePluginStep(),
         },

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from dbus_next import BusType, Message, MessageType, Variant
 from dbus_next.aio import MessageBus
@@ -150,14 +150,20 @@ class Systemd:
             destination="org.freedesktop.DBus",
         )
 
-    async def subscribe(self) -> None:
-        """Ask systemd for its signals and route Manager + unit property signals to us."""
-        await self.add_match(f"type='signal',sender='{SYSTEMD}',interface='{PROPS}'")
+    async def subscribe(self, unit_paths: Iterable[str] = ()) -> None:
+        """Ask systemd for its signals: the Manager's, and property changes of `unit_paths`
+        only (a daemon-reload re-sends properties of every unit: hundreds of signals the
+        daemon would only parse to ignore)."""
+        for path in unit_paths:
+            await self.watch_properties(path)
         await self.add_match(
             "type='signal',sender='org.freedesktop.DBus',member='NameOwnerChanged',"
             f"arg0='{SYSTEMD}'"
         )
         await self._subscribe_manager()
+
+    async def watch_properties(self, path: str) -> None:
+        await self.add_match(f"type='signal',sender='{SYSTEMD}',interface='{PROPS}',path='{path}'")
 
     async def _subscribe_manager(self) -> None:
         """Manager signals (JobRemoved, Reloading, UnitNew, ...) to this connection, once."""

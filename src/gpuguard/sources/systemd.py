@@ -75,12 +75,18 @@ class SystemdSource:
         self.set_units(kubelet_units, runtime_units)
 
     def set_units(self, kubelet_units: Iterable[str], runtime_units: Iterable[str]) -> None:
+        old = set(getattr(self, "_watch", ()))
         self._watch: dict[str, tuple[str, frozenset[str]]] = {}
         for u in runtime_units:
             self._watch[unit_object_path(u)] = (u, ON_RUNTIME_START)
         for u in kubelet_units:
             self._watch[unit_object_path(u)] = (u, ON_KUBELET_START)
         self._active: dict[str, str] = {}
+        client = getattr(self, "client", None)
+        if client is not None:  # a SIGHUP named other units: watch them from now on
+            for path in set(self._watch) - old:
+                task = asyncio.ensure_future(client.watch_properties(path))
+                task.add_done_callback(lambda t: t.exception())
 
     def stop(self) -> None:
         self._stopping = True
@@ -95,7 +101,7 @@ class SystemdSource:
             try:
                 await client.connect()
                 client.on_signal(self._on_signal)
-                await client.subscribe()
+                await client.subscribe(self._watch)
                 await self._snapshot_units(client)
             except SystemdError as e:
                 client.disconnect()

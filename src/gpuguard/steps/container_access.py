@@ -18,7 +18,7 @@ import asyncio
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, AbstractSet, Mapping, Optional
+from typing import TYPE_CHECKING, AbstractSet, Mapping, Optional, Sequence
 
 from gpuguard.devices.audit import (
     AccessKey,
@@ -29,17 +29,16 @@ from gpuguard.devices.audit import (
     audit,
     verdicts_from_rules,
 )
-from gpuguard.devices.cgroupio import CgroupWriteError, read_devices_list, write_allow
+from gpuguard.devices.cgroupio import CgroupWriteError, write_allow
 from gpuguard.devices.containers import ContainerCgroup, detect_layout, discover_containers
 from gpuguard.devices.entitlement import Entitlement, read_entitlement
 from gpuguard.devices.nodes import (
-    DeviceNode,
     list_nvidia_nodes,
     nvidia_majors,
     read_proc_devices,
 )
 from gpuguard.devices.probe import probe_open
-from gpuguard.devices.rules import DeviceRules
+from gpuguard.devices.rules import DeviceRules, parse_devices_list
 from gpuguard.inventory import Inventory
 from gpuguard.model import Action, Outcome
 from gpuguard.paths import Root
@@ -80,6 +79,48 @@ class AccessObserver:
 
     def __init__(self) -> None:
         self._cache: dict[tuple[str, str], tuple[int, Entitlement]] = {}
+        # The v1 GPU containers of the last pass, for fast_view() after a reload, and the
+        # devices.list text of each that admitted everything it was given.
+        self._known_v1: tuple[tuple[ContainerCgroup, Entitlement], ...] = ()
+        self._good: dict[str, str] = {}
+        self._host_signature: tuple[tuple[str, str], ...] = ()
+
+    def _read_v1(
+        self,
+        pairs: Sequence[tuple[ContainerCgroup, Entitlement]],
+        access: dict[AccessKey, Optional[bool]],
+        rules: dict[str, DeviceRules],
+    ) -> None:
+        for c, ent in pairs:
+            assert c.cgroup_v1_devices is not None
+            try:
+                text = (c.cgroup_v1_devices / "devices.list").read_text()
+            except OSError:
+                continue  # the container went away
+            if self._good.get(c.container_id) == text:  # unchanged since it was fine
+                access.update({(c.container_id, n.numbers): True for n in ent.nodes})
+                continue
+            r = parse_devices_list(text)
+            rules[c.container_id] = r
+            verdicts = verdicts_from_rules(c.container_id, ent.nodes, r)
+            access.update(verdicts)
+            if all(verdicts.values()):
+                self._good[c.container_id] = text
+            else:
+                self._good.pop(c.container_id, None)
+
+    def fast_view(self) -> AccessView:
+        """The last pass's v1 GPU containers with their access as of now: no tree walk,
+        no /proc reads. A reload's wipe is repaired from this before anything else."""
+        access: dict[AccessKey, Optional[bool]] = {}
+        rules: dict[str, DeviceRules] = {}
+        self._read_v1(self._known_v1, access, rules)
+        return AccessView(
+            tuple(c for c, _ in self._known_v1),
+            {c.key: e for c, e in self._known_v1},
+            access,
+            rules,
+        )
 
     def observe(
         self, root: Root, inventory: Optional[Inventory], checkpoint_path: str
@@ -89,7 +130,14 @@ class AccessObserver:
             return None  # driver not loaded: no GPU node can be granted
         containers = discover_containers(root, detect_layout(root))
         gpus = inventory.gpus if inventory is not None else ()
-        host_nodes: Optional[tuple[DeviceNode, ...]] = None
+        host_nodes = list_nvidia_nodes(root, majors)
+        signature = tuple(sorted((n.path, n.numbers) for n in host_nodes))
+        if signature != self._host_signature:
+            # Entitlements are judged against the host's nodes (a node made or removed
+            # since, e.g. by the device_nodes step, changes them): judge afresh.
+            self._cache.clear()
+            self._good.clear()
+            self._host_signature = signature
         ckpt: Optional[dict[str, set[str]]] = None
         ents: dict[tuple[str, str], Entitlement] = {}
         live = set()
@@ -99,10 +147,9 @@ class AccessObserver:
             if cached is not None and cached[0] in c.pids:
                 ents[c.key] = cached[1]
                 continue
-            if host_nodes is None:
-                host_nodes = list_nvidia_nodes(root, majors)
+            if ckpt is None:
                 ckpt = checkpoint_ids(root, checkpoint_path)
-            ent = read_entitlement(root, c, host_nodes, majors, gpus, ckpt or {})
+            ent = read_entitlement(root, c, host_nodes, majors, gpus, ckpt)
             ents[c.key] = ent
             if ent.readable and c.pids:
                 self._cache[c.key] = (c.pids[0], ent)
@@ -110,21 +157,17 @@ class AccessObserver:
             del self._cache[gone]
         access: dict[AccessKey, Optional[bool]] = {}
         rules: dict[str, DeviceRules] = {}
-        for c in containers:
-            ent = ents[c.key]
-            if not ent.is_gpu_container:
-                continue
-            if c.cgroup_v1_devices is not None:
-                try:
-                    r = read_devices_list(c.cgroup_v1_devices)
-                except OSError:
-                    continue  # the container went away
-                rules[c.container_id] = r
-                access.update(verdicts_from_rules(c.container_id, ent.nodes, r))
-            elif c.cgroup_v2 is not None:
+        gpu = [(c, ents[c.key]) for c in containers if ents[c.key].is_gpu_container]
+        v1 = tuple((c, e) for c, e in gpu if c.cgroup_v1_devices is not None)
+        self._read_v1(v1, access, rules)
+        for c, ent in gpu:
+            if c.cgroup_v1_devices is None and c.cgroup_v2 is not None:
                 for n in ent.nodes:
                     res = probe_open(root.path(n.path), [c.cgroup_v2])
                     access[(c.container_id, n.numbers)] = res.verdict
+        self._known_v1 = v1
+        for stale_id in set(self._good) - {c.container_id for c, _ in v1}:
+            del self._good[stale_id]
         return AccessView(tuple(containers), ents, access, rules)
 
 
@@ -187,6 +230,20 @@ class ContainerAccessStep:
 
     async def __call__(self, svc: Services, ctx: PassContext) -> None:
         cfg = svc.config
+        if cfg.devices.regrant:
+            # Right after a daemon-reload every second counts: re-check the containers
+            # the last pass knew and write their grants back before walking the tree.
+            fast = await asyncio.to_thread(self.observer.fast_view)
+            findings, actions = audit(
+                fast.containers, fast.entitlements, fast.access, device_rules=fast.rules
+            )
+            outcomes = [self._v1(a, svc) for a in actions if isinstance(a, CgroupV1Allow)]
+            for f in findings:
+                svc.log.finding(f)
+            for o in outcomes:
+                svc.log.outcome(o)
+            ctx.findings += findings
+            ctx.outcomes += outcomes
         view = await asyncio.to_thread(
             self.observer.observe, svc.root, ctx.known_inventory, cfg.kubelet.checkpoint_path
         )

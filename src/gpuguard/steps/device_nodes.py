@@ -83,4 +83,8 @@ class DeviceNodesStep:
             actuator = DeviceNodeActuator(
                 svc.root, svc.log, nvidia_modprobe=cfg.nvidia_modprobe, dry_run=svc.dry_run
             )
-            ctx.outcomes += await asyncio.to_thread(apply_all, actuator, actions)
+            outcomes = await asyncio.to_thread(apply_all, actuator, actions)
+            ctx.outcomes += outcomes
+            if any(o.status == "done" and o.action.kind == "char-link-created" for o in outcomes):
+                # durable DeviceAllow= grants resolve through the links just made
+                ctx.recheck(0.0, frozenset({"container_access"}), "device links created")
