@@ -27,7 +27,7 @@ class Coalescer:
         run_pass: RunPass,
         *,
         quiet: float = 0.15,
-        urgent_quiet: float = 0.02,
+        urgent_quiet: float = 0.005,
         max_delay: float = 2.0,
         max_hold: float = 30.0,
         clock: Callable[[], float] = time.monotonic,

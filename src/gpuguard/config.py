@@ -350,9 +350,10 @@ class DaemonConfig:
     reload_quiet_period: float = _key(
         "ReloadQuietPeriod",
         TimeSpan(0.0),
-        "20ms",
+        "5ms",
         "The shorter quiet period used once systemd reports the end of a "
-        "daemon-reload or daemon-reexec (its burst of signals is over).",
+        "daemon-reload or daemon-reexec (its burst of signals is over, and running "
+        "GPU containers may just have lost their devices).",
     )
     dry_run: bool = _key(
         "DryRun",

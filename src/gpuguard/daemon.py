@@ -186,9 +186,11 @@ class Daemon:
         started_wall, t0 = time.time(), time.monotonic()
         self.passes += 1
         ctx = PassContext(work, self._inventory, previous_inventory=self.inventory)
+        steps_ms: dict[str, float] = {}
         for name, step in self.steps.items():  # in the order main() gave: it matters
             if name not in work.reconcilers:
                 continue
+            t_step = time.monotonic()
             try:
                 await step(self, ctx)
             except Exception as e:
@@ -199,6 +201,7 @@ class Daemon:
                     fields={"GPUGUARD_RECONCILER": name},
                     exc=e,
                 )
+            steps_ms[name] = round((time.monotonic() - t_step) * 1000, 2)
         duration = time.monotonic() - t0
         if ctx.known_inventory is not None:
             self.inventory = ctx.known_inventory
@@ -211,6 +214,7 @@ class Daemon:
             "started": started_wall,
             "ended": time.time(),
             "duration_ms": round(duration * 1000, 2),
+            "steps_ms": steps_ms,
             "findings": [f.to_json() for f in ctx.findings],
             "outcomes": [o.to_json() for o in ctx.outcomes],
             "gpus": len(self.inventory.gpus) if self.inventory else None,

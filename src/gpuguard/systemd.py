@@ -24,6 +24,7 @@ MANAGER_PATH = "/org/freedesktop/systemd1"
 MANAGER = "org.freedesktop.systemd1.Manager"
 UNIT = "org.freedesktop.systemd1.Unit"
 PROPS = "org.freedesktop.DBus.Properties"
+MANAGER_SIGNALS = ("Reloading", "StartupFinished", "UnitNew", "JobRemoved")
 
 
 class SystemdError(Exception):
@@ -169,7 +170,13 @@ class Systemd:
         """Manager signals (JobRemoved, Reloading, UnitNew, ...) to this connection, once."""
         if self._subscribed:
             return
-        await self.add_match(f"type='signal',sender='{SYSTEMD}',interface='{MANAGER}'")
+        # Only the signals gpuguard uses: a reload of a node with hundreds of scopes
+        # brings a UnitRemoved and a UnitNew for each, and every message the loop must
+        # parse delays the Reloading(false) that matters.
+        for member in MANAGER_SIGNALS:
+            await self.add_match(
+                f"type='signal',sender='{SYSTEMD}',interface='{MANAGER}',member='{member}'"
+            )
         try:
             await self.call("Subscribe")
         except SystemdError as e:

@@ -458,7 +458,7 @@ def test_expected_defaults() -> None:
     """The defaults the design settled on; a change here is a user-visible change."""
     d = Config()
     assert (d.daemon.audit_interval, d.daemon.quiet_period, d.daemon.max_delay) == (300, 0.15, 2)
-    assert (d.daemon.reload_quiet_period, d.daemon.hook_timeout) == (0.02, 10)
+    assert (d.daemon.reload_quiet_period, d.daemon.hook_timeout) == (0.005, 10)
     assert (d.daemon.dry_run, d.daemon.log_level, d.inventory.file) == (False, "info", None)
     assert d.kubelet.resources == ("nvidia.com/gpu", "nvidia.com/gpu.shared", "nvidia.com/mig-*")
     assert (d.kubelet.policy, d.kubelet.backup_keep, d.kubelet.restart_kubelet) == (

@@ -231,19 +231,7 @@ class ContainerAccessStep:
     async def __call__(self, svc: Services, ctx: PassContext) -> None:
         cfg = svc.config
         if cfg.devices.regrant:
-            # Right after a daemon-reload every second counts: re-check the containers
-            # the last pass knew and write their grants back before walking the tree.
-            fast = await asyncio.to_thread(self.observer.fast_view)
-            findings, actions = audit(
-                fast.containers, fast.entitlements, fast.access, device_rules=fast.rules
-            )
-            outcomes = [self._v1(a, svc) for a in actions if isinstance(a, CgroupV1Allow)]
-            for f in findings:
-                svc.log.finding(f)
-            for o in outcomes:
-                svc.log.outcome(o)
-            ctx.findings += findings
-            ctx.outcomes += outcomes
+            self._fast_repair(svc, ctx)
         view = await asyncio.to_thread(
             self.observer.observe, svc.root, ctx.known_inventory, cfg.kubelet.checkpoint_path
         )
@@ -288,6 +276,45 @@ class ContainerAccessStep:
         for o in outcomes:
             svc.log.outcome(o)
         ctx.outcomes += outcomes
+
+    def _fast_repair(self, svc: Services, ctx: PassContext) -> None:
+        """Right after a daemon-reload every millisecond counts: re-check the v1 GPU
+        containers the last pass knew and write their grants back before walking the
+        tree, and before building the report (800 findings cost more than 200 writes).
+        Inline on the loop, not in a thread: these are kernfs reads and writes of a few
+        hundred bytes each, ~15 ms for 200 containers, and nothing is more urgent."""
+        fast = self.observer.fast_view()
+        written: dict[str, Outcome] = {}
+        for c in fast.containers:
+            ent = fast.entitlements[c.key]
+            denied = [n for n in ent.nodes if fast.access.get((c.container_id, n.numbers)) is False]
+            if not denied or c.cgroup_v1_devices is None:
+                continue
+            what = ", ".join(n.path for n in denied)
+            action = CgroupV1Allow(
+                reconciler=NAME,
+                reason=f"re-grant {what} given to the container and denied by its cgroup",
+                target=str(c.cgroup_v1_devices),
+                cgroup_dir=str(c.cgroup_v1_devices),
+                rules=tuple(n.allow_line("rw") for n in denied),
+                pod_uid=c.pod_uid,
+                container_id=c.container_id,
+                nodes=tuple(n.path for n in denied),
+                numbers=tuple(n.numbers for n in denied),
+            )
+            written[c.container_id] = self._v1(action, svc)
+        if not written:
+            return
+        # The report: the same audit as a full pass (findings with their causes).
+        findings, _ = audit(
+            fast.containers, fast.entitlements, fast.access, device_rules=fast.rules
+        )
+        for f in findings:
+            svc.log.finding(f)
+        for o in written.values():
+            svc.log.outcome(o)
+        ctx.findings += findings
+        ctx.outcomes += written.values()
 
     def _v1(self, a: CgroupV1Allow, svc: Services) -> Outcome:
         if svc.dry_run:
