@@ -279,7 +279,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         config_path=_opt(args, "config"),
         log=log,
         notifier=Notifier(),
-        inventory_path=_inventory_path(args, cfg),
+        inventory_path=_opt(args, "inventory"),
         bus_address=_opt(args, "bus"),
         # Order matters: the container access repair first (after a daemon-reload every
         # millisecond counts), then nodes and /dev/char links (a new link asks for a

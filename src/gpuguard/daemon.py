@@ -50,7 +50,10 @@ class Daemon:
         self.config_path = config_path
         self.log = log
         self.notifier = notifier
-        self.inventory_path = inventory_path
+        # --inventory on the command line wins; otherwise [Inventory] File= (or NVML),
+        # re-read on SIGHUP like the rest of the configuration.
+        self.cli_inventory = inventory_path
+        self.inventory_path = inventory_path or _config_inventory(config)
         self.bus_address = bus_address or bus_address_for(root.prefix)
         self.dry_run = dry_run or config.daemon.dry_run
         self.use_udev = udev
@@ -158,6 +161,7 @@ class Daemon:
             self.notifier.send("READY=1", f"STATUS=config rejected; {self.status_line()}")
             return
         self.config = new
+        self.inventory_path = self.cli_inventory or _config_inventory(new)
         self.dry_run = new.daemon.dry_run
         self.log.set_level(new.daemon.log_level)
         c, d = self.coalescer, new.daemon
@@ -322,3 +326,7 @@ class Daemon:
             write_new(path, json.dumps(doc, indent=1).encode(), mode=0o644)
         except OSError as e:
             self.log.debug(f"cannot write {path}: {e}")
+
+
+def _config_inventory(config: Config) -> Optional[Path]:
+    return Path(config.inventory.file) if config.inventory.file else None
