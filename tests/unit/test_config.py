@@ -17,13 +17,12 @@ from gpuguard.config import (
     REFERENCE_BEGIN,
     REFERENCE_END,
     Config,
-    format_timespan,
     load_config,
     parse_config,
-    parse_timespan,
     render_reference,
     render_shipped,
 )
+from gpuguard.configtypes import format_timespan, parse_timespan
 from gpuguard.errors import ConfigError
 from gpuguard.paths import CONFIG_DROPIN_DIR, CONFIG_FILE, Root
 

@@ -1,0 +1,262 @@
+"""The value types of gpuguard's configuration keys: parsing and formatting, systemd style.
+
+Each type parses a value's text (raising ValueError with a hint the loader puts behind
+`file:line:`) and formats a value back, so `gpuguard config` prints what a file would say.
+Time spans follow systemd.time(7): `150ms`, `5min`, `2s 500ms`, a bare number is seconds.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from fractions import Fraction
+from typing import Any, Tuple
+
+
+class ValueType:
+    """How one key's text becomes a value and back.
+
+    `parse` raises ValueError with "what is wrong; how to fix it" (no file:line; the
+    loader adds that). `format(parse(text))` must parse back to the same value, which
+    is what makes `Config.render()` round-trip.
+    """
+
+    describe: str = "string"
+    # systemd: `Key=` resets a setting to its default. Types whose empty value means
+    # something (optional values, lists) set this to False and parse "" themselves.
+    empty_resets: bool = True
+
+    def parse(self, text: str) -> Any:
+        raise NotImplementedError
+
+    def format(self, value: Any) -> str:
+        return str(value)
+
+
+class Bool(ValueType):
+    describe = "boolean"
+    _TRUE = ("yes", "true", "1", "on")
+    _FALSE = ("no", "false", "0", "off")
+
+    def parse(self, text: str) -> bool:
+        low = text.lower()
+        if low in self._TRUE:
+            return True
+        if low in self._FALSE:
+            return False
+        raise ValueError("not a boolean; use yes or no (also accepted: true/false, on/off, 1/0)")
+
+    def format(self, value: Any) -> str:
+        return "yes" if value else "no"
+
+
+_USEC_PER = {
+    "us": 1,
+    "usec": 1,
+    "\u00b5s": 1,  # micro sign
+    "\u03bcs": 1,  # Greek mu, which some keyboards produce instead
+    "ms": 1_000,
+    "msec": 1_000,
+    "s": 1_000_000,
+    "sec": 1_000_000,
+    "second": 1_000_000,
+    "seconds": 1_000_000,
+    "m": 60_000_000,
+    "min": 60_000_000,
+    "minute": 60_000_000,
+    "minutes": 60_000_000,
+    "h": 3_600_000_000,
+    "hr": 3_600_000_000,
+    "hour": 3_600_000_000,
+    "hours": 3_600_000_000,
+    "d": 86_400_000_000,
+    "day": 86_400_000_000,
+    "days": 86_400_000_000,
+    "w": 604_800_000_000,
+    "week": 604_800_000_000,
+    "weeks": 604_800_000_000,
+}
+# Units used when formatting, largest first (weeks are left out: "14d" reads better).
+_FORMAT_UNITS = (
+    ("d", 86_400_000_000),
+    ("h", 3_600_000_000),
+    ("min", 60_000_000),
+    ("s", 1_000_000),
+    ("ms", 1_000),
+    ("us", 1),
+)
+_TIME_PART = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([^\s\d.]*)")
+_TIME_HINT = "use a number with a unit such as 150ms, 5min, 1h or 2s 500ms"
+
+
+def parse_timespan(text: str) -> float:
+    """Parse a systemd.time(7) span ("5min", "2s 500ms", "1.5h", bare "300" = seconds).
+
+    Sums in exact fractions of a microsecond and converts to float seconds once, so that
+    format_timespan() and parse_timespan() are exact inverses at microsecond resolution.
+    """
+    text = text.strip()
+    if not text:
+        raise ValueError(f"empty time span; {_TIME_HINT}")
+    total = Fraction(0)
+    pos = 0
+    while pos < len(text):
+        m = _TIME_PART.match(text, pos)
+        if m is None:
+            raise ValueError(f"not a time span; {_TIME_HINT}")
+        number, unit = m.group(1), m.group(2)
+        if not unit:
+            # systemd reads a bare number as seconds, but only as the whole value:
+            # "2 500ms" is more likely a typo than 2.5 s.
+            if pos != 0 or m.end() != len(text):
+                raise ValueError(f"{number!r} has no unit; {_TIME_HINT}")
+            unit = "s"
+        if unit not in _USEC_PER:
+            close = difflib.get_close_matches(unit, list(_USEC_PER), n=1)
+            hint = f"did you mean {number}{close[0]}?" if close else _TIME_HINT
+            raise ValueError(f"unknown time unit {unit!r}; {hint}")
+        total += Fraction(number) * _USEC_PER[unit]
+        pos = m.end()
+    return round(total) / 1_000_000
+
+
+def format_timespan(seconds: float) -> str:
+    """Format seconds the way systemd does ("5min", "2s 500ms"); "0" for zero."""
+    usec = round(seconds * 1_000_000)
+    if usec == 0:
+        return "0"
+    parts = []
+    for name, size in _FORMAT_UNITS:
+        count, usec = divmod(usec, size)
+        if count:
+            parts.append(f"{count}{name}")
+    return " ".join(parts)
+
+
+class TimeSpan(ValueType):
+    """A time span in seconds (float); `optional`: empty means None (not set)."""
+
+    def __init__(self, minimum: float = 0.0, *, optional: bool = False) -> None:
+        self.minimum = minimum
+        self.optional = optional
+        self.empty_resets = not optional
+        low = f" >= {format_timespan(minimum)}" if minimum else ""
+        self.describe = f"time span{low}" + (", or empty for none" if optional else "")
+
+    def parse(self, text: str) -> float | None:
+        if self.optional and not text:
+            return None
+        value = parse_timespan(text)
+        if value < self.minimum:
+            raise ValueError(f"must be at least {format_timespan(self.minimum)}")
+        return value
+
+    def format(self, value: Any) -> str:
+        return "" if value is None else format_timespan(value)
+
+
+class Int(ValueType):
+    def __init__(self, minimum: int, maximum: int) -> None:
+        self.minimum = minimum
+        self.maximum = maximum
+        self.describe = f"integer {minimum}..{maximum}"
+
+    def parse(self, text: str) -> int:
+        # int() would also take "1_000" and " 12 "; accept only what we would print.
+        if not re.fullmatch(r"[+-]?\d+", text):
+            raise ValueError(f"not an integer; use a whole number {self.minimum}..{self.maximum}")
+        value = int(text)
+        if not self.minimum <= value <= self.maximum:
+            raise ValueError(f"out of range; use a number {self.minimum}..{self.maximum}")
+        return value
+
+
+class Choice(ValueType):
+    def __init__(self, *choices: str) -> None:
+        self.choices = choices
+        self.describe = "one of " + ", ".join(choices)
+
+    def parse(self, text: str) -> str:
+        if text in self.choices:
+            return text
+        close = difflib.get_close_matches(text.lower(), self.choices, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"use one of {', '.join(self.choices)}"
+        raise ValueError(f"not one of {', '.join(self.choices)}; {hint}")
+
+
+class AbsPath(ValueType):
+    """An absolute host path, kept as text (callers map it through Root.path())."""
+
+    def __init__(self, *, optional: bool = False) -> None:
+        self.optional = optional
+        self.empty_resets = not optional
+        self.describe = "absolute path" + (", or empty for none" if optional else "")
+
+    def parse(self, text: str) -> str | None:
+        if self.optional and not text:
+            return None
+        if not text.startswith("/"):
+            raise ValueError("not an absolute path; write the full path starting with /")
+        return text
+
+    def format(self, value: Any) -> str:
+        return "" if value is None else str(value)
+
+
+_UNIT_NAME = re.compile(r"[A-Za-z0-9:_.\\@-]+\.service")
+
+
+class ServiceUnit(ValueType):
+    describe = "systemd service unit name"
+
+    def parse(self, text: str) -> str:
+        if _UNIT_NAME.fullmatch(text):
+            return text
+        if re.fullmatch(r"[A-Za-z0-9:_.\\@-]+", text) and "." not in text:
+            raise ValueError(f"not a service unit name; did you mean '{text}.service'?")
+        raise ValueError(
+            "not a service unit name; write it as systemctl shows it, e.g. kubelet.service"
+        )
+
+
+_RESOURCE = re.compile(r"[A-Za-z0-9*?\[\]][A-Za-z0-9._*?\[\]-]*/[A-Za-z0-9._*?\[\]-]+")
+
+
+class ResourcePattern(ValueType):
+    describe = "extended resource name or glob"
+
+    def parse(self, text: str) -> str:
+        if _RESOURCE.fullmatch(text):
+            return text
+        raise ValueError(
+            f"{text!r} is not an extended resource name or glob; "
+            "write it like nvidia.com/gpu or nvidia.com/mig-*"
+        )
+
+
+class CriEndpoint(ValueType):
+    describe = "CRI endpoint URL"
+
+    def parse(self, text: str) -> str:
+        if re.fullmatch(r"(unix|tcp|npipe)://\S+", text):
+            return text
+        raise ValueError("not a CRI endpoint; write it like unix:///run/containerd/containerd.sock")
+
+
+class SpaceList(ValueType):
+    """Space-separated items; empty means an empty list (systemd: `Key=` clears a list)."""
+
+    empty_resets = False
+
+    def __init__(self, item: ValueType) -> None:
+        self.item = item
+        self.describe = f"space-separated list of {item.describe}s"
+
+    def parse(self, text: str) -> Tuple[Any, ...]:
+        return tuple(self.item.parse(word) for word in text.split())
+
+    def format(self, value: Any) -> str:
+        return " ".join(self.item.format(v) for v in value)
+
+
+# ------------------------------------------------------------------------ the key table
