@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, AbstractSet, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, AbstractSet, Callable, Mapping, Optional, Sequence
 
 from gpuguard.devices.audit import (
     AccessKey,
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     from gpuguard.systemd import Systemd
 
 NAME = "container_access"
+POD_RESTART_WINDOW = 3600.0  # V2Remedy=restart-container: one restart per pod per hour
 SCOPE_IFACE = "org.freedesktop.systemd1.Scope"
 
 
@@ -224,9 +226,11 @@ def _numbers_of(root: Root, path: str) -> Optional[str]:
 
 
 class ContainerAccessStep:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.observer = AccessObserver()
         self.durable: dict[str, set[str]] = {}  # unit -> numbers in its DeviceAllow=
+        self.clock = clock
+        self.pod_restarts: dict[str, float] = {}  # pod UID -> when we last stopped one
 
     async def __call__(self, svc: Services, ctx: PassContext) -> None:
         cfg = svc.config
@@ -353,8 +357,20 @@ class ContainerAccessStep:
                 "program; recreate the container (V2Remedy=restart-container does it)",
             )
         assert isinstance(a, RestartContainer)
+        # Never a restart loop: kubelet recreates the container, and if the new one is
+        # denied too, stopping it again would be a loop. One restart per pod per window.
+        now = self.clock()
+        last = self.pod_restarts.get(a.pod_uid)
+        if last is not None and now - last < POD_RESTART_WINDOW:
+            return Outcome(
+                a,
+                "declined",
+                f"pod {a.pod_uid} was already restarted {now - last:.0f}s ago (at most one "
+                f"restart per pod per {POD_RESTART_WINDOW / 60:.0f} min); recreate it by hand",
+            )
         if svc.dry_run:
             return Outcome(a, "dry-run", "would stop the container through the CRI")
+        self.pod_restarts[a.pod_uid] = now
         from gpuguard.commands import CommandError, run
 
         dp = svc.config.device_plugin
