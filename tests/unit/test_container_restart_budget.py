@@ -8,7 +8,6 @@ from pathlib import Path
 from gpuguard.config import Config
 from gpuguard.devices.audit import RestartContainer
 from gpuguard.log import EventLog
-from gpuguard.passes import PassContext  # noqa: F401  (the step's context type)
 from gpuguard.paths import Root
 from gpuguard.steps.container_access import POD_RESTART_WINDOW, ContainerAccessStep
 
