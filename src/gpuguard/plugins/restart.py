@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
+from gpuguard.commands import run_async
 from gpuguard.paths import Root
 from gpuguard.plugins.discover import (
     NodeInfo,
@@ -105,22 +106,7 @@ class PluginRestarter:
         return "signal"
 
     async def _run(self, argv: Sequence[str]) -> tuple[int, str]:
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-            )
-        except OSError as e:
-            return 127, f"{argv[0]}: {e.strerror}"
-        try:
-            out, _ = await asyncio.wait_for(proc.communicate(), self.command_timeout)
-        except asyncio.TimeoutError:
-            proc.kill()
-            await proc.wait()
-            return 124, f"{' '.join(argv)}: no answer in {self.command_timeout:.0f}s"
-        return proc.returncode or 0, out.decode(errors="replace").strip()[-500:]
+        return await run_async(argv, timeout=self.command_timeout)
 
     async def restart(
         self, root: Root, action: RestartPlugin, systemd: Optional[Systemd]
