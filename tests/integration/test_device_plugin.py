@@ -36,6 +36,7 @@ import pytest
 from conftest import require_root, require_tool
 from gpuguard.config import Config, DevicePluginConfig
 from gpuguard.log import EventLog
+from gpuguard.oneshot import OneShotServices
 from gpuguard.passes import PassContext, Work
 from gpuguard.paths import Root
 from gpuguard.plugins.restart import PluginRestarter
@@ -49,19 +50,6 @@ UVM_MAJOR = 510
 GPU_DEVS = [("/dev/nvidia0", 195, 0), ("/dev/nvidiactl", 195, 255)]
 UVM_DEVS = [("/dev/nvidia-uvm", UVM_MAJOR, 0), ("/dev/nvidia-uvm-tools", UVM_MAJOR, 1)]
 UVM_REASON = "udev: module nvidia_uvm add"
-
-
-@dataclasses.dataclass
-class Svc:
-    root: Root
-    config: Config
-    log: EventLog
-    dry_run: bool = False
-    bus_address: str = ""
-
-    @property
-    def systemd(self) -> None:
-        return None
 
 
 class Node:
@@ -154,10 +142,12 @@ def make_step(node: Node, **kw: Any) -> DevicePluginStep:
     return DevicePluginStep(**args)
 
 
-def make_svc(node: Node, **dp: Any) -> tuple[Svc, io.StringIO]:
+def make_svc(node: Node, **dp: Any) -> tuple[OneShotServices, io.StringIO]:
     cfg = Config(device_plugin=dataclasses.replace(DevicePluginConfig(), socket_dir=DP, **dp))
     out = io.StringIO()
-    return Svc(Root(node.root), cfg, EventLog(stream=out, level="debug")), out
+    return OneShotServices(
+        Root(node.root), cfg, EventLog(stream=out, level="debug"), dry_run=False, bus_address=""
+    ), out
 
 
 async def _none() -> None:
@@ -174,7 +164,7 @@ def journal(out: io.StringIO, kind: Optional[str] = None) -> list[dict[str, Any]
     return [e for e in all_ if kind is None or e["kind"] == kind]
 
 
-async def run_pass(step: DevicePluginStep, svc: Svc, node: Node) -> PassContext:
+async def run_pass(step: DevicePluginStep, svc: OneShotServices, node: Node) -> PassContext:
     """One pass with kubelet played alongside (it recreates what the step stops)."""
     stop = asyncio.Event()
     kubelet = asyncio.create_task(node.play_kubelet(stop))

@@ -40,6 +40,7 @@ import pytest
 from conftest import require_root, require_tool
 from gpuguard.config import Config, DevicePluginConfig
 from gpuguard.log import EventLog
+from gpuguard.oneshot import OneShotServices
 from gpuguard.passes import PassContext, Work
 from gpuguard.paths import Root
 from gpuguard.plugins import nvml_probe
@@ -74,19 +75,6 @@ const char *nvmlErrorString(int r) { return "Unknown Error"; }
 """
 GOOD_SOCK, BAD_SOCK, BARE_SOCK = "nvidia-gpu.sock", "nvidia-gpu.shared.sock", "nvidia-mig.sock"
 GOOD, BAD, BARE = "nvidia.com/gpu", "nvidia.com/gpu.shared", "nvidia.com/mig"
-
-
-@dataclasses.dataclass
-class Svc:
-    root: Root
-    config: Config
-    log: EventLog
-    dry_run: bool = False
-    bus_address: str = ""
-
-    @property
-    def systemd(self) -> None:
-        return None
 
 
 class Node:
@@ -210,10 +198,12 @@ def make_step(node: Node) -> DevicePluginStep:
     )
 
 
-def make_svc(node: Node, **dp: Any) -> tuple[Svc, io.StringIO]:
+def make_svc(node: Node, **dp: Any) -> tuple[OneShotServices, io.StringIO]:
     cfg = Config(device_plugin=dataclasses.replace(DevicePluginConfig(), socket_dir=DP, **dp))
     out = io.StringIO()
-    return Svc(Root(node.root), cfg, EventLog(stream=out, level="debug")), out
+    return OneShotServices(
+        Root(node.root), cfg, EventLog(stream=out, level="debug"), dry_run=False, bus_address=""
+    ), out
 
 
 async def _none() -> None:
@@ -230,7 +220,9 @@ def journal(out: io.StringIO, kind: Optional[str] = None) -> list[dict[str, Any]
     return [e for e in all_ if kind is None or e["kind"] == kind]
 
 
-async def run_pass(step: DevicePluginStep, svc: Svc, node: Node, sock: str) -> PassContext:
+async def run_pass(
+    step: DevicePluginStep, svc: OneShotServices, node: Node, sock: str
+) -> PassContext:
     stop = asyncio.Event()
     kubelet = asyncio.create_task(node.play_kubelet(sock, stop))
     try:

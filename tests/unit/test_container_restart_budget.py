@@ -8,18 +8,9 @@ from pathlib import Path
 from gpuguard.config import Config
 from gpuguard.devices.audit import RestartContainer
 from gpuguard.log import EventLog
+from gpuguard.oneshot import OneShotServices
 from gpuguard.paths import Root
 from gpuguard.steps.container_access import POD_RESTART_WINDOW, ContainerAccessStep
-
-
-@dataclasses.dataclass
-class Svc:
-    root: Root
-    config: Config
-    log: EventLog
-    dry_run: bool = False
-    bus_address: str = ""
-    systemd: None = None
 
 
 def _restart(pod: str) -> RestartContainer:
@@ -33,7 +24,9 @@ def test_one_restart_per_pod_per_window(tmp_path: Path) -> None:
     cfg = dataclasses.replace(
         cfg, device_plugin=dataclasses.replace(cfg.device_plugin, crictl="/bin/true")
     )
-    svc = Svc(Root(tmp_path), cfg, EventLog(level="error"))
+    svc = OneShotServices(
+        Root(tmp_path), cfg, EventLog(level="error"), dry_run=False, bus_address=""
+    )
     assert step._other(_restart("pod-a"), svc).status == "done"  # type: ignore[arg-type]
     now[0] += 60
     second = step._other(_restart("pod-a"), svc)  # type: ignore[arg-type]
@@ -49,6 +42,8 @@ def test_a_failed_attempt_counts_too(tmp_path: Path) -> None:
     cfg = dataclasses.replace(
         cfg, device_plugin=dataclasses.replace(cfg.device_plugin, crictl="/bin/false")
     )
-    svc = Svc(Root(tmp_path), cfg, EventLog(level="error"))
+    svc = OneShotServices(
+        Root(tmp_path), cfg, EventLog(level="error"), dry_run=False, bus_address=""
+    )
     assert step._other(_restart("pod-a"), svc).status == "failed"  # type: ignore[arg-type]
     assert step._other(_restart("pod-a"), svc).status == "declined"  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ import pytest
 from gpuguard.config import Config, DevicePluginConfig
 from gpuguard.log import EventLog
 from gpuguard.model import Finding, Outcome
+from gpuguard.oneshot import OneShotServices
 from gpuguard.passes import Work
 from gpuguard.paths import Root
 from gpuguard.plugins import nvml_probe
@@ -232,19 +233,6 @@ class Ctx:
     outcomes: list[Outcome] = field(default_factory=list)
 
 
-@dataclass
-class Svc:
-    root: Root
-    config: Config
-    log: EventLog
-    dry_run: bool = False
-    bus_address: str = ""
-
-    @property
-    def systemd(self) -> None:
-        return None
-
-
 class FakeRestarter(PluginRestarter):
     def __init__(self) -> None:
         super().__init__(ctr="/nonexistent", crictl="/nonexistent")
@@ -288,7 +276,9 @@ def probes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def run(tmp_path: Path, **dp: Any) -> tuple[Ctx, FakeRestarter, list[dict[str, Any]]]:
     cfg = Config(device_plugin=dataclasses.replace(DevicePluginConfig(), **dp))
     out = io.StringIO()
-    svc = Svc(Root(tmp_path), cfg, EventLog(stream=out, level="debug"))
+    svc = OneShotServices(
+        Root(tmp_path), cfg, EventLog(stream=out, level="debug"), dry_run=False, bus_address=""
+    )
     r = FakeRestarter()
     ctx = Ctx()
     asyncio.run(Step(r)(svc, ctx))  # type: ignore[arg-type]

@@ -16,6 +16,7 @@ import pytest
 from gpuguard.config import Config, DevicePluginConfig
 from gpuguard.log import EventLog
 from gpuguard.model import Finding, Outcome
+from gpuguard.oneshot import OneShotServices
 from gpuguard.passes import Work
 from gpuguard.paths import Root
 from gpuguard.plugins import step as step_mod
@@ -39,19 +40,6 @@ class Ctx:
     work: Work = field(default_factory=lambda: Work(frozenset({"device_plugin"}), ("test",), 0, 0))
     findings: list[Finding] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)
-
-
-@dataclass
-class Svc:
-    root: Root
-    config: Config
-    log: EventLog
-    dry_run: bool = False
-    bus_address: str = ""
-
-    @property
-    def systemd(self) -> None:
-        return None
 
 
 class FakeRestarter(PluginRestarter):
@@ -105,17 +93,19 @@ def verdict(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     return box
 
 
-def make(tmp_path: Path, **dp: Any) -> tuple[Svc, io.StringIO]:
+def make(tmp_path: Path, **dp: Any) -> tuple[OneShotServices, io.StringIO]:
     cfg = Config(device_plugin=dataclasses.replace(DevicePluginConfig(), **dp))
     out = io.StringIO()
-    return Svc(Root(tmp_path), cfg, EventLog(stream=out, level="debug")), out
+    return OneShotServices(
+        Root(tmp_path), cfg, EventLog(stream=out, level="debug"), dry_run=False, bus_address=""
+    ), out
 
 
 def entries(out: io.StringIO, kind: str) -> list[dict[str, Any]]:
     return [e for e in map(json.loads, out.getvalue().splitlines()) if e["kind"] == kind]
 
 
-def run(step: DevicePluginStep, svc: Svc) -> Ctx:
+def run(step: DevicePluginStep, svc: OneShotServices) -> Ctx:
     ctx = Ctx()
     asyncio.run(step(svc, ctx))  # type: ignore[arg-type]
     return ctx
