@@ -42,11 +42,6 @@ def _ids(ids: Optional[Tuple[str, ...]]) -> str:
     return "<nil>" if ids is None else "[" + " ".join(ids) + "]"
 
 
-def _alloc(data: Optional[bytes]) -> str:
-    # []uint8 under %#v is a list of decimal numbers (spew's hexdump is %v/Sdump only).
-    return "<nil>" if data is None else "[" + " ".join(map(_DEC.__getitem__, data)) + "]"
-
-
 def _devices(e: PodDevicesEntry, fmt: str) -> str:
     if e.device_ids is None:
         return "<nil>"
@@ -70,39 +65,6 @@ def _registered(cp: Checkpoint) -> str:
     return "map[" + " ".join(f"{k}:{_ids(v)}" for k, v in sorted(cp.registered, key=_first)) + "]"
 
 
-# A rendering cut into segments; bytes stand for an AllocResp value still to render.
-RenderSegment = Union[str, bytes]
-
-
-def _segments(cp: Checkpoint) -> List[RenderSegment]:
-    fmt = cp.effective_format()
-    dev = _DEV[fmt]
-    segs: List[RenderSegment] = []
-    if cp.entries is None:
-        segs.append(_TOP + "<nil>" + _REG)
-    elif not cp.entries:
-        segs.append(_TOP + "[]" + _REG)
-    else:
-        lead = _TOP + "[{PodUID:(string)"
-        for e in cp.entries:
-            segs.append(lead)
-            segs.append(e.pod_uid)  # unique per pod: not worth a table
-            segs.append(
-                f" ContainerName:(string){e.container_name}"
-                f" ResourceName:(string){e.resource_name}{dev}{_devices(e, fmt)}"
-                " AllocResp:([]uint8)"
-            )
-            segs.append(e.alloc_resp if e.alloc_resp is not None else "<nil>")
-            lead = "} {PodUID:(string)"
-        segs.append("}]" + _REG)
-    segs.append(_registered(cp) + "}")
-    return segs
-
-
-def _text(seg: RenderSegment) -> str:
-    return _alloc(seg) if isinstance(seg, bytes) else seg
-
-
 def render(cp: Checkpoint, *, v1_compat: bool = False) -> str:
     """The exact string kubelet hashes for `cp`.
 
@@ -111,7 +73,13 @@ def render(cp: Checkpoint, *, v1_compat: bool = False) -> str:
     "PodDevicesEntryV1" (even inside IDs) with the v2 names; this differs from what
     1.11-1.19 hashed only when a string contains "PodDevicesEntryV1".
     """
-    text = "".join(map(_text, _segments(cp)))
+    # The checksum's own segments: text, and AllocResp bodies (their brackets are in
+    # the text around them): []uint8 under %#v is a list of decimal numbers (spew's
+    # hexdump is %v/Sdump only).
+    text = "".join(
+        seg if isinstance(seg, str) else " ".join(map(_DEC.__getitem__, seg))
+        for seg in _hash_segments(cp)
+    )
     if v1_compat and cp.effective_format() == "v1":
         text = text.replace("PodDevicesEntryV1", "PodDevicesEntry")
     return text
