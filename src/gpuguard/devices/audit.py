@@ -18,6 +18,7 @@ Actions re-grant exactly the entitled nodes that are denied, never anything else
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from gpuguard.devices.containers import ContainerCgroup
@@ -125,6 +126,22 @@ class RestartContainer(ContainerDeviceAction):
 
     def fields(self) -> Mapping[str, str]:
         return {**super().fields(), "RUNTIME": self.runtime_name}
+
+
+def v1_allow(c: ContainerCgroup, cgroup_dir: Path, denied: Sequence[DeviceNode]) -> CgroupV1Allow:
+    """The direct re-grant of `denied` (entitled nodes the cgroup refuses) for `c`."""
+    what = ", ".join(n.path for n in denied)
+    return CgroupV1Allow(
+        reason=f"re-grant {what} given to the container and denied by its cgroup",
+        target=str(cgroup_dir),
+        cgroup_dir=str(cgroup_dir),
+        rules=tuple(n.allow_line("rw") for n in denied),
+        reconciler=RECONCILER,
+        pod_uid=c.pod_uid,
+        container_id=c.container_id,
+        nodes=tuple(n.path for n in denied),
+        numbers=tuple(n.numbers for n in denied),
+    )
 
 
 def verdicts_from_rules(
@@ -257,19 +274,7 @@ def audit(
         numbers = tuple(n.numbers for n in denied)
         what = ", ".join(n.path for n in denied)
         if c.cgroup_v1_devices is not None:
-            actions.append(
-                CgroupV1Allow(
-                    reason=f"re-grant {what} given to the container and denied by its cgroup",
-                    target=str(c.cgroup_v1_devices),
-                    cgroup_dir=str(c.cgroup_v1_devices),
-                    rules=tuple(n.allow_line("rw") for n in denied),
-                    reconciler=RECONCILER,
-                    pod_uid=c.pod_uid,
-                    container_id=c.container_id,
-                    nodes=paths,
-                    numbers=numbers,
-                )
-            )
+            actions.append(v1_allow(c, c.cgroup_v1_devices, denied))
         if c.unit is not None:
             actions.append(
                 UnitDeviceAllow(

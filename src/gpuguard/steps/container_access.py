@@ -28,6 +28,7 @@ from gpuguard.devices.audit import (
     UnitDeviceAllow,
     V2ReportOnly,
     audit,
+    v1_allow,
     verdicts_from_rules,
 )
 from gpuguard.devices.cgroupio import CgroupWriteError, write_allow
@@ -294,18 +295,7 @@ class ContainerAccessStep:
             denied = [n for n in ent.nodes if fast.access.get((c.container_id, n.numbers)) is False]
             if not denied or c.cgroup_v1_devices is None:
                 continue
-            what = ", ".join(n.path for n in denied)
-            action = CgroupV1Allow(
-                reconciler=NAME,
-                reason=f"re-grant {what} given to the container and denied by its cgroup",
-                target=str(c.cgroup_v1_devices),
-                cgroup_dir=str(c.cgroup_v1_devices),
-                rules=tuple(n.allow_line("rw") for n in denied),
-                pod_uid=c.pod_uid,
-                container_id=c.container_id,
-                nodes=tuple(n.path for n in denied),
-                numbers=tuple(n.numbers for n in denied),
-            )
+            action = v1_allow(c, c.cgroup_v1_devices, denied)
             written[c.container_id] = self._v1(action, svc)
         if not written:
             return
