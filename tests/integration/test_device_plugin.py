@@ -20,8 +20,6 @@ The test root is a directory whose ``proc``/``sys`` link to the host's and whose
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import io
 import json
 import os
 import secrets
@@ -29,23 +27,27 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
 from conftest import require_root, require_tool
-from gpuguard.config import Config, DevicePluginConfig
-from gpuguard.log import EventLog
 from gpuguard.oneshot import OneShotServices
-from gpuguard.passes import PassContext, Work
-from gpuguard.paths import Root
+from gpuguard.passes import PassContext
 from gpuguard.plugins.restart import PluginRestarter
 from gpuguard.plugins.step import DevicePluginStep
 from integration.harness.containerd import SOCKET_SERVER, PrivateContainerd
+from integration.plugin_node import (
+    DP,
+    host_root,
+    journal,
+    make_svc,
+    plugin_pass,
+    run_with_kubelet,
+)
 
 pytestmark = pytest.mark.root
 
-DP = "/var/lib/kubelet/device-plugins"
 UVM_MAJOR = 510
 GPU_DEVS = [("/dev/nvidia0", 195, 0), ("/dev/nvidiactl", 195, 255)]
 UVM_DEVS = [("/dev/nvidia-uvm", UVM_MAJOR, 0), ("/dev/nvidia-uvm-tools", UVM_MAJOR, 1)]
@@ -57,14 +59,7 @@ class Node:
 
     def __init__(self, c: PrivateContainerd) -> None:
         self.c = c
-        self.root = c.work / "host"
-        for d in (DP.lstrip("/"), "var/lib/gpuguard"):
-            (self.root / d).mkdir(parents=True)
-        os.symlink("/proc", self.root / "proc")
-        os.symlink("/sys", self.root / "sys")
-        os.symlink(c.host_dev, self.root / "dev")
-        for name, major, minor in GPU_DEVS:
-            c.mknod(os.path.basename(name), major, minor)
+        self.root = host_root(c, GPU_DEVS)
         self.plugin = ""
         self.plugin_uvm = False  # whether "the plugin" would be given uvm now
         self.plugins_started: list[tuple[str, int]] = []
@@ -142,48 +137,17 @@ def make_step(node: Node, **kw: Any) -> DevicePluginStep:
     return DevicePluginStep(**args)
 
 
-def make_svc(node: Node, **dp: Any) -> tuple[OneShotServices, io.StringIO]:
-    cfg = Config(device_plugin=dataclasses.replace(DevicePluginConfig(), socket_dir=DP, **dp))
-    out = io.StringIO()
-    return OneShotServices(
-        Root(node.root), cfg, EventLog(stream=out, level="debug"), dry_run=False, bus_address=""
-    ), out
-
-
-async def _none() -> None:
-    return None
-
-
-def uvm_pass() -> PassContext:
-    now = time.monotonic()
-    return PassContext(Work(frozenset({"device_plugin"}), (UVM_REASON,), now, now), _none)
-
-
-def journal(out: io.StringIO, kind: Optional[str] = None) -> list[dict[str, Any]]:
-    all_ = [json.loads(line) for line in out.getvalue().splitlines()]
-    return [e for e in all_ if kind is None or e["kind"] == kind]
-
-
 async def run_pass(step: DevicePluginStep, svc: OneShotServices, node: Node) -> PassContext:
-    """One pass with kubelet played alongside (it recreates what the step stops)."""
-    stop = asyncio.Event()
-    kubelet = asyncio.create_task(node.play_kubelet(stop))
-    try:
-        ctx = uvm_pass()
-        await step(svc, ctx)  # type: ignore[arg-type]
-        return ctx
-    finally:
-        stop.set()
-        await kubelet
+    return await run_with_kubelet(step, svc, node.play_kubelet, UVM_REASON)
 
 
 def test_stale_plugin_is_restarted_through_containerd_and_recovers(node: Node) -> None:
     first_pid = node.start_plugin()
     workload = node.start_workload()  # set up by the stale plugin: no uvm
-    svc, out = make_svc(node, cool_down=0.0)
+    svc, out = make_svc(node.root, cool_down=0.0)
     step = make_step(node)
 
-    ctx = uvm_pass()
+    ctx = plugin_pass(UVM_REASON)
     asyncio.run(step(svc, ctx))  # type: ignore[arg-type]
     assert ctx.findings == [] and ctx.outcomes == []  # no uvm on the host yet: healthy
 
@@ -222,7 +186,7 @@ def test_stale_plugin_is_restarted_through_containerd_and_recovers(node: Node) -
 def test_plugin_that_stays_stale_is_restarted_at_most_max_per_hour(node: Node) -> None:
     node.start_plugin()
     node.add_uvm()  # ... but every new plugin comes up without it again
-    svc, out = make_svc(node, cool_down=0.0, max_restarts_per_hour=2)
+    svc, out = make_svc(node.root, cool_down=0.0, max_restarts_per_hour=2)
     step = make_step(node, backoff_base=0.0)
     statuses = []
     for _ in range(4):
@@ -243,7 +207,7 @@ def test_plugin_that_stays_stale_is_restarted_at_most_max_per_hour(node: Node) -
 def test_cool_down_from_the_plugin_start_is_respected(node: Node) -> None:
     node.start_plugin()
     node.add_uvm()
-    svc, out = make_svc(node, cool_down=300.0)
+    svc, out = make_svc(node.root, cool_down=300.0)
     ctx = asyncio.run(run_pass(make_step(node), svc, node))
     assert ctx.outcomes[0].status == "declined"
     (d,) = journal(out, "plugin-restart-declined")

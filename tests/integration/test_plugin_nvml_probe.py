@@ -23,9 +23,6 @@ and started again, this time with the good library ("the fixed plugin").
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import io
-import json
 import os
 import secrets
 import shutil
@@ -33,25 +30,29 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
 from conftest import require_root, require_tool
-from gpuguard.config import Config, DevicePluginConfig
-from gpuguard.log import EventLog
 from gpuguard.oneshot import OneShotServices
-from gpuguard.passes import PassContext, Work
+from gpuguard.passes import PassContext
 from gpuguard.paths import Root
 from gpuguard.plugins import nvml_probe
 from gpuguard.plugins.nvml_probe import NVML_LIBRARY, NvmlResult, plugin_cgroup_dirs, probe_nvml
 from gpuguard.plugins.restart import PluginRestarter
 from gpuguard.plugins.step import DevicePluginStep
 from integration.harness.containerd import SOCKET_SERVER, PrivateContainerd
+from integration.plugin_node import (
+    DP,
+    host_root,
+    journal,
+    make_svc,
+    run_with_kubelet,
+)
 
 pytestmark = pytest.mark.root
 
-DP = "/var/lib/kubelet/device-plugins"
 DEVS = [
     ("/dev/nvidia0", 195, 0),
     ("/dev/nvidiactl", 195, 255),
@@ -82,14 +83,7 @@ class Node:
 
     def __init__(self, c: PrivateContainerd) -> None:
         self.c = c
-        self.root = c.work / "host"
-        for d in (DP.lstrip("/"), "var/lib/gpuguard"):
-            (self.root / d).mkdir(parents=True)
-        os.symlink("/proc", self.root / "proc")
-        os.symlink("/sys", self.root / "sys")
-        os.symlink(c.host_dev, self.root / "dev")
-        for name, major, minor in DEVS:
-            c.mknod(os.path.basename(name), major, minor)
+        self.root = host_root(c, DEVS)
         self.libs = {"good": self._build("good", 0), "bad": self._build("bad", 999)}
         self.cids: dict[str, str] = {}  # socket -> container id
         self.pids: dict[str, int] = {}  # socket -> plugin pid
@@ -198,40 +192,10 @@ def make_step(node: Node) -> DevicePluginStep:
     )
 
 
-def make_svc(node: Node, **dp: Any) -> tuple[OneShotServices, io.StringIO]:
-    cfg = Config(device_plugin=dataclasses.replace(DevicePluginConfig(), socket_dir=DP, **dp))
-    out = io.StringIO()
-    return OneShotServices(
-        Root(node.root), cfg, EventLog(stream=out, level="debug"), dry_run=False, bus_address=""
-    ), out
-
-
-async def _none() -> None:
-    return None
-
-
-def new_ctx() -> PassContext:
-    now = time.monotonic()
-    return PassContext(Work(frozenset({"device_plugin"}), ("test",), now, now), _none)
-
-
-def journal(out: io.StringIO, kind: Optional[str] = None) -> list[dict[str, Any]]:
-    all_ = [json.loads(line) for line in out.getvalue().splitlines()]
-    return [e for e in all_ if kind is None or e["kind"] == kind]
-
-
 async def run_pass(
     step: DevicePluginStep, svc: OneShotServices, node: Node, sock: str
 ) -> PassContext:
-    stop = asyncio.Event()
-    kubelet = asyncio.create_task(node.play_kubelet(sock, stop))
-    try:
-        ctx = new_ctx()
-        await step(svc, ctx)  # type: ignore[arg-type]
-        return ctx
-    finally:
-        stop.set()
-        await kubelet
+    return await run_with_kubelet(step, svc, lambda stop: node.play_kubelet(sock, stop), "test")
 
 
 def test_probe_in_the_plugins_context(node: Node) -> None:
@@ -275,7 +239,7 @@ def test_failing_plugin_is_reported_declined_then_restarted_and_fixed(
     step = make_step(node)
 
     # still starting (CoolDown): reported, restart declined
-    svc, out = make_svc(node, nvml_probe=True, cool_down=3600.0)
+    svc, out = make_svc(node.root, nvml_probe=True, cool_down=3600.0)
     ctx = asyncio.run(run_pass(step, svc, node, BAD_SOCK))
     assert sorted(pid for pid, _r in probes) == sorted([good, bad])
     (f,) = ctx.findings
@@ -289,7 +253,7 @@ def test_failing_plugin_is_reported_declined_then_restarted_and_fixed(
     assert node.c.task_status(old_bad_cid) == "RUNNING"
 
     # past CoolDown: restarted through containerd, kubelet recreates it (fixed)
-    svc, out = make_svc(node, nvml_probe=True, cool_down=0.0)
+    svc, out = make_svc(node.root, nvml_probe=True, cool_down=0.0)
     ctx = asyncio.run(run_pass(step, svc, node, BAD_SOCK))
     (o,) = ctx.outcomes
     assert o.status == "done", o.detail
@@ -314,11 +278,11 @@ def test_plugin_without_the_library_and_nvml_probe_off(
     bare = node.start_plugin(BARE_SOCK, "")
     step = make_step(node)
 
-    svc, out = make_svc(node, cool_down=3600.0)  # NvmlProbe=no, the default
+    svc, out = make_svc(node.root, cool_down=3600.0)  # NvmlProbe=no, the default
     ctx = asyncio.run(run_pass(step, svc, node, BARE_SOCK))
     assert probes == [] and ctx.findings == [] and ctx.outcomes == []
 
-    svc, out = make_svc(node, nvml_probe=True, cool_down=3600.0)
+    svc, out = make_svc(node.root, nvml_probe=True, cool_down=3600.0)
     ctx = asyncio.run(run_pass(step, svc, node, BARE_SOCK))
     assert [pid for pid, _r in probes] == [bare]
     (f,) = ctx.findings
