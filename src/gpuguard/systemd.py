@@ -63,6 +63,7 @@ class Systemd:
         self._sem = asyncio.Semaphore(max_in_flight)
         self._bus: Optional[MessageBus] = None
         self._job_waiters: dict[str, asyncio.Future[str]] = {}
+        self._finished_jobs: dict[str, str] = {}  # JobRemoved seen before its waiter
         self._signal_handlers: list[Callable[[Message], None]] = []
         self._subscribed = False
 
@@ -100,8 +101,15 @@ class Systemd:
         if msg.member == "JobRemoved" and msg.interface == MANAGER:
             _id, job, _unit, result = msg.body
             fut = self._job_waiters.pop(job, None)
-            if fut is not None and not fut.done():
-                fut.set_result(result)
+            if fut is not None:
+                if not fut.done():
+                    fut.set_result(result)
+            else:
+                # The signal can be dispatched before the caller that queued the job has
+                # seen its reply (both came in one read): keep the result for it.
+                self._finished_jobs[job] = result
+                while len(self._finished_jobs) > 256:
+                    del self._finished_jobs[next(iter(self._finished_jobs))]
         for h in self._signal_handlers:
             h(msg)
 
@@ -215,6 +223,9 @@ class Systemd:
         (job,) = await self.call(member, "ss", [unit, "replace"])
         if not wait:
             return "queued"
+        done = self._finished_jobs.pop(str(job), None)
+        if done is not None:
+            return done
         fut = self._job_waiters.setdefault(str(job), loop.create_future())
         try:
             return await asyncio.wait_for(fut, timeout=timeout)
