@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
+FIXTURES = REPO / "tests" / "fixtures"
+CHECKPOINTS = FIXTURES / "kubelet-checkpoint"
 sys.path.insert(0, str(REPO / "tests"))
 
 

@@ -12,12 +12,12 @@ import json
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
-from conftest import REPO, SHARED
+from conftest import CHECKPOINTS, REPO
 from integration.harness import SystemdNamespace
 
 GPUGUARD = REPO / ".venv/bin/gpuguard"
 CHECKPOINT = "/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint"
-FIXTURE = SHARED / "fixtures/kubelet-checkpoint/real/numa-blog-04.json"
+FIXTURE = CHECKPOINTS / "numa-blog-04.json"
 KEPT_GPU = "GPU-77a702db-e37f-3a74-d46d-c5713f66058c"
 MOVED_GPU = "GPU-c1e9f249-b37b-81c2-a8d9-ba5ca0294841"
 

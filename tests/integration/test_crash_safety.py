@@ -22,7 +22,7 @@ from typing import Optional
 
 import pytest
 
-from conftest import REPO, SHARED, require_root
+from conftest import CHECKPOINTS, REPO, require_root
 from gpuguard.checkpoint import marshal, parse, verify
 from gpuguard.inventory import parse_inventory
 from gpuguard.reconcilers.checkpoint import DEFAULT_RESOURCES, analyse
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.root
 
 CHECKPOINT = "var/lib/kubelet/device-plugins/kubelet_internal_checkpoint"
 BACKUPS = "var/lib/gpuguard/backups"
-FIXTURE = SHARED / "fixtures/kubelet-checkpoint/real/numa-blog-04.json"
+FIXTURE = CHECKPOINTS / "numa-blog-04.json"
 INVENTORY = {
     "gpus": [
         {"uuid": u, "index": i, "minor": i, "pci_bus_id": f"00000000:{16 + i:02X}:00.0"}

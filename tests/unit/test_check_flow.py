@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SHARED
+from conftest import CHECKPOINTS, REPO
 from gpuguard import cli, exitcodes
 from gpuguard.checkpoint import marshal, parse, verify
 from gpuguard.inventory import parse_inventory
@@ -23,7 +23,7 @@ from gpuguard.log import EventLog
 from gpuguard.reconcilers.checkpoint import DEFAULT_RESOURCES, analyse
 
 CHECKPOINT = "var/lib/kubelet/device-plugins/kubelet_internal_checkpoint"
-FIXTURE = SHARED / "fixtures/kubelet-checkpoint/real/numa-blog-04.json"
+FIXTURE = CHECKPOINTS / "numa-blog-04.json"
 KEPT = "GPU-77a702db-e37f-3a74-d46d-c5713f66058c"
 MOVED = "GPU-c1e9f249-b37b-81c2-a8d9-ba5ca0294841"
 INVENTORY = {

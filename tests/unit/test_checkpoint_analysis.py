@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence
 
 import pytest
 
-from conftest import SHARED
+from conftest import CHECKPOINTS
 from gpuguard.checkpoint import Checkpoint, PodDevicesEntry, marshal, parse, render, spew, verify
 from gpuguard.checkpoint.spew import fnv1a_32
 from gpuguard.inventory import Gpu, Inventory, MigDevice
@@ -23,7 +23,7 @@ from gpuguard.reconcilers.checkpoint import (
     sha256,
 )
 
-REAL = SHARED / "fixtures/kubelet-checkpoint/real"
+REAL = CHECKPOINTS
 A = "GPU-77a702db-e37f-3a74-d46d-c5713f66058c"
 B = "GPU-9b341c59-f96b-ba85-c137-78c3652fea65"
 C = "GPU-c1e9f249-b37b-81c2-a8d9-ba5ca0294841"

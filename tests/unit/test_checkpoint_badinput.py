@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SHARED
+from conftest import CHECKPOINTS, REPO
 from gpuguard.checkpoint import load, read_checkpoint
 from gpuguard.errors import BadInputError
 
-GOOD = (SHARED / "fixtures/kubelet-checkpoint/real/gpu-lab-tegra.json").read_bytes()
+GOOD = (CHECKPOINTS / "gpu-lab-tegra.json").read_bytes()
 ALLOC = b'"Ch8KFk5WSURJQV9WSVNJQkxFX0RFVklDRVMSBXRlZ3Jh"'
 EMPTY_OK = b'{"Data":{"PodDeviceEntries":null,"RegisteredDevices":{"nvidia.com/gpu":["GPU-0650a168-e770-3ea8-8ac3-8a1d419763e0"]}},"Checksum":3952659280}'  # noqa: E501
 

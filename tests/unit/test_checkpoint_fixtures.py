@@ -6,16 +6,16 @@ import csv
 
 import pytest
 
-from conftest import SHARED
+from conftest import CHECKPOINTS
 from gpuguard.checkpoint import load, marshal, parse, render, verify
 from gpuguard.checkpoint.spew import checksum, fnv1a_32
 
-REAL = SHARED / "fixtures/kubelet-checkpoint/real"
+REAL = CHECKPOINTS
 FILES = sorted(REAL.glob("*.json"))
 
 
 def _provenance() -> dict[str, dict[str, str]]:
-    with open(REAL / "provenance.tsv", newline="") as f:
+    with open(REAL / "PROVENANCE.tsv", newline="") as f:
         return {row["file"]: row for row in csv.DictReader(f, delimiter="\t")}
 
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SHARED
+from conftest import CHECKPOINTS, REPO
 from gpuguard import __version__, exitcodes
 from gpuguard.checkpoint import parse
 from gpuguard.checkpoint.spew import checksum
 
-REAL = SHARED / "fixtures/kubelet-checkpoint/real"
+REAL = CHECKPOINTS
 FIXTURES = sorted(REAL.glob("*.json"))
 GONE = "GPU-c1e9f249-b37b-81c2-a8d9-ba5ca0294841"
 INVENTORY = {

@@ -1,6 +1,6 @@
 """The kubelet device-manager checkpoint (kubelet_internal_checkpoint): read, check, write.
 
-See docs in shared/docs/kubelet-checkpoint.md for the format and kubelet's behaviour.
+The format, the checksum and how kubelet reads and writes the file: docs/checkpoint-format.md.
 """
 
 from __future__ import annotations

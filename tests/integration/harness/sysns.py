@@ -4,7 +4,7 @@ Booting ``systemd --system`` on a machine where it is not PID 1 is the most
 dangerous thing a test here can do: a naive ``unshare -p -f systemd`` moved the
 host's processes between cgroups, ran ``systemd-tmpfiles --boot`` against the
 host ``/tmp``, flushed its journal into the host ``/var/log/journal`` and made
-device nodes in the host ``/dev`` (see shared/docs/testing-real-components.md).
+device nodes in the host ``/dev`` (see docs/testing.md).
 This harness confines it; every measure below exists for one of those hazards.
 
 Lifetime (nothing may outlive the test, even if pytest crashes):

@@ -1,6 +1,6 @@
 """A real systemd-udevd in a throw-away sandbox, and helpers to feed it uevents.
 
-Safety (see shared/docs/testing-real-components.md, udev section):
+Safety (see docs/testing.md):
 
 - everything runs under ``setpriv --pdeathsig KILL unshare --kill-child -m -p --fork
   --mount-proc --propagation private``: if pytest dies, the sandbox dies; udevd is
