@@ -18,7 +18,19 @@ import pytest
 
 from gpuguard import exitcodes
 from gpuguard.catalog import message_id
-from integration.gpuguard_ns import CHECKPOINT, FIXTURE, GPUGUARD, setup_node
+from integration.gpuguard_ns import (
+    CHECKPOINT,
+    FIXTURE,
+    GPUGUARD,
+    events,
+    gpuguard_units,
+    kubelet_reads,
+    passes,
+    settle,
+    setup_node,
+    status,
+    wait_for,
+)
 from integration.harness import SystemdNamespace
 from integration.harness import systemd_ns as systemd_ns
 from integration.test_check_systemd import gpuguard_check, start_kubelet, units
@@ -141,3 +153,36 @@ def test_an_inventory_file_never_restarts_kubelet_without_the_flag(systemd_ns) -
         .run([str(GPUGUARD), "check", "--help"], capture_output=True, text=True)
         .stdout
     )
+
+
+def test_the_daemon_reports_an_unverified_repair_and_restarts_kubelet_once(systemd_ns) -> None:  # type: ignore[no-untyped-def]
+    ns = systemd_ns(units=gpuguard_units())
+    setup_node(ns, stale=False)
+    assert ns.systemctl("start", "gpuguard.service").returncode == 0
+    start_kubelet(ns)
+    settle(ns)
+    hook_wrapper(ns, "kill -KILL $$")  # the daemon-reload in it makes a pass too
+    setup_node(ns, stale=True)
+    ns.systemctl("daemon-reload")
+    wait_for(lambda: events(ns, "checkpoint-repair-unverified"), what="the unverified repair")
+    (entry,) = events(ns, "checkpoint-repair-unverified")
+    assert "left no result for this restart" in entry["MESSAGE"]
+    assert entry["MESSAGE_ID"] == message_id("checkpoint-repair-unverified")
+    assert not [e for e in events(ns) if e.get("GPUGUARD_STATUS") == "done"]
+    wait_for(
+        lambda: (
+            "kubelet-coordination-failed"
+            in [f["kind"] for f in status(ns).get("last_pass", {}).get("findings", [])]
+        ),
+        what="the failure in the pass's findings",
+    )
+    assert len(kubelet_reads(ns)) == 2  # restarted once
+    # More passes within the cool-down: reported again, never another restart.
+    for _ in range(2):
+        before = passes(ns)
+        ns.systemctl("daemon-reload")
+        wait_for(lambda: passes(ns) > before, what="another pass")  # noqa: B023
+    settle(ns)
+    assert len(kubelet_reads(ns)) == 2
+    assert len(events(ns, "kubelet-restart")) == 1
+    assert ns.path(CHECKPOINT).read_bytes() == FIXTURE.read_bytes()
