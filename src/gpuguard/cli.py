@@ -14,8 +14,8 @@ from gpuguard.errors import GpuguardError
 
 EPILOG = """exit codes: 0 healthy or repaired; 1 problems found and left (dry-run, policy);
 2 usage or configuration error; 3 corrupt or unreadable input (nothing modified);
-4 no NVIDIA driver/NVML (use --inventory); 5 kubelet could not be coordinated;
-70 internal error. See gpuguard(8)."""
+4 no NVIDIA driver/NVML (use --inventory); 5 kubelet could not be coordinated
+(or a repair during its restart not verified); 70 internal error. See gpuguard(8)."""
 
 
 def _common() -> argparse.ArgumentParser:
