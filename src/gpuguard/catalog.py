@@ -78,8 +78,10 @@ KINDS: dict[str, KindDoc] = {
     "kubelet-restart": KindDoc(
         "gpuguard restarted kubelet to repair its checkpoint",
         "Kubelet overwrites the checkpoint from memory, so the file can only be repaired "
-        "while kubelet is stopped. gpuguard restarted kubelet.service; its ExecStartPre= "
-        "hook (kubelet.service.d/10-gpuguard.conf) repaired the file before kubelet read it.",
+        "while kubelet is stopped. gpuguard restarted kubelet.service so that its "
+        "ExecStartPre= hook (kubelet.service.d/10-gpuguard.conf) repairs the file before "
+        "kubelet reads it. The repair is then verified; when it cannot be, "
+        "checkpoint-repair-unverified follows.",
     ),
     "kubelet-stop-start": KindDoc(
         "gpuguard stopped kubelet, repaired its checkpoint and started it",

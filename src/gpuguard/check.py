@@ -273,7 +273,14 @@ async def _restart_with_hook(
         report.exit_code = exitcodes.FINDINGS
         return report
     token = kubelet_hook.new_token()
-    kubelet_hook.write_request(k.root, token)
+    try:
+        kubelet_hook.write_request(k.root, token)
+    except OSError as e:
+        # Without the token no outcome could be verified: do not restart at all.
+        raise KubeletError(
+            f"{report.checkpoint}: not repaired, kubelet not restarted: cannot write "
+            f"{k.root.path(kubelet_hook.REQUEST)}: {e.strerror}"
+        ) from None
     k.on_restart()
     try:
         try:
@@ -284,7 +291,7 @@ async def _restart_with_hook(
             log,
             s,
             "kubelet-restart",
-            f"restarted {s.kubelet_unit} (job {result}) so its pre-start hook repairs "
+            f"restart of {s.kubelet_unit} (job {result}) so its pre-start hook repairs "
             f"{report.checkpoint}: {report.actions[0].reason}",
         )
         verdict = kubelet_hook.verify(
