@@ -321,6 +321,7 @@ async def _restart_with_hook(
     report.outcomes = [Outcome(a, "done", verdict.detail) for a in report.actions]
     report.result = "repaired by kubelet's pre-start hook during a kubelet restart (verified)"
     if result != "done":  # repaired, but kubelet itself did not come back
+        _coordination_failed(log, s, f"restart job ended with '{result}' (checkpoint repaired)")
         raise KubeletError(
             f"repaired {report.checkpoint} ({verdict.detail}), but the kubelet restart job "
             f"ended with '{result}'"
