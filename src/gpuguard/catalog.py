@@ -78,8 +78,10 @@ KINDS: dict[str, KindDoc] = {
     "kubelet-restart": KindDoc(
         "gpuguard restarted kubelet to repair its checkpoint",
         "Kubelet overwrites the checkpoint from memory, so the file can only be repaired "
-        "while kubelet is stopped. gpuguard restarted kubelet.service; its ExecStartPre= "
-        "hook (kubelet.service.d/10-gpuguard.conf) repaired the file before kubelet read it.",
+        "while kubelet is stopped. gpuguard restarted kubelet.service so that its "
+        "ExecStartPre= hook (kubelet.service.d/10-gpuguard.conf) repairs the file before "
+        "kubelet reads it. The repair is then verified; when it cannot be, "
+        "checkpoint-repair-unverified follows.",
     ),
     "kubelet-stop-start": KindDoc(
         "gpuguard stopped kubelet, repaired its checkpoint and started it",
@@ -90,6 +92,21 @@ KINDS: dict[str, KindDoc] = {
         "gpuguard could not coordinate with kubelet",
         "Kubelet runs but could not be stopped or restarted through systemd (not a "
         "systemd unit, or the job failed). The checkpoint was not modified.",
+    ),
+    "checkpoint-repair-unverified": KindDoc(
+        "A checkpoint repair during a kubelet restart could not be verified",
+        "gpuguard restarted kubelet so that its ExecStartPre= hook would repair the "
+        "checkpoint, but the hook left no result for that restart, reported that it did "
+        "not repair the file, or the file still names stale devices after the restart. "
+        "MESSAGE says which. The repair is counted as failed (exit code 5). See "
+        "`journalctl -u kubelet` for the hook's own entries, fix the cause (driver, "
+        "configuration), then run `gpuguard check` again.",
+    ),
+    "kubelet-hook-skipped": KindDoc(
+        "kubelet's pre-start hook had nothing to do",
+        "The hook found nothing it can or should check (no NVIDIA driver or NVML, or no "
+        "checkpoint file yet) and exited 0 so kubelet's status shows no failing "
+        "ExecStartPre=. Logged once per state and boot; nothing was modified.",
     ),
     # device nodes and /dev/char links (F2, F3)
     "device-node-created": KindDoc(
@@ -174,6 +191,13 @@ KINDS: dict[str, KindDoc] = {
         "New configuration rejected",
         "SIGHUP found an error in the configuration; the previous configuration stays in "
         "use. Fix the file named in MESSAGE and reload again (`gpuguard config` checks it).",
+    ),
+    "config-invalid": KindDoc(
+        "gpuguard cannot start: its configuration is invalid",
+        "The daemon found an error in the file and line named in MESSAGE and exited with "
+        "status 2. gpuguard.service does not restart on this status "
+        "(RestartPreventExitStatus=), so the unit stays failed until the file is fixed: "
+        "check it with `gpuguard config`, then `systemctl restart gpuguard`.",
     ),
     "dbus-lost": KindDoc(
         "Lost the system bus",

@@ -7,6 +7,8 @@ file is changed only while kubelet is stopped:
   ExecStartPre= hook repairs the file between stop and start;
 - running under systemd without the drop-in: StopUnit, repair, StartUnit;
 - running but not through systemd: nothing we can safely do; report (exit 5).
+A repair made by the hook is reported only once verified (kubelet_hook.judge): a
+`done` restart job says nothing about what the hook did.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from gpuguard import exitcodes
+from gpuguard import exitcodes, kubelet_hook
 from gpuguard.actuate.checkpoint import CheckpointActuator
 from gpuguard.checkpoint import read_checkpoint
 from gpuguard.errors import BadInputError, GpuguardError, KubeletError
@@ -44,6 +46,9 @@ class CheckSettings:
     kubelet_stopped: bool  # we run as kubelet's ExecStartPre=: kubelet is not up
     bus_address: Optional[str]
     reason: str = "check"
+    # Non-empty: the inventory is a simulation (`check --inventory`), so a running
+    # kubelet is never stopped or restarted for it; says why and which flag allows it.
+    simulation: str = ""
 
 
 @dataclass
@@ -99,7 +104,7 @@ def run_check(root: Root, inventory: Inventory, s: CheckSettings, log: EventLog)
         return report
     import asyncio
 
-    return asyncio.run(_coordinate(root, s, report, actuator, log, None))
+    return asyncio.run(_coordinate(root, s, report, actuator, log, None, inventory))
 
 
 async def check_checkpoint(
@@ -108,12 +113,14 @@ async def check_checkpoint(
     s: CheckSettings,
     log: EventLog,
     systemd: Optional[Systemd] = None,
+    on_restart: Optional[Callable[[], None]] = None,
 ) -> CheckReport:
-    """The same for the daemon, on its own bus connection (`systemd`)."""
+    """The same for the daemon, on its own bus connection (`systemd`). `on_restart` is
+    called just before kubelet is restarted or stopped, whatever comes of it."""
     report, actuator = analyse_checkpoint(root, inventory, s, log)
     if actuator is None:
         return report
-    return await _coordinate(root, s, report, actuator, log, systemd)
+    return await _coordinate(root, s, report, actuator, log, systemd, inventory, on_restart)
 
 
 def analyse_checkpoint(
@@ -171,20 +178,33 @@ async def _coordinate(
     actuator: CheckpointActuator,
     log: EventLog,
     systemd: Optional[Systemd],
+    inventory: Inventory,
+    on_restart: Optional[Callable[[], None]] = None,
 ) -> CheckReport:
+    k = _Kubelet(root, inventory, on_restart or (lambda: None))
     if systemd is not None:
-        return await _coordinated(root, s, report, actuator, log, systemd)
+        return await _coordinated(k, s, report, actuator, log, systemd)
     from gpuguard.systemd import Systemd, SystemdError, bus_address_for
 
     own = Systemd(s.bus_address or bus_address_for(root.prefix))
     try:
         await own.connect()
     except SystemdError as e:
-        return await _coordinated(root, s, report, actuator, log, None, str(e))
+        return await _coordinated(k, s, report, actuator, log, None, str(e))
     try:
-        return await _coordinated(root, s, report, actuator, log, own)
+        return await _coordinated(k, s, report, actuator, log, own)
     finally:
         own.disconnect()
+
+
+@dataclass(frozen=True)
+class _Kubelet:
+    """What coordinating kubelet needs beyond the settings: the host, the inventory the
+    repair was planned with (to re-analyse after a restart), the restart callback."""
+
+    root: Root
+    inventory: Inventory
+    on_restart: Callable[[], None]
 
 
 def _apply(report: CheckReport, actuator: CheckpointActuator, s: CheckSettings) -> CheckReport:
@@ -202,7 +222,7 @@ def _apply(report: CheckReport, actuator: CheckpointActuator, s: CheckSettings) 
 
 
 async def _coordinated(
-    root: Root,
+    k: _Kubelet,
     s: CheckSettings,
     report: CheckReport,
     actuator: CheckpointActuator,
@@ -210,6 +230,7 @@ async def _coordinated(
     systemd: Optional[Systemd],
     bus_error: str = "",
 ) -> CheckReport:
+    root = k.root
     if systemd is None:
         status = KubeletStatus(s.kubelet_unit, kubelet_pids(root), None, bus_error)
     else:
@@ -228,13 +249,18 @@ async def _coordinated(
         report.result = "not repaired: kubelet must be restarted to apply the repair"
         report.exit_code = exitcodes.FINDINGS
         return report
+    if s.simulation and not s.dry_run:
+        report.coordination = "kubelet is running and the inventory is simulated: left alone"
+        report.result = f"not repaired: {s.simulation}"
+        report.exit_code = exitcodes.FINDINGS
+        return report
     if status.has_dropin:
-        return await _restart_with_hook(systemd, s, report, log)
-    return await _stop_repair_start(systemd, s, report, actuator, log)
+        return await _restart_with_hook(k, systemd, s, report, log)
+    return await _stop_repair_start(k, systemd, s, report, actuator, log)
 
 
 async def _restart_with_hook(
-    systemd: Systemd, s: CheckSettings, report: CheckReport, log: EventLog
+    k: _Kubelet, systemd: Systemd, s: CheckSettings, report: CheckReport, log: EventLog
 ) -> CheckReport:
     from gpuguard.systemd import SystemdError
 
@@ -246,28 +272,65 @@ async def _restart_with_hook(
         report.result = "dry run: nothing modified, kubelet not restarted"
         report.exit_code = exitcodes.FINDINGS
         return report
+    token = kubelet_hook.new_token()
     try:
-        result = await systemd.restart_unit(s.kubelet_unit)
-    except SystemdError as e:
-        _coordination_failed(log, s, str(e))
+        kubelet_hook.write_request(k.root, token)
+    except OSError as e:
+        # Without the token no outcome could be verified: do not restart at all.
         raise KubeletError(
-            f"{report.checkpoint}: not repaired: restarting kubelet failed: {e}"
+            f"{report.checkpoint}: not repaired, kubelet not restarted: cannot write "
+            f"{k.root.path(kubelet_hook.REQUEST)}: {e.strerror}"
         ) from None
-    _log_kubelet(
-        log,
-        s,
-        "kubelet-restart",
-        f"restarted {s.kubelet_unit} (job {result}) so its pre-start hook repairs "
-        f"{report.checkpoint}: {report.actions[0].reason}",
-    )
-    if result != "done":
-        raise KubeletError(f"{report.checkpoint}: kubelet restart job ended with '{result}'")
-    report.outcomes = [Outcome(a, "done", "by kubelet's pre-start hook") for a in report.actions]
-    report.result = "repaired by kubelet's pre-start hook during a kubelet restart"
+    k.on_restart()
+    try:
+        try:
+            result = await systemd.restart_unit(s.kubelet_unit)
+        except SystemdError as e:
+            result = f"failed: {e}"
+        _log_kubelet(
+            log,
+            s,
+            "kubelet-restart",
+            f"restart of {s.kubelet_unit} (job {result}) so its pre-start hook repairs "
+            f"{report.checkpoint}: {report.actions[0].reason}",
+        )
+        verdict = kubelet_hook.verify(
+            k.root, token, s.checkpoint_path, k.inventory, s.resources, s.policy
+        )
+    finally:
+        kubelet_hook.clear_request(k.root)
+    if result != "done" and not verdict.verified:
+        verdict = kubelet_hook.Verdict(
+            False, f"the kubelet restart job ended with '{result}'; {verdict.detail}"
+        )
+    if not verdict.verified:
+        report.outcomes = [Outcome(a, "failed", verdict.detail) for a in report.actions]
+        log.event(
+            "checkpoint-repair-unverified",
+            f"{report.checkpoint}: not repaired: {verdict.detail}",
+            level="error",
+            fields={
+                "GPUGUARD_RECONCILER": "checkpoint",
+                "GPUGUARD_STATUS": "failed",
+                "UNIT": s.kubelet_unit,
+                "CHECKPOINT": report.checkpoint,
+                "REASON": s.reason,
+            },
+        )
+        raise KubeletError(f"{report.checkpoint}: not repaired: {verdict.detail}")
+    report.outcomes = [Outcome(a, "done", verdict.detail) for a in report.actions]
+    report.result = "repaired by kubelet's pre-start hook during a kubelet restart (verified)"
+    if result != "done":  # repaired, but kubelet itself did not come back
+        _coordination_failed(log, s, f"restart job ended with '{result}' (checkpoint repaired)")
+        raise KubeletError(
+            f"repaired {report.checkpoint} ({verdict.detail}), but the kubelet restart job "
+            f"ended with '{result}'"
+        )
     return report
 
 
 async def _stop_repair_start(
+    k: _Kubelet,
     systemd: Systemd,
     s: CheckSettings,
     report: CheckReport,
@@ -281,6 +344,7 @@ async def _stop_repair_start(
     )
     if s.dry_run:
         return _apply(report, actuator, s)
+    k.on_restart()
     try:
         result = await systemd.stop_unit(s.kubelet_unit)
         if result != "done":
@@ -347,6 +411,11 @@ class CheckpointStep:
         self.clock = clock
         self.last_restart = -1e18
 
+    def _restarting(self) -> None:
+        # Counted when the restart is attempted, not when it succeeds: a restart whose
+        # repair could not be verified must not be retried on the next pass either.
+        self.last_restart = self.clock()
+
     async def __call__(self, svc: Services, ctx: PassContext) -> None:
         inventory = await ctx.inventory()
         if inventory is None:
@@ -368,7 +437,12 @@ class CheckpointStep:
         )
         try:
             report = await check_checkpoint(
-                svc.root, inventory, settings, svc.log, systemd=svc.systemd
+                svc.root,
+                inventory,
+                settings,
+                svc.log,
+                systemd=svc.systemd,
+                on_restart=self._restarting,
             )
         except GpuguardError as e:
             kind = (
@@ -378,7 +452,5 @@ class CheckpointStep:
             )
             ctx.findings.append(Finding(kind, "checkpoint", e.message, severity="error"))
             return
-        if report.coordination.startswith("restart") and not svc.dry_run:
-            self.last_restart = self.clock()
         ctx.findings += report.findings
         ctx.outcomes += report.outcomes

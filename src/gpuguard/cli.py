@@ -14,8 +14,8 @@ from gpuguard.errors import GpuguardError
 
 EPILOG = """exit codes: 0 healthy or repaired; 1 problems found and left (dry-run, policy);
 2 usage or configuration error; 3 corrupt or unreadable input (nothing modified);
-4 no NVIDIA driver/NVML (use --inventory); 5 kubelet could not be coordinated;
-70 internal error. See gpuguard(8)."""
+4 no NVIDIA driver/NVML (use --inventory); 5 kubelet could not be coordinated
+(or a repair during its restart not verified); 70 internal error. See gpuguard(8)."""
 
 
 def _common() -> argparse.ArgumentParser:
@@ -53,7 +53,8 @@ def _common() -> argparse.ArgumentParser:
         "--log-json",
         action="store_true",
         default=argparse.SUPPRESS,
-        help="log JSON lines to stderr even under journald",
+        help="log JSON lines to stderr (also GPUGUARD_LOG_FORMAT=json); the journal gets "
+        "every entry either way when the host has journald",
     )
     return p
 
@@ -93,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--no-restart", action="store_true", help="never restart or stop kubelet; report instead"
+    )
+    c.add_argument(
+        "--allow-kubelet-restart",
+        action="store_true",
+        help="with --inventory (a simulation), still restart or stop a running kubelet for "
+        "the repair; without it such a run reports the plan and exits 1",
     )
     c.add_argument("--reason", default="check", help=argparse.SUPPRESS)
 
@@ -139,12 +146,14 @@ def _opt(args: argparse.Namespace, name: str, default: Any = None) -> Any:
     return getattr(args, name, default)
 
 
-def _log(args: argparse.Namespace, cfg: Any = None) -> Any:
+def _log(args: argparse.Namespace, cfg: Any = None, root: Any = None) -> Any:
     from gpuguard.log import EventLog
 
     default = cfg.daemon.log_level if cfg is not None else "info"
     return EventLog.auto(
-        level=_opt(args, "log_level", default), force_json=_opt(args, "log_json", False)
+        level=_opt(args, "log_level", default),
+        force_json=_opt(args, "log_json", False),
+        root=root.prefix if root is not None else Path("/"),
     )
 
 
@@ -170,14 +179,44 @@ def _inventory_path(args: argparse.Namespace, cfg: Any) -> Optional[Path]:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from gpuguard.check import CheckSettings, run_check
-    from gpuguard.inventory import load_inventory
+    if not args.kubelet_stopped:
+        return _check(args, _root(args), None)
+    from gpuguard.kubelet_hook import FAILED, HookRun
 
     root = _root(args)
+    hook = HookRun(root)
+    try:
+        return _check(args, root, hook)
+    except GpuguardError as e:
+        hook.finish(FAILED, e.message, e.exit_code)
+        raise
+
+
+def _simulation(args: argparse.Namespace) -> str:
+    if _opt(args, "inventory") is None or args.allow_kubelet_restart:
+        return ""
+    return (
+        "the GPU inventory comes from --inventory (a simulation), so a running kubelet is "
+        "not restarted or stopped; pass --allow-kubelet-restart to allow it"
+    )
+
+
+def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
+    from gpuguard.check import CheckSettings, run_check
+    from gpuguard.errors import NoDriverError
+    from gpuguard.inventory import load_inventory
+
     cfg = _config(args, root)
-    log = _log(args, cfg)
-    inventory = load_inventory(_inventory_path(args, cfg))
+    log = _log(args, cfg, root)
     k = cfg.kubelet
+    if hook is not None:
+        hook.start(root.path(k.checkpoint_path))
+    try:
+        inventory = load_inventory(_inventory_path(args, cfg))
+    except NoDriverError as e:
+        if hook is None:
+            raise
+        return int(hook.skipped(log, e.message))
     settings = CheckSettings(
         checkpoint_path=k.checkpoint_path,
         resources=tuple(k.resources),
@@ -190,8 +229,11 @@ def cmd_check(args: argparse.Namespace) -> int:
         kubelet_stopped=args.kubelet_stopped,
         bus_address=_opt(args, "bus"),
         reason=args.reason,
+        simulation=_simulation(args),
     )
     report = run_check(root, inventory, settings, log)
+    if hook is not None:
+        _hook_result(hook, report, log)
     doc = report.to_json()
     code = report.exit_code
     from gpuguard.oneshot import driver_loaded
@@ -223,6 +265,23 @@ def cmd_check(args: argparse.Namespace) -> int:
         for o in doc.get("devices", {}).get("outcomes", []):
             print(f"{o['status'] + ':':11} {o['kind']} {o['target']}: {o['detail']}")
     return code
+
+
+def _hook_result(hook: Any, report: Any, log: Any) -> None:
+    """What kubelet's pre-start hook leaves for the caller that restarted kubelet."""
+    from gpuguard import kubelet_hook as kh
+
+    statuses = {o.status for o in report.outcomes}
+    if report.result.startswith("no checkpoint file"):
+        hook.skipped(log, report.result)
+    elif statuses == {"done"}:
+        hook.finish(kh.REPAIRED, report.result, report.exit_code)
+    elif report.exit_code == exitcodes.OK and not report.actions:
+        hook.finish(kh.HEALTHY, report.result, report.exit_code)
+    elif report.exit_code == exitcodes.FINDINGS:
+        hook.finish(kh.NOT_REPAIRED, report.result, report.exit_code)
+    else:
+        hook.finish(kh.FAILED, report.result, report.exit_code)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -271,8 +330,15 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     from gpuguard.steps.device_nodes import DeviceNodesStep
 
     root = _root(args)
-    cfg = _config(args, root)
-    log = _log(args, cfg)
+    try:
+        cfg = _config(args, root)
+    except GpuguardError as e:
+        # Exit 2/3 stop the unit (RestartPreventExitStatus=): say why in its status line
+        # and in the journal, since `systemctl status` is where an operator looks.
+        Notifier().send(f"STATUS=not started: {e.message}")
+        _log(args, None, root).event("config-invalid", e.message, level="error")
+        raise
+    log = _log(args, cfg, root)
     daemon = Daemon(
         root=root,
         config=cfg,

@@ -1,9 +1,12 @@
-"""Structured event log: journald entries when run under journald, JSON lines otherwise.
+"""Structured event log: every entry to journald when the host has one, and to stderr.
 
 Every entry has a `kind` with a fixed MESSAGE_ID (see gpuguard.catalog), so
-`journalctl -x` can explain it and `journalctl MESSAGE_ID=...` can find it. Without
-journald the same entry is one JSON line on stderr, in the shape Alibaba's gpuops
-used (`level`, `msg`, `time`) plus the structured fields.
+`journalctl -x` can explain it and `journalctl MESSAGE_ID=...` can find it. Entries go
+to the journal whenever the root's journald socket exists, whatever stderr is: a
+person's `gpuguard check` on a terminal leaves the same record as the daemon. stderr
+gets one human-readable line per entry, or one JSON line (the shape Alibaba's gpuops
+used: `level`, `msg`, `time`, plus the structured fields) when asked with `--log-json`
+or GPUGUARD_LOG_FORMAT=json; nothing when stderr already is the journal (no duplicate).
 """
 
 from __future__ import annotations
@@ -11,9 +14,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import socket
+import stat
+import struct
 import sys
 import traceback
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, TextIO
 
 from gpuguard.catalog import message_id
@@ -37,13 +45,48 @@ def under_journald(stream: TextIO) -> bool:
     return f"{st.st_dev}:{st.st_ino}" == f"{dev}:{ino}"
 
 
-def journal_sender() -> Optional[Sender]:
+JOURNAL_SOCKET = "/run/systemd/journal/socket"
+FORMAT_ENV = "GPUGUARD_LOG_FORMAT"  # json | text
+_BAD_KEY = re.compile(r"[^A-Z0-9_]")
+
+
+class JournalSocket:
+    """journald's native protocol (systemd.io/JOURNAL_NATIVE_PROTOCOL) on a given socket.
+
+    Not python3-systemd's journal.send: that always writes to the running system's
+    socket, while `--root /proc/PID/root` (a node in another mount namespace) must log
+    to that node's journald, and a test root without one must log to none. One
+    datagram per entry; an OSError (no journald, entry too large) is the caller's
+    signal to fall back to stderr.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._sock: Optional[socket.socket] = None
+
+    def __call__(self, msg: str, **fields: str) -> None:
+        if self._sock is None:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        out = bytearray()
+        for key, value in {"MESSAGE": msg, **fields}.items():
+            k = _BAD_KEY.sub("_", key.upper()).lstrip("_").encode() or b"X"
+            v = str(value).encode("utf-8", "replace")
+            if b"\n" in v:  # binary-safe form: KEY, newline, 64-bit LE length, data
+                out += k + b"\n" + struct.pack("<Q", len(v)) + v + b"\n"
+            else:
+                out += k + b"=" + v + b"\n"
+        self._sock.sendto(bytes(out), str(self.path))
+
+
+def journal_sender(root_prefix: Path) -> Optional[Sender]:
+    """A sender to the journald of the host at `root_prefix`, or None without one."""
+    path = root_prefix / JOURNAL_SOCKET.lstrip("/")
     try:
-        from systemd import journal  # python3-systemd; optional
-    except ImportError:
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            return None
+    except OSError:
         return None
-    send: Sender = journal.send
-    return send
+    return JournalSocket(path)
 
 
 class EventLog:
@@ -56,16 +99,28 @@ class EventLog:
         stream: Optional[TextIO] = None,  # default: sys.stderr as it is when built
         journal: Optional[Sender] = None,
         static_fields: Optional[Mapping[str, str]] = None,
+        stream_format: str = "json",  # json | text | none (stderr already is the journal)
     ) -> None:
         self.threshold = LEVELS[level]
         self.stream = stream if stream is not None else sys.stderr
         self.journal = journal
         self.static = dict(static_fields or {})
+        self.stream_format = stream_format
 
     @classmethod
-    def auto(cls, *, level: str = "info", force_json: bool = False) -> EventLog:
-        sender = None if force_json or not under_journald(sys.stderr) else journal_sender()
-        return cls(level=level, journal=sender)
+    def auto(
+        cls, *, level: str = "info", force_json: bool = False, root: Path = Path("/")
+    ) -> EventLog:
+        """Journal when the root has one; stderr: JSON when asked (option or
+        GPUGUARD_LOG_FORMAT=json), nothing when it is the journal, text otherwise."""
+        sender = journal_sender(root)
+        if force_json or os.environ.get(FORMAT_ENV, "").lower() == "json":
+            fmt = "json"
+        elif sender is not None and under_journald(sys.stderr):
+            fmt = "none"
+        else:
+            fmt = "text"
+        return cls(level=level, journal=sender, stream_format=fmt)
 
     def set_level(self, level: str) -> None:
         self.threshold = LEVELS[level]
@@ -84,18 +139,30 @@ class EventLog:
             return
         extra = {**self.static, **{k: str(v) for k, v in (fields or {}).items()}}
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)) if exc else ""
+        sent = False
         if self.journal is not None:
             jf = {k.upper(): v for k, v in extra.items()}
             if tb:
                 jf["TRACEBACK"] = tb
-            self.journal(
-                msg,
-                PRIORITY=str(prio),
-                MESSAGE_ID=message_id(kind),
-                SYSLOG_IDENTIFIER="gpuguard",
-                GPUGUARD_KIND=kind,
-                **jf,
-            )
+            try:
+                self.journal(
+                    msg,
+                    PRIORITY=str(prio),
+                    MESSAGE_ID=message_id(kind),
+                    SYSLOG_IDENTIFIER="gpuguard",
+                    GPUGUARD_KIND=kind,
+                    **jf,
+                )
+                sent = True
+            except OSError:
+                pass  # journald gone or the entry too large: stderr still has it
+        fmt = self.stream_format
+        if fmt == "none" and not sent:
+            fmt = "text"
+        if fmt == "text":
+            self.stream.write(f"gpuguard: {level}: {msg} [{kind}]\n" + tb)
+            self.stream.flush()
+        if fmt != "json":
             return
         line: dict[str, Any] = {
             "level": level,

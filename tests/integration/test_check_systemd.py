@@ -44,8 +44,11 @@ def units(*, dropin: bool) -> Dict[str, str]:
     return u
 
 
-def gpuguard_check(ns: SystemdNamespace, *extra: str) -> tuple[int, str, List[Dict[str, Any]]]:
-    """Run the CLI on the host; (exit code, stdout, JSON log records)."""
+def gpuguard_check(
+    ns: SystemdNamespace, *extra: str, allow_restart: bool = True
+) -> tuple[int, str, List[Dict[str, Any]]]:
+    """Run the CLI on the host; (exit code, stdout, JSON log records). The inventory file
+    stands in for NVML, so restarting kubelet needs --allow-kubelet-restart."""
     inventory = ns.path("/etc/gpuguard/inventory.json")
     p = subprocess.run(
         [
@@ -60,6 +63,7 @@ def gpuguard_check(ns: SystemdNamespace, *extra: str) -> tuple[int, str, List[Di
             "--inventory",
             str(inventory),
             "--log-json",
+            *(["--allow-kubelet-restart"] if allow_restart else []),
             *extra,
         ],
         capture_output=True,
@@ -119,7 +123,10 @@ def test_with_dropin_restart_and_the_hook_repairs(systemd_ns) -> None:  # type: 
     code, out, log = gpuguard_check(ns)
     assert code == exitcodes.OK, out + json.dumps(log)
     assert "ExecStartPre= hook repairs" in out
-    assert "repaired by kubelet's pre-start hook" in out
+    assert (
+        "result:     repaired by kubelet's pre-start hook during a kubelet restart (verified)"
+    ) in out
+    assert "done:       verified: the pre-start hook repaired it (sha256 " in out
     assert [r["kind"] for r in log if r["kind"].startswith("kubelet")] == ["kubelet-restart"]
     ns.wait_active("kubelet.service")
     reads = wait_for(lambda: len(kubelet_reads(ns)) == 2 and kubelet_reads(ns), what="2nd read")

@@ -44,7 +44,7 @@ INVENTORY = {
 def log_to_current_stderr(monkeypatch: pytest.MonkeyPatch) -> None:
     # EventLog's `stream=sys.stderr` default is bound at import time, so under pytest
     # it would keep writing to the first test's (closed) capture: bind it per test.
-    def auto(cls: type[EventLog], *, level: str = "info", force_json: bool = False) -> EventLog:
+    def auto(cls: type[EventLog], *, level: str = "info", **_: object) -> EventLog:
         return cls(level=level, stream=sys.stderr)
 
     monkeypatch.setattr(EventLog, "auto", classmethod(auto))
@@ -153,7 +153,10 @@ def test_hook_mode_with_a_kubelet_process_refuses(
     before = tree(root)
     code, _, err = check(root, capsys, "--only", "checkpoint", "--kubelet-stopped")
     assert code == exitcodes.KUBELET
-    assert tree(root) == before
+    result = json.loads((root / "run/gpuguard/kubelet-hook.result").read_text())
+    assert result["outcome"] == "failed" and result["exit_code"] == exitcodes.KUBELET
+    assert "4242" in result["detail"] and result["token"] == ""
+    assert {k: v for k, v in tree(root).items() if not k.startswith("run")} == before
     (line,) = plain_lines(err)
     assert line.startswith("gpuguard: ") and "4242" in line and str(root / CHECKPOINT) in line
 
