@@ -249,7 +249,7 @@ async def _coordinated(
         report.result = "not repaired: kubelet must be restarted to apply the repair"
         report.exit_code = exitcodes.FINDINGS
         return report
-    if s.simulation and not s.dry_run:
+    if s.simulation:  # also under --dry-run: the dry run prints what the real run does
         report.coordination = "kubelet is running and the inventory is simulated: left alone"
         report.result = f"not repaired: {s.simulation}"
         report.exit_code = exitcodes.FINDINGS

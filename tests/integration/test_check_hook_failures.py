@@ -141,10 +141,14 @@ def test_an_inventory_file_never_restarts_kubelet_without_the_flag(systemd_ns) -
     code, out, _ = gpuguard_check(ns, allow_restart=False)
     assert code == exitcodes.FINDINGS, out
     assert "plan:" in out
-    assert (
+    result = (
         "result:     not repaired: the GPU inventory comes from --inventory (a simulation), "
         "so a running kubelet is not restarted or stopped; pass --allow-kubelet-restart"
-    ) in out
+    )
+    assert result in out
+    # The dry run prints exactly what the real run does (no "restart kubelet" promise).
+    code, dry, _ = gpuguard_check(ns, "--dry-run", allow_restart=False)
+    assert code == exitcodes.FINDINGS and result in dry, dry
     assert ns.unit_property("kubelet.service", "MainPID") == main_pid
     assert ns.path(CHECKPOINT).read_bytes() == FIXTURE.read_bytes()
     assert (
