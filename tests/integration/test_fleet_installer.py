@@ -1,0 +1,329 @@
+"""deploy/gpuguard-installer against a booted Debian 12 root, as the DaemonSet pod runs it.
+
+The root is the packaging tests' throw-away Debian (integration/pkgroot: a real
+systemd as PID 1 of private namespaces, copy-on-write over a cached debootstrap).
+The installer runs on the host side exactly as in a pod with hostPID: it reads the
+"host" through /proc/PID/root and runs the package manager with
+``nsenter -t PID -m -u -i -n -p``, PID being that root's systemd instead of 1.
+A kubelet stand-in unit runs in the root; its invocation must never change.
+The tests run in file order: refusals on a clean root, then install, a second
+run, upgrade, rollback and removal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Dict, Iterator, List, Tuple
+
+import pytest
+
+from integration.pkgroot import (
+    DEBIAN_PATH,
+    PackageRoot,
+    built_packages,
+    debian_root,
+    require_pkgroot_tools,
+    source_version,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+INSTALLER = REPO / "deploy" / "gpuguard-installer"
+UPGRADE_SUFFIX = "+fleet1"
+KUBELET_UNIT = """[Unit]
+Description=kubelet stand-in (must never be restarted by the installer)
+
+[Service]
+ExecStart=/bin/sleep infinity
+"""
+KUBELET_PROPS = ("InvocationID", "NRestarts", "ExecMainStartTimestampMonotonic", "ActiveState")
+#: systemd's "Started UNIT" (SD_MESSAGE_UNIT_STARTED): kubelet's must appear once only.
+UNIT_STARTED = "39f53479d3a045ac8e11786248231fbf"
+HOST_DPKG_STATUS = Path("/var/lib/dpkg/status")
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def package_dir(tmp: Path, suffix: str) -> Path:
+    """What the image carries in /usr/share/gpuguard-installer: one .deb, one .rpm."""
+    out = tmp / (suffix.lstrip("+") or "base")
+    out.mkdir()
+    for pkg in built_packages(suffix).values():
+        (out / pkg.name).write_bytes(pkg.read_bytes())
+    return out
+
+
+class Installer:
+    """Runs the entrypoint against ``ns`` as the pod would (ONESHOT: no sleep)."""
+
+    def __init__(self, ns: PackageRoot, status: Path) -> None:
+        self.ns = ns
+        self.status = status
+
+    def __call__(
+        self, mode: str, packages: Path, target_pid: int = 0
+    ) -> subprocess.CompletedProcess[str]:
+        pid = target_pid or self.ns.pid
+        # The default target is 1, the host: a test always names its own root.
+        assert pid != 1
+        env = {
+            "PATH": DEBIAN_PATH,
+            "LC_ALL": "C.UTF-8",
+            "GPUGUARD_INSTALLER_TARGET_PID": str(pid),
+            "GPUGUARD_INSTALLER_PACKAGES": str(packages),
+            "GPUGUARD_INSTALLER_STATUS": str(self.status),
+            "GPUGUARD_INSTALLER_ONESHOT": "1",
+        }
+        self.status.unlink(missing_ok=True)
+        return subprocess.run(
+            ["busybox", "sh", str(INSTALLER), mode],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    def read_status(self) -> Dict[str, str]:
+        rows = (line.split("=", 1) for line in self.status.read_text().splitlines())
+        return {k: v for k, v in rows}
+
+
+def kubelet(ns: PackageRoot) -> Dict[str, str]:
+    return {p: ns.unit_property("kubelet.service", p) for p in KUBELET_PROPS}
+
+
+def installed(ns: PackageRoot) -> str:
+    res = ns.run(["dpkg-query", "-W", "-f", "${Status} ${Version}", "gpuguard"])
+    return res.stdout if res.returncode == 0 else "not known to dpkg"
+
+
+def upper_snapshot(ns: PackageRoot) -> Dict[str, Tuple[int, int]]:
+    """Every file the root changed so far (overlay upper layer): path -> (mtime_ns, size)."""
+    out: Dict[str, Tuple[int, int]] = {}
+    for dirpath, _dirs, names in os.walk(ns.upper):
+        for name in names:
+            st = os.lstat(os.path.join(dirpath, name))
+            out[os.path.relpath(os.path.join(dirpath, name), ns.upper)] = (
+                st.st_mtime_ns,
+                st.st_size,
+            )
+    return out
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dict[str, object]]:
+    require_pkgroot_tools()
+    from conftest import require_tool
+
+    require_tool("busybox", "nsenter")
+    lower, _made = debian_root()
+    pkgs = tmp_path_factory.mktemp("packages")
+    base = package_dir(pkgs, "")
+    upgrade = package_dir(pkgs, UPGRADE_SUFFIX)
+    host_dpkg = sha256(HOST_DPKG_STATUS) if HOST_DPKG_STATUS.exists() else ""
+    ns = PackageRoot(tmp_path_factory.mktemp("pkgroot"), lower)
+    ns.start()
+    try:
+        ns.run(["mkdir", "-p", "/var/lib/kubelet/device-plugins"], check=True)
+        ns.path("/etc/systemd/system/kubelet.service").write_text(KUBELET_UNIT)
+        ns.systemctl("daemon-reload")
+        ns.systemctl("start", "kubelet.service")
+        ns.wait_active("kubelet.service")
+        yield {
+            "ns": ns,
+            "run": Installer(ns, tmp_path_factory.mktemp("status") / "status"),
+            "base": base,
+            "upgrade": upgrade,
+            "kubelet": kubelet(ns),
+        }
+    finally:
+        ns.stop()
+        # The installer only ever reached the booted root, never this machine.
+        if host_dpkg:
+            assert sha256(HOST_DPKG_STATUS) == host_dpkg, "the host's dpkg database changed"
+
+
+def assert_kubelet_untouched(node: Dict[str, object]) -> None:
+    ns: PackageRoot = node["ns"]  # type: ignore[assignment]
+    assert kubelet(ns) == node["kubelet"]
+    started = [
+        e
+        for e in ns.journal()
+        if e.get("UNIT") == "kubelet.service" and e.get("MESSAGE_ID") == UNIT_STARTED
+    ]
+    assert len(started) == 1, started
+
+
+def installer_journal(ns: PackageRoot) -> List[str]:
+    return [
+        str(e.get("MESSAGE"))
+        for e in ns.journal()
+        if e.get("SYSLOG_IDENTIFIER") == "gpuguard-installer"
+    ]
+
+
+OS_RELEASES = {
+    "unknown": ('ID=nixos\nVERSION_ID="24.05"\n', "not a distribution gpuguard is packaged for"),
+    "bottlerocket": (
+        'NAME=Bottlerocket\nID=bottlerocket\nVERSION_ID="1.20.0"\n',
+        "immutable OS",
+    ),
+    "talos": ('NAME="Talos"\nID=talos\nVERSION_ID=v1.7.0\n', "immutable OS"),
+    "flatcar": ("ID=flatcar\nID_LIKE=coreos\nVERSION_ID=3815.2.0\n", "immutable OS"),
+    "fedora-coreos": ("ID=fedora\nVARIANT_ID=coreos\nVERSION_ID=40\n", "rpm-ostree"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(OS_RELEASES))
+def test_refuses_a_host_it_cannot_serve(node: Dict[str, object], kind: str) -> None:
+    ns: PackageRoot = node["ns"]  # type: ignore[assignment]
+    run: Installer = node["run"]  # type: ignore[assignment]
+    text, reason = OS_RELEASES[kind]
+    osr = ns.path("/etc/os-release")
+    link = os.readlink(osr)  # Debian: ../usr/lib/os-release
+    osr.unlink()
+    osr.write_text(text)
+    try:
+        before = upper_snapshot(ns)
+        res = run("install", node["base"])  # type: ignore[arg-type]
+        after = upper_snapshot(ns)
+    finally:
+        osr.unlink()
+        osr.symlink_to(link)
+    assert res.returncode == 3, f"{res.returncode}\n{res.stdout}\n{res.stderr}"
+    assert reason in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert run.read_status()["state"] == "refused"
+    assert after == before, "a refused host was modified"
+    assert not list(ns.path("/var/tmp").glob("gpuguard-installer.*"))
+    assert "installed" not in installed(ns).split()
+    assert_kubelet_untouched(node)
+
+
+def test_refuses_a_host_without_systemd(node: Dict[str, object]) -> None:
+    ns: PackageRoot = node["ns"]  # type: ignore[assignment]
+    run: Installer = node["run"]  # type: ignore[assignment]
+    # A Debian "host" whose init is not systemd: same files, but its own empty
+    # /run (no /run/systemd/system, which exists only while systemd is PID 1).
+    p = ns.popen(
+        [
+            "unshare",
+            "-m",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            "mount -t tmpfs tmpfs /run && exec sleep 600",
+        ]
+    )
+    target = descendant_named(p.pid, "sleep")
+    before = upper_snapshot(ns)
+    res = run("install", node["base"], target_pid=target)  # type: ignore[arg-type]
+    assert res.returncode == 3, f"{res.returncode}\n{res.stdout}\n{res.stderr}"
+    assert "does not run systemd as PID 1" in res.stderr, res.stderr
+    assert upper_snapshot(ns) == before
+    assert "installed" not in installed(ns).split()
+
+
+def descendant_named(pid: int, comm: str, timeout: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        todo = [pid]
+        while todo:
+            p = todo.pop()
+            try:
+                if Path(f"/proc/{p}/comm").read_text().strip() == comm:
+                    return p
+                for task in Path(f"/proc/{p}/task").iterdir():
+                    todo += [int(c) for c in (task / "children").read_text().split()]
+            except FileNotFoundError:
+                continue
+        time.sleep(0.05)
+    raise AssertionError(f"no {comm} under PID {pid}")
+
+
+def test_installs(node: Dict[str, object]) -> None:
+    ns: PackageRoot = node["ns"]  # type: ignore[assignment]
+    run: Installer = node["run"]  # type: ignore[assignment]
+    version = f"{source_version()}-1"
+    res = run("install", node["base"])  # type: ignore[arg-type]
+    assert res.returncode == 0, f"{res.returncode}\n{res.stdout}\n{res.stderr}"
+    status = run.read_status()
+    assert (status["state"], status["action"], status["version"]) == ("ok", "installed", version)
+    assert status["host"] == "debian 12"
+    assert installed(ns) == f"install ok installed {version}"
+    ns.wait_active("gpuguard.service", timeout=20)
+    assert not list(ns.path("/var/tmp").glob("gpuguard-installer.*"))
+    assert any(
+        m.startswith(f"installed gpuguard {version} (was: none)") for m in installer_journal(ns)
+    )
+    assert_kubelet_untouched(node)
+
+
+def test_second_run_changes_nothing(node: Dict[str, object]) -> None:
+    ns: PackageRoot = node["ns"]  # type: ignore[assignment]
+    run: Installer = node["run"]  # type: ignore[assignment]
+    daemon = ns.unit_property("gpuguard.service", "InvocationID")
+    dpkg_status = sha256(ns.path("/var/lib/dpkg/status"))
+    journal_before = installer_journal(ns)
+    res = run("install", node["base"])  # type: ignore[arg-type]
+    assert res.returncode == 0, f"{res.returncode}\n{res.stdout}\n{res.stderr}"
+    assert run.read_status()["action"] == "unchanged"
+    assert "already installed" in res.stdout
+    assert sha256(ns.path("/var/lib/dpkg/status")) == dpkg_status
+    assert ns.unit_property("gpuguard.service", "InvocationID") == daemon
+    assert installer_journal(ns) == journal_before
+    assert not list(ns.path("/var/tmp").glob("gpuguard-installer.*"))
+    assert_kubelet_untouched(node)
+
+
+def test_upgrades_and_keeps_edited_config(node: Dict[str, object]) -> None:
+    ns: PackageRoot = node["ns"]  # type: ignore[assignment]
+    run: Installer = node["run"]  # type: ignore[assignment]
+    conf = ns.path("/etc/gpuguard/gpuguard.conf")
+    edited = conf.read_text() + "\n# edited by the operator\n"
+    conf.write_text(edited)
+    daemon = ns.unit_property("gpuguard.service", "InvocationID")
+    new = f"{source_version()}{UPGRADE_SUFFIX}-1"
+    res = run("install", node["upgrade"])  # type: ignore[arg-type]
+    assert res.returncode == 0, f"{res.returncode}\n{res.stdout}\n{res.stderr}"
+    status = run.read_status()
+    assert (status["action"], status["version"]) == ("updated", new)
+    assert installed(ns) == f"install ok installed {new}"
+    assert conf.read_text() == edited
+    ns.wait_active("gpuguard.service", timeout=20)
+    assert ns.unit_property("gpuguard.service", "InvocationID") != daemon
+    assert_kubelet_untouched(node)
+
+
+def test_rolls_back_to_the_image_version(node: Dict[str, object]) -> None:
+    ns: PackageRoot = node["ns"]  # type: ignore[assignment]
+    run: Installer = node["run"]  # type: ignore[assignment]
+    old = f"{source_version()}-1"
+    res = run("install", node["base"])  # type: ignore[arg-type]
+    assert res.returncode == 0, f"{res.returncode}\n{res.stdout}\n{res.stderr}"
+    assert (run.read_status()["action"], installed(ns)) == (
+        "updated",
+        f"install ok installed {old}",
+    )
+    assert_kubelet_untouched(node)
+
+
+def test_uninstall_removes_the_package(node: Dict[str, object]) -> None:
+    ns: PackageRoot = node["ns"]  # type: ignore[assignment]
+    run: Installer = node["run"]  # type: ignore[assignment]
+    res = run("uninstall", node["base"])  # type: ignore[arg-type]
+    assert res.returncode == 0, f"{res.returncode}\n{res.stdout}\n{res.stderr}"
+    assert run.read_status()["action"] == "removed"
+    # remove, not purge: the operator's configuration stays, like apt-get remove.
+    assert installed(ns).startswith("deinstall ok config-files")
+    assert ns.unit_property("gpuguard.service", "LoadState") == "not-found"
+    assert ns.path("/etc/gpuguard/gpuguard.conf").exists()
+    res = run("uninstall", node["base"])  # type: ignore[arg-type]
+    assert res.returncode == 0 and run.read_status()["action"] == "unchanged", res.stdout
+    assert_kubelet_untouched(node)
