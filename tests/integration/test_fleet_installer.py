@@ -21,10 +21,10 @@ from typing import Dict, Iterator, List, Tuple
 
 import pytest
 
+from integration.fleet_node import installed, kubelet, kubelet_starts, package_dir, start_kubelet
 from integration.pkgroot import (
     DEBIAN_PATH,
     PackageRoot,
-    built_packages,
     debian_root,
     require_pkgroot_tools,
     source_version,
@@ -33,29 +33,11 @@ from integration.pkgroot import (
 REPO = Path(__file__).resolve().parents[2]
 INSTALLER = REPO / "deploy" / "gpuguard-installer"
 UPGRADE_SUFFIX = "+fleet1"
-KUBELET_UNIT = """[Unit]
-Description=kubelet stand-in (must never be restarted by the installer)
-
-[Service]
-ExecStart=/bin/sleep infinity
-"""
-KUBELET_PROPS = ("InvocationID", "NRestarts", "ExecMainStartTimestampMonotonic", "ActiveState")
-#: systemd's "Started UNIT" (SD_MESSAGE_UNIT_STARTED): kubelet's must appear once only.
-UNIT_STARTED = "39f53479d3a045ac8e11786248231fbf"
 HOST_DPKG_STATUS = Path("/var/lib/dpkg/status")
 
 
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def package_dir(tmp: Path, suffix: str) -> Path:
-    """What the image carries in /usr/share/gpuguard-installer: one .deb, one .rpm."""
-    out = tmp / (suffix.lstrip("+") or "base")
-    out.mkdir()
-    for pkg in built_packages(suffix).values():
-        (out / pkg.name).write_bytes(pkg.read_bytes())
-    return out
 
 
 class Installer:
@@ -93,15 +75,6 @@ class Installer:
         return {k: v for k, v in rows}
 
 
-def kubelet(ns: PackageRoot) -> Dict[str, str]:
-    return {p: ns.unit_property("kubelet.service", p) for p in KUBELET_PROPS}
-
-
-def installed(ns: PackageRoot) -> str:
-    res = ns.run(["dpkg-query", "-W", "-f", "${Status} ${Version}", "gpuguard"])
-    return res.stdout if res.returncode == 0 else "not known to dpkg"
-
-
 def upper_snapshot(ns: PackageRoot) -> Dict[str, Tuple[int, int]]:
     """Every file the root changed so far (overlay upper layer): path -> (mtime_ns, size)."""
     out: Dict[str, Tuple[int, int]] = {}
@@ -129,17 +102,13 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dict[str, object]
     ns = PackageRoot(tmp_path_factory.mktemp("pkgroot"), lower)
     ns.start()
     try:
-        ns.run(["mkdir", "-p", "/var/lib/kubelet/device-plugins"], check=True)
-        ns.path("/etc/systemd/system/kubelet.service").write_text(KUBELET_UNIT)
-        ns.systemctl("daemon-reload")
-        ns.systemctl("start", "kubelet.service")
-        ns.wait_active("kubelet.service")
+        started = start_kubelet(ns)
         yield {
             "ns": ns,
             "run": Installer(ns, tmp_path_factory.mktemp("status") / "status"),
             "base": base,
             "upgrade": upgrade,
-            "kubelet": kubelet(ns),
+            "kubelet": started,
         }
     finally:
         ns.stop()
@@ -151,12 +120,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dict[str, object]
 def assert_kubelet_untouched(node: Dict[str, object]) -> None:
     ns: PackageRoot = node["ns"]  # type: ignore[assignment]
     assert kubelet(ns) == node["kubelet"]
-    started = [
-        e
-        for e in ns.journal()
-        if e.get("UNIT") == "kubelet.service" and e.get("MESSAGE_ID") == UNIT_STARTED
-    ]
-    assert len(started) == 1, started
+    assert kubelet_starts(ns) == 1
 
 
 def installer_journal(ns: PackageRoot) -> List[str]:
