@@ -50,10 +50,19 @@ class Installer:
     def __call__(
         self, mode: str, packages: Path, target_pid: int = 0
     ) -> subprocess.CompletedProcess[str]:
-        pid = target_pid or self.ns.pid
+        self.status.unlink(missing_ok=True)
+        return subprocess.run(
+            ["busybox", "sh", str(INSTALLER), mode],
+            env=self.env(target_pid or self.ns.pid, packages),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    def env(self, pid: int, packages: Path) -> Dict[str, str]:
         # The default target is 1, the host: a test always names its own root.
         assert pid != 1
-        env = {
+        return {
             "PATH": DEBIAN_PATH,
             "LC_ALL": "C.UTF-8",
             "GPUGUARD_INSTALLER_TARGET_PID": str(pid),
@@ -61,14 +70,6 @@ class Installer:
             "GPUGUARD_INSTALLER_STATUS": str(self.status),
             "GPUGUARD_INSTALLER_ONESHOT": "1",
         }
-        self.status.unlink(missing_ok=True)
-        return subprocess.run(
-            ["busybox", "sh", str(INSTALLER), mode],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
 
     def read_status(self) -> Dict[str, str]:
         rows = (line.split("=", 1) for line in self.status.read_text().splitlines())
@@ -192,6 +193,53 @@ def test_refuses_a_host_without_systemd(node: Dict[str, object]) -> None:
     assert "does not run systemd as PID 1" in res.stderr, res.stderr
     assert upper_snapshot(ns) == before
     assert "installed" not in installed(ns).split()
+
+
+def test_a_failed_install_stays_up_not_ready_and_changes_nothing(
+    node: Dict[str, object], tmp_path: Path
+) -> None:
+    ns: PackageRoot = node["ns"]  # type: ignore[assignment]
+    run: Installer = node["run"]  # type: ignore[assignment]
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for pkg in Path(str(node["base"])).iterdir():
+        (broken / pkg.name).write_bytes(pkg.read_bytes()[:4096])  # truncated download
+    before = upper_snapshot(ns)
+    res = run("install", broken)
+    assert res.returncode == 4, f"{res.returncode}\n{res.stdout}\n{res.stderr}"
+    assert "the host cannot read the package" in res.stderr, res.stderr
+    assert run.read_status()["state"] == "failed"
+    assert upper_snapshot(ns) == before
+    assert not list(ns.path("/var/tmp").glob("gpuguard-installer.*"))
+    # As a pod (no ONESHOT): it does not exit, so Kubernetes cannot re-run the
+    # package manager in a restart loop; SIGTERM ends it.
+    env = dict(run.env(ns.pid, broken))
+    del env["GPUGUARD_INSTALLER_ONESHOT"]
+    run.status.unlink(missing_ok=True)
+    p = subprocess.Popen(
+        ["setpriv", "--pdeathsig", "KILL", "--", "busybox", "sh", str(INSTALLER), "install"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not run.status.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1)
+        assert p.poll() is None, "exited after a failed install"
+        assert run.read_status()["state"] == "failed"
+        p.terminate()
+        _out, err = p.communicate(timeout=10)
+        assert p.returncode == 0, err
+        assert "delete this pod to try again" in err
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert "installed" not in installed(ns).split()
+    assert_kubelet_untouched(node)
 
 
 def descendant_named(pid: int, comm: str, timeout: float = 10.0) -> int:
