@@ -7,13 +7,18 @@ way a pod with hostPID runs it: its own (read-only) mount namespace, sharing the
 pid namespace of the "node" (integration/pkgroot), so the entrypoint's default
 target, PID 1, is that node's systemd, and the readiness probe of
 deploy/daemonset.yaml is run in it against the status file on an emptyDir.
+Last, the image runs under a private containerd + runc with the OCI spec that
+deploy/daemonset.yaml's container gets (privileged, read-only root, the node's
+pid namespace, the emptyDir): it installs, stays up Ready, and ends on SIGTERM.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
+import time
 from pathlib import Path
 from typing import Dict, Iterator, List, Set
 
@@ -21,6 +26,7 @@ import pytest
 import yaml
 
 from integration.fleet_node import installed, kubelet, kubelet_starts, start_kubelet
+from integration.harness.containerd import PrivateContainerd
 from integration.pkgroot import (
     DEBIAN_PATH,
     PackageRoot,
@@ -184,4 +190,106 @@ def test_image_installs_on_a_node_and_becomes_ready(
     assert res.returncode == 0, f"{res.returncode}\n{res.stdout}\n{res.stderr}"
     assert installed(node).startswith("deinstall ok config-files")
     assert pod(node, rootfs, status, probe).returncode == 0
+    assert kubelet(node) == started and kubelet_starts(node) == 1
+
+
+#: Capabilities by number; a privileged container gets all its runtime may give.
+CAPS = [
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_DAC_READ_SEARCH", "CAP_FOWNER", "CAP_FSETID",
+    "CAP_KILL", "CAP_SETGID", "CAP_SETUID", "CAP_SETPCAP", "CAP_LINUX_IMMUTABLE",
+    "CAP_NET_BIND_SERVICE", "CAP_NET_BROADCAST", "CAP_NET_ADMIN", "CAP_NET_RAW",
+    "CAP_IPC_LOCK", "CAP_IPC_OWNER", "CAP_SYS_MODULE", "CAP_SYS_RAWIO", "CAP_SYS_CHROOT",
+    "CAP_SYS_PTRACE", "CAP_SYS_PACCT", "CAP_SYS_ADMIN", "CAP_SYS_BOOT", "CAP_SYS_NICE",
+    "CAP_SYS_RESOURCE", "CAP_SYS_TIME", "CAP_SYS_TTY_CONFIG", "CAP_MKNOD", "CAP_LEASE",
+    "CAP_AUDIT_WRITE", "CAP_AUDIT_CONTROL", "CAP_SETFCAP", "CAP_MAC_OVERRIDE",
+    "CAP_MAC_ADMIN", "CAP_SYSLOG", "CAP_WAKE_ALARM", "CAP_BLOCK_SUSPEND", "CAP_AUDIT_READ",
+    "CAP_PERFMON", "CAP_BPF", "CAP_CHECKPOINT_RESTORE",
+]  # fmt: skip
+
+
+def bounding_set() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapBnd:"):
+            return int(line.split()[1], 16)
+    raise AssertionError("no CapBnd in /proc/self/status")
+
+
+def pod_spec(cd: PrivateContainerd, rootfs: Path, node: PackageRoot, emptydir: Path) -> Path:
+    """The OCI spec of deploy/daemonset.yaml's container, as kubelet + runc would make it."""
+    ds = yaml.safe_load((REPO / "deploy/daemonset.yaml").read_text())
+    pod = ds["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert pod["hostPID"] and c["securityContext"]["privileged"]
+    spec = cd.base_spec()
+    spec["root"] = {"path": str(rootfs), "readonly": c["securityContext"]["readOnlyRootFilesystem"]}
+    spec["process"].update(
+        args=["/bin/sh", "/usr/local/bin/gpuguard-installer", *c["args"]],
+        terminal=False,
+        env=["PATH=/bin"],
+    )
+    caps = [name for bit, name in enumerate(CAPS) if bounding_set() >> bit & 1]
+    spec["process"]["capabilities"] = {k: caps for k in ("bounding", "effective", "permitted")}
+    linux = spec["linux"]
+    # hostPID: the pod shares the node's pid namespace (here the booted root's).
+    for ns in linux["namespaces"]:
+        if ns["type"] == "pid":
+            ns["path"] = f"/proc/{node.pid}/ns/pid"
+    linux.pop("maskedPaths", None)
+    linux.pop("readonlyPaths", None)
+    linux.pop("seccomp", None)
+    linux["resources"] = {"devices": [{"allow": True, "access": "rwm"}]}
+    linux["cgroupsPath"] = cd.cgroup_path("installer", "gpuguard-installer")
+    (mount,) = c["volumeMounts"]
+    spec["mounts"].append(
+        {
+            "destination": mount["mountPath"],
+            "type": "bind",
+            "source": str(emptydir),
+            "options": ["rbind", "rw"],
+        }
+    )
+    path = cd.work / "installer-spec.json"
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def test_image_runs_under_runc_as_the_daemonset_pod(
+    image: Dict[str, object], node: PackageRoot, tmp_path: Path
+) -> None:
+    from conftest import require_tool
+
+    require_tool("containerd", "ctr", "runc")
+    rootfs: Path = image["rootfs"]  # type: ignore[assignment]
+    started = start_kubelet(node)
+    emptydir = tmp_path / "emptydir"
+    emptydir.mkdir()
+    status = emptydir / "status"
+    cid = "gpuguard-installer"
+    with PrivateContainerd() as cd:
+        spec = pod_spec(cd, rootfs, node, emptydir)
+        cd.containers.append(cid)
+        cd.ctr("run", "-d", "--null-io", "--config", str(spec), cid)
+        deadline = time.monotonic() + 240
+        while not status.exists() and time.monotonic() < deadline:
+            assert cd.task_status(cid) == "RUNNING", cd.log_tail()
+            time.sleep(0.2)
+        fields = dict(line.split("=", 1) for line in status.read_text().splitlines())
+        assert (fields["state"], fields["action"]) == ("ok", "installed"), fields
+        # Installed and sleeping: the pod stays up and its readiness probe passes.
+        time.sleep(0.5)
+        assert cd.task_status(cid) == "RUNNING"
+        ds = yaml.safe_load((REPO / "deploy/daemonset.yaml").read_text())
+        probe = ds["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["exec"]
+        cd.ctr("task", "exec", "--exec-id", "probe", cid, *probe["command"])
+        # Kubernetes stops the pod with SIGTERM: it ends at once, with status 0.
+        cd.ctr("task", "kill", "-s", "SIGTERM", cid)
+        deadline = time.monotonic() + 10
+        while cd.task_status(cid) == "RUNNING" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert cd.task_status(cid) == "STOPPED"
+    assert installed(node) == f"install ok installed {source_version()}-1"
+    node.wait_active("gpuguard.service", timeout=20)
+    # The daemon runs under the node's systemd, not in the pod's cgroup.
+    cgroup = node.unit_property("gpuguard.service", "ControlGroup")
+    assert cgroup == "/system.slice/gpuguard.service", cgroup
     assert kubelet(node) == started and kubelet_starts(node) == 1
