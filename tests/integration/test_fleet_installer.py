@@ -12,8 +12,10 @@ run, upgrade, rollback and removal.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -222,6 +224,7 @@ def test_a_failed_install_stays_up_not_ready_and_changes_nothing(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 60
@@ -234,12 +237,27 @@ def test_a_failed_install_stays_up_not_ready_and_changes_nothing(
         _out, err = p.communicate(timeout=10)
         assert p.returncode == 0, err
         assert "delete this pod to try again" in err
+        assert not live_in_group(p.pid), "its sleep outlived it"
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
     assert "installed" not in installed(ns).split()
     assert_kubelet_untouched(node)
+
+
+def live_in_group(pgid: int) -> List[int]:
+    """Processes of group ``pgid`` that are not zombies (an orphan is reaped late)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            stat = (d / "stat").read_text()
+        except (OSError, ValueError):
+            continue
+        fields = stat.rsplit(")", 1)[-1].split()
+        if d.name.isdigit() and int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(d.name))
+    return out
 
 
 def descendant_named(pid: int, comm: str, timeout: float = 10.0) -> int:
