@@ -6,8 +6,9 @@ what the installer needs and no more."""
 from __future__ import annotations
 
 import copy
+import subprocess
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import kubernetes_validate
 import pytest
@@ -132,3 +133,35 @@ def test_uninstall_daemonset_is_the_same_pod_with_uninstall() -> None:
         doc["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] = "x"
         doc["spec"]["template"]["spec"]["containers"][0]["args"] = []
     assert remove == install
+
+
+@pytest.mark.parametrize(
+    "present, message",
+    [
+        ((), "no gpuguard_*_all.deb in"),
+        (("gpuguard_1.0-1_all.deb",), "need exactly one gpuguard-*.noarch.rpm"),
+        (
+            ("gpuguard_1.0-1_all.deb", "gpuguard_1.1-1_all.deb", "gpuguard-1.0-1.noarch.rpm"),
+            "several .deb files",
+        ),
+    ],
+)
+def test_build_image_names_what_is_missing(
+    present: Tuple[str, ...], message: str, tmp_path: Path
+) -> None:
+    from conftest import require_tool
+
+    require_tool("buildah", "busybox")
+    for name in present:
+        (tmp_path / name).write_bytes(b"")
+    res = subprocess.run(
+        [str(DEPLOY / "build-image")],
+        env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "DIST": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert res.returncode == 2, res
+    (line,) = res.stderr.splitlines()
+    assert line.startswith("build-image: ") and message in line, line
+    assert str(tmp_path) in line
