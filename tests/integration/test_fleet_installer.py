@@ -34,7 +34,7 @@ from integration.pkgroot import (
 
 REPO = Path(__file__).resolve().parents[2]
 INSTALLER = REPO / "deploy" / "gpuguard-installer"
-UPGRADE_SUFFIX = "+fleet1"
+UPGRADE_SUFFIX = "+test1"  # as test_package_install: one build per pytest run
 HOST_DPKG_STATUS = Path("/var/lib/dpkg/status")
 
 
