@@ -14,6 +14,7 @@ import pytest
 from conftest import REPO
 
 SCANNED = ("src", "tests", "bench", "scripts", "packaging", "hooks", "units", "udev-rules")
+SCANNED += ("deploy",)  # the installer image and manifests
 # A sibling directory named like a workspace folder, or code that climbs above the repo.
 OUTSIDE = re.compile(
     r"(?<![\w.-])\.\./(?:shared|seeds|fixtures|docs)\b"
