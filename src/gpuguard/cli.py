@@ -199,6 +199,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.only is None and driver_loaded(root):
         import asyncio
 
+        from gpuguard.devices.audit import FINDING_UNREADABLE
         from gpuguard.oneshot import OneShotServices, run_device_steps
         from gpuguard.systemd import bus_address_for
 
@@ -211,7 +212,9 @@ def cmd_check(args: argparse.Namespace) -> int:
             "outcomes": [o.to_json() for o in outcomes],
         }
         left = [o for o in outcomes if o.status not in ("done", "skipped")]
-        if (left or (findings and not outcomes)) and code == exitcodes.OK:
+        # A container gpuguard could not read is a problem left, whatever else it repaired.
+        unread = [f for f in findings if f.kind == FINDING_UNREADABLE]
+        if (left or unread or (findings and not outcomes)) and code == exitcodes.OK:
             code = exitcodes.FINDINGS
         doc["exit_code"] = code
     if args.json:

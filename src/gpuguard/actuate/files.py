@@ -73,10 +73,19 @@ def open_private_dir(path: Path) -> int:
             try:
                 fd = os.open(d if pfd < 0 else d.name, flags, dir_fd=None if pfd < 0 else pfd)
             except OSError as e:
-                what = {
-                    errno.ELOOP: "is a symbolic link",
-                    errno.ENOTDIR: "is not a directory",
-                }.get(e.errno or 0, f"cannot be opened ({e.strerror})")
+                # O_NOFOLLOW|O_DIRECTORY on a link says ENOTDIR: lstat names it right.
+                try:
+                    lst = os.lstat(d.name, dir_fd=pfd) if pfd >= 0 else os.lstat(d)
+                    is_link = stat.S_ISLNK(lst.st_mode)
+                except OSError:
+                    is_link = False
+                what = (
+                    "is a symbolic link"
+                    if is_link or e.errno == errno.ELOOP
+                    else "is not a directory"
+                    if e.errno == errno.ENOTDIR
+                    else f"cannot be opened ({e.strerror})"
+                )
                 raise UnsafeDirError(
                     f"{d}: {what}; gpuguard writes its files only into a real directory "
                     "owned by root — remove it or fix the path"
