@@ -179,9 +179,21 @@ class Run:
         return doc
 
 
+class _Stdout(io.TextIOWrapper):
+    """A stdout with a .buffer, as `checkpoint canonical` writes bytes."""
+
+    def __init__(self) -> None:
+        super().__init__(io.BytesIO(), encoding="utf-8", errors="replace", write_through=True)
+
+    def getvalue(self) -> str:
+        raw = self.buffer
+        assert isinstance(raw, io.BytesIO)
+        return raw.getvalue().decode("utf-8", errors="replace")
+
+
 @contextlib.contextmanager
-def _captured() -> Iterator[tuple[io.StringIO, io.StringIO]]:
-    out, err = io.StringIO(), io.StringIO()
+def _captured() -> Iterator[tuple[_Stdout, io.StringIO]]:
+    out, err = _Stdout(), io.StringIO()
 
     def auto(cls: type[EventLog], *, level: str = "info", force_json: bool = False) -> EventLog:
         return cls(level=level, stream=err)
