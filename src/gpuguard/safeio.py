@@ -140,3 +140,19 @@ def read_kernel_text(path: Path, *, what: str, max_bytes: int = PROC_MAX) -> Opt
             return None
         raise
     return data.decode("utf-8", errors="replace")
+
+
+def proc_bytes(path: Path, *, max_bytes: int = PROC_MAX) -> bytes:
+    """A /proc file's bytes for readers that treat any failure as "unknown": every
+    refusal (a FIFO or link in a fake root, too big) is an OSError like a vanished
+    process, so their `except OSError` covers it."""
+    try:
+        data, _st = read_bytes(path, what="/proc file", max_bytes=max_bytes)
+    except UnsafeFileError as e:
+        raise OSError(e.errno or _errno.EINVAL, e.message) from None
+    return data
+
+
+def proc_text(path: Path, *, max_bytes: int = PROC_MAX) -> str:
+    """proc_bytes() as text, bad bytes replaced."""
+    return proc_bytes(path, max_bytes=max_bytes).decode("utf-8", errors="replace")
