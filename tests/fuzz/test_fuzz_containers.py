@@ -79,6 +79,8 @@ proc_devices = st.one_of(
             "Block devices:\n195 nvidia\n",
         ]
     ),
+    st.text(max_size=40).map(lambda t: "Character devices:\n" + t),
+    st.text(max_size=40).map(lambda t: PROC_DEVICES + t),
 )
 
 

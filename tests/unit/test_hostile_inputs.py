@@ -427,3 +427,20 @@ def test_a_fifo_in_one_container_costs_that_container_only(tmp_path: Path, which
     assert [f["fields"]["CONTAINER_ID"] for f in unread] == [bad.container_id]
     assert "not a regular file" in unread[0]["summary"]
     assert "c 195:0 rw" in (tmp_path / GOOD.cgroup.lstrip("/") / "devices.allow").read_text()
+
+
+def test_cgroup_procs_zero_is_a_process_outside_our_namespace(tmp_path: Path) -> None:
+    from gpuguard.devices.containers import read_pids
+
+    (tmp_path / "cgroup.procs").write_text("0\n1002\n0\n")
+    assert read_pids(tmp_path) == (1002,)
+
+
+def test_proc_devices_majors_are_bounded_ascii() -> None:
+    from gpuguard.devices.nodes import nvidia_majors, parse_proc_devices
+
+    for major in ("\u0661\u0669\u0665", "9" * 5000, "4096"):
+        text = f"Character devices:\n{major} nvidia\n511 nvidia-uvm\n"
+        assert nvidia_majors(parse_proc_devices(text)).nvidia is None, major
+    ok = parse_proc_devices("Character devices:\n195 nvidia\n511 nvidia-uvm\n")
+    assert nvidia_majors(ok).nvidia == 195

@@ -217,7 +217,9 @@ def read_pids(cgroup_dir: Path) -> tuple[int, ...]:
     for lineno, word in enumerate(text.split("\n"), 1):
         if not word:
             continue
-        pid = parse_decimal(word, lo=1, hi=MAX_PID)
+        pid = parse_decimal(word, hi=MAX_PID)
+        if pid == 0:  # a process outside our PID namespace: the kernel shows 0
+            continue
         if pid is None:
             raise UnsafeFileError(
                 f"{path}:{lineno}: {clip(word)} is not a process ID; the kernel writes one "
