@@ -39,20 +39,13 @@ def parse_decimal(
     ASCII digits only (with `signed`, one leading + or -); no spaces, underscores or
     other digits. The length is bounded by `hi`/`lo` before int() runs, so no input can
     reach Python's conversion limit."""
-    body = text[1:] if signed and text[:1] in ("+", "-") else text
+    sign = text[:1] if signed and text[:1] in ("+", "-") else ""
+    body = text[len(sign) :]
     if not _digits(body):
         return None
     bound = max(len(str(abs(lo))), len(str(abs(hi))))
     stripped = body.lstrip("0") or "0"
     if len(stripped) > bound:
         return None
-    value = int(text[0] + stripped) if body is not text else int(stripped)
+    value = -int(stripped) if sign == "-" else int(stripped)
     return value if lo <= value <= hi else None
-
-
-def parse_decimal_or_raise(text: str, what: str, *, lo: int = 0, hi: int = 2**64 - 1) -> int:
-    """parse_decimal(), raising ValueError("<what> <clipped text> is not ...") instead."""
-    value = parse_decimal(text, lo=lo, hi=hi)
-    if value is None:
-        raise ValueError(f"{what} {clip(text)} is not a whole number {lo}..{hi}")
-    return value

@@ -18,6 +18,7 @@ from gpuguard.passes import STATUS_FILE, PassContext, Work
 from gpuguard.paths import Root
 
 if TYPE_CHECKING:
+    from gpuguard.devices.containers import ContainerCgroup
     from gpuguard.systemd import Systemd
 
 
@@ -109,7 +110,7 @@ def container_status(
     return rows
 
 
-def _unreadable_row(c: Any, why: str) -> dict[str, Any]:
+def _unreadable_row(c: ContainerCgroup, why: str) -> dict[str, Any]:
     return {
         "pod_uid": c.pod_uid,
         "container_id": c.container_id,

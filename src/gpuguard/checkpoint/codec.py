@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from gpuguard.checkpoint import spew
 from gpuguard.checkpoint.model import Checkpoint, PodDevicesEntry
 from gpuguard.errors import BadInputError
-from gpuguard.numparse import MAX_ECHO, clip, parse_decimal
+from gpuguard.numparse import clip, cut, parse_decimal
 
 NEXT_STEP = "restore a backup from /var/lib/gpuguard/backups or let kubelet rebuild it"
 
@@ -228,9 +228,7 @@ def _decode(tree: Any, fmt: str) -> Dict[str, Any]:
 
 def _show(v: Any) -> str:
     if isinstance(v, (_Num, str)) and not isinstance(v, _Obj):
-        text = str(v) if isinstance(v, _Num) else json.dumps(v)
-        return text if len(text) <= MAX_ECHO else text[: MAX_ECHO - 1] + "…"
-
+        return cut(str(v) if isinstance(v, _Num) else json.dumps(v))
     return "null" if v is None else type(v).__name__
 
 
