@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from conftest import CHECKPOINTS, REPO
 from fakenode import (
@@ -444,3 +447,22 @@ def test_proc_devices_majors_are_bounded_ascii() -> None:
         assert nvidia_majors(parse_proc_devices(text)).nvidia is None, major
     ok = parse_proc_devices("Character devices:\n195 nvidia\n511 nvidia-uvm\n")
     assert nvidia_majors(ok).nvidia == 195
+
+
+@given(st.integers(-(2**70), 2**70), st.text(max_size=30))
+def test_parse_decimal_is_int_on_ascii_and_never_raises(n: int, junk: str) -> None:
+    lo, hi = -(2**63), 2**63 - 1
+    assert parse_decimal(str(n), lo=lo, hi=hi, signed=True) == (n if lo <= n <= hi else None)
+    got = parse_decimal(junk, lo=lo, hi=hi, signed=True)
+    ascii_int = re.fullmatch(r"[+-]?[0-9]+", junk)
+    assert got == (int(junk) if ascii_int and lo <= int(junk) <= hi else None)
+
+
+def test_oversized_configuration_is_refused_unread(tmp_path: Path) -> None:
+    conf = tmp_path / "etc/gpuguard/gpuguard.conf"
+    conf.parent.mkdir(parents=True)
+    with open(conf, "wb") as f:
+        f.truncate(64 * 1024 * 1024)  # sparse
+    run = run_cli("config", "--root", str(tmp_path))
+    assert run.code == exitcodes.USAGE
+    _one_error(run.err, str(conf), "limit")
