@@ -153,6 +153,14 @@ KINDS: dict[str, KindDoc] = {
         "The node is in the container's /dev but neither NVIDIA_VISIBLE_DEVICES nor the "
         "kubelet checkpoint names that GPU. gpuguard never grants it.",
     ),
+    "container-unreadable": KindDoc(
+        "A container's cgroup or process files cannot be read",
+        "Its cgroup.procs, devices.list, environ or command line is not what the kernel "
+        "writes (a malformed line, a FIFO or link where a file should be, too big). "
+        "gpuguard neither judges nor grants this container anything; every other "
+        "container is still audited and repaired. MESSAGE names the file: check what "
+        "wrote it, or recreate the container.",
+    ),
     "cgroup-v1-allow": KindDoc(
         "gpuguard re-granted GPU devices in a container's cgroup",
         "A direct write to the container's devices.allow restored the nodes it was given "

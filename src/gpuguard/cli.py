@@ -241,6 +241,7 @@ def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
     if args.only is None and driver_loaded(root):
         import asyncio
 
+        from gpuguard.devices.audit import FINDING_UNREADABLE
         from gpuguard.oneshot import OneShotServices, run_device_steps
         from gpuguard.systemd import bus_address_for
 
@@ -253,7 +254,9 @@ def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
             "outcomes": [o.to_json() for o in outcomes],
         }
         left = [o for o in outcomes if o.status not in ("done", "skipped")]
-        if (left or (findings and not outcomes)) and code == exitcodes.OK:
+        # A container gpuguard could not read is a problem left, whatever else it repaired.
+        unread = [f for f in findings if f.kind == FINDING_UNREADABLE]
+        if (left or unread or (findings and not outcomes)) and code == exitcodes.OK:
             code = exitcodes.FINDINGS
         doc["exit_code"] = code
     if args.json:
@@ -498,15 +501,46 @@ COMMANDS = {
 VENDOR_DIR = "/usr/lib/gpuguard/vendor"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    if VENDOR_DIR not in sys.path and os.path.isdir(VENDOR_DIR):
-        sys.path.append(VENDOR_DIR)
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    name = args.command
-    if name == "checkpoint":
-        name = f"checkpoint-{args.checkpoint_command}"
+def _debug_wanted(args: Optional[argparse.Namespace]) -> bool:
+    """--log-level debug, or LogLevel=debug in a configuration that still loads."""
+    if args is None:
+        return False
+    if _opt(args, "log_level") is not None:
+        return bool(_opt(args, "log_level") == "debug")
     try:
+        return bool(_config(args, _root(args)).daemon.log_level == "debug")
+    except Exception:  # the configuration itself may be what failed
+        return False
+
+
+def internal_error(e: BaseException, *, trace: bool) -> int:
+    """The one line for a bug (exit 70, never 1: 1 means "problems left"); the trace only
+    when asked for, since a hostile input must never print pages of Python."""
+    from gpuguard.numparse import cut
+
+    if trace:
+        import traceback
+
+        traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
+    text = cut(" ".join(str(e).split()), 200)
+    print(
+        f"gpuguard: internal error: {type(e).__name__}: {text} (a bug: please report it; "
+        "run with --log-level debug or LogLevel=debug for the trace)",
+        file=sys.stderr,
+    )
+    return exitcodes.INTERNAL
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args: Optional[argparse.Namespace] = None
+    try:
+        if VENDOR_DIR not in sys.path and os.path.isdir(VENDOR_DIR):
+            sys.path.append(VENDOR_DIR)
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        name = args.command
+        if name == "checkpoint":
+            name = f"checkpoint-{args.checkpoint_command}"
         return COMMANDS[name](args)
     except GpuguardError as e:
         print(f"gpuguard: {e.message}", file=sys.stderr)
@@ -515,3 +549,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
     except BrokenPipeError:
         return exitcodes.OK
+    except Exception as e:  # every command, the daemon included: a bug, in one line
+        return internal_error(e, trace=_debug_wanted(args))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import errno
 import sys
 import textwrap
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, ClassVar, Dict, List, Mapping, Sequence, Tuple
 
+from gpuguard import safeio
 from gpuguard.configtypes import (
     AbsPath,
     Bool,
@@ -44,6 +46,7 @@ from gpuguard.configtypes import (
     format_timespan,
 )
 from gpuguard.errors import ConfigError
+from gpuguard.numparse import clip, cut
 from gpuguard.paths import CONFIG_DROPIN_DIR, CONFIG_FILE, Root
 
 SEE_ALSO = "(see gpuguard config --help / docs/configuration.md)"
@@ -435,14 +438,14 @@ def _unknown_section(name: str) -> str:
         if close
         else "sections are " + ", ".join(f"[{s}]" for s in _BY_SECTION)
     )
-    return f"unknown section [{name}]; {hint} {SEE_ALSO}"
+    return f"unknown section [{cut(name)}]; {hint} {SEE_ALSO}"
 
 
 def _unknown_key(section: str, key: str) -> str:
     keys = list(_BY_SECTION[section])
     homes = [s for s, specs in _BY_SECTION.items() if key in specs]
     if homes:
-        return f"key '{key}' belongs in [{homes[0]}], not [{section}]; move it there {SEE_ALSO}"
+        return f"key {clip(key)} belongs in [{homes[0]}], not [{section}]; move it there {SEE_ALSO}"
     same_case = [k for k in keys if k.lower() == key.lower()]
     close = same_case or difflib.get_close_matches(key, keys, n=1)
     if close:
@@ -451,14 +454,16 @@ def _unknown_key(section: str, key: str) -> str:
             hint += " (keys are case-sensitive)"
     else:
         hint = f"[{section}] has {', '.join(keys)}"
-    return f"unknown key '{key}' in [{section}]; {hint} {SEE_ALSO}"
+    return f"unknown key {clip(key)} in [{section}]; {hint} {SEE_ALSO}"
 
 
 def _parse_text(text: str, source: str) -> List[_Assignment]:
     """Split one file into assignments, rejecting what no later file could fix."""
     if text.startswith("\ufeff"):  # editors on other systems add a BOM
         text = text[1:]
-    lines = text.splitlines()
+    # split("\n"), not splitlines(): a form feed or U+2028 inside a line must not
+    # shift the line numbers of every later message.
+    lines = text.split("\n")
     out: List[_Assignment] = []
     first_line: Dict[Tuple[str, str], int] = {}
     section: str | None = None
@@ -472,7 +477,9 @@ def _parse_text(text: str, source: str) -> List[_Assignment]:
         where = f"{source}:{lineno}"
         if line.startswith("["):
             if not line.endswith("]"):
-                raise ConfigError(f"{where}: section header {line!r} is not closed; write [Name]")
+                raise ConfigError(
+                    f"{where}: section header {clip(line)} is not closed; write [Name]"
+                )
             name = line[1:-1]
             if name not in _BY_SECTION:
                 raise ConfigError(f"{where}: {_unknown_section(name)}")
@@ -480,7 +487,7 @@ def _parse_text(text: str, source: str) -> List[_Assignment]:
             continue
         if "=" not in line:
             raise ConfigError(
-                f"{where}: cannot parse {line!r}; expected Key=value, a [Section] header "
+                f"{where}: cannot parse {clip(line)}; expected Key=value, a [Section] header "
                 "or a comment starting with # or ;"
             )
         # systemd: a trailing backslash joins the next line (the backslash becomes a
@@ -500,12 +507,14 @@ def _parse_text(text: str, source: str) -> List[_Assignment]:
         if section is None:
             homes = [s for s, specs in _BY_SECTION.items() if key in specs]
             hint = f"put it under [{homes[0]}]" if homes else "put it under its [Section] header"
-            raise ConfigError(f"{where}: key '{key}' appears before any [Section] header; {hint}")
+            raise ConfigError(
+                f"{where}: key {clip(key)} appears before any [Section] header; {hint}"
+            )
         if key not in _BY_SECTION[section]:
             raise ConfigError(f"{where}: {_unknown_key(section, key)}")
         if (section, key) in first_line:
             raise ConfigError(
-                f"{where}: duplicate key '{key}' in [{section}], first set on line "
+                f"{where}: duplicate key {clip(key)} in [{section}], first set on line "
                 f"{first_line[section, key]}; keep one of them (a later drop-in may "
                 "override a key)"
             )
@@ -526,7 +535,7 @@ def _apply(assignments: Sequence[_Assignment]) -> Config:
                 value = spec.type.parse(a.value)
             except ValueError as e:
                 raise ConfigError(
-                    f"{a.where}: invalid value {a.value!r} for {a.key} in [{a.section}]: {e} "
+                    f"{a.where}: invalid value {clip(a.value)} for {a.key} in [{a.section}]: {e} "
                     f"{SEE_ALSO}"
                 ) from None
         values[a.section, a.key] = value
@@ -560,20 +569,19 @@ def _check(cfg: Config) -> None:
 
 
 def _read(path: Path) -> str:
-    """The file's text; FileNotFoundError passes through for the caller to judge."""
+    """The file's text; FileNotFoundError passes through for the caller to judge.
+
+    Through the shared safe reader: a FIFO, /dev/zero or a huge file is refused in one
+    line instead of hanging or filling memory. Links are followed (configuration
+    management often links files into /etc)."""
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise
-    except IsADirectoryError:
-        raise ConfigError(f"{path}: is a directory, not a configuration file") from None
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read: {e.strerror}; check its permissions") from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        raise ConfigError(f"{path}:{line}: not valid UTF-8; save the file as UTF-8") from None
+        return safeio.read_text(
+            path, what="configuration", max_bytes=safeio.CONFIG_MAX, follow=True
+        )
+    except safeio.UnsafeFileError as e:
+        if e.errno == errno.ENOENT:
+            raise FileNotFoundError(e.errno, e.message) from None
+        raise ConfigError(e.message) from None
 
 
 def _dropins(directory: Path) -> List[Path]:

@@ -8,9 +8,12 @@ Time spans follow systemd.time(7): `150ms`, `5min`, `2s 500ms`, a bare number is
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from fractions import Fraction
 from typing import Any, Tuple
+
+from gpuguard.numparse import clip, cut, parse_decimal
 
 
 class ValueType:
@@ -85,7 +88,11 @@ _FORMAT_UNITS = (
     ("ms", 1_000),
     ("us", 1),
 )
-_TIME_PART = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([^\s\d.]*)")
+# ASCII digits only ([0-9], never \d); a number is at most _MAX_NUMBER characters, so
+# nothing reaches Python's int conversion limit, and MAX_TIMESPAN_USEC bounds the sum.
+_TIME_PART = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([^\s0-9.]*)")
+_MAX_NUMBER = 30
+MAX_TIMESPAN_USEC = 365 * 86_400_000_000  # one year: no interval or delay needs more
 _TIME_HINT = "use a number with a unit such as 150ms, 5min, 1h or 2s 500ms"
 
 
@@ -105,24 +112,31 @@ def parse_timespan(text: str) -> float:
         if m is None:
             raise ValueError(f"not a time span; {_TIME_HINT}")
         number, unit = m.group(1), m.group(2)
+        if len(number) > _MAX_NUMBER:
+            raise ValueError(f"number {clip(number)} is too long; {_TIME_HINT}")
         if not unit:
             # systemd reads a bare number as seconds, but only as the whole value:
             # "2 500ms" is more likely a typo than 2.5 s.
             if pos != 0 or m.end() != len(text):
-                raise ValueError(f"{number!r} has no unit; {_TIME_HINT}")
+                raise ValueError(f"{clip(number)} has no unit; {_TIME_HINT}")
             unit = "s"
         if unit not in _USEC_PER:
             close = difflib.get_close_matches(unit, list(_USEC_PER), n=1)
-            hint = f"did you mean {number}{close[0]}?" if close else _TIME_HINT
-            raise ValueError(f"unknown time unit {unit!r}; {hint}")
+            hint = f"did you mean {cut(number)}{close[0]}?" if close else _TIME_HINT
+            raise ValueError(f"unknown time unit {clip(unit)}; {hint}")
         total += Fraction(number) * _USEC_PER[unit]
+        if total > MAX_TIMESPAN_USEC:
+            raise ValueError("longer than a year; use a span of 365d or less")
         pos = m.end()
     return round(total) / 1_000_000
 
 
 def format_timespan(seconds: float) -> str:
     """Format seconds the way systemd does ("5min", "2s 500ms"); "0" for zero."""
-    usec = round(seconds * 1_000_000)
+    scaled = seconds * 1_000_000
+    if not math.isfinite(scaled):  # parse_timespan() never returns one; defensive
+        return "infinity"
+    usec = round(scaled)
     if usec == 0:
         return "0"
     parts = []
@@ -162,11 +176,12 @@ class Int(ValueType):
         self.describe = f"integer {minimum}..{maximum}"
 
     def parse(self, text: str) -> int:
-        # int() would also take "1_000" and " 12 "; accept only what we would print.
-        if not re.fullmatch(r"[+-]?\d+", text):
+        # int() would also take "1_000", " 12 " and Unicode digits; accept only what we
+        # would print.
+        if not re.fullmatch(r"[+-]?[0-9]+", text):
             raise ValueError(f"not an integer; use a whole number {self.minimum}..{self.maximum}")
-        value = int(text)
-        if not self.minimum <= value <= self.maximum:
+        value = parse_decimal(text, lo=self.minimum, hi=self.maximum, signed=True)
+        if value is None:
             raise ValueError(f"out of range; use a number {self.minimum}..{self.maximum}")
         return value
 
@@ -229,7 +244,7 @@ class ResourcePattern(ValueType):
         if _RESOURCE.fullmatch(text):
             return text
         raise ValueError(
-            f"{text!r} is not an extended resource name or glob; "
+            f"{clip(text)} is not an extended resource name or glob; "
             "write it like nvidia.com/gpu or nvidia.com/mig-*"
         )
 

@@ -326,6 +326,8 @@ class Daemon:
             write_new(path, json.dumps(doc, indent=1).encode(), mode=0o644)
         except OSError as e:
             self.log.debug(f"cannot write {path}: {e}")
+        except GpuguardError as e:  # a state directory that is a link or not root's
+            self.log.warning(f"status file not written: {e.message}")
 
 
 def _config_inventory(config: Config) -> Optional[Path]:

@@ -18,9 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from gpuguard import safeio
 from gpuguard.errors import BadInputError, NoDriverError
+from gpuguard.numparse import clip, parse_decimal
 
-MAX_INVENTORY_BYTES = 4 * 1024 * 1024
+MAX_INVENTORY_BYTES = safeio.INVENTORY_MAX
+MAX_MINOR = 2**20 - 1  # the kernel's MINORMASK
+MAX_INDEX = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -70,19 +74,33 @@ class Inventory:
         }
 
 
+def _json_int(text: str) -> int:
+    # json's own int() would raise past 4,300 digits with a message about Python.
+    value = parse_decimal(text, lo=-(2**63), hi=2**63 - 1, signed=True)
+    if value is None:
+        raise ValueError(f"number {clip(text)} is out of range")
+    return value
+
+
 def load_inventory_file(path: Path) -> Inventory:
     """Read an inventory file; any problem is a one-line BadInputError naming the file."""
+    data, _st = safeio.read_bytes(
+        path,
+        what="inventory",
+        max_bytes=MAX_INVENTORY_BYTES,
+        follow=True,  # an operator's file, often a link to a shared copy
+        missing="cannot read inventory: no such file — check --inventory or [Inventory] File=",
+        next_step="an inventory lists a few GPUs; check the --inventory path",
+    )
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_INVENTORY_BYTES + 1)
-    except OSError as e:
-        raise BadInputError(f"{path}: cannot read inventory: {e.strerror}") from None
-    if len(raw) > MAX_INVENTORY_BYTES:
-        raise BadInputError(f"{path}: inventory larger than {MAX_INVENTORY_BYTES} bytes")
-    try:
-        doc = json.loads(raw)
+        doc = json.loads(data, parse_int=_json_int)
     except (ValueError, UnicodeDecodeError) as e:
-        raise BadInputError(f"{path}: inventory is not valid JSON ({e})") from None
+        raise BadInputError(f"{path}: inventory is not valid JSON ({clip(str(e))})") from None
+    except RecursionError:
+        raise BadInputError(
+            f"{path}: inventory is nested too deeply to be one; fix the file "
+            "(see docs/inventory.md)"
+        ) from None
     return parse_inventory(doc, source=str(path))
 
 
@@ -94,7 +112,14 @@ def _field(obj: dict[str, Any], key: str, typ: type, where: str, default: Any = 
     value = obj[key]
     # bool is an int subclass in Python; an index of `true` is a mistake.
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise BadInputError(f"{where}: '{key}' must be a {typ.__name__}, got {value!r}")
+        raise BadInputError(f"{where}: '{key}' must be a {typ.__name__}, got {clip(value)}")
+    return value
+
+
+def _number(obj: dict[str, Any], key: str, where: str, hi: int) -> int:
+    value: int = _field(obj, key, int, where)
+    if not 0 <= value <= hi:
+        raise BadInputError(f"{where}: '{key}' must be 0..{hi}, got {value}")
     return value
 
 
@@ -114,25 +139,32 @@ def parse_inventory(doc: Any, *, source: str) -> Inventory:
             migs.append(
                 MigDevice(
                     uuid=_field(m, "uuid", str, mwhere),
-                    gi=_field(m, "gi", int, mwhere),
-                    ci=_field(m, "ci", int, mwhere),
+                    gi=_number(m, "gi", mwhere, MAX_INDEX),
+                    ci=_number(m, "ci", mwhere, MAX_INDEX),
                 )
             )
         gpus.append(
             Gpu(
                 uuid=_field(g, "uuid", str, where),
-                index=_field(g, "index", int, where),
-                minor=_field(g, "minor", int, where),
+                index=_number(g, "index", where, MAX_INDEX),
+                minor=_number(g, "minor", where, MAX_MINOR),
                 pci_bus_id=_field(g, "pci_bus_id", str, where),
                 mig=tuple(migs),
                 name=_field(g, "name", str, where, default=""),
             )
         )
-    seen: set[str] = set()
-    for g in gpus:
-        if g.uuid in seen:
-            raise BadInputError(f"{source}: GPU {g.uuid} listed twice")
-        seen.add(g.uuid)
+    # A value listed twice would let the last GPU silently win (by_uuid(), the index
+    # matcher, the node of a minor) and could mask a conflict: refuse the file.
+    for label, key in (("UUID", "uuid"), ("index", "index"), ("minor", "minor")):
+        first: dict[Any, int] = {}
+        for i, g in enumerate(gpus):
+            value = getattr(g, key)
+            if value in first:
+                raise BadInputError(
+                    f"{source}: gpus[{i}]: {label} {clip(value)} listed twice (also "
+                    f"gpus[{first[value]}]); each GPU has its own — fix the file"
+                )
+            first[value] = i
     driver = doc.get("driver_version", "")
     return Inventory(
         gpus=tuple(gpus), source=source, driver_version=driver if isinstance(driver, str) else ""

@@ -11,7 +11,9 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from gpuguard.numparse import parse_decimal
 from gpuguard.paths import Root
+from gpuguard.safeio import UnsafeFileError, read_bytes
 
 if TYPE_CHECKING:
     from gpuguard.systemd import Systemd, UnitState
@@ -27,14 +29,15 @@ def kubelet_pids(root: Root) -> tuple[int, ...]:
     except OSError:
         return ()
     for name in names:
-        if not name.isdigit():
+        pid = parse_decimal(name, lo=1, hi=2**22)
+        if pid is None:
             continue
         try:
-            with open(proc / name / "comm", "rb") as f:
-                if f.read().strip() == b"kubelet":
-                    pids.append(int(name))
-        except OSError:  # the process exited while we looked
+            comm, _st = read_bytes(proc / name / "comm", what="comm", max_bytes=4096)
+        except UnsafeFileError:  # the process exited while we looked, or not a comm file
             continue
+        if comm.strip() == b"kubelet":
+            pids.append(pid)
     return tuple(sorted(pids))
 
 

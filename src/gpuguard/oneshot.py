@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
+from gpuguard import safeio
 from gpuguard.config import Config
 from gpuguard.devices.nodes import nvidia_majors, read_proc_devices
 from gpuguard.inventory import Inventory
@@ -17,6 +18,7 @@ from gpuguard.passes import STATUS_FILE, PassContext, Work
 from gpuguard.paths import Root
 
 if TYPE_CHECKING:
+    from gpuguard.devices.containers import ContainerCgroup
     from gpuguard.systemd import Systemd
 
 
@@ -78,6 +80,9 @@ def container_status(
     findings, _ = audit(view.containers, view.entitlements, view.access, device_rules=view.rules)
     rows = []
     for c in view.containers:
+        if c.container_id in view.broken:  # one bad container costs that container only
+            rows.append(_unreadable_row(c, view.broken[c.container_id]))
+            continue
         ent = view.entitlements.get(c.key)
         if ent is None or not ent.is_gpu_container:
             continue
@@ -105,9 +110,45 @@ def container_status(
     return rows
 
 
+def _unreadable_row(c: ContainerCgroup, why: str) -> dict[str, Any]:
+    return {
+        "pod_uid": c.pod_uid,
+        "container_id": c.container_id,
+        "unit": c.unit,
+        "driver": c.driver,
+        "nodes": [],
+        "missing": [],
+        "denied": [],
+        "unknown": [],
+        "access": "unreadable",
+        "problems": [why],
+    }
+
+
 def daemon_status(root: Root) -> Optional[dict[str, Any]]:
+    """The daemon's status file; None when it is absent or not one the daemon wrote."""
     try:
-        doc: dict[str, Any] = json.loads(root.path(STATUS_FILE).read_text())
-    except (OSError, ValueError):
+        raw, _st = safeio.read_bytes(
+            root.path(STATUS_FILE), what="status file", max_bytes=safeio.STATUS_MAX
+        )
+        doc = json.loads(raw)
+    except (safeio.UnsafeFileError, ValueError, RecursionError):
         return None
-    return doc
+    return doc if _status_shape_ok(doc) else None
+
+
+def _status_shape_ok(doc: Any) -> bool:
+    """The fields `gpuguard status` prints have the types the daemon writes."""
+    if not isinstance(doc, dict) or type(doc.get("pid")) is not int:
+        return False
+    if type(doc.get("passes")) is not int:
+        return False
+    last = doc.get("last_pass")
+    if last is None:
+        return True
+    return (
+        isinstance(last, dict)
+        and isinstance(last.get("reasons", []), list)
+        and all(isinstance(r, str) for r in last.get("reasons", []))
+        and isinstance(last.get("findings", []), list)
+    )

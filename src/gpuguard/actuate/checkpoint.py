@@ -5,12 +5,19 @@ The caller guarantees kubelet is stopped (kubelet rewrites the file from memory)
 
 from __future__ import annotations
 
-import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuguard.actuate.files import atomic_replace, backup, fsync_dir, remove_stale_temps
+from gpuguard import safeio
+from gpuguard.actuate.files import (
+    UnsafeDirError,
+    atomic_replace,
+    backup,
+    fsync_dir,
+    remove_stale_temps,
+)
+from gpuguard.checkpoint.reader import DEFAULT_MAX_BYTES as CHECKPOINT_MAX
 from gpuguard.log import EventLog
 from gpuguard.model import Action, Outcome
 from gpuguard.reconcilers.checkpoint import DeleteCheckpoint, RewriteCheckpoint, sha256
@@ -31,21 +38,20 @@ class CheckpointActuator:
         path = action.path
         remove_stale_temps(path.parent, path.name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError as e:
-            return self._failed(action, f"{path}: cannot open: {e.strerror}")
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                return self._failed(action, f"{path}: no longer a regular file")
-            with os.fdopen(os.dup(fd), "rb") as f:
-                current = f.read()
-        finally:
-            os.close(fd)
+            current, st = safeio.read_bytes(path, what="checkpoint", max_bytes=CHECKPOINT_MAX)
+        except safeio.UnsafeFileError as e:
+            return self._failed(action, f"{e.message}; not modified")
         if sha256(current) != action.expected_sha256:
             # Someone (kubelet?) wrote it since we analysed it: never overwrite that.
             return self._failed(action, f"{path}: changed since it was analysed; not modified")
-        saved = backup(current, path, self.backup_dir, keep=self.backup_keep)
+        try:
+            saved = backup(current, path, self.backup_dir, keep=self.backup_keep)
+        except UnsafeDirError as e:  # no backup, no change
+            return self._failed(action, f"{e.message}; {path} not modified")
+        except OSError as e:
+            return self._failed(
+                action, f"{self.backup_dir}: backup failed ({e.strerror}); {path} not modified"
+            )
         if isinstance(action, RewriteCheckpoint):
             atomic_replace(
                 path, action.content, mode=stat.S_IMODE(st.st_mode), uid=st.st_uid, gid=st.st_gid

@@ -11,7 +11,6 @@ the bytes Go's `json.Marshal` would.
 from __future__ import annotations
 
 import base64
-import binascii
 import codecs
 import json
 import re
@@ -20,6 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from gpuguard.checkpoint import spew
 from gpuguard.checkpoint.model import Checkpoint, PodDevicesEntry
 from gpuguard.errors import BadInputError
+from gpuguard.numparse import clip, cut, parse_decimal
 
 NEXT_STEP = "restore a backup from /var/lib/gpuguard/backups or let kubelet rebuild it"
 
@@ -126,7 +126,7 @@ def _b64(value: Any, old: Optional[bytes], where: str) -> Optional[bytes]:
     text = value.replace("\r", "").replace("\n", "")  # Go's base64 skips CR and LF
     try:
         data = base64.b64decode(text, validate=True)
-    except binascii.Error:
+    except ValueError:  # binascii.Error, or a plain ValueError for non-ASCII text
         data = None
     # Python tolerates data after the padding; Go does not. A canonical round trip is
     # the fast proof, the pattern the slow one (Go ignores non-zero trailing bits).
@@ -144,14 +144,14 @@ def _map(value: Any, old: Optional[Dict[Any, Any]], where: str, key: Any) -> Any
     out = old if old is not None else {}
     for k, v in value:
         # Map values are decoded into a fresh zero value each time.
-        out[key(_clean(k), where)] = _strings(v, None, f"{where}[{k!r}]")
+        out[key(_clean(k), where)] = _strings(v, None, f"{where}[{clip(k)}]")
     return out
 
 
 def _numa_key(k: str, where: str) -> int:
-    n = int(k) if _INT.match(k) else None
-    if n is None or not -(2**63) <= n < 2**63:
-        raise _TypeError(f"{where} has NUMA node key {k!r}, not an int64")
+    n = parse_decimal(k, lo=-(2**63), hi=2**63 - 1, signed=True) if _INT.match(k) else None
+    if n is None:
+        raise _TypeError(f"{where} has NUMA node key {clip(k)}, not an int64")
     return n
 
 
@@ -208,9 +208,10 @@ def _decode(tree: Any, fmt: str) -> Dict[str, Any]:
         if name == "Checksum":
             if v is None:
                 continue
-            if not isinstance(v, _Num) or not _UINT.match(v) or int(v) >= 2**64:
+            n = parse_decimal(v) if isinstance(v, _Num) and _UINT.match(v) else None
+            if n is None:
                 raise _TypeError(f"Checksum {_show(v)} is not an unsigned 64-bit integer")
-            top["checksum"] = int(v)
+            top["checksum"] = n
         elif name == "BootID":
             if fmt == "v2":  # only the newest (v2-only) kubelets have this field
                 top["boot_id"] = _string(v, top.get("boot_id", ""), "BootID")
@@ -227,7 +228,7 @@ def _decode(tree: Any, fmt: str) -> Dict[str, Any]:
 
 def _show(v: Any) -> str:
     if isinstance(v, (_Num, str)) and not isinstance(v, _Obj):
-        return str(v) if isinstance(v, _Num) else json.dumps(v)
+        return cut(str(v) if isinstance(v, _Num) else json.dumps(v))
     return "null" if v is None else type(v).__name__
 
 

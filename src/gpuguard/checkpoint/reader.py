@@ -7,17 +7,16 @@ read_checkpoint() is the strict path a repair starts from.
 
 from __future__ import annotations
 
-import errno
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuguard import safeio
 from gpuguard.checkpoint import codec, spew
 from gpuguard.checkpoint.model import Checkpoint
 from gpuguard.errors import BadInputError
 
-DEFAULT_MAX_BYTES = 16 * 1024 * 1024
+DEFAULT_MAX_BYTES = safeio.CHECKPOINT_MAX
 
 
 @dataclass(frozen=True)
@@ -32,58 +31,15 @@ class Loaded:
     problem: str  # "" when valid, else the sentence read_checkpoint() raises
 
 
-def _open_error(path: Path, e: OSError) -> BadInputError:
-    if e.errno == errno.ELOOP:
-        what = "is a symbolic link; gpuguard does not follow links here — point it at the real file"
-    elif e.errno == errno.ENOENT:
-        what = "does not exist — kubelet writes it once a device plugin registers"
-    elif e.errno in (errno.EACCES, errno.EPERM):
-        what = "cannot be read (permission denied) — run gpuguard as root"
-    else:
-        what = f"cannot be opened ({e.strerror}) — check the path and the file system"
-    return BadInputError(f"{path}: {what}")
-
-
 def _read(path: Path, max_bytes: int) -> tuple[bytes, os.stat_result]:
-    # O_NOFOLLOW: a link could point anywhere; O_NONBLOCK: a FIFO must not hang us.
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        raise _open_error(path, e) from None
-    try:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise BadInputError(f"{path}: is a directory, not a checkpoint file — check the path")
-        if not stat.S_ISREG(st.st_mode):
-            raise BadInputError(
-                f"{path}: is not a regular file (mode {stat.filemode(st.st_mode)}); "
-                "refusing to read it — remove it while kubelet is stopped"
-            )
-        too_big = (
-            f"{path}: is over the {max_bytes}-byte limit for a checkpoint; refusing to read "
-            f"it — {codec.NEXT_STEP}"
-        )
-        if st.st_size > max_bytes:
-            raise BadInputError(too_big)
-        chunks = []
-        left = max_bytes + 1  # one byte more tells us it grew past the limit
-        while left > 0:
-            try:
-                chunk = os.read(fd, min(left, 1 << 20))
-            except OSError as e:
-                raise BadInputError(
-                    f"{path}: read failed ({e.strerror}) — check the disk and try again"
-                ) from None
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        data = b"".join(chunks)
-        if len(data) > max_bytes:
-            raise BadInputError(too_big)
-        return data, st
-    finally:
-        os.close(fd)
+    # The shared safe reader: no links, no FIFOs (non-blocking open), regular files only.
+    return safeio.read_bytes(
+        path,
+        what="checkpoint",
+        max_bytes=max_bytes,
+        missing="does not exist — kubelet writes it once a device plugin registers",
+        next_step=codec.NEXT_STEP,
+    )
 
 
 def mismatch_message(path: Path, stored: int, computed: int) -> str:

@@ -32,6 +32,7 @@ RECONCILER = "container_access"
 FINDING_DENIED = "container-device-denied"
 FINDING_MISSING = "container-device-missing"
 FINDING_CONFLICT = "container-device-conflict"
+FINDING_UNREADABLE = "container-unreadable"
 
 ACTION_V1_ALLOW = "cgroup-v1-allow"
 ACTION_UNIT_ALLOW = "unit-device-allow"
@@ -175,6 +176,29 @@ def _cause(
         if rules is None:
             return CAUSE_REWRITE_V2
     return CAUSE_UNKNOWN
+
+
+def unreadable_findings(
+    containers: Sequence[ContainerCgroup], broken: Mapping[str, str]
+) -> tuple[Finding, ...]:
+    """One finding per container whose own files could not be read (`broken`:
+    container_id -> the one-line reason); it costs that container only."""
+    return tuple(
+        Finding(
+            kind=FINDING_UNREADABLE,
+            reconciler=RECONCILER,
+            summary=f"pod {c.pod_uid} container {c.container_id[:12]}: cannot be audited: "
+            f"{broken[c.container_id]}; gpuguard leaves it as it is",
+            fields={
+                "POD_UID": c.pod_uid,
+                "CONTAINER_ID": c.container_id,
+                "CGROUP_DRIVER": c.driver,
+            },
+            severity="error",
+        )
+        for c in containers
+        if c.container_id in broken
+    )
 
 
 def _finding(

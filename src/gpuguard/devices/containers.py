@@ -28,7 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
+from gpuguard.numparse import clip, parse_decimal
 from gpuguard.paths import Root
+from gpuguard.safeio import CGROUP_MAX, PROC_MAX, UnsafeFileError, read_bytes, read_kernel_text
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,9 @@ class ContainerCgroup:
     cgroup_v2: Optional[Path]
     unit: Optional[str]  # the systemd scope, e.g. "cri-containerd-<id>.scope"
     pids: tuple[int, ...]
+    # Non-empty: this container's own files could not be read (a malformed cgroup.procs,
+    # a FIFO where a file should be); it gets a finding, every other one goes on.
+    problem: str = ""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -89,10 +94,11 @@ def detect_layout(root: Root) -> CgroupLayout:
     v1: Optional[str] = None
     v2: Optional[str] = None
     try:
-        text = root.path("/proc/self/mountinfo").read_text(errors="replace")
-    except OSError:
+        text = read_kernel_text(root.path("/proc/self/mountinfo"), what="mountinfo") or ""
+    except UnsafeFileError as e:
+        log.debug("ignoring mountinfo: %s", e.message)
         text = ""
-    for line in text.splitlines():
+    for line in text.split("\n"):
         left, sep, right = line.partition(" - ")
         fields, rfields = left.split(), right.split()
         if not sep or len(fields) < 5 or len(rfields) < 3:
@@ -195,13 +201,32 @@ def _walk(hierarchy: Path) -> Iterator[_Found]:
             yield _Found(uid, m.group(2), runtime, "cgroupfs", None, path)
 
 
+MAX_PID = 2**22  # the kernel's PID_MAX_LIMIT
+
+
 def read_pids(cgroup_dir: Path) -> tuple[int, ...]:
-    """cgroup.procs of a v1 or v2 directory; () if it vanished."""
-    try:
-        text = (cgroup_dir / "cgroup.procs").read_text()
-    except OSError:
+    """cgroup.procs of a v1 or v2 directory; () if it vanished.
+
+    Anything but PIDs, one per line, raises UnsafeFileError naming the file (the caller
+    charges it to this container only)."""
+    path = cgroup_dir / "cgroup.procs"
+    text = read_kernel_text(path, what="cgroup.procs", max_bytes=CGROUP_MAX)
+    if text is None:
         return ()
-    return tuple(int(x) for x in text.split() if x.isdigit())
+    pids = []
+    for lineno, word in enumerate(text.split("\n"), 1):
+        if not word:
+            continue
+        pid = parse_decimal(word, hi=MAX_PID)
+        if pid == 0:  # a process outside our PID namespace: the kernel shows 0
+            continue
+        if pid is None:
+            raise UnsafeFileError(
+                f"{path}:{lineno}: {clip(word)} is not a process ID; the kernel writes one "
+                "PID per line — check what wrote this file"
+            )
+        pids.append(pid)
+    return tuple(pids)
 
 
 def _is_pause(root: Root, pids: tuple[int, ...]) -> bool:
@@ -209,10 +234,12 @@ def _is_pause(root: Root, pids: tuple[int, ...]) -> bool:
     if len(pids) != 1:
         return False
     try:
-        raw = root.path(f"/proc/{pids[0]}/cmdline").read_bytes()
-    except OSError:
-        return False
-    argv0 = raw.split(b"\0", 1)[0].decode(errors="replace")
+        data, _st = read_bytes(
+            root.path(f"/proc/{pids[0]}/cmdline"), what="cmdline", max_bytes=PROC_MAX
+        )
+    except UnsafeFileError:
+        return False  # gone, or not a cmdline: not provably the sandbox
+    argv0 = data.split(b"\0", 1)[0].decode(errors="replace")
     return argv0 in _PAUSE_COMMANDS or argv0.endswith("/pause")
 
 
@@ -243,9 +270,13 @@ def discover_containers(
         first = by.get("v1") or by["v2"]
         v1 = by["v1"].path if "v1" in by else None
         v2 = by["v2"].path if "v2" in by else None
-        pids = read_pids(v2) if v2 is not None else ()
-        if not pids and v1 is not None:
-            pids = read_pids(v1)
+        problem = ""
+        try:
+            pids = read_pids(v2) if v2 is not None else ()
+            if not pids and v1 is not None:
+                pids = read_pids(v1)
+        except UnsafeFileError as e:
+            pids, problem = (), e.message
         if skip_pause and _is_pause(root, pids):
             log.debug("skipping %s/%s: pod sandbox (pause)", key[0], key[1])
             continue
@@ -259,6 +290,7 @@ def discover_containers(
                 cgroup_v2=v2,
                 unit=first.unit,
                 pids=pids,
+                problem=problem,
             )
         )
     return tuple(out)

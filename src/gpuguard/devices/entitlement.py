@@ -18,6 +18,7 @@ contradiction alone (e.g. index-based IDs after a renumbering, F6) is only a not
 
 from __future__ import annotations
 
+import errno
 import logging
 from dataclasses import dataclass
 from typing import AbstractSet, Mapping, Optional, Sequence
@@ -34,11 +35,11 @@ from gpuguard.devices.nodes import (
     list_nvidia_nodes,
 )
 from gpuguard.paths import Root
+from gpuguard.safeio import PROC_MAX, UnsafeFileError, read_bytes
 
 log = logging.getLogger(__name__)
 
 ENV_NAME = "NVIDIA_VISIBLE_DEVICES"
-MAX_ENVIRON_BYTES = 1 << 20
 
 # Host nodes every GPU container needs besides its GPUs (F3: the plugin adds these only
 # if it saw them). modeset is not needed by CUDA, so its absence is not reported.
@@ -194,12 +195,18 @@ def read_entitlement(
         dev = f"/proc/{pid}/root/dev"
         if not root.path(dev).is_dir():
             continue
+        # A FIFO or link where environ should be raises UnsafeFileError naming it: the
+        # caller charges it to this container only.
         try:
-            with open(root.path(f"/proc/{pid}/environ"), "rb") as f:
-                env = parse_environ(f.read(MAX_ENVIRON_BYTES))
-        except OSError as e:
-            log.debug("cannot read environ of %d: %s", pid, e.strerror)
-            env = {}
+            raw, _st = read_bytes(
+                root.path(f"/proc/{pid}/environ"), what="environ", max_bytes=PROC_MAX
+            )
+        except UnsafeFileError as e:
+            if e.errno not in (errno.ENOENT, errno.ESRCH, errno.EACCES):
+                raise
+            log.debug("cannot read environ of %d: %s", pid, e.message)
+            raw = b""
+        env = parse_environ(raw)
         return compute_entitlement(
             container.pod_uid,
             container.container_id,
@@ -209,6 +216,11 @@ def read_entitlement(
             parse_visible_devices(env.get(ENV_NAME)),
             checkpoint.get(container.pod_uid),
         )
+    return unreadable_entitlement(container, "no live process to read its /dev from")
+
+
+def unreadable_entitlement(container: ContainerCgroup, why: str) -> Entitlement:
+    """What a container we could not read is given: nothing (it is never granted)."""
     return Entitlement(
         pod_uid=container.pod_uid,
         container_id=container.container_id,
@@ -217,6 +229,6 @@ def read_entitlement(
         conflicts=(),
         missing=(),
         visible=VisibleDevices("unset"),
-        notes=("no live process to read its /dev from",),
+        notes=(why,),
         readable=False,
     )

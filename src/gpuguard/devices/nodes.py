@@ -30,9 +30,13 @@ from pathlib import Path
 from typing import Mapping, Optional, Protocol, Sequence
 
 from gpuguard.devices.rules import allow_line
+from gpuguard.numparse import parse_decimal
 from gpuguard.paths import Root
+from gpuguard.safeio import UnsafeFileError, read_kernel_text
 
 log = logging.getLogger(__name__)
+MAX_MAJOR = 4095  # the kernel's majors are 12 bits
+MAX_MINOR = 2**20 - 1  # MINORMASK
 
 NVIDIA_MAJOR = 195
 CTL_MINOR = 255
@@ -98,7 +102,7 @@ def parse_proc_devices(text: str) -> ProcDevices:
     char: list[tuple[int, str]] = []
     block: list[tuple[int, str]] = []
     section: Optional[list[tuple[int, str]]] = None
-    for raw in text.splitlines():
+    for raw in text.split("\n"):
         line = raw.strip()
         if line == "Character devices:":
             section = char
@@ -107,9 +111,10 @@ def parse_proc_devices(text: str) -> ProcDevices:
             section = block
             continue
         parts = line.split(None, 1)
-        if section is None or len(parts) != 2 or not parts[0].isdigit():
+        major = parse_decimal(parts[0], hi=MAX_MAJOR) if len(parts) == 2 else None
+        if section is None or major is None:
             continue
-        section.append((int(parts[0]), parts[1].strip()))
+        section.append((major, parts[1].strip()))
     return ProcDevices(tuple(char), tuple(block))
 
 
@@ -233,11 +238,10 @@ def list_nvidia_nodes(
 
 def parse_cap_access(text: str) -> Optional[int]:
     """``DeviceFileMinor: N`` from a capability file (the first one, as nvidia-modprobe)."""
-    for line in text.splitlines():
+    for line in text.split("\n"):
         key, sep, value = line.partition(":")
         if sep and key.strip() == "DeviceFileMinor":
-            v = value.strip()
-            return int(v) if v.isdigit() else None
+            return parse_decimal(value.strip(), hi=MAX_MINOR)
     return None
 
 
@@ -259,11 +263,14 @@ def read_cap_minors(root: Root, max_depth: int = 6) -> dict[str, int]:
                 if e.is_dir(follow_symlinks=False):
                     walk(Path(e.path), r + "/", depth + 1)
                 elif e.is_file(follow_symlinks=False):
-                    minor = parse_cap_access(Path(e.path).read_text(errors="replace"))
+                    text = read_kernel_text(Path(e.path), what="capability file")
+                    minor = parse_cap_access(text or "")
                     if minor is not None:
                         out[r] = minor
             except OSError as err:
                 log.debug("skipping %s: %s", e.path, err.strerror)
+            except UnsafeFileError as err:
+                log.debug("skipping %s", err.message)
 
     walk(base, "", 0)
     return out
@@ -357,17 +364,18 @@ def check_dev_char_links(root: Root, nodes: Sequence[DeviceNode]) -> tuple[LinkS
 
 
 def read_proc_devices(root: Root) -> ProcDevices:
-    try:
-        return parse_proc_devices(root.path("/proc/devices").read_text(errors="replace"))
-    except OSError as e:
-        log.debug("cannot read /proc/devices: %s", e.strerror)
+    # A /proc/devices gpuguard refuses to read (a FIFO or link in a fake root) is one
+    # line naming it (UnsafeFileError), not a hang.
+    text = read_kernel_text(root.path("/proc/devices"), what="/proc/devices")
+    if text is None:
+        log.debug("cannot read /proc/devices: it does not exist")
         return ProcDevices()
+    return parse_proc_devices(text)
 
 
 def read_loaded_modules(root: Root) -> frozenset[str]:
     """Module names from /proc/modules (``nvidia_modeset``, ``nvidia_uvm``, ...)."""
-    try:
-        text = root.path("/proc/modules").read_text(errors="replace")
-    except OSError:
+    text = read_kernel_text(root.path("/proc/modules"), what="/proc/modules")
+    if text is None:
         return frozenset()
-    return frozenset(line.split(None, 1)[0] for line in text.splitlines() if line.strip())
+    return frozenset(line.split(None, 1)[0] for line in text.split("\n") if line.strip())

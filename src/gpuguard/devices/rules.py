@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterable, Optional
 
+from gpuguard.numparse import clip
+
 # Access bits, as DEVCG_ACC_* (mknod=1, read=2, write=4 in the kernel; only the
 # rendering order "rwm" is visible, so the values themselves do not matter here).
 ACC_MKNOD = 1
@@ -125,10 +127,10 @@ def _parse_num(text: str, pos: int, what: str, line: str) -> tuple[Optional[int]
     while end < len(text) and text[end] in "0123456789" and end - pos < _MAJMIN_DIGITS:
         end += 1
     if end == pos:
-        raise ValueError(f"bad {what} in device rule {line!r}")
+        raise ValueError(f"bad {what} in device rule {clip(line)}")
     value = int(text[pos:end])
     if value > 0xFFFFFFFF:
-        raise ValueError(f"{what} out of range in device rule {line!r}")
+        raise ValueError(f"{what} out of range in device rule {clip(line)}")
     return (None if value == 0xFFFFFFFF else value), end
 
 
@@ -147,22 +149,22 @@ def parse_rule(line: str) -> DeviceRule:
     if text[0] == "a":
         return ALLOW_ALL
     if text[0] not in ("b", "c") or len(text) < 2 or text[1] not in _SPACE:
-        raise ValueError(f"bad device rule {line!r}")
+        raise ValueError(f"bad device rule {clip(line)}")
     major, pos = _parse_num(text, 2, "major", line)
     if pos >= len(text) or text[pos] != ":":
-        raise ValueError(f"bad major:minor in device rule {line!r}")
+        raise ValueError(f"bad major:minor in device rule {clip(line)}")
     minor, pos = _parse_num(text, pos + 1, "minor", line)
     if pos >= len(text) or text[pos] not in _SPACE:
-        raise ValueError(f"missing access in device rule {line!r}")
+        raise ValueError(f"missing access in device rule {clip(line)}")
     acc = text[pos + 1 : pos + 4]
     if "\n" in acc:
         acc = acc[: acc.index("\n")]
     try:
         bits = access_bits(acc)
     except ValueError:
-        raise ValueError(f"bad access in device rule {line!r}") from None
+        raise ValueError(f"bad access in device rule {clip(line)}") from None
     if not bits:
-        raise ValueError(f"empty access in device rule {line!r}")
+        raise ValueError(f"empty access in device rule {clip(line)}")
     return DeviceRule(text[0], major, minor, bits)
 
 

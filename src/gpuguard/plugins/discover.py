@@ -47,7 +47,9 @@ from gpuguard.devices.containers import (
     _SYSTEMD_POD,
     discover_containers,
 )
+from gpuguard.numparse import parse_decimal
 from gpuguard.paths import DEVICE_PLUGINS_DIR, Root
+from gpuguard.safeio import proc_text
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +190,7 @@ class PluginObservation:
 
 def boot_time(root: Root) -> float:
     try:
-        for line in root.path("/proc/stat").read_text().splitlines():
+        for line in proc_text(root.path("/proc/stat")).splitlines():
             if line.startswith("btime "):
                 return float(line.split()[1])
     except (OSError, ValueError, IndexError):
@@ -202,7 +204,7 @@ _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 def process_start(root: Root, pid: int, btime: Optional[float] = None) -> Optional[float]:
     """Wall-clock start of ``pid`` (None: gone). Field 22 of /proc/<pid>/stat."""
     try:
-        text = root.path(f"/proc/{pid}/stat").read_text()
+        text = proc_text(root.path(f"/proc/{pid}/stat"))
     except OSError:
         return None
     rest = text[text.rfind(")") + 2 :].split()
@@ -215,7 +217,7 @@ def process_start(root: Root, pid: int, btime: Optional[float] = None) -> Option
 
 def _comm(root: Root, pid: int) -> str:
     try:
-        return root.path(f"/proc/{pid}/comm").read_text().strip()
+        return proc_text(root.path(f"/proc/{pid}/comm")).strip()
     except OSError:
         return ""
 
@@ -250,7 +252,7 @@ def classify_cgroup(path: str) -> tuple[str, str, str, str, str]:
 def read_cgroup(root: Root, pid: int) -> str:
     """The process's cgroup: the v1 devices one, else cgroup2's, else name=systemd."""
     try:
-        text = root.path(f"/proc/{pid}/cgroup").read_text()
+        text = proc_text(root.path(f"/proc/{pid}/cgroup"))
     except OSError:
         return ""
     by: dict[str, str] = {}
@@ -279,7 +281,8 @@ def still_running(root: Root, proc: ProcessInfo, btime: Optional[float] = None) 
 
 def _pids(root: Root) -> list[int]:
     try:
-        return sorted(int(n) for n in os.listdir(root.path("/proc")) if n.isdigit())
+        pids = (parse_decimal(n, lo=1, hi=2**22) for n in os.listdir(root.path("/proc")))
+        return sorted(p for p in pids if p is not None)
     except OSError:
         return []
 
@@ -319,7 +322,7 @@ def find_listeners(root: Root, sockets: Mapping[str, os.stat_result]) -> dict[st
         table = ""
         for pid in pids:  # the first one whose table is readable
             try:
-                table = root.path(f"/proc/{pid}/net/unix").read_text(errors="replace")
+                table = proc_text(root.path(f"/proc/{pid}/net/unix"))
                 break
             except OSError:
                 continue
@@ -342,8 +345,8 @@ def find_listeners(root: Root, sockets: Mapping[str, os.stat_result]) -> dict[st
                     continue
                 if not link.startswith("socket:["):
                     continue
-                inode = int(link[8:-1]) if link[8:-1].isdigit() else -1
-                inner = cands.get(inode)
+                number = parse_decimal(link[8:-1]) if link.endswith("]") else None
+                inner = cands.get(number) if number is not None else None
                 if inner is None:
                     continue
                 for host_path in by_name[os.path.basename(inner)]:
@@ -491,7 +494,7 @@ def container_init_pid(root: Root, pid: int) -> Optional[int]:
 
     def nspid(p: int) -> list[str]:
         try:
-            for line in root.path(f"/proc/{p}/status").read_text().splitlines():
+            for line in proc_text(root.path(f"/proc/{p}/status")).splitlines():
                 if line.startswith("NSpid:"):
                     return line.split()[1:]
         except OSError:

@@ -66,6 +66,7 @@ from typing import Optional, Sequence
 
 from gpuguard.devices.containers import detect_layout
 from gpuguard.paths import Root
+from gpuguard.safeio import proc_bytes, proc_text
 
 NVML_LIBRARY = "libnvidia-ml.so.1"
 NVML_SUCCESS = 0
@@ -118,7 +119,7 @@ class NvmlResult:
 def plugin_cgroup_dirs(root: Root, pid: int) -> list[Path]:
     """The plugin's v1 devices directory and v2 directory (those that exist)."""
     try:
-        text = root.path(f"/proc/{pid}/cgroup").read_text()
+        text = proc_text(root.path(f"/proc/{pid}/cgroup"))
     except OSError:
         return []
     v1 = v2 = ""
@@ -144,7 +145,7 @@ def library_candidates(root: Root, pid: int) -> list[str]:
     """Paths (in the plugin's filesystem) to try, best first; the bare name is last."""
     out: list[str] = []
     try:
-        for line in root.path(f"/proc/{pid}/maps").read_text(errors="replace").splitlines():
+        for line in proc_text(root.path(f"/proc/{pid}/maps")).splitlines():
             f = line.split(None, 5)
             if (
                 len(f) == 6
@@ -158,7 +159,7 @@ def library_candidates(root: Root, pid: int) -> list[str]:
         pass
     dirs: list[str] = []
     try:
-        env = root.path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        env = proc_bytes(root.path(f"/proc/{pid}/environ")).split(b"\0")
         for var in env:
             if var.startswith(b"LD_LIBRARY_PATH="):
                 dirs += [d for d in os.fsdecode(var[16:]).split(":") if d.startswith("/")]
@@ -175,7 +176,7 @@ def _caps(root: Root, pid: str) -> Optional[tuple[int, int]]:
     """(CapEff, CapPrm) of a process; None when unreadable."""
     eff = prm = None
     try:
-        for line in root.path(f"/proc/{pid}/status").read_text().splitlines():
+        for line in proc_text(root.path(f"/proc/{pid}/status")).splitlines():
             if line.startswith("CapEff:"):
                 eff = int(line.split()[1], 16)
             elif line.startswith("CapPrm:"):

@@ -24,12 +24,15 @@ daemon restart, or a crash in the middle of one, does not reset it.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from gpuguard import safeio
+from gpuguard.errors import GpuguardError
 from gpuguard.model import Finding, Outcome
 from gpuguard.paths import STATE_DIR, Root
 from gpuguard.plugins.discover import (
@@ -93,14 +96,15 @@ class PluginState:
         def proc(v: Any) -> Optional[ProcessInfo]:
             return ProcessInfo.from_json(v) if isinstance(v, dict) else None
 
+        def ok(v: Any) -> bool:  # a finite time or count, as this daemon writes them
+            return isinstance(v, (int, float)) and -(2**53) <= v <= 2**53
+
         def num(v: Any) -> float:
-            return float(v) if isinstance(v, (int, float)) else 0.0
+            return float(v) if ok(v) else 0.0
 
         r = d.get("restarts")
         return cls(
-            restarts=[float(x) for x in r if isinstance(x, (int, float))]
-            if isinstance(r, list)
-            else [],
+            restarts=[float(x) for x in r if ok(x)] if isinstance(r, list) else [],
             failures=int(num(d.get("failures"))),
             last_failure=num(d.get("last_failure")),
             last=proc(d.get("last")),
@@ -154,14 +158,18 @@ class DevicePluginStep:
         self._loaded_from = root
         path = root.path(self.state_file)
         try:
-            doc = json.loads(path.read_text())
+            doc = json.loads(
+                safeio.read_text(path, what="plugin state file", max_bytes=safeio.STATUS_MAX)
+            )
             plugins = doc.get("plugins", {}) if isinstance(doc, dict) else {}
             self.state = {
                 str(k): PluginState.from_json(v) for k, v in plugins.items() if isinstance(v, dict)
             }
-        except FileNotFoundError:
+        except safeio.UnsafeFileError as e:
+            if e.errno != errno.ENOENT:
+                elog.warning(f"ignoring {e.message}; plugin restart budgets start afresh")
             self.state = {}
-        except (OSError, ValueError, AttributeError) as e:
+        except (OSError, ValueError, AttributeError, RecursionError) as e:
             elog.warning(f"ignoring unreadable {path} ({e}); plugin restart budgets start afresh")
             self.state = {}
 
@@ -173,7 +181,7 @@ class DevicePluginStep:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_new(path, json.dumps(doc, indent=1).encode(), mode=0o644)
-        except OSError as e:
+        except (OSError, GpuguardError) as e:
             elog.warning(f"cannot save plugin restart budgets to {path}: {e}")
 
     # -- the pass --------------------------------------------------------------------

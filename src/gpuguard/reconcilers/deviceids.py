@@ -17,12 +17,15 @@ from dataclasses import dataclass
 from typing import Optional
 
 from gpuguard.inventory import Inventory
+from gpuguard.numparse import parse_decimal
 
-_LEGACY_MIG = re.compile(r"^MIG-(GPU-[0-9A-Za-z-]+)/(\d+)/(\d+)$")
-_UUID_BODY = re.compile(r"^[0-9A-Za-z]+(-[0-9A-Za-z]+)+$")
-_INDEX = re.compile(r"^\d{1,4}$")
-_MIG_INDEX = re.compile(r"^(\d{1,4}):(\d{1,4})$")
-_REPLICA = re.compile(r"^(.+)::(\d+)$")
+# [0-9], never \d (which takes any Unicode digit), and bounded so every suffix fits
+# parse_decimal(): an ID past the bounds is "unknown" and its resource left alone.
+_LEGACY_MIG = re.compile(r"^MIG-(GPU-[0-9A-Za-z-]+)/([0-9]{1,9})/([0-9]{1,9})\Z")
+_UUID_BODY = re.compile(r"^[0-9A-Za-z]+(-[0-9A-Za-z]+)+\Z")
+_INDEX = re.compile(r"^[0-9]{1,4}\Z")
+_MIG_INDEX = re.compile(r"^([0-9]{1,4}):([0-9]{1,4})\Z")
+_REPLICA = re.compile(r"^(.+)::([0-9]{1,9})\Z")
 
 
 @dataclass(frozen=True)
@@ -35,15 +38,22 @@ class DeviceId:
     replica: Optional[int] = None
 
 
+def _num(digits: str) -> int:
+    # The patterns above admit only 1-9 ASCII digits, which always parse.
+    value = parse_decimal(digits)
+    assert value is not None
+    return value
+
+
 def classify(raw: str) -> DeviceId:
     replica: Optional[int] = None
     base = raw
     m = _REPLICA.match(raw)
     if m:
-        base, replica = m.group(1), int(m.group(2))
+        base, replica = m.group(1), _num(m.group(2))
     m = _LEGACY_MIG.match(base)
     if m:
-        return DeviceId(raw, "mig-legacy", m.group(1), int(m.group(2)), int(m.group(3)), replica)
+        return DeviceId(raw, "mig-legacy", m.group(1), _num(m.group(2)), _num(m.group(3)), replica)
     if base.startswith("GPU-") and _UUID_BODY.match(base[4:]):
         return DeviceId(raw, "gpu-uuid", base, replica=replica)
     if base.startswith("MIG-") and _UUID_BODY.match(base[4:]):
@@ -52,7 +62,7 @@ def classify(raw: str) -> DeviceId:
         return DeviceId(raw, "index", base, replica=replica)
     m = _MIG_INDEX.match(base)
     if m:
-        return DeviceId(raw, "mig-index", m.group(1), ci=int(m.group(2)), replica=replica)
+        return DeviceId(raw, "mig-index", m.group(1), ci=_num(m.group(2)), replica=replica)
     return DeviceId(raw, "unknown", base, replica=replica)
 
 

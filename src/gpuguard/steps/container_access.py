@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, AbstractSet, Callable, Mapping, Optional, Sequence
 
@@ -28,12 +28,13 @@ from gpuguard.devices.audit import (
     UnitDeviceAllow,
     V2ReportOnly,
     audit,
+    unreadable_findings,
     v1_allow,
     verdicts_from_rules,
 )
 from gpuguard.devices.cgroupio import CgroupWriteError, write_allow
 from gpuguard.devices.containers import ContainerCgroup, detect_layout, discover_containers
-from gpuguard.devices.entitlement import Entitlement, read_entitlement
+from gpuguard.devices.entitlement import Entitlement, read_entitlement, unreadable_entitlement
 from gpuguard.devices.nodes import (
     list_nvidia_nodes,
     nvidia_majors,
@@ -41,9 +42,11 @@ from gpuguard.devices.nodes import (
 )
 from gpuguard.devices.probe import probe_open
 from gpuguard.devices.rules import DeviceRules, parse_devices_list
+from gpuguard.errors import GpuguardError
 from gpuguard.inventory import Inventory
 from gpuguard.model import Action, Outcome
 from gpuguard.paths import Root
+from gpuguard.safeio import CGROUP_MAX, UnsafeFileError, read_kernel_text
 
 if TYPE_CHECKING:
     from gpuguard.passes import PassContext, Services
@@ -60,6 +63,9 @@ class AccessView:
     entitlements: Mapping[tuple[str, str], Entitlement]
     access: Mapping[AccessKey, Optional[bool]]
     rules: Mapping[str, DeviceRules]
+    # container_id -> why its own files could not be read: it gets a finding and is
+    # neither judged nor granted anything; every other container goes on.
+    broken: Mapping[str, str] = field(default_factory=dict)
 
 
 def checkpoint_ids(root: Root, path: str) -> dict[str, set[str]]:
@@ -93,17 +99,26 @@ class AccessObserver:
         pairs: Sequence[tuple[ContainerCgroup, Entitlement]],
         access: dict[AccessKey, Optional[bool]],
         rules: dict[str, DeviceRules],
+        broken: dict[str, str],
     ) -> None:
         for c, ent in pairs:
             assert c.cgroup_v1_devices is not None
+            path = c.cgroup_v1_devices / "devices.list"
             try:
-                text = (c.cgroup_v1_devices / "devices.list").read_text()
-            except OSError:
+                text = read_kernel_text(path, what="devices.list", max_bytes=CGROUP_MAX)
+            except UnsafeFileError as e:
+                broken[c.container_id] = e.message
+                continue
+            if text is None:
                 continue  # the container went away
             if self._good.get(c.container_id) == text:  # unchanged since it was fine
                 access.update({(c.container_id, n.numbers): True for n in ent.nodes})
                 continue
-            r = parse_devices_list(text)
+            try:
+                r = parse_devices_list(text)
+            except ValueError as e:  # not what the kernel writes: this container only
+                broken[c.container_id] = f"{path}: {e}; check what wrote this file"
+                continue
             rules[c.container_id] = r
             verdicts = verdicts_from_rules(c.container_id, ent.nodes, r)
             access.update(verdicts)
@@ -117,12 +132,14 @@ class AccessObserver:
         no /proc reads. A reload's wipe is repaired from this before anything else."""
         access: dict[AccessKey, Optional[bool]] = {}
         rules: dict[str, DeviceRules] = {}
-        self._read_v1(self._known_v1, access, rules)
+        broken: dict[str, str] = {}
+        self._read_v1(self._known_v1, access, rules, broken)
         return AccessView(
             tuple(c for c, _ in self._known_v1),
             {c.key: e for c, e in self._known_v1},
             access,
             rules,
+            broken,
         )
 
     def observe(
@@ -143,16 +160,26 @@ class AccessObserver:
             self._host_signature = signature
         ckpt: Optional[dict[str, set[str]]] = None
         ents: dict[tuple[str, str], Entitlement] = {}
+        broken: dict[str, str] = {}
         live = set()
         for c in containers:
             live.add(c.key)
+            if c.problem:
+                broken[c.container_id] = c.problem
+                ents[c.key] = unreadable_entitlement(c, c.problem)
+                continue
             cached = self._cache.get(c.key)
             if cached is not None and cached[0] in c.pids:
                 ents[c.key] = cached[1]
                 continue
             if ckpt is None:
                 ckpt = checkpoint_ids(root, checkpoint_path)
-            ent = read_entitlement(root, c, host_nodes, majors, gpus, ckpt)
+            try:
+                ent = read_entitlement(root, c, host_nodes, majors, gpus, ckpt)
+            except GpuguardError as e:  # its environ or /dev is not what it should be
+                broken[c.container_id] = e.message
+                ents[c.key] = unreadable_entitlement(c, e.message)
+                continue
             ents[c.key] = ent
             if ent.readable and c.pids:
                 self._cache[c.key] = (c.pids[0], ent)
@@ -162,7 +189,10 @@ class AccessObserver:
         rules: dict[str, DeviceRules] = {}
         gpu = [(c, ents[c.key]) for c in containers if ents[c.key].is_gpu_container]
         v1 = tuple((c, e) for c, e in gpu if c.cgroup_v1_devices is not None)
-        self._read_v1(v1, access, rules)
+        self._read_v1(v1, access, rules, broken)
+        for c, _ent in v1:
+            if c.container_id in broken:  # never granted anything, even durably
+                ents[c.key] = unreadable_entitlement(c, broken[c.container_id])
         for c, ent in gpu:
             if c.cgroup_v1_devices is None and c.cgroup_v2 is not None:
                 for n in ent.nodes:
@@ -171,7 +201,9 @@ class AccessObserver:
         self._known_v1 = v1
         for stale_id in set(self._good) - {c.container_id for c, _ in v1}:
             del self._good[stale_id]
-        return AccessView(tuple(containers), ents, access, rules)
+        for cid in broken:  # a container we could not read is judged afresh next pass
+            self._good.pop(cid, None)
+        return AccessView(tuple(containers), ents, access, rules, broken)
 
 
 def plan_durable(
@@ -249,6 +281,7 @@ class ContainerAccessStep:
             device_rules=view.rules,
             restart_on_v2=cfg.devices.v2_remedy == "restart-container",
         )
+        findings += unreadable_findings(view.containers, view.broken)
         # 1. the fast path: direct cgroup writes, before anything slower (logging the
         # findings is one journal message each: 4 per container after a reload)
         outcomes = []
@@ -303,6 +336,7 @@ class ContainerAccessStep:
         findings, _ = audit(
             fast.containers, fast.entitlements, fast.access, device_rules=fast.rules
         )
+        findings += unreadable_findings(fast.containers, fast.broken)
         for f in findings:
             svc.log.finding(f)
         for o in written.values():

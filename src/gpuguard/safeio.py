@@ -1,0 +1,158 @@
+"""The one way gpuguard reads a file that an operator or another program controls.
+
+Every such read (checkpoint, inventory, configuration and drop-ins, status file, cgroup
+and /proc files) goes through read_bytes()/read_text(), so none can hang or exhaust
+the daemon: the open is non-blocking (a FIFO must not block us), by default does not
+follow a symbolic link in the last component (a link could point anywhere), only a
+regular file is read (a FIFO, a device such as /dev/zero, a directory or a socket is
+refused), and no more than the cap for its kind is read, whatever st_size claims (cgroup
+and /proc files report 0 or 4096).
+
+Problems are UnsafeFileError (a BadInputError): one line with the path, what is wrong
+and the next step. `errno` tells a caller a vanished file (ENOENT) from a bad one.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+import stat
+from pathlib import Path
+from typing import Optional
+
+from gpuguard.errors import BadInputError
+
+# Caps per kind of file: far above any real one, low enough that a hostile one costs
+# the daemon nothing.
+CHECKPOINT_MAX = 16 * 1024 * 1024
+INVENTORY_MAX = 4 * 1024 * 1024
+CONFIG_MAX = 1024 * 1024
+STATUS_MAX = 4 * 1024 * 1024
+CGROUP_MAX = 1024 * 1024  # devices.list, cgroup.procs: a few KB on a busy node
+PROC_MAX = 4 * 1024 * 1024  # /proc/devices, mountinfo, environ, cmdline
+
+
+class UnsafeFileError(BadInputError):
+    """A file gpuguard refuses to read, or cannot; `errno` is 0 unless open/read failed."""
+
+    def __init__(self, message: str, *, errno: int = 0) -> None:
+        super().__init__(message)
+        self.errno = errno
+
+
+def _open_error(path: Path, what: str, e: OSError, missing: str) -> UnsafeFileError:
+    if e.errno == _errno.ELOOP:
+        text = "is a symbolic link; gpuguard does not follow links here — point it at the real file"
+    elif e.errno == _errno.ENOENT:
+        text = missing
+    elif e.errno in (_errno.EACCES, _errno.EPERM):
+        text = "cannot be read (permission denied) — run gpuguard as root"
+    elif e.errno == _errno.ENXIO:  # a socket, or a FIFO opened for writing elsewhere
+        text = f"is not a regular file; refusing to read it as a {what} — check the path"
+    else:
+        text = f"cannot be opened ({e.strerror}) — check the path and the file system"
+    return UnsafeFileError(f"{path}: {text}", errno=e.errno or 0)
+
+
+def read_bytes(
+    path: Path,
+    *,
+    what: str,
+    max_bytes: int,
+    follow: bool = False,
+    missing: str = "does not exist — check the path",
+    next_step: str = "check what wrote it",
+) -> tuple[bytes, os.stat_result]:
+    """The bytes and stat of the regular file `path` (a `what`, e.g. "configuration")."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        raise _open_error(path, what, e, missing) from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise UnsafeFileError(f"{path}: is a directory, not a {what} file — check the path")
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeFileError(
+                f"{path}: is not a regular file (mode {stat.filemode(st.st_mode)}); refusing "
+                f"to read it as a {what} — replace it with a regular file or fix the path"
+            )
+        too_big = (
+            f"{path}: is over the {max_bytes}-byte limit for a {what}; refusing to read it "
+            f"— {next_step}"
+        )
+        if st.st_size > max_bytes:
+            raise UnsafeFileError(too_big)
+        chunks = []
+        left = max_bytes + 1  # one byte more tells us it grew past the limit
+        while left > 0:
+            try:
+                chunk = os.read(fd, min(left, 1 << 20))
+            except OSError as e:
+                raise UnsafeFileError(
+                    f"{path}: read failed ({e.strerror}) — check the disk and try again",
+                    errno=e.errno or 0,
+                ) from None
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+        if len(data) > max_bytes:
+            raise UnsafeFileError(too_big)
+        return data, st
+    finally:
+        os.close(fd)
+
+
+def decode_utf8(data: bytes, path: Path, what: str) -> str:
+    """`data` as UTF-8; an error names the line (counted in "\\n", as editors do)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise UnsafeFileError(f"{path}:{line}: not valid UTF-8; save the {what} as UTF-8") from None
+
+
+def read_text(
+    path: Path,
+    *,
+    what: str,
+    max_bytes: int,
+    follow: bool = False,
+    missing: str = "does not exist — check the path",
+) -> str:
+    """read_bytes() decoded as strict UTF-8."""
+    data, _st = read_bytes(path, what=what, max_bytes=max_bytes, follow=follow, missing=missing)
+    return decode_utf8(data, path, what)
+
+
+def read_kernel_text(path: Path, *, what: str, max_bytes: int = PROC_MAX) -> Optional[str]:
+    """A cgroup or /proc file as text (bad bytes replaced); None when it vanished.
+
+    For files the kernel writes: gone (ENOENT, ESRCH) is routine (the process or cgroup
+    went away); anything else (a FIFO in a fake root, a link, too big) raises."""
+    try:
+        data, _st = read_bytes(path, what=what, max_bytes=max_bytes)
+    except UnsafeFileError as e:
+        if e.errno in (_errno.ENOENT, _errno.ESRCH, _errno.ENOTDIR):
+            return None
+        raise
+    return data.decode("utf-8", errors="replace")
+
+
+def proc_bytes(path: Path, *, max_bytes: int = PROC_MAX) -> bytes:
+    """A /proc file's bytes for readers that treat any failure as "unknown": every
+    refusal (a FIFO or link in a fake root, too big) is an OSError like a vanished
+    process, so their `except OSError` covers it."""
+    try:
+        data, _st = read_bytes(path, what="/proc file", max_bytes=max_bytes)
+    except UnsafeFileError as e:
+        raise OSError(e.errno or _errno.EINVAL, e.message) from None
+    return data
+
+
+def proc_text(path: Path, *, max_bytes: int = PROC_MAX) -> str:
+    """proc_bytes() as text, bad bytes replaced."""
+    return proc_bytes(path, max_bytes=max_bytes).decode("utf-8", errors="replace")
