@@ -195,8 +195,10 @@ class _Stdout(io.TextIOWrapper):
 def _captured() -> Iterator[tuple[_Stdout, io.StringIO]]:
     out, err = _Stdout(), io.StringIO()
 
-    def auto(cls: type[EventLog], *, level: str = "info", force_json: bool = False) -> EventLog:
-        return cls(level=level, stream=err)
+    def auto(
+        cls: type[EventLog], *, level: str = "info", force_json: bool = False, root: Path = Path("/")
+    ) -> EventLog:
+        return cls(level=level, stream=err)  # captured, never the host's journal
 
     with (
         contextlib.redirect_stdout(out),
