@@ -18,8 +18,23 @@ EPILOG = """exit codes: 0 healthy or repaired; 1 problems found and left (dry-ru
 70 internal error. See gpuguard(8)."""
 
 
-def _common() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(add_help=False)
+class _CommandParser(argparse.ArgumentParser):
+    """A command's parser: an option it does not know is reported with its own usage.
+
+    By default argparse hands a subcommand's leftovers to the top-level parser, which
+    prints `usage: gpuguard [-h] ...`, not the usage of the command that was mistyped."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Optional[Sequence[str]] = None, namespace: Optional[argparse.Namespace] = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        ns, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns, extras
+
+
+def _common() -> _CommandParser:
+    p = _CommandParser(add_help=False)
     g = p.add_argument_group("host")
     g.add_argument(
         "--root",
@@ -57,21 +72,6 @@ def _common() -> argparse.ArgumentParser:
         help="log JSON lines to stderr even under journald",
     )
     return p
-
-
-class _CommandParser(argparse.ArgumentParser):
-    """A command's parser: an option it does not know is reported with its own usage.
-
-    By default argparse hands a subcommand's leftovers to the top-level parser, which
-    prints `usage: gpuguard [-h] ...`, not the usage of the command that was mistyped."""
-
-    def parse_known_args(  # type: ignore[override]
-        self, args: Optional[Sequence[str]] = None, namespace: Optional[argparse.Namespace] = None
-    ) -> tuple[argparse.Namespace, list[str]]:
-        ns, extras = super().parse_known_args(args, namespace)
-        if extras:
-            self.error(f"unrecognized arguments: {' '.join(extras)}")
-        return ns, extras
 
 
 def build_parser() -> argparse.ArgumentParser:
