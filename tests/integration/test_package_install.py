@@ -170,7 +170,13 @@ def test_systemd_analyze_verify_is_clean(root: Dict[str, object]) -> None:
     # --man=no: minbase has no man-db to resolve Documentation=man:gpuguard(8)
     # (the package's man page itself is checked by test_packaging).
     res = ns.run(
-        ["systemd-analyze", "verify", "--man=no", "/usr/lib/systemd/system/gpuguard.service"],
+        [
+            "systemd-analyze",
+            "verify",
+            "--man=no",
+            "/usr/lib/systemd/system/gpuguard.service",
+            "/usr/lib/systemd/system/gpuguard-trigger.service",
+        ],
         timeout=60,
     )
     # It exits 0 on unknown keys and other warnings: any stderr line fails.
