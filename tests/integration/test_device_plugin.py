@@ -246,8 +246,13 @@ def test_container_findings_spare_the_plugin_and_are_journaled_once(node: Node) 
 
     plugin_pid = node.start_plugin()
     workload = node.start_workload()
+    # set up before nvidia_uvm was reloaded: its uvm nodes carry the old major
+    old = secrets.token_hex(32)
+    old_devs = GPU_DEVS + [(path, UVM_MAJOR - 1, minor) for path, _, minor in UVM_DEVS]
+    node.c.run(old, ["/bin/sleep", "3600"], pod_uid=secrets.token_hex(4), devices=old_devs)
     node.add_uvm()
-    root = access_root(node, [plugin_pid, node.c.task_pid(workload)])
+    pids = [plugin_pid, node.c.task_pid(workload), node.c.task_pid(old)]
+    root = access_root(node, pids)
     svc, out = make_svc(node.root)
     svc = OneShotServices(Root(root), svc.config, svc.log, dry_run=True, bus_address="")
     step = ContainerAccessStep()
@@ -266,6 +271,18 @@ def test_container_findings_spare_the_plugin_and_are_journaled_once(node: Node) 
         "its /dev, which the host has: device plugin started without /dev/nvidia-uvm"
     )
     assert node.plugin not in out.getvalue()  # nothing about the plugin's own container
+    stale = journal(out, "container-device-stale")
+    assert sorted((e["CONTAINER_ID"], e["DEVICE"], e["level"]) for e in stale) == [
+        (old, "/dev/nvidia-uvm", "warning"),
+        (old, "/dev/nvidia-uvm-tools", "warning"),
+    ]
+    uvm = next(e for e in stale if e["DEVICE"] == "/dev/nvidia-uvm")
+    assert uvm["msg"] == (
+        f"pod {uvm['POD_UID']} container {old[:12]} has /dev/nvidia-uvm with stale numbers "
+        f"({UVM_MAJOR - 1}:0, host has {UVM_MAJOR}:0): the driver module was reloaded after "
+        "the container started; recreate the container"
+    )
+    assert old not in {e["CONTAINER_ID"] for e in entries}  # present, so not "missing"
 
     node.c.remove(workload)  # its pod was deleted, as the finding asks
     ctx = plugin_pass("periodic audit")
