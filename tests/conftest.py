@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 
@@ -35,3 +36,23 @@ def require_tool(*names: str) -> None:
     for name in names:
         if shutil.which(name) is None and not Path(name).exists():
             _missing(f"needs {name}")
+
+
+@pytest.fixture(autouse=True)
+def _catalog_fields_carried(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every journal entry a test makes carries the fields its catalog text shows."""
+    from catalog_fields import lacking
+    from gpuguard.log import EventLog
+
+    original = EventLog.event
+    wrong: list[str] = []
+
+    def event(self: EventLog, kind: str, msg: str, **kw: Any) -> None:
+        gap = lacking(kind, kw.get("fields"), kw.get("exc"), self.static)
+        if gap:
+            wrong.append(f"{kind} entry {msg!r} lacks {sorted(gap)} (its catalog shows them)")
+        original(self, kind, msg, **kw)
+
+    monkeypatch.setattr(EventLog, "event", event)
+    yield
+    assert not wrong, "\n".join(wrong)

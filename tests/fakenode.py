@@ -196,7 +196,11 @@ def _captured() -> Iterator[tuple[_Stdout, io.StringIO]]:
     out, err = _Stdout(), io.StringIO()
 
     def auto(
-        cls: type[EventLog], *, level: str = "info", force_json: bool = False, root: Path = Path("/")
+        cls: type[EventLog],
+        *,
+        level: str = "info",
+        force_json: bool = False,
+        root: Path = Path("/"),
     ) -> EventLog:
         return cls(level=level, stream=err)  # captured, never the host's journal
 

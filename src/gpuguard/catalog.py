@@ -36,7 +36,7 @@ KINDS: dict[str, KindDoc] = {
     "debug": KindDoc("gpuguard debug message", "Diagnostic detail."),
     "info": KindDoc("gpuguard message", "Informational."),
     "warning": KindDoc("gpuguard warning", "Something unexpected that gpuguard worked around."),
-    "error": KindDoc("gpuguard error", "An error gpuguard could not work around; see MESSAGE."),
+    "error": KindDoc("gpuguard error", "An error gpuguard could not work around; see the message above."),
     # checkpoint (F1)
     "checkpoint-stale-registered": KindDoc(
         "Checkpoint registers a device this host no longer has",
@@ -63,17 +63,18 @@ KINDS: dict[str, KindDoc] = {
         "gpuguard declined to repair the checkpoint",
         "A safety rule stopped the repair (for example NVML reports no GPU at all, which "
         "more likely means a driver problem than GPUs that all changed). Nothing was "
-        "modified. Check `nvidia-smi` and the MESSAGE for the reason.",
+        "modified. Check `nvidia-smi` and the message above for the reason.",
     ),
     "checkpoint-repaired": KindDoc(
         "Kubelet checkpoint repaired",
         "gpuguard rewrote the checkpoint without the stale IDs and pod entries, with a "
-        "checksum kubelet accepts. The previous file is in BACKUP.",
+        "checksum kubelet accepts. The previous file is saved as @BACKUP@.",
     ),
     "checkpoint-deleted": KindDoc(
         "Kubelet checkpoint deleted (policy delete)",
         "With Policy=delete gpuguard removes the whole checkpoint, as Alibaba's gpuops "
-        "does; kubelet rebuilds it and forgets every allocation. The old file is in BACKUP.",
+        "does; kubelet rebuilds it and forgets every allocation. The old file is saved as "
+        "@BACKUP@.",
     ),
     "kubelet-restart": KindDoc(
         "gpuguard restarted kubelet to repair its checkpoint",
@@ -98,7 +99,7 @@ KINDS: dict[str, KindDoc] = {
         "gpuguard restarted kubelet so that its ExecStartPre= hook would repair the "
         "checkpoint, but the hook left no result for that restart, reported that it did "
         "not repair the file, or the file still names stale devices after the restart. "
-        "MESSAGE says which. The repair is counted as failed (exit code 5). See "
+        "The message above says which. The repair is counted as failed (exit code 5). See "
         "`journalctl -u kubelet` for the hook's own entries, fix the cause (driver, "
         "configuration), then run `gpuguard check` again.",
     ),
@@ -139,14 +140,27 @@ KINDS: dict[str, KindDoc] = {
         "Inside the container nvidia-smi says 'Failed to initialize NVML: Unknown Error' "
         "and CUDA returns error 30. Usual causes: systemctl daemon-reload/daemon-reexec "
         "re-applied the container's scope without the device (systemd cgroup driver), or "
-        "the kubelet CPU manager's runc update rewrote the device cgroup. gpuguard "
-        "re-grants exactly the nodes the container has in its own /dev (CAUSE, DEVICE).",
+        "the kubelet CPU manager's runc update rewrote the device cgroup. This time: "
+        "@DEVICE@ (@DEVICE_NUMBERS@) is denied; likely cause: @CAUSE@. gpuguard re-grants "
+        "exactly the nodes the container has in its own /dev.",
     ),
     "container-device-missing": KindDoc(
-        "A GPU container lacks a device node the host has",
-        "Typically /dev/nvidia-uvm: the device plugin started before the node existed and "
-        "gave the container its GPUs without it (F3). A cgroup grant cannot add a node to a "
-        "container's /dev: restart the device plugin, then recreate the container.",
+        "A GPU container has no @DEVICE@ in its /dev",
+        "The host has @DEVICE@ but the container's /dev does not: @CAUSE@. Typically "
+        "/dev/nvidia-uvm: the device plugin started before the node existed and gave the "
+        "container its GPUs without it (F3). A cgroup grant cannot add a node to a "
+        "container's /dev: once the device plugin sees the node (gpuguard restarts it), "
+        "recreate the container (delete its pod). Device plugins' own containers are not "
+        "reported here: see plugin-missing-device. Reported when it appears and when it "
+        "clears (condition-cleared), not on every pass.",
+    ),
+    "container-device-stale": KindDoc(
+        "A GPU container's @DEVICE@ has stale device numbers",
+        "The container's @DEVICE@ is @CONTAINER_DEVICE_NUMBERS@, the host's is now "
+        "@DEVICE_NUMBERS@: @CAUSE@ (the nvidia-uvm major is assigned when the module "
+        "loads). The node is present but leads nowhere, so CUDA fails in the container. "
+        "gpuguard never grants it the new numbers; recreate the container (delete its "
+        "pod). Reported when it appears and when it clears, not on every pass.",
     ),
     "container-device-conflict": KindDoc(
         "A container holds a GPU its records do not give it",
@@ -158,7 +172,7 @@ KINDS: dict[str, KindDoc] = {
         "Its cgroup.procs, devices.list, environ or command line is not what the kernel "
         "writes (a malformed line, a FIFO or link where a file should be, too big). "
         "gpuguard neither judges nor grants this container anything; every other "
-        "container is still audited and repaired. MESSAGE names the file: check what "
+        "container is still audited and repaired. The message above names the file: check what "
         "wrote it, or recreate the container.",
     ),
     "cgroup-v1-allow": KindDoc(
@@ -185,12 +199,16 @@ KINDS: dict[str, KindDoc] = {
     "daemon-started": KindDoc("gpuguard daemon started", "The daemon finished its first pass."),
     "daemon-stopping": KindDoc("gpuguard daemon stopping", "SIGTERM received; finishing the pass."),
     "pass-complete": KindDoc(
-        "gpuguard pass complete", "A coalesced reconciliation pass ran; see FINDINGS/ACTIONS."
+        "gpuguard pass complete",
+        "A coalesced reconciliation pass ran: @FINDINGS@ finding(s), @ACTIONS@ action(s). "
+        "The entries before it say what was found and done; `gpuguard status` shows the "
+        "last pass.",
     ),
     "reconciler-crashed": KindDoc(
-        "A gpuguard reconciler raised an exception",
-        "A bug or an unexpected host state. The other reconcilers and the daemon went on; "
-        "TRACEBACK has the details. Please report it.",
+        "gpuguard's @GPUGUARD_RECONCILER@ step raised an exception",
+        "A bug or an unexpected host state. The other steps and the daemon went on. "
+        "`journalctl -o verbose` shows the traceback in the entry's TRACEBACK field; "
+        "please report it.",
     ),
     "config-reloaded": KindDoc(
         "Configuration reloaded", "SIGHUP: the new configuration is in use."
@@ -198,11 +216,12 @@ KINDS: dict[str, KindDoc] = {
     "config-rejected": KindDoc(
         "New configuration rejected",
         "SIGHUP found an error in the configuration; the previous configuration stays in "
-        "use. Fix the file named in MESSAGE and reload again (`gpuguard config` checks it).",
+        "use. Fix the file and line the message names, check it with `gpuguard config`, "
+        "and reload again. Every key: gpuguard.conf(5).",
     ),
     "config-invalid": KindDoc(
         "gpuguard cannot start: its configuration is invalid",
-        "The daemon found an error in the file and line named in MESSAGE and exited with "
+        "The daemon found an error in the file and line named in the message above and exited with "
         "status 2. gpuguard.service does not restart on this status "
         "(RestartPreventExitStatus=), so the unit stays failed until the file is fixed: "
         "check it with `gpuguard config`, then `systemctl restart gpuguard`.",
@@ -213,11 +232,29 @@ KINDS: dict[str, KindDoc] = {
         "back-off and runs a full pass after reconnecting.",
     ),
     "dbus-connected": KindDoc("Connected to the system bus", "Subscribed to systemd's signals."),
+    "inventory-unavailable": KindDoc(
+        "No GPU inventory: @GPUGUARD_PROBLEM@",
+        "gpuguard cannot learn the GPUs (no NVIDIA driver or libnvidia-ml, NVML not "
+        "answering, or an unreadable --inventory/[Inventory] File=). Passes go on without "
+        "GPU identities: the checkpoint is not judged, container access still is. Reported "
+        "once when it starts and again only if the reason changes; inventory-available "
+        "says when it is back.",
+    ),
+    "inventory-available": KindDoc(
+        "GPU inventory available again",
+        "gpuguard can read the GPUs again; before, @GPUGUARD_PROBLEM@.",
+    ),
+    "condition-cleared": KindDoc(
+        "A condition gpuguard reported no longer holds",
+        "A @GPUGUARD_CLEARED_KIND@ condition reported earlier for @GPUGUARD_SUBJECT@ is "
+        "gone (repaired, or the container or plugin went away). Such conditions are "
+        "journaled when they appear, change and clear, not on every pass.",
+    ),
     "hook-run": KindDoc("Operator hook ran", "An executable in /etc/gpuguard/hooks.d ran."),
     "hook-refused": KindDoc(
         "Operator hook refused",
         "Hooks must be regular executables owned by root and not writable by group or "
-        "others. Fix the ownership/mode of the file in MESSAGE.",
+        "others. Fix the ownership or mode of the file the message names.",
     ),
     "hook-failed": KindDoc("Operator hook failed", "A hook exited non-zero or timed out."),
     # device plugin (F3, F4)
@@ -227,8 +264,12 @@ KINDS: dict[str, KindDoc] = {
         "/dev/nvidia-uvm-tools and /dev/nvidia-modeset only if it finds them in its own "
         "/dev, which is fixed when it starts. It started before the node existed (uvm is "
         "created lazily), so the GPU containers it sets up lack the node and CUDA fails "
-        "with 'unknown error'. gpuguard restarts the plugin, within CoolDown and "
-        "MaxRestartsPerHour ([DevicePlugin] in gpuguard.conf).",
+        "with 'unknown error'. A node can also be present with stale numbers (the module "
+        "was reloaded after the plugin started). This time: @PLUGIN@ does not see "
+        "@MISSING@. gpuguard restarts the plugin, within Restart=, CoolDown= and "
+        "MaxRestartsPerHour= ([DevicePlugin] in gpuguard.conf(5)); plugin-restarted or "
+        "plugin-restart-declined follows. Reported when it appears and when it clears, "
+        "not on every pass.",
     ),
     "plugin-not-registered": KindDoc(
         "A GPU device plugin did not register again after kubelet started",
@@ -245,16 +286,18 @@ KINDS: dict[str, KindDoc] = {
     "plugin-nvml-failed": KindDoc(
         "NVML cannot initialise in a GPU device plugin's context",
         "With NvmlProbe=yes gpuguard loads libnvidia-ml.so.1 from the plugin's own "
-        "filesystem, inside its device cgroup, and calls nvmlInit: it failed (NVML_ERROR; "
-        "the plugin logs 'Failed to initialize NVML: ' followed by it), or the library "
-        "cannot be loaded there. Typical causes: a device node the plugin's cgroup denies, "
-        "a driver upgraded under a running plugin, libraries not injected into its "
-        "container. gpuguard restarts the plugin, within CoolDown and MaxRestartsPerHour.",
+        "filesystem, inside its device cgroup, and calls nvmlInit: it failed, or the "
+        "library cannot be loaded there. This time: @NVML_ERROR@ (after an init failure the "
+        "plugin logs 'Failed to initialize NVML: ' and the same). Typical causes: a device "
+        "node the plugin's cgroup denies, a driver upgraded under a running plugin, libraries not "
+        "injected into its container. gpuguard restarts the plugin, within Restart=, "
+        "CoolDown= and MaxRestartsPerHour= (gpuguard.conf(5)).",
     ),
     "plugin-nvml-unchecked": KindDoc(
         "gpuguard could not check NVML in a GPU device plugin's context",
-        "The NVML probe (NvmlProbe=yes) could not run (NVML_STAGE: cgroup, namespace, "
-        "timeout or error), so there is no verdict on the plugin and nothing is done. "
+        "The NVML probe (NvmlProbe=yes) could not run at its @NVML_STAGE@ stage (one of "
+        "cgroup, namespace, timeout, error), so there is no verdict on the plugin and "
+        "nothing is done. "
         "namespace: entering the plugin's mount namespace needs CAP_SYS_ADMIN and "
         "CAP_SYS_CHROOT in gpuguard.service's CapabilityBoundingSet= and mnt allowed by "
         "its RestrictNamespaces=.",
@@ -267,19 +310,20 @@ KINDS: dict[str, KindDoc] = {
     ),
     "restart-plugin": KindDoc(
         "gpuguard plans to restart a GPU device plugin",
-        "The action behind plugin-restarted / plugin-restart-declined (GPUGUARD_ACTION); "
-        "hooks and --dry-run show it with the plugin and the reason.",
+        "The action behind plugin-restarted and plugin-restart-declined entries; hooks and "
+        "--dry-run show it with the plugin and the reason.",
     ),
     "plugin-restarted": KindDoc(
         "gpuguard restarted a GPU device plugin",
         "Through the container runtime (crictl stop / ctr task kill, so kubelet recreates "
-        "the container), systemd (a host service) or, as a last resort, SIGTERM. METHOD "
-        "says which; REASON/MISSING why. A plugin-recovered or plugin-restart-failed entry "
-        "follows.",
+        "the container), systemd (a host service) or, as a last resort, SIGTERM. This "
+        "time: @PLUGIN@ through @METHOD@, because of @CAUSE@. A plugin-recovered or "
+        "plugin-restart-failed entry follows.",
     ),
     "plugin-restart-declined": KindDoc(
         "gpuguard did not restart a GPU device plugin that needs it",
-        "REASON: disabled (Restart=no or MaxRestartsPerHour=0), cool-down (it started less "
+        "Why not, this time: @REASON@. One of: disabled (Restart=no or "
+        "MaxRestartsPerHour=0), cool-down (it started less "
         "than CoolDown ago), budget (MaxRestartsPerHour reached), back-off (earlier attempts "
         "failed), pending (an earlier restart is being verified) or dry-run. Budgets "
         "persist in /var/lib/gpuguard/plugin-restarts.json.",

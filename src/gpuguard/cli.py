@@ -18,8 +18,23 @@ EPILOG = """exit codes: 0 healthy or repaired; 1 problems found and left (dry-ru
 (or a repair during its restart not verified); 70 internal error. See gpuguard(8)."""
 
 
-def _common() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(add_help=False)
+class _CommandParser(argparse.ArgumentParser):
+    """A command's parser: an option it does not know is reported with its own usage.
+
+    By default argparse hands a subcommand's leftovers to the top-level parser, which
+    prints `usage: gpuguard [-h] ...`, not the usage of the command that was mistyped."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Optional[Sequence[str]] = None, namespace: Optional[argparse.Namespace] = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        ns, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns, extras
+
+
+def _common() -> _CommandParser:
+    p = _CommandParser(add_help=False)
     g = p.add_argument_group("host")
     g.add_argument(
         "--root",
@@ -48,6 +63,7 @@ def _common() -> argparse.ArgumentParser:
         "--log-level",
         choices=["debug", "info", "notice", "warning", "error"],
         default=argparse.SUPPRESS,
+        help="the least severe messages logged (default from config: info)",
     )
     g.add_argument(
         "--log-json",
@@ -69,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
     )
     parser.add_argument("--version", action="version", version=f"gpuguard {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_CommandParser)
     sub.required = True
 
     c = sub.add_parser(
@@ -112,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="format, checksums, validity, contents and stale IDs of FILE",
     )
     ins.add_argument("file", type=Path)
-    ins.add_argument("--json", action="store_true")
+    ins.add_argument("--json", action="store_true", help="print the inspection as JSON")
     can = cps.add_parser(
         "canonical",
         parents=[common],
@@ -137,7 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser(
         "status", parents=[common], help="per GPU container: is its device access intact?"
     )
-    st.add_argument("--json", action="store_true")
+    st.add_argument(
+        "--json", action="store_true", help="print the containers and their access as JSON"
+    )
     sub.add_parser("catalog", parents=[common], help="print the journal message catalog")
     return parser
 

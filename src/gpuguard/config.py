@@ -49,7 +49,7 @@ from gpuguard.errors import ConfigError
 from gpuguard.numparse import clip, cut
 from gpuguard.paths import CONFIG_DROPIN_DIR, CONFIG_FILE, Root
 
-SEE_ALSO = "(see gpuguard config --help / docs/configuration.md)"
+SEE_ALSO = "(see gpuguard.conf(5))"
 DEFAULT_ORIGIN = "default"
 
 
@@ -271,8 +271,10 @@ class DevicePluginConfig:
         "Restart",
         Bool(),
         "yes",
-        "Restart the NVIDIA device plugin when it is not registered with the kubelet "
-        "(e.g. after a kubelet restart).",
+        "Restart the NVIDIA device plugin when it needs it: its /dev lacks NVIDIA nodes "
+        "the host has or holds them with stale numbers (F3), it did not register again "
+        "after a kubelet restart (F4), or NVML fails in its context (NvmlProbe=yes). "
+        "no: only report these.",
     )
     cool_down: float = _key(
         "CoolDown",
@@ -645,7 +647,7 @@ def render_shipped() -> str:
         "# assignment of a key wins; an empty value (Key=) restores the default, or",
         "# empties a list. Reload with: systemctl reload gpuguard",
         "#",
-        "# See docs/configuration.md for every key and the value syntax.",
+        "# Every key and the value syntax: man 5 gpuguard.conf",
     ]
     for section, specs in _BY_SECTION.items():
         out += ["", f"[{section}]"]

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from gpuguard.coalescer import Coalescer
+from gpuguard.conditions import Conditions
 from gpuguard.config import Config, load_config
 from gpuguard.errors import ConfigError, GpuguardError
 from gpuguard.inventory import Inventory, load_inventory
@@ -60,6 +61,7 @@ class Daemon:
         self.steps = dict(steps)
         self.passes = 0
         self.started_wall = time.time()
+        self.conditions = Conditions()  # daemon-wide states, reported on change only
         self.last_pass: dict[str, Any] = {}
         self.first_pass: dict[str, Any] = {}
         self.inventory: Optional[Inventory] = None
@@ -267,14 +269,39 @@ class Daemon:
 
     async def _inventory(self) -> Optional[Inventory]:
         try:
-            return await asyncio.wait_for(
+            inventory = await asyncio.wait_for(
                 asyncio.to_thread(load_inventory, self.inventory_path), timeout=30
             )
         except GpuguardError as e:
-            self.log.warning(f"GPU inventory unavailable: {e.message}")
+            self._inventory_state(f"GPU inventory unavailable: {e.message}")
         except asyncio.TimeoutError:
-            self.log.warning("GPU inventory: NVML did not answer in 30s")
+            self._inventory_state("GPU inventory unavailable: NVML did not answer in 30s")
+        else:
+            self._inventory_state(None)
+            return inventory
         return None
+
+    def _inventory_state(self, problem: Optional[str]) -> None:
+        """Once when the inventory becomes unavailable (or why changes), once when it is
+        back: not on every pass of a node whose driver is missing for hours."""
+        t = self.conditions.set("inventory", ("inventory",), problem)
+        if t is None:
+            return
+        if problem is not None:
+            self.log.event(
+                "inventory-unavailable",
+                f"{problem}; passes go on without GPU identities, and this is not "
+                "repeated until it changes",
+                level="warning",
+                fields={"GPUGUARD_PROBLEM": problem},
+            )
+        elif t.previous is not None:
+            self.log.event(
+                "inventory-available",
+                "GPU inventory available again",
+                level="notice",
+                fields={"GPUGUARD_PROBLEM": t.previous},
+            )
 
     async def _run_hooks(self, work: Work, ctx: PassContext) -> None:
         from gpuguard.hooks import plan_hooks, run_hooks

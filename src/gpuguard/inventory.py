@@ -99,7 +99,7 @@ def load_inventory_file(path: Path) -> Inventory:
     except RecursionError:
         raise BadInputError(
             f"{path}: inventory is nested too deeply to be one; fix the file "
-            "(see docs/inventory.md)"
+            "(its format: gpuguard(8), INVENTORY FILE)"
         ) from None
     return parse_inventory(doc, source=str(path))
 

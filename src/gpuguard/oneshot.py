@@ -74,10 +74,18 @@ def container_status(
     from gpuguard.devices.audit import audit
     from gpuguard.steps.container_access import AccessObserver
 
-    view = AccessObserver().observe(root, inventory, cfg.kubelet.checkpoint_path)
+    view = AccessObserver().observe(
+        root, inventory, cfg.kubelet.checkpoint_path, cfg.device_plugin.socket_dir
+    )
     if view is None:
         return []
-    findings, _ = audit(view.containers, view.entitlements, view.access, device_rules=view.rules)
+    findings, _ = audit(
+        view.containers,
+        view.entitlements,
+        view.access,
+        device_rules=view.rules,
+        plugin_containers=view.plugin_containers,
+    )
     rows = []
     for c in view.containers:
         if c.container_id in view.broken:  # one bad container costs that container only
@@ -101,6 +109,7 @@ def container_status(
                 "driver": c.driver,
                 "nodes": [n.path for n in ent.nodes],
                 "missing": [n.path for n in ent.missing],
+                "stale": [f"{n.path} {n.numbers}" for n, _ in ent.stale],
                 "denied": denied,
                 "unknown": unknown,
                 "access": "denied" if denied else ("unknown" if unknown else "ok"),

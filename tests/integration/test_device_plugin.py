@@ -214,3 +214,79 @@ def test_cool_down_from_the_plugin_start_is_respected(node: Node) -> None:
     assert d["REASON"] == "cool-down"
     assert node.c.task_status(node.plugin) == "RUNNING"
     assert len(node.plugins_started) == 1
+
+
+def access_root(node: Node, pids: list[int]) -> Path:
+    """The same node for the container_access step: its kubepods tree at the top of the
+    devices hierarchy (as kubelet lays it out), the driver registered in /proc/devices,
+    and /proc holding the containers' processes (the real ones, linked)."""
+    root = node.c.work / "access-root"
+    (root / "proc").mkdir(parents=True)
+    (root / "proc/devices").write_text(
+        f"Character devices:\n195 nvidia-frontend\n{UVM_MAJOR} nvidia-uvm\n"
+    )
+    os.symlink("/proc/stat", root / "proc/stat")
+    for pid in pids:
+        os.symlink(f"/proc/{pid}", root / f"proc/{pid}")
+    cg = root / "sys/fs/cgroup"
+    cg.mkdir(parents=True)
+    os.symlink(f"/sys/fs/cgroup/devices{node.c.cgroup_prefix}", cg / "devices")
+    os.symlink(node.c.host_dev, root / "dev")
+    (root / "var/lib/kubelet").mkdir(parents=True)
+    os.symlink(node.root / DP.lstrip("/"), root / DP.lstrip("/"))
+    return root
+
+
+def test_container_findings_spare_the_plugin_and_are_journaled_once(node: Node) -> None:
+    """container-device-missing names the workload set up by the stale plugin, never the
+    plugin's own container (the plugin step restarts that one), once per container and
+    node across passes, and says when it clears."""
+    from gpuguard.paths import Root
+    from gpuguard.steps.container_access import ContainerAccessStep
+
+    plugin_pid = node.start_plugin()
+    workload = node.start_workload()
+    # set up before nvidia_uvm was reloaded: its uvm nodes carry the old major
+    old = secrets.token_hex(32)
+    old_devs = GPU_DEVS + [(path, UVM_MAJOR - 1, minor) for path, _, minor in UVM_DEVS]
+    node.c.run(old, ["/bin/sleep", "3600"], pod_uid=secrets.token_hex(4), devices=old_devs)
+    node.add_uvm()
+    pids = [plugin_pid, node.c.task_pid(workload), node.c.task_pid(old)]
+    root = access_root(node, pids)
+    svc, out = make_svc(node.root)
+    svc = OneShotServices(Root(root), svc.config, svc.log, dry_run=True, bus_address="")
+    step = ContainerAccessStep()
+    for _ in range(3):  # three passes (audits)
+        ctx = plugin_pass("periodic audit")
+        asyncio.run(step(svc, ctx))  # type: ignore[arg-type]
+        missing = [f for f in ctx.findings if f.kind == "container-device-missing"]
+        assert {f.fields["CONTAINER_ID"] for f in missing} == {workload}, missing
+    entries = journal(out, "container-device-missing")
+    assert sorted((e["CONTAINER_ID"], e["DEVICE"], e["level"]) for e in entries) == [
+        (workload, "/dev/nvidia-uvm", "warning"),
+        (workload, "/dev/nvidia-uvm-tools", "warning"),
+    ]
+    assert entries[0]["msg"].startswith(
+        f"pod {entries[0]['POD_UID']} container {workload[:12]} has no /dev/nvidia-uvm in "
+        "its /dev, which the host has: device plugin started without /dev/nvidia-uvm"
+    )
+    assert node.plugin not in out.getvalue()  # nothing about the plugin's own container
+    stale = journal(out, "container-device-stale")
+    assert sorted((e["CONTAINER_ID"], e["DEVICE"], e["level"]) for e in stale) == [
+        (old, "/dev/nvidia-uvm", "warning"),
+        (old, "/dev/nvidia-uvm-tools", "warning"),
+    ]
+    uvm = next(e for e in stale if e["DEVICE"] == "/dev/nvidia-uvm")
+    assert uvm["msg"] == (
+        f"pod {uvm['POD_UID']} container {old[:12]} has /dev/nvidia-uvm with stale numbers "
+        f"({UVM_MAJOR - 1}:0, host has {UVM_MAJOR}:0): the driver module was reloaded after "
+        "the container started; recreate the container"
+    )
+    assert old not in {e["CONTAINER_ID"] for e in entries}  # present, so not "missing"
+
+    node.c.remove(workload)  # its pod was deleted, as the finding asks
+    ctx = plugin_pass("periodic audit")
+    asyncio.run(step(svc, ctx))  # type: ignore[arg-type]
+    cleared = journal(out, "condition-cleared")
+    assert sorted(e["GPUGUARD_SUBJECT"] for e in cleared) == [workload, workload]
+    assert {e["GPUGUARD_CLEARED_KIND"] for e in cleared} == {"container-device-missing"}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Dict, Iterator, List, Set
+from typing import Any, Dict, Iterator, List, Set
 
 import pytest
 
@@ -170,12 +170,125 @@ def test_systemd_analyze_verify_is_clean(root: Dict[str, object]) -> None:
     # --man=no: minbase has no man-db to resolve Documentation=man:gpuguard(8)
     # (the package's man page itself is checked by test_packaging).
     res = ns.run(
-        ["systemd-analyze", "verify", "--man=no", "/usr/lib/systemd/system/gpuguard.service"],
+        [
+            "systemd-analyze",
+            "verify",
+            "--man=no",
+            "/usr/lib/systemd/system/gpuguard.service",
+            "/usr/lib/systemd/system/gpuguard-trigger.service",
+        ],
         timeout=60,
     )
     # It exits 0 on unknown keys and other warnings: any stderr line fails.
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert res.returncode == 0 and not lines, f"{res.returncode}\n{res.stderr}"
+
+
+def _entries(ns: PackageRoot, kind: str) -> List[Dict[str, Any]]:
+    return [e for e in ns.journal("gpuguard.service") if e.get("GPUGUARD_KIND") == kind]
+
+
+def test_quiet_start_and_one_entry_per_state(root: Dict[str, object]) -> None:
+    """No driver here: "no GPU inventory" is journaled once, not on every pass; its
+    catalog entry shows the reason itself; nothing warns about the netlink buffer."""
+    ns: PackageRoot = root["ns"]  # type: ignore[assignment]
+    ns.wait_active("gpuguard.service", timeout=20)
+    for n in range(2):  # two more passes (a reload runs one)
+        before = int(ns.unit_property("gpuguard.service", "ExecMainPID"))
+        ns.systemctl("reload", "gpuguard.service")
+        deadline = time.monotonic() + 10
+        while len(_entries(ns, "config-reloaded")) < n + 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert int(ns.unit_property("gpuguard.service", "ExecMainPID")) == before
+    deadline = time.monotonic() + 10
+    while len(_entries(ns, "pass-complete")) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(_entries(ns, "pass-complete")) >= 3
+    (missing,) = _entries(ns, "inventory-unavailable")
+    assert missing["PRIORITY"] == "4", missing
+    assert missing["GPUGUARD_PROBLEM"].startswith("GPU inventory unavailable: "), missing
+    text = ns.run(
+        [
+            "journalctl",
+            "--no-pager",
+            "-x",
+            "-u",
+            "gpuguard.service",
+            f"MESSAGE_ID={missing['MESSAGE_ID']}",
+        ],
+        check=True,
+    ).stdout
+    assert f"No GPU inventory: {missing['GPUGUARD_PROBLEM']}" in text, text
+    assert "@" not in text.split("-- Subject:", 1)[-1], text  # every @FIELD@ was filled in
+    everything = ns.run(["journalctl", "--no-pager", "-u", "gpuguard.service"]).stdout
+    assert "could not enlarge" not in everything
+    warnings = [
+        e["MESSAGE"]
+        for e in ns.journal("gpuguard.service")
+        if e.get("SYSLOG_IDENTIFIER") == "gpuguard" and int(e["PRIORITY"]) <= 4
+    ]
+    assert warnings == [missing["MESSAGE"]], warnings
+
+
+def test_disable_keeps_it_off_across_driver_loads(root: Dict[str, object]) -> None:
+    """The udev rule pulls in gpuguard-trigger.service when the nvidia module loads (its
+    SYSTEMD_WANTS, proven with a real udevd in test_udev.py); here is what systemd then
+    does with it, on the installed package: nothing while gpuguard is disabled."""
+    ns: PackageRoot = root["ns"]  # type: ignore[assignment]
+    ns.systemctl("disable", "--now", "gpuguard.service")
+    res = ns.systemctl("start", "gpuguard-trigger.service", check=False)
+    assert res.returncode == 0, res.stderr  # skipped, not failed: no alarm
+    assert ns.unit_property("gpuguard.service", "ActiveState") == "inactive"
+    assert ns.unit_property("gpuguard-trigger.service", "Result") in ("success", "exec-condition")
+    log = ns.run(["journalctl", "--no-pager", "-u", "gpuguard-trigger.service"]).stdout
+    assert "Skipped due to 'exec-condition'" in log, log
+    assert ns.systemctl("is-failed", "gpuguard-trigger.service", check=False).returncode != 0
+
+    ns.systemctl("enable", "gpuguard.service")  # the operator's choice: on again
+    ns.systemctl("start", "gpuguard-trigger.service")
+    ns.wait_active("gpuguard.service", timeout=20)
+
+
+def test_documentation_it_names_is_installed(root: Dict[str, object]) -> None:
+    """Every Documentation= of the units, and the man page a configuration error names."""
+    ns: PackageRoot = root["ns"]  # type: ignore[assignment]
+    docs = []
+    for unit in ("gpuguard.service", "gpuguard-trigger.service"):
+        docs += [d.strip('"') for d in ns.unit_property(unit, "Documentation").split()]
+    assert "man:gpuguard.conf(5)" in docs
+    for doc in docs:
+        if doc.startswith("man:"):
+            name, sec = doc[4:].rstrip(")").split("(")
+            path = f"/usr/share/man/man{sec}/{name}.{sec}.gz"
+        else:
+            assert doc.startswith("file:///"), doc
+            path = doc[7:]
+        assert ns.path(path).is_file(), f"{doc}: {path} is not installed"
+    if ns.run(["sh", "-c", "command -v man"]).returncode == 0:
+        assert "gpuguard.conf" in ns.run(["man", "gpuguard.conf"], check=True).stdout
+    dropin = ns.path("/etc/gpuguard/gpuguard.conf.d/50-typo.conf")
+    dropin.write_text("[Daemon]\nAuditIntervall=1min\n")
+    try:
+        res = ns.run(["gpuguard", "config"])
+    finally:
+        dropin.unlink()
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        "gpuguard: /etc/gpuguard/gpuguard.conf.d/50-typo.conf:2: unknown key 'AuditIntervall' "
+        "in [Daemon]; did you mean 'AuditInterval'? (see gpuguard.conf(5))"
+    ], res.stderr
+    # and the shipped configuration's own pointer
+    assert "man 5 gpuguard.conf" in ns.path("/etc/gpuguard/gpuguard.conf").read_text()
+
+
+def test_unknown_option_shows_the_commands_usage(root: Dict[str, object]) -> None:
+    ns: PackageRoot = root["ns"]  # type: ignore[assignment]
+    res = ns.run(["gpuguard", "status", "--bogus"])
+    assert res.returncode == 2
+    assert res.stderr.startswith("usage: gpuguard status "), res.stderr
+    assert res.stderr.rstrip().endswith(
+        "gpuguard status: error: unrecognized arguments: --bogus"
+    ), res.stderr
 
 
 def test_upgrade_keeps_edited_config(root: Dict[str, object]) -> None:

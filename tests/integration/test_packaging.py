@@ -7,6 +7,7 @@ and PyPI (or GPUGUARD_WHEELHOUSE) for the pinned nvidia-ml-py wheel.
 
 from __future__ import annotations
 
+import gzip
 import re
 import subprocess
 from pathlib import Path
@@ -21,12 +22,14 @@ from integration.pkgroot import REPO, build_seconds, built_packages, debian_env,
 LAYOUT = [
     "/usr/bin/gpuguard",
     "/usr/lib/systemd/system/gpuguard.service",
+    "/usr/lib/systemd/system/gpuguard-trigger.service",
     "/usr/lib/systemd/system/kubelet.service.d/10-gpuguard.conf",
     "/usr/libexec/gpuguard/kubelet-pre-start",
     "/usr/lib/udev/rules.d/71-gpuguard.rules",
     "/usr/lib/systemd/catalog/gpuguard.catalog",
     "/usr/lib/gpuguard/vendor/pynvml.py",
     "/usr/share/doc/gpuguard/LICENSE.nvidia-ml-py",
+    "/usr/share/doc/gpuguard/hardening.md",
     "/etc/gpuguard/gpuguard.conf",
     "/etc/gpuguard/gpuguard.conf.d",
     "/etc/gpuguard/hooks.d",
@@ -86,6 +89,7 @@ def test_deb_layout(deb_files: Dict[str, str]) -> None:
     missing = [p for p in LAYOUT if p not in deb_files]
     assert not missing, missing
     assert "/usr/share/man/man8/gpuguard.8.gz" in deb_files
+    assert "/usr/share/man/man5/gpuguard.conf.5.gz" in deb_files
     assert deb_files["/var/lib/gpuguard"].startswith("drwx------ root/root")
     assert deb_files["/usr/libexec/gpuguard/kubelet-pre-start"].startswith("-rwxr-xr-x")
     assert any(p.startswith("/usr/lib/python3/dist-packages/gpuguard/") for p in deb_files)
@@ -144,6 +148,10 @@ def test_rpm_layout(rpm_files: Dict[str, str], pkgs: Dict[str, Path]) -> None:
     missing = [p for p in LAYOUT if p not in rpm_files]
     assert not missing, missing
     assert any(p.startswith("/usr/share/man/man8/gpuguard.8") for p in rpm_files)
+    assert any(p.startswith("/usr/share/man/man5/gpuguard.conf.5") for p in rpm_files)
+    # enabled by its preset, as the NVIDIA Container Toolkit's units are
+    preset = "/usr/lib/systemd/system-preset/50-gpuguard.preset"
+    assert preset in rpm_files
     assert rpm_files["/var/lib/gpuguard"].startswith("drwx------")
     assert any(re.match(r"/usr/lib/python3\.\d+/site-packages/gpuguard/", p) for p in rpm_files)
     configs = sh("rpm", "-qcp", str(pkgs["rpm"])).split()
@@ -169,7 +177,10 @@ def test_rpm_requires_and_scripts(pkgs: Dict[str, Path]) -> None:
     provides = sh("rpm", "-qp", "--provides", rpm)
     assert "bundled(python3dist(nvidia-ml-py))" in provides
     scripts = sh("rpm", "-qp", "--scripts", rpm)
-    assert "systemctl enable --now gpuguard.service" in scripts
+    # %systemd_post: enabled by the preset (a site preset can disable it), not by hand
+    assert "preset gpuguard.service" in scripts
+    assert "enable --now" not in scripts and "systemctl enable" not in scripts
+    assert "systemctl is-enabled --quiet gpuguard.service" in scripts  # then started
     assert "disable --now gpuguard.service" in scripts  # %systemd_preun
     assert "try-restart gpuguard.service" in scripts or "mark-restart-system-units" in scripts
     assert "--sysname-match='nvidia*'" in scripts and "vendor=0x10de" in scripts
@@ -186,3 +197,47 @@ def test_sizes(pkgs: Dict[str, Path]) -> None:
     print(f"deb Installed-Size: {installed} KiB")
     assert pkgs["deb"].stat().st_size < 1024 * 1024
     assert pkgs["rpm"].stat().st_size < 1024 * 1024
+
+
+def test_every_path_a_shipped_file_names_is_installed(
+    pkgs: Dict[str, Path], deb_files: Dict[str, str], rpm_files: Dict[str, str], tmp_path: Path
+) -> None:
+    """The unit, udev rule, kubelet drop-in, hook, configuration, catalog and man pages
+    point only at files the packages install (uncompressed where named so), man pages
+    included, and never at the source tree's docs/."""
+    sh("dpkg-deb", "-x", str(pkgs["deb"]), str(tmp_path))
+    shipped = [
+        "/usr/lib/systemd/system/gpuguard.service",
+        "/usr/lib/systemd/system/gpuguard-trigger.service",
+        "/usr/lib/systemd/system/kubelet.service.d/10-gpuguard.conf",
+        "/usr/lib/udev/rules.d/71-gpuguard.rules",
+        "/usr/libexec/gpuguard/kubelet-pre-start",
+        "/etc/gpuguard/gpuguard.conf",
+        "/usr/lib/systemd/catalog/gpuguard.catalog",
+        "/usr/share/man/man8/gpuguard.8.gz",
+        "/usr/share/man/man5/gpuguard.conf.5.gz",
+    ]
+    named: Dict[str, List[str]] = {}
+    for f in shipped:
+        raw = (tmp_path / f.lstrip("/")).read_bytes()
+        text = (gzip.decompress(raw) if f.endswith(".gz") else raw).decode()
+        text = text.replace("\\-", "-").replace("\\&", "")  # roff escapes
+        assert not re.search(r"(?<![\w/])docs/", text), f"{f} points at the source tree"
+        assert "README" not in text, f"{f} points at a README"
+        for path in re.findall(r"file://(/\S+)", text):
+            named.setdefault(path, []).append(f)
+        for path in re.findall(r"(/usr/share/doc/gpuguard/[\w.-]+)", text):
+            named.setdefault(path, []).append(f)
+        for name, sec in re.findall(r"\b(gpuguard[\w.-]*)\(([1-8])\)", text):
+            named.setdefault(f"/usr/share/man/man{sec}/{name}.{sec}.gz", []).append(f)
+    assert "/usr/share/man/man5/gpuguard.conf.5.gz" in named
+    assert "/usr/share/doc/gpuguard/hardening.md" in named
+    for files in (deb_files, rpm_files):
+        missing = {
+            p: by
+            for p, by in named.items()
+            if p not in files
+            and p.replace(".gz", "") not in files
+            and not any(q.startswith(p.replace(".gz", "") + ".") for q in files)
+        }
+        assert not missing, f"named but not installed: {missing}"

@@ -33,3 +33,46 @@ def test_every_kind_the_code_logs_is_in_the_catalog() -> None:
         )
     missing = sorted(used - set(KINDS))
     assert not missing, f"kinds logged but not in gpuguard.catalog.KINDS: {missing}"
+
+
+def _field_names_in_code() -> set[str]:
+    """Journal field names the code sets: dict keys and keyword arguments in CAPS."""
+    names: set[str] = set()
+    for path in (REPO / "src/gpuguard").rglob("*.py"):
+        text = path.read_text()
+        names |= set(re.findall(r'"([A-Z][A-Z0-9_]{2,})"(?::|\])', text))
+        names |= set(re.findall(r"\b([A-Z][A-Z0-9_]{2,})=[a-z]", text))
+    return names
+
+
+def test_catalog_shows_field_values_instead_of_naming_fields() -> None:
+    """`BACKUP` in a catalog text tells the operator to go and find a field; `@BACKUP@` is
+    replaced by its value in `journalctl -x`. A field named in prose must be said to be a
+    field (`the TRACEBACK field`)."""
+    fields = _field_names_in_code()
+    bare = []
+    for kind, doc in KINDS.items():
+        prose = re.sub(r"@[A-Z0-9_]+@", "", doc.subject + " " + doc.text)
+        for token in re.findall(r"\b[A-Z][A-Z0-9_]{2,}\b(?! field)", prose):
+            if token in fields:
+                bare.append(f"{kind}: {token}")
+    assert not bare, f"use @FIELD@ (a field the entry always carries) instead: {bare}"
+
+
+def test_shown_fields_exist_and_are_set_somewhere() -> None:
+    """Each @FIELD@ is a field the code sets (every entry of the kind carrying it is
+    checked at run time by tests/conftest.py for every entry any test makes)."""
+    from catalog_fields import ALWAYS, shown
+
+    fields = _field_names_in_code() | ALWAYS | {"GPUGUARD_RECONCILER"}
+    unknown = {k: sorted(shown(k) - fields) for k in KINDS if shown(k) - fields}
+    assert not unknown, unknown
+    assert shown("checkpoint-repaired") == {"BACKUP"}
+
+
+def test_runtime_check_catches_an_entry_without_a_shown_field() -> None:
+    from catalog_fields import lacking
+
+    assert lacking("checkpoint-repaired", {"GPUGUARD_ACTION": "x"}, None, {}) == {"BACKUP"}
+    assert lacking("checkpoint-repaired", {"BACKUP": "/b"}, None, {}) == frozenset()
+    assert lacking("reconciler-crashed", {}, None, {}) == {"GPUGUARD_RECONCILER"}

@@ -73,8 +73,10 @@ def test_healthy_plugin_sees_every_host_node() -> None:
 def test_seed_004_plugin_without_uvm_is_restarted() -> None:
     r = assess(obs(plugin((GPU0, CTL))), registration_grace=120)
     (f,) = r.findings
-    assert f.kind == K_MISSING_DEVICE and f.severity == "error"
+    # warning: gpuguard acts on it, and the restart (or why not) is journaled on its own
+    assert f.kind == K_MISSING_DEVICE and f.severity == "warning"
     assert f.fields["MISSING"] == "/dev/nvidia-uvm /dev/nvidia-uvm-tools"
+    assert "(absent from its /dev: /dev/nvidia-uvm, /dev/nvidia-uvm-tools)" in f.summary
     (a,) = r.actions
     assert a.cause == CAUSE_STALE and a.identity == "nvidia.com/gpu"
     assert a.fields()["CONTAINER_ID"] == CID
@@ -86,7 +88,23 @@ def test_node_with_other_numbers_counts_as_missing() -> None:
     r = assess(obs(plugin((GPU0, CTL, old_uvm, UVM_TOOLS))), registration_grace=120)
     (a,) = r.actions
     assert a.missing == ("/dev/nvidia-uvm",)
-    assert "other numbers" in r.findings[0].summary
+    summary = r.findings[0].summary
+    # present, with the numbers of before the module reload: not "absent"
+    assert f"(present with stale numbers: /dev/nvidia-uvm (509:0, host has {UVM_MAJOR}:0))" in (
+        summary
+    )
+    assert "absent" not in summary and "lacks" not in summary
+
+
+def test_absent_and_stale_nodes_are_told_apart() -> None:
+    old_uvm = node("/dev/nvidia-uvm", 509, 0)
+    r = assess(obs(plugin((GPU0, CTL, old_uvm))), registration_grace=120)
+    (a,) = r.actions
+    assert a.missing == ("/dev/nvidia-uvm-tools", "/dev/nvidia-uvm")
+    assert (
+        "(absent from its /dev: /dev/nvidia-uvm-tools; present with stale numbers: "
+        f"/dev/nvidia-uvm (509:0, host has {UVM_MAJOR}:0))"
+    ) in r.findings[0].summary
 
 
 @pytest.mark.parametrize(

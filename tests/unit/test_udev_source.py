@@ -243,3 +243,35 @@ def test_a_failing_mark_does_not_escape(caplog: pytest.LogCaptureFixture) -> Non
         assert caplog.text.count("error while handling") == 2
     finally:
         loop.close()
+
+
+def test_receive_buffer_sized_within_rmem_max_without_privilege() -> None:
+    """SO_RCVBUF up to net.core.rmem_max: granted without CAP_NET_ADMIN, never an error."""
+    import socket
+    from pathlib import Path
+
+    from gpuguard.sources.udev import NETLINK_KOBJECT_UEVENT, size_receive_buffer
+
+    rmem_max = int(Path("/proc/sys/net/core/rmem_max").read_text())
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_KOBJECT_UEVENT)
+    try:
+        got = size_receive_buffer(sock.fileno(), 8 * 1024 * 1024)
+        assert got == min(8 * 1024 * 1024, rmem_max)
+        assert size_receive_buffer(sock.fileno(), 64 * 1024) == 64 * 1024
+        assert sock.fileno() >= 0 and sock.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE)
+    finally:
+        sock.close()
+
+
+def test_start_logs_no_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """A real kernel-source monitor: the buffer size is in the info line, no warning."""
+    loop = asyncio.new_event_loop()
+    src = udev.UdevSource(loop, lambda *a: None, source="kernel", log=logging.getLogger("t.u"))
+    try:
+        with caplog.at_level(logging.DEBUG, logger="t.u"):
+            src.start()
+    finally:
+        src.stop()
+        loop.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert "KiB" in caplog.text and "receive buffer" in caplog.text

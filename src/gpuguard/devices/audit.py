@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import AbstractSet, Mapping, Optional, Sequence
 
 from gpuguard.devices.containers import ContainerCgroup
 from gpuguard.devices.entitlement import Entitlement
@@ -31,6 +31,7 @@ RECONCILER = "container_access"
 
 FINDING_DENIED = "container-device-denied"
 FINDING_MISSING = "container-device-missing"
+FINDING_STALE = "container-device-stale"
 FINDING_CONFLICT = "container-device-conflict"
 FINDING_UNREADABLE = "container-unreadable"
 
@@ -47,6 +48,7 @@ CAUSE_REWRITE_V2 = (
 CAUSE_PLUGIN_UVM = "device plugin started without /dev/nvidia-uvm (restart the plugin)"
 CAUSE_PLUGIN_CTL = "device plugin or runtime did not give /dev/nvidiactl (restart the plugin)"
 CAUSE_UNKNOWN = "something rewrote the container's device cgroup without these nodes"
+CAUSE_RELOADED = "the driver module was reloaded after the container started"
 
 _UVM_ROLES = (ROLE_UVM, ROLE_UVM_TOOLS)
 
@@ -208,20 +210,21 @@ def _finding(
     summary: str,
     cause: str,
     severity: str,
+    *,
+    stale: str = "",
 ) -> Finding:
+    fields = {
+        "POD_UID": c.pod_uid,
+        "CONTAINER_ID": c.container_id,
+        "DEVICE": node.path,
+        "DEVICE_NUMBERS": node.numbers,
+        "CAUSE": cause,
+        "CGROUP_DRIVER": c.driver,
+    }
+    if stale:
+        fields["CONTAINER_DEVICE_NUMBERS"] = stale
     return Finding(
-        kind=kind,
-        reconciler=RECONCILER,
-        summary=summary,
-        fields={
-            "POD_UID": c.pod_uid,
-            "CONTAINER_ID": c.container_id,
-            "DEVICE": node.path,
-            "DEVICE_NUMBERS": node.numbers,
-            "CAUSE": cause,
-            "CGROUP_DRIVER": c.driver,
-        },
-        severity=severity,
+        kind=kind, reconciler=RECONCILER, summary=summary, fields=fields, severity=severity
     )
 
 
@@ -232,6 +235,7 @@ def audit(
     *,
     device_rules: Optional[Mapping[str, DeviceRules]] = None,
     restart_on_v2: bool = False,
+    plugin_containers: AbstractSet[str] = frozenset(),
 ) -> tuple[tuple[Finding, ...], tuple[Action, ...]]:
     """Findings and actions for every GPU container.
 
@@ -239,7 +243,8 @@ def audit(
     True allowed, False denied, None / absent unknown (nothing is done on unknown);
     ``device_rules``: the parsed v1 devices.list per container_id, for cause heuristics;
     ``restart_on_v2``: propose RestartContainer instead of V2ReportOnly where no in-place
-    repair exists."""
+    repair exists; ``plugin_containers``: IDs of device plugins' own containers, whose
+    view of the host's nodes the device plugin step judges (and restarts them for)."""
     rules_by_id = device_rules or {}
     findings: list[Finding] = []
     actions: list[Action] = []
@@ -266,17 +271,32 @@ def audit(
         verdict = {n.numbers: access.get((c.container_id, n.numbers)) for n in ent.nodes}
         denied = [n for n in ent.nodes if verdict[n.numbers] is False]
         rules = rules_by_id.get(c.container_id)
-        for node in ent.missing:
+        own = c.container_id in plugin_containers
+        for node in () if own else ent.missing:
             cause = CAUSE_PLUGIN_UVM if node.role in _UVM_ROLES else CAUSE_PLUGIN_CTL
             findings.append(
                 _finding(
                     FINDING_MISSING,
                     c,
                     node,
-                    f"pod {c.pod_uid} container {short} lacks {node.path}, which the host "
-                    f"has: {cause}; then recreate the container",
+                    f"pod {c.pod_uid} container {short} has no {node.path} in its /dev, "
+                    f"which the host has: {cause}; then recreate the container",
                     cause,
-                    "error",
+                    "warning",
+                )
+            )
+        for theirs, host in () if own else ent.stale:
+            findings.append(
+                _finding(
+                    FINDING_STALE,
+                    c,
+                    host,
+                    f"pod {c.pod_uid} container {short} has {theirs.path} with stale "
+                    f"numbers ({theirs.numbers}, host has {host.numbers}): "
+                    f"{CAUSE_RELOADED}; recreate the container",
+                    CAUSE_RELOADED,
+                    "warning",
+                    stale=theirs.numbers,
                 )
             )
         if not denied:

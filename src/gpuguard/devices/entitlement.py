@@ -108,6 +108,9 @@ class Entitlement:
     visible: VisibleDevices
     notes: tuple[str, ...] = ()
     readable: bool = True  # False: its /dev could not be read (no process, gone)
+    # (its node, the host's node of that path) where the numbers differ: the node was
+    # made before a module reload gave the driver a new major; present, but stale
+    stale: tuple[tuple[DeviceNode, DeviceNode], ...] = ()
 
     @property
     def is_gpu_container(self) -> bool:
@@ -129,12 +132,17 @@ def compute_entitlement(
     expected), ``checkpoint_ids`` the pod's IDs in the kubelet checkpoint (None: the pod
     has no entry there)."""
     host_by_key = {n.key: n for n in host_nodes}
+    host_by_path = {n.path: n for n in host_nodes}
+    stale: list[tuple[DeviceNode, DeviceNode]] = []
     gpu_by_minor = {g.minor: g for g in gpus}
     notes: list[str] = []
     present: list[DeviceNode] = []
     for cn in container_nodes:
         hn = host_by_key.get(cn.key)
         if hn is None:
+            same_path = host_by_path.get(cn.path)
+            if same_path is not None and same_path.role in CONTROL_ROLES:
+                stale.append((cn, same_path))
             notes.append(f"{cn.path} ({cn.numbers}) matches no host node; ignored")
             continue
         if hn not in present:
@@ -169,7 +177,14 @@ def compute_entitlement(
     missing: list[DeviceNode] = []
     if any(n.role == ROLE_GPU for n in present):
         present_keys = {n.key for n in present}
-        missing = [n for n in host_nodes if n.role in CONTROL_ROLES and n.key not in present_keys]
+        stale_paths = {h.path for _, h in stale}
+        missing = [
+            n
+            for n in host_nodes
+            if n.role in CONTROL_ROLES and n.key not in present_keys and n.path not in stale_paths
+        ]
+    else:
+        stale = []
     return Entitlement(
         pod_uid=pod_uid,
         container_id=container_id,
@@ -179,6 +194,7 @@ def compute_entitlement(
         missing=tuple(missing),
         visible=visible,
         notes=tuple(notes),
+        stale=tuple(stale),
     )
 
 

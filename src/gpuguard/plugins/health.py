@@ -118,11 +118,17 @@ def view_gaps(
         if have is None:
             gaps.append(n.path)
         elif have != n.numbers:
-            wrong.append(n.path)
-    how = "absent from its /dev"
+            wrong.append(f"{n.path} ({_mm(have)}, host has {_mm(n.numbers)})")
+    how = []
+    if gaps:
+        how.append(f"absent from its /dev: {', '.join(gaps)}")
     if wrong:
-        how += f"; {', '.join(wrong)} with other numbers than the host's"
-    return gaps + wrong, how
+        how.append(f"present with stale numbers: {', '.join(wrong)}")
+    return gaps + [w.split(" ", 1)[0] for w in wrong], "; ".join(how)
+
+
+def _mm(numbers: tuple[str, int, int]) -> str:
+    return f"{numbers[1]}:{numbers[2]}"
 
 
 def _fields(p: PluginInfo) -> dict[str, str]:
@@ -187,11 +193,11 @@ def assess(
             Finding(
                 K_MISSING_DEVICE,
                 RECONCILER,
-                f"device plugin {p.identity} ({p.process.describe()}) lacks "
-                f"{', '.join(gaps)} ({how}): containers it sets up will not get "
+                f"device plugin {p.identity} ({p.process.describe()}) does not see the "
+                f"host's {', '.join(gaps)} ({how}): containers it sets up will not get "
                 "them (CUDA 'unknown error'); it must be restarted",
                 {**_fields(p), "MISSING": " ".join(gaps)},
-                "error",
+                "warning",  # what gpuguard does about it is journaled with its outcome
             )
         )
         actions[p.identity] = RestartPlugin(
@@ -311,7 +317,7 @@ def _containers(obs: PluginObservation, stale: list[str]) -> list[Finding]:
                         os.path.basename(n.path) for n in c.dev if n.path != UVM_PATH
                     ),
                 },
-                "error",
+                "warning",
             )
         )
     return out

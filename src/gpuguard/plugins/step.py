@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from gpuguard import safeio
+from gpuguard.conditions import Conditions, log_findings
 from gpuguard.errors import GpuguardError
 from gpuguard.model import Finding, Outcome
 from gpuguard.paths import STATE_DIR, Root
@@ -147,6 +148,7 @@ class DevicePluginStep:
         self.extra = extra_sockets
         self.state_file = state_file
         self.nvml_timeout = nvml_timeout
+        self.conditions = Conditions()  # findings are journaled when they change only
         self.state: dict[str, PluginState] = {}
         self._loaded_from: Optional[Root] = None
 
@@ -268,13 +270,7 @@ class DevicePluginStep:
                 st.last, st.last_seen, st.socket = p.process, obs.now, p.socket
         for ident in [k for k, v in self.state.items() if self._forgettable(v, obs.now)]:
             del self.state[ident]
-        for f in result.findings:
-            elog.event(
-                f.kind,
-                f.summary,
-                level=f.severity,
-                fields={"GPUGUARD_RECONCILER": f.reconciler, **f.fields},
-            )
+        log_findings(elog, self.conditions, RECONCILER, result.findings)
         ctx.findings += result.findings
         await self._check_pending(svc, ctx, obs)
         restarter = self.restarter or PluginRestarter.from_config(cfg)

@@ -27,6 +27,7 @@ and a ``remove`` (when sysfs attributes are already gone) still classifies.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import os
@@ -63,6 +64,24 @@ NETLINK_KOBJECT_UEVENT = 15
 # the socket: an overflow loses events (ENOBUFS), which we then treat as "resync all".
 RECEIVE_BUFFER_BYTES = 8 * 1024 * 1024
 MAX_EVENTS_PER_WAKEUP = 1024
+
+
+def size_receive_buffer(fd: int, want: int) -> int:
+    """Ask for a `want`-byte receive buffer on socket `fd`; the size the kernel granted.
+
+    SO_RCVBUF never fails for lack of privilege: the kernel caps it at net.core.rmem_max.
+    SO_RCVBUFFORCE (what libudev's set_receive_buffer_size tries) needs CAP_NET_ADMIN,
+    which gpuguard.service does not have, so it is not used."""
+    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        # On failure the kernel's default buffer stays; an overflow resyncs everything.
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, want)
+        # The kernel reports twice what it reserves for data (its bookkeeping overhead).
+        return int(sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)) // 2
+    finally:
+        sock.close()
+
 
 Mark = Callable[[frozenset[str], str, bool], None]
 """mark(reconciler names, why, urgent)."""
@@ -192,15 +211,17 @@ class UdevSource:
             monitor.start()
         except OSError as exc:
             raise UdevSourceError(self._explain_open_failure(exc)) from exc
-        try:
-            monitor.set_receive_buffer_size(RECEIVE_BUFFER_BYTES)
-        except OSError as exc:
-            # Needs CAP_NET_ADMIN; the default buffer still works for small bursts.
-            self._log.warning("udev: could not enlarge netlink receive buffer: %s", exc)
         self._monitor = monitor
         self._fd = monitor.fileno()
+        rcvbuf = size_receive_buffer(self._fd, RECEIVE_BUFFER_BYTES)
         self._loop.add_reader(self._fd, self._on_readable)
-        self._log.info("udev: monitoring %s events (modules %s)", self._source, self._modules)
+        self._log.info(
+            "udev: monitoring %s events (modules %s; receive buffer %d KiB%s)",
+            self._source,
+            self._modules,
+            rcvbuf // 1024,
+            ", as net.core.rmem_max allows" if rcvbuf < RECEIVE_BUFFER_BYTES else "",
+        )
 
     def stop(self) -> None:
         if self._fd is not None:

@@ -21,7 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, AbstractSet, Callable, Mapping, Optional, Sequence
 
+from gpuguard.conditions import Conditions, log_findings
 from gpuguard.devices.audit import (
+    FINDING_CONFLICT,
+    FINDING_MISSING,
+    FINDING_STALE,
     AccessKey,
     CgroupV1Allow,
     RestartContainer,
@@ -45,7 +49,8 @@ from gpuguard.devices.rules import DeviceRules, parse_devices_list
 from gpuguard.errors import GpuguardError
 from gpuguard.inventory import Inventory
 from gpuguard.model import Action, Outcome
-from gpuguard.paths import Root
+from gpuguard.paths import DEVICE_PLUGINS_DIR, Root
+from gpuguard.plugins.discover import discover_plugins
 from gpuguard.safeio import CGROUP_MAX, UnsafeFileError, read_kernel_text
 
 if TYPE_CHECKING:
@@ -53,6 +58,8 @@ if TYPE_CHECKING:
     from gpuguard.systemd import Systemd
 
 NAME = "container_access"
+# Lasting states gpuguard cannot end itself: journaled when they appear, change or clear.
+CONDITION_KINDS = frozenset({FINDING_MISSING, FINDING_STALE, FINDING_CONFLICT})
 POD_RESTART_WINDOW = 3600.0  # V2Remedy=restart-container: one restart per pod per hour
 SCOPE_IFACE = "org.freedesktop.systemd1.Scope"
 
@@ -66,6 +73,8 @@ class AccessView:
     # container_id -> why its own files could not be read: it gets a finding and is
     # neither judged nor granted anything; every other container goes on.
     broken: Mapping[str, str] = field(default_factory=dict)
+    # device plugins' own containers: the plugin step judges their view of the nodes
+    plugin_containers: frozenset[str] = frozenset()
 
 
 def checkpoint_ids(root: Root, path: str) -> dict[str, set[str]]:
@@ -143,7 +152,11 @@ class AccessObserver:
         )
 
     def observe(
-        self, root: Root, inventory: Optional[Inventory], checkpoint_path: str
+        self,
+        root: Root,
+        inventory: Optional[Inventory],
+        checkpoint_path: str,
+        plugin_socket_dir: str = DEVICE_PLUGINS_DIR,
     ) -> Optional[AccessView]:
         majors = nvidia_majors(read_proc_devices(root))
         if majors.nvidia is None:
@@ -203,7 +216,16 @@ class AccessObserver:
             del self._good[stale_id]
         for cid in broken:  # a container we could not read is judged afresh next pass
             self._good.pop(cid, None)
-        return AccessView(tuple(containers), ents, access, rules, broken)
+        plugins: frozenset[str] = frozenset()
+        if any(e.missing or e.stale for _, e in gpu):  # rare: only then find the plugins
+            plugins = frozenset(
+                p.process.container_id
+                for p in discover_plugins(root, plugin_socket_dir)
+                if p.process is not None and p.process.container_id
+            )
+        return AccessView(
+            tuple(containers), ents, access, rules, broken=broken, plugin_containers=plugins
+        )
 
 
 def plan_durable(
@@ -264,13 +286,18 @@ class ContainerAccessStep:
         self.durable: dict[str, set[str]] = {}  # unit -> numbers in its DeviceAllow=
         self.clock = clock
         self.pod_restarts: dict[str, float] = {}  # pod UID -> when we last stopped one
+        self.conditions = Conditions()
 
     async def __call__(self, svc: Services, ctx: PassContext) -> None:
         cfg = svc.config
         if cfg.devices.regrant:
             self._fast_repair(svc, ctx)
         view = await asyncio.to_thread(
-            self.observer.observe, svc.root, ctx.known_inventory, cfg.kubelet.checkpoint_path
+            self.observer.observe,
+            svc.root,
+            ctx.known_inventory,
+            cfg.kubelet.checkpoint_path,
+            cfg.device_plugin.socket_dir,
         )
         if view is None:
             return
@@ -280,6 +307,7 @@ class ContainerAccessStep:
             view.access,
             device_rules=view.rules,
             restart_on_v2=cfg.devices.v2_remedy == "restart-container",
+            plugin_containers=view.plugin_containers,
         )
         findings += unreadable_findings(view.containers, view.broken)
         # 1. the fast path: direct cgroup writes, before anything slower (logging the
@@ -288,7 +316,11 @@ class ContainerAccessStep:
         if cfg.devices.regrant:
             outcomes = [self._v1(a, svc) for a in actions if isinstance(a, CgroupV1Allow)]
         for f in findings:
-            svc.log.finding(f)
+            if f.kind not in CONDITION_KINDS:
+                svc.log.finding(f)
+        log_findings(
+            svc.log, self.conditions, NAME, [f for f in findings if f.kind in CONDITION_KINDS]
+        )
         ctx.findings += findings
         if not cfg.devices.regrant:
             return

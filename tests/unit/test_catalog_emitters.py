@@ -1,0 +1,144 @@
+"""Each catalog entry that shows a field (@FIELD@) gets it from every way it is emitted.
+
+`journalctl -x` fills @FIELD@ from the entry; a field the entry lacks is shown as the
+literal "@FIELD@". Here each such kind is produced by its real emitter (the reconciler's
+finding builder plus EventLog, the actuator, the daemon's pass) and the entry is checked.
+The last test makes sure no kind that shows fields is left without a case here; besides,
+tests/conftest.py checks every entry any test makes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from catalog_fields import shown
+from gpuguard.actuate.checkpoint import CheckpointActuator
+from gpuguard.catalog import KINDS
+from gpuguard.conditions import Conditions, log_findings
+from gpuguard.config import load_config
+from gpuguard.daemon import Daemon
+from gpuguard.log import EventLog
+from gpuguard.model import Finding
+from gpuguard.notify import Notifier
+from gpuguard.passes import PassContext, Work
+from gpuguard.paths import Root
+from gpuguard.plugins.health import assess
+from gpuguard.reconcilers.checkpoint import DeleteCheckpoint, RewriteCheckpoint, sha256
+from unit.test_container_findings import ALL_ALLOWED, OLD_UVM, _audit, _ent
+from unit.test_devices_audit import CTL, GPU0, RUNC_LIST
+from unit.test_plugins_nvml import GPU, NO_NS, UNKNOWN, observation, plugin
+
+Entries = list[dict[str, Any]]
+
+
+def logged(emit: Callable[[EventLog], None]) -> Entries:
+    out = io.StringIO()
+    emit(EventLog(stream=out, level="debug"))
+    return [json.loads(line) for line in out.getvalue().splitlines()]
+
+
+def findings(fs: tuple[Finding, ...]) -> Entries:
+    return logged(lambda log: [log.finding(f) for f in fs])
+
+
+def container_findings() -> Entries:
+    denied, _ = _audit(_ent((GPU0, CTL)), RUNC_LIST)
+    absent_and_stale, _ = _audit(_ent((GPU0, CTL, OLD_UVM)), ALL_ALLOWED)
+    return findings(denied + absent_and_stale)
+
+
+def plugin_findings() -> Entries:
+    out = []
+    for nvml in ({GPU: UNKNOWN}, {GPU: NO_NS}):
+        stale = plugin(dev=())  # sees none of the host's nodes
+        out += findings(assess(observation(stale), registration_grace=120, nvml=nvml).findings)
+    return out
+
+
+def checkpoint_changes(tmp: Path) -> Entries:
+    def emit(log: EventLog) -> None:
+        act = CheckpointActuator(tmp / "backups", 5, log)
+        for cls in (RewriteCheckpoint, DeleteCheckpoint):
+            path = tmp / "kubelet_internal_checkpoint"
+            path.write_bytes(b"{}")
+            extra: dict[str, Any] = {"content": b"{ }"} if cls is RewriteCheckpoint else {}
+            a = cls("checkpoint", "stale GPU IDs", str(path), path=path,
+                    expected_sha256=sha256(b"{}"), **extra)  # fmt: skip
+            assert act.apply(a).status == "done"
+
+    return logged(emit)
+
+
+def daemon_pass(tmp: Path) -> Entries:
+    async def boom(svc: Any, ctx: PassContext) -> None:
+        raise RuntimeError("unexpected host state")
+
+    def emit(log: EventLog) -> None:
+        root = Root(tmp / "root")
+        d = Daemon(root=root, config=load_config(root), config_path=None, log=log,
+                   notifier=Notifier(""), inventory_path=tmp / "none.json",
+                   bus_address="unix:path=/nonexistent", steps={"boom": boom})  # fmt: skip
+        now = time.monotonic()
+        asyncio.run(d._run_pass(Work(frozenset({"boom"}), ("test",), now, now)))
+        asyncio.run(d._inventory())  # unavailable
+        (tmp / "none.json").write_text('{"gpus": []}')
+        asyncio.run(d._inventory())  # available again
+
+    return logged(emit)
+
+
+def conditions() -> Entries:
+    def emit(log: EventLog) -> None:
+        c = Conditions()
+        fs, _ = _audit(_ent((GPU0, CTL)), ALL_ALLOWED)
+        log_findings(log, c, "container_access", fs)
+        log_findings(log, c, "container_access", [])
+
+    return logged(emit)
+
+
+def plugin_restarts() -> Entries:
+    """plugin-restarted / -declined come from DevicePluginStep._journal: the same fields
+    as the step passes them (the action's, plus METHOD or REASON)."""
+    from gpuguard.plugins.step import DevicePluginStep
+
+    (a,) = assess(observation(plugin(dev=())), registration_grace=120).actions
+
+    def emit(log: EventLog) -> None:
+        step = DevicePluginStep()
+        step._journal(log, "plugin-restarted", a, "restarted", "notice", METHOD="ctr")
+        step._journal(log, "plugin-restart-declined", a, "not", "info", REASON="budget")
+
+    return logged(emit)
+
+
+@pytest.fixture(scope="module")
+def entries(tmp_path_factory: pytest.TempPathFactory) -> Entries:
+    tmp = tmp_path_factory.mktemp("emitters")
+    return (
+        container_findings()
+        + plugin_findings()
+        + checkpoint_changes(tmp)
+        + daemon_pass(tmp)
+        + conditions()
+        + plugin_restarts()
+    )
+
+
+SHOWING = sorted(k for k in KINDS if shown(k))
+
+
+@pytest.mark.parametrize("kind", SHOWING)
+def test_every_entry_carries_the_fields_its_catalog_shows(entries: Entries, kind: str) -> None:
+    mine = [e for e in entries if e["kind"] == kind]
+    assert mine, f"no case here emits {kind}: add one"
+    for e in mine:
+        carried = {k.upper() for k in e}  # JSON lines: "traceback" is TRACEBACK
+        assert shown(kind) <= carried, (kind, sorted(shown(kind) - carried), e)
