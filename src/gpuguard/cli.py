@@ -132,6 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     st.add_argument("--json", action="store_true")
     sub.add_parser("catalog", parents=[common], help="print the journal message catalog")
+    doc = sub.add_parser(
+        "doctor",
+        parents=[common],
+        help="is this node exposed to F1-F4, and why? (one line per check; changes nothing)",
+        epilog="exit codes: 0 nothing exposed or broken (unknown checks are listed); "
+        "1 a check is exposed or broken; 2 usage or configuration error; 70 internal error.",
+    )
+    doc.add_argument("--json", action="store_true", help="print the verdicts as JSON")
     return parser
 
 
@@ -416,7 +424,28 @@ def cmd_catalog(args: argparse.Namespace) -> int:
     return exitcodes.OK
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from gpuguard.commands import run
+    from gpuguard.doctor.run import run_doctor
+    from gpuguard.inventory import load_inventory
+
+    root = _root(args)
+    cfg = _config(args, root)
+    try:
+        inventory = load_inventory(_inventory_path(args, cfg))
+    except GpuguardError:
+        inventory = None  # the driver and gpu-count checks say what is missing
+
+    def runner(argv: Sequence[str]) -> str:
+        return run(argv, timeout=5.0).stdout
+
+    report = run_doctor(root, inventory, cfg.kubelet.checkpoint_path, runner)
+    print(json.dumps(report.to_json(), indent=2) if args.json else report.render())
+    return report.exit_code
+
+
 COMMANDS = {
+    "doctor": cmd_doctor,
     "check": cmd_check,
     "daemon": cmd_daemon,
     "config": cmd_config,
