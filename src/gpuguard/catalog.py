@@ -227,6 +227,15 @@ KINDS: dict[str, KindDoc] = {
         "CAP_SYS_CHROOT in gpuguard.service's CapabilityBoundingSet= and mnt allowed by "
         "its RestrictNamespaces=.",
     ),
+    "gpu-count-mismatch": KindDoc(
+        "The node has fewer (or more) GPUs at one layer than at the one below",
+        "gpuguard counts NVIDIA GPUs on the PCI bus, GPUs NVML sees and devices kubelet "
+        "registered (RegisteredDevices in its checkpoint). GPUGUARD_LAYER says which layer "
+        "lost them: driver (a GPU fell off the bus or failed to initialise: check dmesg for "
+        "Xid errors and nvidia-smi), device-plugin (it did not register them all, F4: "
+        "restart the device plugin pod), kubelet (stale registrations of GPUs that are "
+        "gone, F1). gpuguard reports it; the repair belongs to that layer.",
+    ),
     "container-missing-uvm": KindDoc(
         "A GPU container has no /dev/nvidia-uvm",
         "It was set up by a device plugin that did not see /dev/nvidia-uvm. Granting "

@@ -140,6 +140,31 @@ def build_parser() -> argparse.ArgumentParser:
         "1 a check is exposed or broken; 2 usage or configuration error; 70 internal error.",
     )
     doc.add_argument("--json", action="store_true", help="print the verdicts as JSON")
+    npd = sub.add_parser(
+        "npd",
+        parents=[common],
+        help="answer one node-problem-detector condition from the daemon's status file",
+        epilog="exit codes (node-problem-detector's): 0 condition False (OK), 1 True (the "
+        "problem is present), 2 unknown (no or unreadable status, daemon gone, result too "
+        "old). The first output line is the message.",
+    )
+    from gpuguard.npd import CONDITIONS, DEFAULT_MAX_AGE, DEFAULT_MAX_LENGTH
+
+    npd.add_argument("condition", choices=[c.name for c in CONDITIONS])
+    npd.add_argument(
+        "--max-age",
+        type=float,
+        default=DEFAULT_MAX_AGE,
+        metavar="SECONDS",
+        help="a step result older than this is unknown (default %(default).0f)",
+    )
+    npd.add_argument(
+        "--max-length",
+        type=int,
+        default=DEFAULT_MAX_LENGTH,
+        metavar="BYTES",
+        help="message length (NPD's max_output_length, default %(default)d)",
+    )
     return parser
 
 
@@ -277,6 +302,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     from gpuguard.plugins.step import DevicePluginStep
     from gpuguard.steps.container_access import ContainerAccessStep
     from gpuguard.steps.device_nodes import DeviceNodesStep
+    from gpuguard.steps.gpu_count import GpuCountStep
 
     root = _root(args)
     cfg = _config(args, root)
@@ -298,6 +324,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
             "device_nodes": DeviceNodesStep(),
             "checkpoint": CheckpointStep(),
             "device_plugin": DevicePluginStep(),
+            "gpu_count": GpuCountStep(),  # report only; last, after the plugins' repairs
         },
         dry_run=args.dry_run,
         udev=not args.no_udev,
@@ -444,7 +471,16 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return report.exit_code
 
 
+def cmd_npd(args: argparse.Namespace) -> int:
+    from gpuguard.npd import answer, one_line
+
+    code, message = answer(_root(args), args.condition, max_age=args.max_age)
+    print(one_line(message, args.max_length))
+    return code
+
+
 COMMANDS = {
+    "npd": cmd_npd,
     "doctor": cmd_doctor,
     "check": cmd_check,
     "daemon": cmd_daemon,

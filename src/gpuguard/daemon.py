@@ -20,6 +20,7 @@ from gpuguard.coalescer import Coalescer
 from gpuguard.config import Config, load_config
 from gpuguard.errors import ConfigError, GpuguardError
 from gpuguard.inventory import Inventory, load_inventory
+from gpuguard.ledger import Ledger
 from gpuguard.log import EventLog
 from gpuguard.notify import Notifier, watchdog_interval
 from gpuguard.passes import STATUS_FILE, PassContext, Step, Work
@@ -62,6 +63,7 @@ class Daemon:
         self.started_wall = time.time()
         self.last_pass: dict[str, Any] = {}
         self.first_pass: dict[str, Any] = {}
+        self.ledger = Ledger()  # each step's latest result and the last hour's changes
         self.inventory: Optional[Inventory] = None
         self._followups: dict[tuple[frozenset[str], str], float] = {}
         self.first_pass_done = asyncio.Event()
@@ -195,9 +197,11 @@ class Daemon:
             if name not in work.reconcilers:
                 continue
             t_step = time.monotonic()
+            n_findings, n_outcomes, error = len(ctx.findings), len(ctx.outcomes), None
             try:
                 await step(self, ctx)
             except Exception as e:
+                error = f"{type(e).__name__}: {e}"
                 self.log.event(
                     "reconciler-crashed",
                     f"reconciler {name} raised {type(e).__name__}: {e}",
@@ -206,6 +210,9 @@ class Daemon:
                     exc=e,
                 )
             steps_ms[name] = round((time.monotonic() - t_step) * 1000, 2)
+            self.ledger.record(
+                name, self.passes, ctx.findings[n_findings:], ctx.outcomes[n_outcomes:], error
+            )
         duration = time.monotonic() - t0
         if ctx.known_inventory is not None:
             self.inventory = ctx.known_inventory
@@ -319,6 +326,7 @@ class Daemon:
             "dry_run": self.dry_run,
             "first_pass": self.first_pass,
             "last_pass": self.last_pass,
+            **self.ledger.to_json(),
         }
         path = self.root.path(STATUS_FILE)
         try:
