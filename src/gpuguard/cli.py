@@ -269,11 +269,15 @@ def cmd_status(args: argparse.Namespace) -> int:
         inventory = load_inventory(_inventory_path(args, cfg))
     except NoDriverError:
         inventory = None
+    from gpuguard.summary import node_summary, render
+
     rows = container_status(root, cfg, inventory)
     daemon = daemon_status(root)
+    summary = node_summary(root, rows)
     if args.json:
-        print(json.dumps({"daemon": daemon, "containers": rows}, indent=2))
+        print(json.dumps({"summary": summary, "daemon": daemon, "containers": rows}, indent=2))
     else:
+        print("\n".join(render(summary)))
         if daemon is None:
             print("daemon:     not running (no status file)")
         else:
