@@ -151,6 +151,17 @@ def build_parser() -> argparse.ArgumentParser:
     from gpuguard.npd import CONDITIONS, DEFAULT_MAX_AGE, DEFAULT_MAX_LENGTH
 
     npd.add_argument("condition", choices=[c.name for c in CONDITIONS])
+    me = sub.add_parser(
+        "metrics",
+        parents=[common],
+        help="print the daemon's Prometheus metrics, or serve them (gpuguard-metrics.socket)",
+    )
+    me.add_argument(
+        "--serve",
+        action="store_true",
+        help="serve GET /metrics on the socket systemd passed (or --listen)",
+    )
+    me.add_argument("--listen", metavar="HOST:PORT", help="listen here instead (by hand, tests)")
     npd.add_argument(
         "--max-age",
         type=float,
@@ -302,6 +313,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
     from gpuguard.check import CheckpointStep
     from gpuguard.daemon import Daemon
+    from gpuguard.metrics import make_output
     from gpuguard.notify import Notifier
     from gpuguard.plugins.step import DevicePluginStep
     from gpuguard.steps.container_access import ContainerAccessStep
@@ -332,6 +344,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         },
         dry_run=args.dry_run,
         udev=not args.no_udev,
+        metrics=make_output(),
     )
     return asyncio.run(daemon.run())
 
@@ -483,7 +496,35 @@ def cmd_npd(args: argparse.Namespace) -> int:
     return code
 
 
+def cmd_metrics(args: argparse.Namespace) -> int:
+    from gpuguard.errors import BadInputError, ConfigError
+    from gpuguard.metrics import RUNTIME_FILE
+    from gpuguard.metrics_http import listen, make_server, systemd_socket
+
+    path = _root(args).path(RUNTIME_FILE)
+    if not args.serve:
+        try:
+            sys.stdout.buffer.write(path.read_bytes())
+        except OSError as e:
+            raise BadInputError(
+                f"cannot read {path}: {e.strerror}; is gpuguard.service running, with "
+                "python3-prometheus-client installed?"
+            ) from None
+        return exitcodes.OK
+    try:
+        sock = listen(args.listen) if args.listen else systemd_socket()
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot listen on {args.listen}: {e}") from None
+    if sock is None:
+        raise ConfigError(
+            "no socket from systemd (start gpuguard-metrics.socket) and no --listen HOST:PORT"
+        )
+    make_server(sock, path).serve_forever()
+    return exitcodes.OK
+
+
 COMMANDS = {
+    "metrics": cmd_metrics,
     "npd": cmd_npd,
     "doctor": cmd_doctor,
     "check": cmd_check,

@@ -22,6 +22,7 @@ from gpuguard.errors import ConfigError, GpuguardError
 from gpuguard.inventory import Inventory, load_inventory
 from gpuguard.ledger import Ledger
 from gpuguard.log import EventLog
+from gpuguard.metrics import MetricsOutput
 from gpuguard.notify import Notifier, watchdog_interval
 from gpuguard.passes import STATUS_FILE, PassContext, Step, Work
 from gpuguard.paths import Root
@@ -45,6 +46,7 @@ class Daemon:
         steps: Mapping[str, Step],
         dry_run: bool = False,
         udev: bool = True,
+        metrics: Optional[MetricsOutput] = None,
     ) -> None:
         self.root = root
         self.config = config
@@ -64,6 +66,7 @@ class Daemon:
         self.last_pass: dict[str, Any] = {}
         self.first_pass: dict[str, Any] = {}
         self.ledger = Ledger()  # each step's latest result and the last hour's changes
+        self.metrics = metrics
         self.inventory: Optional[Inventory] = None
         self._followups: dict[tuple[frozenset[str], str], float] = {}
         self.first_pass_done = asyncio.Event()
@@ -198,6 +201,7 @@ class Daemon:
                 continue
             t_step = time.monotonic()
             n_findings, n_outcomes, error = len(ctx.findings), len(ctx.outcomes), None
+            gauges_before = set(ctx.gauges)
             try:
                 await step(self, ctx)
             except Exception as e:
@@ -211,7 +215,12 @@ class Daemon:
                 )
             steps_ms[name] = round((time.monotonic() - t_step) * 1000, 2)
             self.ledger.record(
-                name, self.passes, ctx.findings[n_findings:], ctx.outcomes[n_outcomes:], error
+                name,
+                self.passes,
+                ctx.findings[n_findings:],
+                ctx.outcomes[n_outcomes:],
+                error,
+                gauges={k: v for k, v in ctx.gauges.items() if k not in gauges_before},
             )
         duration = time.monotonic() - t0
         if ctx.known_inventory is not None:
@@ -334,6 +343,10 @@ class Daemon:
             write_new(path, json.dumps(doc, indent=1).encode(), mode=0o644)
         except OSError as e:
             self.log.debug(f"cannot write {path}: {e}")
+        if self.metrics is not None:
+            textfile = self.config.metrics.textfile_directory
+            for error in self.metrics.publish(self.last_pass, doc, self.root, textfile):
+                self.log.warning(error)
 
 
 def _config_inventory(config: Config) -> Optional[Path]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from gpuguard.model import Finding, Outcome
 
@@ -32,6 +32,7 @@ class Ledger:
         outcomes: Sequence[Outcome],
         error: Optional[str] = None,
         now: Optional[float] = None,
+        gauges: Optional[Mapping[str, float]] = None,
     ) -> None:
         now = time.time() if now is None else now
         self.steps[step] = {
@@ -40,6 +41,7 @@ class Ledger:
             "error": error,
             "findings": [f.to_json() for f in findings],
             "outcomes": [o.to_json() for o in outcomes],
+            "gauges": dict(gauges or {}),
         }
         for o in outcomes:
             if o.status in ("done", "failed", "declined"):

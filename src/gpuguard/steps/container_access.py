@@ -257,6 +257,9 @@ class ContainerAccessStep:
         for f in findings:
             svc.log.finding(f)
         ctx.findings += findings
+        ctx.gauges["gpu_containers"] = sum(
+            1 for e in view.entitlements.values() if e.is_gpu_container
+        )
         if not cfg.devices.regrant:
             return
         # 2. durable grants through systemd

@@ -44,6 +44,13 @@ class GpuCountStep:
         counts = await asyncio.to_thread(
             observe_counts, svc.root, inventory, svc.config.kubelet.checkpoint_path
         )
+        for layer, n in (
+            ("pci", counts.pci),
+            ("nvml", counts.nvml),
+            ("kubelet", counts.registered),
+        ):
+            if n is not None:
+                ctx.gauges[f"gpus_{layer}"] = n
         found = findings(counts)
         for f in found:
             svc.log.finding(f)
