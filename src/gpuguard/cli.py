@@ -519,7 +519,10 @@ def cmd_metrics(args: argparse.Namespace) -> int:
         raise ConfigError(
             "no socket from systemd (start gpuguard-metrics.socket) and no --listen HOST:PORT"
         )
-    make_server(sock, path).serve_forever()
+    try:
+        make_server(sock, path).serve_forever()
+    except OSError as e:
+        raise GpuguardError(f"metrics server stopped: {e}", exit_code=exitcodes.USAGE) from None
     return exitcodes.OK
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import socketserver
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any, Optional
@@ -65,12 +66,17 @@ def _handler(path: Path) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+class _SocketServer(HTTPServer):
+    """An HTTPServer on a socket it is given. TCPServer.__init__ would create a socket
+    of its own first, which the unit's RestrictAddressFamilies=AF_UNIX refuses."""
+
+    def __init__(self, sock: socket.socket, handler: type[BaseHTTPRequestHandler]) -> None:
+        socketserver.BaseServer.__init__(self, sock.getsockname()[:2], handler)
+        self.socket = sock
+
+
 def make_server(sock: socket.socket, path: Path) -> HTTPServer:
-    server = HTTPServer(sock.getsockname()[:2], _handler(path), bind_and_activate=False)
-    server.socket.close()
-    server.socket = sock
-    server.timeout = None
-    return server
+    return _SocketServer(sock, _handler(path))
 
 
 def listen(address: str) -> socket.socket:
