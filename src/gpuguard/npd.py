@@ -177,7 +177,11 @@ def answer(
     return evaluate(cond, doc, time.time() if now is None else now, max_age)
 
 
-def monitor_config(path: str, *, interval: str = "30s") -> dict[str, Any]:
+PLUGIN_PATH = "/usr/libexec/gpuguard/npd-condition"  # hooks/npd-condition, as packaged
+MONITOR_CONFIG = "/usr/share/gpuguard/node-problem-detector/gpuguard-monitor.json"
+
+
+def monitor_config(path: str = PLUGIN_PATH, *, interval: str = "30s") -> dict[str, Any]:
     """The custom-plugin monitor configuration shipped in /usr/share/gpuguard (a test
     keeps the shipped file equal to this and valid against NPD's schema)."""
     return {

@@ -31,8 +31,8 @@ from unit.npd_schema import SCHEMA, npd_semantic_errors
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "share/node-problem-detector/gpuguard-monitor.json"
-SCRIPT = REPO / "share/node-problem-detector/gpuguard-condition"
-INSTALLED_SCRIPT = "/usr/share/gpuguard/node-problem-detector/gpuguard-condition"
+SCRIPT = REPO / "hooks/npd-condition"
+INSTALLED_SCRIPT = "/usr/libexec/gpuguard/npd-condition"
 
 STEP_OF = {c.name: c.steps[0] for c in CONDITIONS}
 KIND_OF = {
