@@ -307,3 +307,10 @@ def test_cli_doctor_json_and_exit_code(tmp_path: Path, capsys: pytest.CaptureFix
     assert cli.main(["doctor", "--root", str(root), "--inventory", str(inv)]) == 1
     out = capsys.readouterr().out
     assert "EXPOSED  dev-char-links" in out and out.rstrip().endswith("node: exposed")
+
+
+def test_pci_listing_fewer_than_nvml_is_unknown_not_broken(tmp_path: Path) -> None:
+    root = healthy_node(tmp_path)
+    os.rename(root / "sys/bus/pci/devices/0000:11:00.0", root / "elsewhere")
+    verdict, evidence, _ = check(doctor(root), "gpu-count")
+    assert verdict == UNKNOWN and "NVML sees more GPUs than this /sys lists" in evidence

@@ -66,3 +66,10 @@ def test_step_logs_and_appends_its_finding(tmp_path: Path) -> None:
     assert f.fields["GPUGUARD_LAYER"] == "driver" and "NVML sees 2 of the 3" in f.summary
     entry = json.loads(out.getvalue().splitlines()[-1])
     assert "NVML sees 2 of the 3" in json.dumps(entry)
+
+
+def test_more_gpus_in_nvml_than_on_this_pci_bus_is_not_a_loss() -> None:
+    # a simulated inventory on a host without NVIDIA functions: PCI says nothing
+    assert findings(GpuCounts(0, 2, 2)) == []
+    (f,) = findings(GpuCounts(0, 2, 1))  # the kubelet layer is still compared with NVML
+    assert f.fields["GPUGUARD_LAYER"] == "device-plugin"

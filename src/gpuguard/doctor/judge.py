@@ -312,6 +312,13 @@ def check_gpu_count(f: Facts) -> Check:
         }.get(layer, "")
         return Check("gpu-count", BROKEN, f"{text} ({f.counts_evidence})", fix)
     c = f.counts
+    if c.pci is not None and c.nvml is not None and c.nvml > c.pci:
+        return Check(
+            "gpu-count",
+            UNKNOWN,
+            f"{text}: NVML sees more GPUs than this /sys lists "
+            "(simulated inventory, or not the host's /sys?)",
+        )
     known = [v for v in (c.pci, c.nvml, c.registered) if v is not None]
     if len(known) < 2:
         return Check("gpu-count", UNKNOWN, f"{text}: too few layers readable ({f.counts_evidence})")

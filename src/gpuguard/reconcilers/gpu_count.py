@@ -56,7 +56,9 @@ def judge(c: GpuCounts) -> tuple[Optional[str], str]:
             "check dmesg and nvidia-smi"
         )
     if c.pci is not None and c.nvml is not None and c.nvml > c.pci:
-        return "driver", f"NVML reports {c.nvml} GPU(s) but the PCI bus lists {c.pci}"
+        # Not a lost GPU: this sysfs is not the GPUs' host (a simulated inventory, a
+        # container without the host's /sys). The PCI layer says nothing here.
+        c = GpuCounts(None, c.nvml, c.registered, c.resource, c.mig)
     if c.mig or c.registered is None:
         return None, _counts(c)
     have = c.nvml if c.nvml is not None else c.pci
