@@ -52,6 +52,15 @@ def test_npd_status_and_doctor_answer_from_the_daemon(systemd_ns) -> None:  # ty
     checks = {c["check"]: c for c in doc["checks"]}
     assert checks["daemon"]["verdict"] == "ok", checks["daemon"]
     assert checks["kubelet-dropin"]["verdict"] == "ok"  # the namespace has the repo's drop-in
+    # real binaries: runc --version and systemd's shared library, as installed here
+    runc = ns.run(["runc", "--version"], check=True).stdout.split()[2]
+    assert runc in checks["runc"]["evidence"]
+    systemd = ns.run(["systemctl", "--version"], check=True).stdout.split()[1]
+    assert checks["systemd"]["verdict"] == "ok"
+    assert f"systemd {systemd} (" in checks["systemd"]["evidence"]
+    assert checks["cgroup-layout"]["verdict"] == "ok"
+    assert checks["driver"]["verdict"] == "broken"  # no NVIDIA driver on this machine
+    assert doc["verdict"] == "broken" and doc["exit_code"] == 1
 
     # the daemon stops (RuntimeDirectory= goes with it): NPD hears "unknown", not "OK"
     ns.systemctl("stop", "gpuguard.service")
