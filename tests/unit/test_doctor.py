@@ -314,3 +314,43 @@ def test_pci_listing_fewer_than_nvml_is_unknown_not_broken(tmp_path: Path) -> No
     os.rename(root / "sys/bus/pci/devices/0000:11:00.0", root / "elsewhere")
     verdict, evidence, _ = check(doctor(root), "gpu-count")
     assert verdict == UNKNOWN and "NVML sees more GPUs than this /sys lists" in evidence
+
+
+def test_dropin_not_loaded_by_systemd_is_exposed(tmp_path: Path) -> None:
+    root = healthy_node(tmp_path)
+    vendor = "/usr/lib/systemd/system/kubelet.service.d/10-gpuguard.conf"
+    answers = {"systemctl": "/etc/systemd/system/kubelet.service.d/10-kubeadm.conf\n"}
+
+    def run(argv: Sequence[str]) -> str:
+        if argv[0] == "systemctl":
+            assert argv[1:] == ["show", "kubelet.service", "-p", "DropInPaths", "--value"]
+            return answers["systemctl"]
+        return runc_says("1.1.12")(argv)
+
+    from gpuguard.doctor.facts import gather
+    from gpuguard.doctor.judge import judge
+
+    def verdict() -> tuple[str, str, str]:
+        return check(judge(gather(Root(root), INVENTORY, None, run, live=True)), "kubelet-dropin")
+
+    v, evidence, fix = verdict()
+    assert v == EXPOSED and "not in kubelet.service's DropInPaths" in evidence
+    assert fix == "systemctl daemon-reload"
+    answers["systemctl"] = f"/etc/x.conf {vendor}\n"
+    assert verdict()[0] == OK
+
+
+def test_unreadable_plugin_environment_is_unknown(tmp_path: Path) -> None:
+    root = healthy_node(tmp_path)
+    write(
+        root,
+        "/etc/nvidia-container-runtime/config.toml",
+        '[nvidia-container-runtime]\nmode = "legacy"\n',
+    )
+    env = root / "proc/777/environ"
+    env.unlink()
+    env.mkdir()  # EISDIR stands in for EACCES (root reads everything)
+    report = doctor(root)
+    verdict, evidence, _ = check(report, "device-plugin")
+    assert verdict == UNKNOWN and "cannot read /proc/777" in evidence and "run as root" in evidence
+    assert check(report, "kubelet-cgroup-driver")[0] == UNKNOWN  # not wrongly "exposed"

@@ -157,11 +157,15 @@ def read_plugins(root: Root) -> Optional[tuple[PluginSettings, ...]]:
         base = root.path(f"/proc/{pid}")
         try:
             comm = (base / "comm").read_text().strip()
-            if comm not in PLUGIN_COMMS:
-                continue
+        except OSError:
+            continue
+        if comm not in PLUGIN_COMMS:
+            continue
+        try:
             argv = _split0((base / "cmdline").read_bytes())
             env_items = _split0((base / "environ").read_bytes())
-        except OSError:
+        except OSError as e:  # environ needs ptrace access: root
+            out.append(PluginSettings(pid, "", False, f"cannot read /proc/{pid}: {e.strerror}"))
             continue
         env = dict(e.partition("=")[::2] for e in env_items)
         out.append(plugin_settings(argv, env, pid))
@@ -192,14 +196,25 @@ def systemd_version(root: Root) -> tuple[str, str]:
     return "", "no libsystemd-shared-*.so under " + ", ".join(SYSTEMD_SHARED)
 
 
-def kubelet_dropin(root: Root) -> tuple[str, str]:
+def kubelet_dropin(root: Root, run: Runner, live: bool) -> tuple[str, str]:
+    """(path, state): "ok", "masked", "missing", or "not-loaded" when systemd (asked
+    only on the live host) has not read the file yet (no daemon-reload since)."""
     for path in (KUBELET_DROPIN, KUBELET_DROPIN_VENDOR):
         p = root.path(path)
         if os.path.islink(p) and os.readlink(p) == "/dev/null":
             return path, "masked"
         if p.is_file():
+            break
+    else:
+        return "", "missing"
+    if live:
+        try:
+            loaded = run(["systemctl", "show", "kubelet.service", "-p", "DropInPaths", "--value"])
+        except Exception:  # no systemd, no bus: the file is the evidence
             return path, "ok"
-    return "", "missing"
+        if loaded.strip() and path not in loaded.split():
+            return path, "not-loaded"
+    return path, "ok"
 
 
 def daemon_state(root: Root) -> DaemonState:
@@ -242,7 +257,10 @@ def gather(
     inventory: Optional[Inventory],
     registered: Optional[Sequence[tuple[str, Optional[Sequence[str]]]]],
     run: Runner,
+    live: Optional[bool] = None,
 ) -> Facts:
+    """`live`: whether to ask systemd too (default: only when the root is "/")."""
+    live = root.is_host if live is None else live
     layout, cg_evidence = cgroup_layout(root)
     crio = [read_conf(root, CRIO_CONFIGS[0], toml_scalars)]
     try:
@@ -271,7 +289,7 @@ def gather(
         links=check_dev_char_links(root, present),
         runc=runc_version(root, run),
         systemd=systemd_version(root),
-        dropin=kubelet_dropin(root),
+        dropin=kubelet_dropin(root, run, live),
         daemon=daemon_state(root),
         counts=counts,
         counts_evidence=counts_evidence,

@@ -37,6 +37,8 @@ def specs_in_oci(f: Facts) -> Optional[bool]:
     """Whether GPU devices reach runc through the OCI spec; None when it cannot be told."""
     if toolkit_mode(f) in SPEC_MODES:
         return True
+    if f.plugins and any(not p.strategy for p in f.plugins):
+        return None  # a plugin whose settings could not be read
     if f.plugins and all(p.pass_device_specs or p.strategy.startswith("cdi") for p in f.plugins):
         return True
     if toolkit_mode(f) == "legacy" and f.plugins is not None:
@@ -169,6 +171,8 @@ def check_plugin(f: Facts) -> Check:
     if not f.plugins:
         return Check("device-plugin", UNKNOWN, "no nvidia-device-plugin process in /proc")
     evidence = "; ".join(p.evidence for p in f.plugins)
+    if any(not p.strategy for p in f.plugins):
+        return Check("device-plugin", UNKNOWN, evidence + " (run as root)")
     if all(p.pass_device_specs or p.strategy.startswith("cdi") for p in f.plugins):
         return Check("device-plugin", OK, evidence + ": devices in the OCI spec")
     mode = toolkit_mode(f)
@@ -261,6 +265,13 @@ def check_dropin(f: Facts) -> Check:
     fix = (
         "install the gpuguard package's kubelet.service.d/10-gpuguard.conf; systemctl daemon-reload"
     )
+    if state == "not-loaded":
+        return Check(
+            "kubelet-dropin",
+            EXPOSED,
+            f"{path} present but not in kubelet.service's DropInPaths (no daemon-reload since)",
+            "systemctl daemon-reload",
+        )
     if state == "masked":
         return Check(
             "kubelet-dropin",
