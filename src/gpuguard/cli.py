@@ -497,33 +497,11 @@ def cmd_npd(args: argparse.Namespace) -> int:
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
-    from gpuguard.errors import BadInputError, ConfigError
     from gpuguard.metrics import RUNTIME_FILE
-    from gpuguard.metrics_http import listen, make_server, systemd_socket
+    from gpuguard.metrics_http import print_file, serve
 
     path = _root(args).path(RUNTIME_FILE)
-    if not args.serve:
-        try:
-            sys.stdout.buffer.write(path.read_bytes())
-        except OSError as e:
-            raise BadInputError(
-                f"cannot read {path}: {e.strerror}; is gpuguard.service running, with "
-                "python3-prometheus-client installed?"
-            ) from None
-        return exitcodes.OK
-    try:
-        sock = listen(args.listen) if args.listen else systemd_socket()
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot listen on {args.listen}: {e}") from None
-    if sock is None:
-        raise ConfigError(
-            "no socket from systemd (start gpuguard-metrics.socket) and no --listen HOST:PORT"
-        )
-    try:
-        make_server(sock, path).serve_forever()
-    except OSError as e:
-        raise GpuguardError(f"metrics server stopped: {e}", exit_code=exitcodes.USAGE) from None
-    return exitcodes.OK
+    return serve(path, args.listen) if args.serve else print_file(path)
 
 
 COMMANDS = {

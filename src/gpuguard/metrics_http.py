@@ -12,9 +12,13 @@ from __future__ import annotations
 import os
 import socket
 import socketserver
+import sys
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any, Optional
+
+from gpuguard import exitcodes
+from gpuguard.errors import BadInputError, ConfigError, GpuguardError
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # Prometheus text format 0.0.4
 MAX_BYTES = 16 * 1024 * 1024
@@ -88,3 +92,32 @@ def listen(address: str) -> socket.socket:
     sock.bind((host.strip("[]"), int(port)))
     sock.listen(16)
     return sock
+
+
+def print_file(path: Path) -> int:
+    """`gpuguard metrics`: the exposition the daemon wrote, on stdout."""
+    try:
+        sys.stdout.buffer.write(path.read_bytes())
+    except OSError as e:
+        raise BadInputError(
+            f"cannot read {path}: {e.strerror}; is gpuguard.service running, with "
+            "python3-prometheus-client installed?"
+        ) from None
+    return exitcodes.OK
+
+
+def serve(path: Path, address: Optional[str]) -> int:
+    """`gpuguard metrics --serve`: on systemd's socket, or `address` (by hand, tests)."""
+    try:
+        sock = listen(address) if address else systemd_socket()
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot listen on {address}: {e}") from None
+    if sock is None:
+        raise ConfigError(
+            "no socket from systemd (start gpuguard-metrics.socket) and no --listen HOST:PORT"
+        )
+    try:
+        make_server(sock, path).serve_forever()
+    except OSError as e:
+        raise GpuguardError(f"metrics server stopped: {e}", exit_code=exitcodes.USAGE) from None
+    return exitcodes.OK
