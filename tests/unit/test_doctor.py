@@ -35,16 +35,20 @@ def fake_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(nodes, "_stat", fake_stat)
 
 
-def runc_says(version: str) -> Callable[[Sequence[str]], str]:
+def runc_says(version: str, toolkit: str = "1.17.8") -> Callable[[Sequence[str]], str]:
     def run(argv: Sequence[str]) -> str:
         assert argv[-1] == "--version"
+        if argv[0].endswith("nvidia-container-runtime"):
+            return f"NVIDIA Container Runtime version {toolkit}\ncommit: 0123abc\n"
         return f"runc version {version}\ncommit: v{version}\nspec: 1.0.2-dev\n"
 
     return run
 
 
-def doctor(root: Path, inv: Optional[Inventory] = INVENTORY, runc: str = "1.1.12") -> Report:
-    return run_doctor(Root(root), inv, KUBELET_CHECKPOINT, runc_says(runc))
+def doctor(
+    root: Path, inv: Optional[Inventory] = INVENTORY, runc: str = "1.1.12", toolkit: str = "1.17.8"
+) -> Report:
+    return run_doctor(Root(root), inv, KUBELET_CHECKPOINT, runc_says(runc, toolkit))
 
 
 def verdicts(report: Report) -> dict[str, str]:
@@ -122,7 +126,7 @@ def test_cgroupfs_driver_and_no_cpu_manager_are_ok_even_in_legacy_mode(tmp_path:
                 r, "/etc/nvidia-container-runtime/config.toml", "[nvidia-container-runtime]\n"
             ),
             "toolkit-mode",
-            "mode=(unset)",
+            "mode=auto (unset): legacy or jit-cdi by toolkit version, which is unknown",
         ),
         (
             lambda r: os.remove(r / "var/lib/kubelet/config.yaml"),
@@ -354,3 +358,21 @@ def test_unreadable_plugin_environment_is_unknown(tmp_path: Path) -> None:
     verdict, evidence, _ = check(report, "device-plugin")
     assert verdict == UNKNOWN and "cannot read /proc/777" in evidence and "run as root" in evidence
     assert check(report, "kubelet-cgroup-driver")[0] == UNKNOWN  # not wrongly "exposed"
+
+
+def test_auto_mode_is_legacy_before_118_and_jit_cdi_since(tmp_path: Path) -> None:
+    root = healthy_node(tmp_path)
+    write(
+        root,
+        "/etc/nvidia-container-runtime/config.toml",
+        '[nvidia-container-runtime]\nmode = "auto"\n',
+    )
+    plugin_process(root, ["nvidia-device-plugin"], [])  # envvar strategy, no device specs
+    write(root, "/usr/bin/nvidia-container-runtime", "").chmod(0o755)
+    verdict, evidence, _ = check(doctor(root, toolkit="1.17.8"), "toolkit-mode")
+    assert verdict == EXPOSED and "mode=auto, which is legacy for toolkit 1.17.8" in evidence
+    report = doctor(root, toolkit="1.18.0")
+    verdict, evidence, _ = check(report, "toolkit-mode")
+    assert verdict == OK and "which is jit-cdi for toolkit 1.18.0" in evidence
+    assert check(report, "device-plugin")[0] == OK  # jit-cdi covers it
+    assert check(report, "kubelet-cgroup-driver")[0] == OK

@@ -37,6 +37,10 @@ KUBELET_CONFIG = "/var/lib/kubelet/config.yaml"
 TOOLKIT_CONFIG = "/etc/nvidia-container-runtime/config.toml"
 CONTAINERD_CONFIG = "/etc/containerd/config.toml"
 CRIO_CONFIGS = ("/etc/crio/crio.conf", "/etc/crio/crio.conf.d")
+TOOLKIT_RUNTIMES = (
+    "/usr/bin/nvidia-container-runtime",
+    "/usr/local/nvidia/toolkit/nvidia-container-runtime",  # the GPU operator's install
+)
 RUNC_PATHS = ("/usr/local/sbin/runc", "/usr/local/bin/runc", "/usr/sbin/runc", "/usr/bin/runc")
 # Debian puts it under the multiarch dir (/usr/lib/x86_64-linux-gnu/systemd).
 SYSTEMD_SHARED = ("/usr/lib/systemd", "/usr/lib/*/systemd", "/usr/lib64/systemd", "/lib/systemd")
@@ -83,6 +87,7 @@ class Facts:
     missing_nodes: tuple[str, ...]
     links: tuple[LinkState, ...]
     runc: tuple[str, str]  # (version or "", evidence or the reason there is none)
+    toolkit_version: tuple[str, str]
     systemd: tuple[str, str]
     dropin: tuple[str, str]  # (path in effect or "", state: "ok" | "masked" | "missing")
     daemon: DaemonState
@@ -172,18 +177,25 @@ def read_plugins(root: Root) -> Optional[tuple[PluginSettings, ...]]:
     return tuple(out)
 
 
-def runc_version(root: Root, run: Runner) -> tuple[str, str]:
-    for path in RUNC_PATHS:
+def binary_version(
+    root: Root, run: Runner, paths: Sequence[str], pattern: str, name: str
+) -> tuple[str, str]:
+    """(version, evidence) from the first of `paths` that is executable, `--version`."""
+    for path in paths:
         if os.access(root.path(path), os.X_OK):
             try:
                 out = run([str(root.path(path)), "--version"])
             except Exception as e:  # CommandError, OSError: say why, never a traceback
                 return "", f"{path} --version failed: {e}"
-            m = re.search(r"runc version (\S+)", out)
+            m = re.search(pattern, out)
             if m:
                 return m.group(1), f"{path} --version: {m.group(1)}"
             return "", f"{path} --version printed no version"
-    return "", f"no runc in {', '.join(RUNC_PATHS)}"
+    return "", f"no {name} in {', '.join(paths)}"
+
+
+def runc_version(root: Root, run: Runner) -> tuple[str, str]:
+    return binary_version(root, run, RUNC_PATHS, r"runc version (\S+)", "runc")
 
 
 def systemd_version(root: Root) -> tuple[str, str]:
@@ -288,6 +300,9 @@ def gather(
         missing_nodes=missing,
         links=check_dev_char_links(root, present),
         runc=runc_version(root, run),
+        toolkit_version=binary_version(
+            root, run, TOOLKIT_RUNTIMES, r"version (\d+\.\d+\.\d+)", "nvidia-container-runtime"
+        ),
         systemd=systemd_version(root),
         dropin=kubelet_dropin(root, run, live),
         daemon=daemon_state(root),

@@ -19,6 +19,7 @@ from gpuguard.reconcilers.gpu_count import judge as judge_counts
 
 SPEC_MODES = ("cdi", "jit-cdi", "csv")
 FIXED_RUNC = (1, 1, 7)
+JIT_CDI_DEFAULT = (1, 18, 0)  # the toolkit's "auto" mode means jit-cdi from here on
 BROKEN_RUNC = ((1, 1, 3), (1, 1, 6))
 STALE_PASS_AFTER = 3 * 3600.0  # three default audit intervals without a pass
 
@@ -30,7 +31,17 @@ def _unreadable(c: ConfFile, what: str) -> Optional[str]:
 
 
 def toolkit_mode(f: Facts) -> Optional[str]:
-    return f.toolkit.values.get("nvidia-container-runtime.mode") if not f.toolkit.error else None
+    """The mode the runtime uses: "auto" (the default) resolves by version, to legacy
+    before 1.18 and to jit-cdi since."""
+    if f.toolkit.error:
+        return None
+    mode = f.toolkit.values.get("nvidia-container-runtime.mode", "auto")
+    if mode != "auto":
+        return mode
+    v = _version(f.toolkit_version[0])
+    if v is None:
+        return None
+    return "jit-cdi" if v >= JIT_CDI_DEFAULT else "legacy"
 
 
 def specs_in_oci(f: Facts) -> Optional[bool]:
@@ -107,7 +118,10 @@ def check_toolkit(f: Facts) -> Check:
     if bad:
         return Check("toolkit-mode", UNKNOWN, bad)
     mode = toolkit_mode(f)
-    evidence = f"{f.toolkit.path}: mode={mode or '(unset)'}"
+    configured = f.toolkit.values.get("nvidia-container-runtime.mode", "auto (unset)")
+    evidence = f"{f.toolkit.path}: mode={configured}"
+    if mode and not configured.startswith(mode):
+        evidence += f", which is {mode} for toolkit {f.toolkit_version[0]}"
     if mode in SPEC_MODES:
         return Check("toolkit-mode", OK, evidence + "; devices go through the OCI spec")
     fix = 'mode = "cdi" under [nvidia-container-runtime] (jit-cdi is 1.18\'s default)'
@@ -117,12 +131,15 @@ def check_toolkit(f: Facts) -> Check:
         return Check(
             "toolkit-mode", EXPOSED, evidence + ": the hook grants GPUs behind runc (F2)", fix
         )
-    return Check(
-        "toolkit-mode",
-        UNKNOWN,
-        evidence + ": legacy or jit-cdi depending on the toolkit version",
-        "set mode explicitly",
-    )
+    if mode is None:
+        return Check(
+            "toolkit-mode",
+            UNKNOWN,
+            f"{evidence}: legacy or jit-cdi by toolkit version, which is unknown "
+            f"({f.toolkit_version[1]})",
+            "set mode explicitly",
+        )
+    return Check("toolkit-mode", UNKNOWN, f"{evidence}: unknown mode", "set mode explicitly")
 
 
 def _runtime_in(c: ConfFile, default_suffix: str) -> str:
