@@ -167,6 +167,12 @@ KINDS: dict[str, KindDoc] = {
         "A bug or an unexpected host state. The other reconcilers and the daemon went on; "
         "TRACEBACK has the details. Please report it.",
     ),
+    "metrics-failed": KindDoc(
+        "gpuguard stopped updating its Prometheus metrics",
+        "Updating or exporting the metrics raised an exception (a bug: TRACEBACK has the "
+        "details, please report it). The repairs go on; the metrics files keep their last "
+        "content until the daemon restarts.",
+    ),
     "config-reloaded": KindDoc(
         "Configuration reloaded", "SIGHUP: the new configuration is in use."
     ),

@@ -344,9 +344,9 @@ class Daemon:
         except OSError as e:
             self.log.debug(f"cannot write {path}: {e}")
         if self.metrics is not None:
-            textfile = self.config.metrics.textfile_directory
-            for error in self.metrics.publish(self.last_pass, doc, self.root, textfile):
-                self.log.warning(error)
+            self.metrics.after_pass(
+                self.last_pass, doc, self.root, self.config.metrics.textfile_directory, self.log
+            )
 
 
 def _config_inventory(config: Config) -> Optional[Path]:

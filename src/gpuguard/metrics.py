@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from gpuguard import __version__
+from gpuguard.log import EventLog
 from gpuguard.npd import CONDITIONS, DEFAULT_MAX_AGE, OK, PROBLEM, evaluate
 from gpuguard.paths import Root
 
@@ -161,6 +162,33 @@ class MetricsOutput:
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
         self.errors: frozenset[str] = frozenset()
+        self.broken = False
+
+    def after_pass(
+        self,
+        last_pass: Mapping[str, Any],
+        status: Mapping[str, Any],
+        root: Root,
+        textfile_dir: Optional[str],
+        log: EventLog,
+    ) -> None:
+        """publish(), with its errors logged once; a bug here disables the metrics and is
+        logged, and never stops the daemon's repairs."""
+        if self.broken:
+            return
+        try:
+            errors = self.publish(last_pass, status, root, textfile_dir)
+        except Exception as e:
+            self.broken = True
+            log.event(
+                "metrics-failed",
+                f"metrics disabled: {type(e).__name__}: {e}",
+                level="error",
+                exc=e,
+            )
+            return
+        for error in errors:
+            log.warning(error)
 
     def publish(
         self,

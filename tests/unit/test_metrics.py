@@ -170,3 +170,23 @@ def test_cli_metrics_prints_the_file_or_one_line(
     assert capsys.readouterr().out == "gpuguard_passes_total 2.0\n"
     assert cli.main(["metrics", "--serve", "--root", str(tmp_path)]) == 2
     assert "gpuguard-metrics.socket" in capsys.readouterr().err
+
+
+def test_a_metrics_bug_is_logged_once_and_never_raised(tmp_path: Path) -> None:
+    import io
+    import json
+
+    from gpuguard.log import EventLog
+
+    class Broken(Metrics):
+        def observe_pass(self, last_pass: Any, status: Any) -> None:
+            raise KeyError("kind")
+
+    out = io.StringIO()
+    output = MetricsOutput(Broken())
+    for n in (1, 2):
+        output.after_pass(*a_pass(n), Root(tmp_path), None, EventLog(stream=out))
+    entries = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [e["kind"] for e in entries] == ["metrics-failed"]
+    assert "metrics disabled: KeyError" in entries[0]["msg"]
+    assert output.broken
