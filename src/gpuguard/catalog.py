@@ -36,7 +36,9 @@ KINDS: dict[str, KindDoc] = {
     "debug": KindDoc("gpuguard debug message", "Diagnostic detail."),
     "info": KindDoc("gpuguard message", "Informational."),
     "warning": KindDoc("gpuguard warning", "Something unexpected that gpuguard worked around."),
-    "error": KindDoc("gpuguard error", "An error gpuguard could not work around; see the message above."),
+    "error": KindDoc(
+        "gpuguard error", "An error gpuguard could not work around; see the message above."
+    ),
     # checkpoint (F1)
     "checkpoint-stale-registered": KindDoc(
         "Checkpoint registers a device this host no longer has",
@@ -210,6 +212,12 @@ KINDS: dict[str, KindDoc] = {
         "`journalctl -o verbose` shows the traceback in the entry's TRACEBACK field; "
         "please report it.",
     ),
+    "metrics-failed": KindDoc(
+        "gpuguard stopped updating its Prometheus metrics",
+        "Updating or exporting the metrics raised an exception (a bug: the entry's "
+        "TRACEBACK field has the details, please report it). The repairs go on; the "
+        "metrics files keep their last content until the daemon restarts.",
+    ),
     "config-reloaded": KindDoc(
         "Configuration reloaded", "SIGHUP: the new configuration is in use."
     ),
@@ -301,6 +309,16 @@ KINDS: dict[str, KindDoc] = {
         "namespace: entering the plugin's mount namespace needs CAP_SYS_ADMIN and "
         "CAP_SYS_CHROOT in gpuguard.service's CapabilityBoundingSet= and mnt allowed by "
         "its RestrictNamespaces=.",
+    ),
+    "gpu-count-mismatch": KindDoc(
+        "The node has fewer (or more) GPUs at one layer than at the one below",
+        "gpuguard counts NVIDIA GPUs on the PCI bus, GPUs NVML sees and devices kubelet "
+        "registered (RegisteredDevices in its checkpoint). The layer that lost them "
+        "here is @GPUGUARD_LAYER@ (counts: @GPU_COUNTS@). "
+        "Layers: driver (a GPU fell off the bus or failed to initialise: check dmesg for "
+        "Xid errors and nvidia-smi), device-plugin (it did not register them all, F4: "
+        "restart the device plugin pod), kubelet (stale registrations of GPUs that are "
+        "gone, F1). gpuguard reports it; the repair belongs to that layer.",
     ),
     "container-missing-uvm": KindDoc(
         "A GPU container has no /dev/nvidia-uvm",

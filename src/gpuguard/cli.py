@@ -157,6 +157,50 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", action="store_true", help="print the containers and their access as JSON"
     )
     sub.add_parser("catalog", parents=[common], help="print the journal message catalog")
+    doc = sub.add_parser(
+        "doctor",
+        parents=[common],
+        help="is this node exposed to F1-F4, and why? (one line per check; changes nothing)",
+        epilog="exit codes: 0 nothing exposed or broken (unknown checks are listed); "
+        "1 a check is exposed or broken; 2 usage or configuration error; 70 internal error.",
+    )
+    doc.add_argument("--json", action="store_true", help="print the verdicts as JSON")
+    npd = sub.add_parser(
+        "npd",
+        parents=[common],
+        help="answer one node-problem-detector condition from the daemon's status file",
+        epilog="exit codes (node-problem-detector's): 0 condition False (OK), 1 True (the "
+        "problem is present), 2 unknown (no or unreadable status, daemon gone, result too "
+        "old). The first output line is the message.",
+    )
+    from gpuguard.npd import CONDITIONS, DEFAULT_MAX_AGE, DEFAULT_MAX_LENGTH
+
+    npd.add_argument("condition", choices=[c.name for c in CONDITIONS])
+    me = sub.add_parser(
+        "metrics",
+        parents=[common],
+        help="print the daemon's Prometheus metrics, or serve them (gpuguard-metrics.socket)",
+    )
+    me.add_argument(
+        "--serve",
+        action="store_true",
+        help="serve GET /metrics on the socket systemd passed (or --listen)",
+    )
+    me.add_argument("--listen", metavar="HOST:PORT", help="listen here instead (by hand, tests)")
+    npd.add_argument(
+        "--max-age",
+        type=float,
+        default=DEFAULT_MAX_AGE,
+        metavar="SECONDS",
+        help="a step result older than this is unknown (default %(default).0f)",
+    )
+    npd.add_argument(
+        "--max-length",
+        type=int,
+        default=DEFAULT_MAX_LENGTH,
+        metavar="BYTES",
+        help="message length (NPD's max_output_length, default %(default)d)",
+    )
     return parser
 
 
@@ -316,11 +360,15 @@ def cmd_status(args: argparse.Namespace) -> int:
         inventory = load_inventory(_inventory_path(args, cfg))
     except NoDriverError:
         inventory = None
+    from gpuguard.summary import node_summary, render
+
     rows = container_status(root, cfg, inventory)
     daemon = daemon_status(root)
+    summary = node_summary(root, rows)
     if args.json:
-        print(json.dumps({"daemon": daemon, "containers": rows}, indent=2))
+        print(json.dumps({"summary": summary, "daemon": daemon, "containers": rows}, indent=2))
     else:
+        print("\n".join(render(summary)))
         if daemon is None:
             print("daemon:     not running (no status file)")
         else:
@@ -345,10 +393,12 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
     from gpuguard.check import CheckpointStep
     from gpuguard.daemon import Daemon
+    from gpuguard.metrics import make_output
     from gpuguard.notify import Notifier
     from gpuguard.plugins.step import DevicePluginStep
     from gpuguard.steps.container_access import ContainerAccessStep
     from gpuguard.steps.device_nodes import DeviceNodesStep
+    from gpuguard.steps.gpu_count import GpuCountStep
 
     root = _root(args)
     try:
@@ -377,9 +427,11 @@ def cmd_daemon(args: argparse.Namespace) -> int:
             "device_nodes": DeviceNodesStep(),
             "checkpoint": CheckpointStep(),
             "device_plugin": DevicePluginStep(),
+            "gpu_count": GpuCountStep(),  # report only; last, after the plugins' repairs
         },
         dry_run=args.dry_run,
         udev=not args.no_udev,
+        metrics=make_output(),
     )
     return asyncio.run(daemon.run())
 
@@ -503,7 +555,46 @@ def cmd_catalog(args: argparse.Namespace) -> int:
     return exitcodes.OK
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from gpuguard.commands import run
+    from gpuguard.doctor.run import run_doctor
+    from gpuguard.inventory import load_inventory
+
+    root = _root(args)
+    cfg = _config(args, root)
+    try:
+        inventory = load_inventory(_inventory_path(args, cfg))
+    except GpuguardError:
+        inventory = None  # the driver and gpu-count checks say what is missing
+
+    def runner(argv: Sequence[str]) -> str:
+        return run(argv, timeout=5.0).stdout
+
+    report = run_doctor(root, inventory, cfg.kubelet.checkpoint_path, runner)
+    print(json.dumps(report.to_json(), indent=2) if args.json else report.render())
+    return report.exit_code
+
+
+def cmd_npd(args: argparse.Namespace) -> int:
+    from gpuguard.npd import answer, one_line
+
+    code, message = answer(_root(args), args.condition, max_age=args.max_age)
+    print(one_line(message, args.max_length))
+    return code
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    from gpuguard.metrics import RUNTIME_FILE
+    from gpuguard.metrics_http import print_file, serve
+
+    path = _root(args).path(RUNTIME_FILE)
+    return serve(path, args.listen) if args.serve else print_file(path)
+
+
 COMMANDS = {
+    "metrics": cmd_metrics,
+    "npd": cmd_npd,
+    "doctor": cmd_doctor,
     "check": cmd_check,
     "daemon": cmd_daemon,
     "config": cmd_config,

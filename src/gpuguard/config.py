@@ -337,6 +337,20 @@ class InventoryConfig:
     )
 
 
+@dataclass(frozen=True)
+class MetricsConfig:
+    SECTION: ClassVar[str] = "Metrics"
+
+    textfile_directory: str | None = _key(
+        "TextfileDirectory",
+        AbsPath(optional=True),
+        "",
+        "Write gpuguard.prom (Prometheus metrics) here after every pass, atomically, for "
+        "node_exporter's textfile collector (its default directory is "
+        "/var/lib/prometheus/node-exporter, which gpuguard.service may write); empty: off.",
+    )
+
+
 def _empty_origins() -> Mapping[Tuple[str, str], str]:
     return MappingProxyType({})
 
@@ -355,6 +369,7 @@ class Config:
     devices: DevicesConfig = field(default_factory=DevicesConfig)
     device_plugin: DevicePluginConfig = field(default_factory=DevicePluginConfig)
     inventory: InventoryConfig = field(default_factory=InventoryConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     origins: Mapping[Tuple[str, str], str] = field(
         default_factory=_empty_origins, compare=False, repr=False
     )
@@ -391,6 +406,7 @@ _SECTIONS: Dict[str, Tuple[str, type]] = {
         ("devices", DevicesConfig),
         ("device_plugin", DevicePluginConfig),
         ("inventory", InventoryConfig),
+        ("metrics", MetricsConfig),
     )
 }
 _SECTION_ATTR = {section: attr for section, (attr, _) in _SECTIONS.items()}

@@ -21,7 +21,9 @@ from gpuguard.conditions import Conditions
 from gpuguard.config import Config, load_config
 from gpuguard.errors import ConfigError, GpuguardError
 from gpuguard.inventory import Inventory, load_inventory
+from gpuguard.ledger import Ledger
 from gpuguard.log import EventLog
+from gpuguard.metrics import MetricsOutput
 from gpuguard.notify import Notifier, watchdog_interval
 from gpuguard.passes import STATUS_FILE, PassContext, Step, Work
 from gpuguard.paths import Root
@@ -45,6 +47,7 @@ class Daemon:
         steps: Mapping[str, Step],
         dry_run: bool = False,
         udev: bool = True,
+        metrics: Optional[MetricsOutput] = None,
     ) -> None:
         self.root = root
         self.config = config
@@ -64,6 +67,8 @@ class Daemon:
         self.conditions = Conditions()  # daemon-wide states, reported on change only
         self.last_pass: dict[str, Any] = {}
         self.first_pass: dict[str, Any] = {}
+        self.ledger = Ledger()  # each step's latest result and the last hour's changes
+        self.metrics = metrics
         self.inventory: Optional[Inventory] = None
         self._followups: dict[tuple[frozenset[str], str], float] = {}
         self.first_pass_done = asyncio.Event()
@@ -197,9 +202,12 @@ class Daemon:
             if name not in work.reconcilers:
                 continue
             t_step = time.monotonic()
+            n_findings, n_outcomes, error = len(ctx.findings), len(ctx.outcomes), None
+            gauges_before = set(ctx.gauges)
             try:
                 await step(self, ctx)
             except Exception as e:
+                error = f"{type(e).__name__}: {e}"
                 self.log.event(
                     "reconciler-crashed",
                     f"reconciler {name} raised {type(e).__name__}: {e}",
@@ -208,6 +216,14 @@ class Daemon:
                     exc=e,
                 )
             steps_ms[name] = round((time.monotonic() - t_step) * 1000, 2)
+            self.ledger.record(
+                name,
+                self.passes,
+                ctx.findings[n_findings:],
+                ctx.outcomes[n_outcomes:],
+                error,
+                gauges={k: v for k, v in ctx.gauges.items() if k not in gauges_before},
+            )
         duration = time.monotonic() - t0
         if ctx.known_inventory is not None:
             self.inventory = ctx.known_inventory
@@ -346,6 +362,7 @@ class Daemon:
             "dry_run": self.dry_run,
             "first_pass": self.first_pass,
             "last_pass": self.last_pass,
+            **self.ledger.to_json(),
         }
         path = self.root.path(STATUS_FILE)
         try:
@@ -355,6 +372,10 @@ class Daemon:
             self.log.debug(f"cannot write {path}: {e}")
         except GpuguardError as e:  # a state directory that is a link or not root's
             self.log.warning(f"status file not written: {e.message}")
+        if self.metrics is not None:
+            self.metrics.after_pass(
+                self.last_pass, doc, self.root, self.config.metrics.textfile_directory, self.log
+            )
 
 
 def _config_inventory(config: Config) -> Optional[Path]:

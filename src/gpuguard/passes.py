@@ -47,6 +47,8 @@ class PassContext:
     # (delay seconds, reconcilers, why): passes a step wants later, e.g. when a grace
     # period ends; nothing else would announce that moment.
     followups: list[tuple[float, frozenset[str], str]] = field(default_factory=list)
+    # Figures a step measured (gpu_containers, gpus_pci, ...): the status file and metrics.
+    gauges: dict[str, float] = field(default_factory=dict)
     _inventory: Optional[Inventory] = None
     _loaded: bool = False
 

@@ -291,6 +291,27 @@ def test_unknown_option_shows_the_commands_usage(root: Dict[str, object]) -> Non
     ), res.stderr
 
 
+def test_metrics_units_and_npd_plugin_installed(root: Dict[str, object]) -> None:
+    ns: PackageRoot = root["ns"]  # type: ignore[assignment]
+    for unit in ("gpuguard-metrics.socket", "gpuguard-metrics.service"):
+        res = ns.run(
+            ["systemd-analyze", "verify", "--man=no", f"/usr/lib/systemd/system/{unit}"],
+            timeout=60,
+        )
+        lines = [line for line in res.stderr.splitlines() if line.strip()]
+        assert res.returncode == 0 and not lines, f"{unit}: {res.returncode}\n{res.stderr}"
+    # shipped off: metrics are served only once an operator enables the socket
+    enabled = ns.run(["systemctl", "is-enabled", "gpuguard-metrics.socket"]).stdout.strip()
+    assert enabled == "disabled"
+    # node-problem-detector's plugin, as NPD on the host would run it
+    res = ns.run(["/usr/libexec/gpuguard/npd-condition", "checkpoint"])
+    assert res.returncode in (0, 1, 2) and res.stdout.count("\n") == 1, res
+    assert res.stdout.strip() and len(res.stdout.strip()) <= 80
+    monitor = ns.path("/usr/share/gpuguard/node-problem-detector/gpuguard-monitor.json")
+    rules = json.loads(monitor.read_text())["rules"]
+    assert {r["path"] for r in rules} == {"/usr/libexec/gpuguard/npd-condition"}
+
+
 def test_upgrade_keeps_edited_config(root: Dict[str, object]) -> None:
     ns: PackageRoot = root["ns"]  # type: ignore[assignment]
     conf = ns.path("/etc/gpuguard/gpuguard.conf")

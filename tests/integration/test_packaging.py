@@ -25,6 +25,10 @@ LAYOUT = [
     "/usr/lib/systemd/system/gpuguard-trigger.service",
     "/usr/lib/systemd/system/kubelet.service.d/10-gpuguard.conf",
     "/usr/libexec/gpuguard/kubelet-pre-start",
+    "/usr/libexec/gpuguard/npd-condition",
+    "/usr/share/gpuguard/node-problem-detector/gpuguard-monitor.json",
+    "/usr/lib/systemd/system/gpuguard-metrics.socket",
+    "/usr/lib/systemd/system/gpuguard-metrics.service",
     "/usr/lib/udev/rules.d/71-gpuguard.rules",
     "/usr/lib/systemd/catalog/gpuguard.catalog",
     "/usr/lib/gpuguard/vendor/pynvml.py",
@@ -120,6 +124,13 @@ def test_deb_control(pkgs: Dict[str, Path]) -> None:
     assert "--attr-match=vendor=0x10de" in postinst
     assert "journalctl --update-catalog" in postinst
     assert "kubelet" in postinst and not NO_KUBELET_RESTART.search(postinst)
+    # the metrics endpoint is shipped off: enabled again on upgrade only where an
+    # operator had enabled it, never started by the package
+    enables = re.findall(r"^.*enable 'gpuguard-metrics.*$", postinst, re.M)
+    assert enables and all("deb-systemd-helper enable" in e for e in enables)
+    assert "was-enabled 'gpuguard-metrics.socket'" in postinst
+    assert not re.search(r"deb-systemd-invoke \S+ 'gpuguard-metrics", postinst)
+    assert "python3-prometheus-client" in sh("dpkg-deb", "-f", deb, "Recommends")
     postrm = sh("dpkg-deb", "-I", deb, "postrm")
     assert "rm -rf /etc/gpuguard /var/lib/gpuguard" in postrm
     prerm = sh("dpkg-deb", "-I", deb, "prerm")

@@ -104,6 +104,13 @@ def conditions() -> Entries:
     return logged(emit)
 
 
+def gpu_count() -> Entries:
+    from gpuguard.reconcilers.gpu_count import GpuCounts
+    from gpuguard.reconcilers.gpu_count import findings as count_findings
+
+    return findings(tuple(count_findings(GpuCounts(pci=4, nvml=3, registered=3))))
+
+
 def plugin_restarts() -> Entries:
     """plugin-restarted / -declined come from DevicePluginStep._journal: the same fields
     as the step passes them (the action's, plus METHOD or REASON)."""
@@ -129,6 +136,7 @@ def entries(tmp_path_factory: pytest.TempPathFactory) -> Entries:
         + daemon_pass(tmp)
         + conditions()
         + plugin_restarts()
+        + gpu_count()
     )
 
 

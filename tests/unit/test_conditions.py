@@ -95,7 +95,8 @@ def test_daemon_reports_a_missing_inventory_once_and_when_it_is_back(tmp_path: P
     (e,) = entries(out)
     assert e["kind"] == "inventory-unavailable" and e["level"] == "warning"
     assert e["GPUGUARD_PROBLEM"] == (
-        f"GPU inventory unavailable: {inventory}: cannot read inventory: no such file — check --inventory or [Inventory] File="
+        f"GPU inventory unavailable: {inventory}: cannot read inventory: "
+        "no such file — check --inventory or [Inventory] File="
     )
     inventory.write_text(json.dumps({"gpus": []}))
     asyncio.run(passes(3))

@@ -383,6 +383,8 @@ Crictl=/opt/bin/crictl
 CriEndpoint=tcp://127.0.0.1:1234
 [Inventory]
 File=/etc/gpuguard/inventory.json
+[Metrics]
+TextfileDirectory=/var/lib/node_exporter/textfile_collector
 """
     return parse_config(text, source="all.conf")
 

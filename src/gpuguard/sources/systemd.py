@@ -30,7 +30,7 @@ from gpuguard.systemd import MANAGER, PROPS, UNIT, Systemd, SystemdError
 
 Mark = Callable[[frozenset[str], str, bool], None]
 
-ALL = frozenset({"checkpoint", "device_nodes", "container_access", "device_plugin"})
+ALL = frozenset({"checkpoint", "device_nodes", "container_access", "device_plugin", "gpu_count"})
 ON_RUNTIME_START = frozenset({"container_access", "device_plugin"})
 ON_KUBELET_START = frozenset({"checkpoint", "container_access", "device_plugin"})
 ON_SCOPE_NEW = frozenset({"container_access"})

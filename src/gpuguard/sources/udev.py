@@ -39,13 +39,16 @@ CHECKPOINT = "checkpoint"
 DEVICE_NODES = "device_nodes"
 CONTAINER_ACCESS = "container_access"
 DEVICE_PLUGIN = "device_plugin"
+GPU_COUNT = "gpu_count"
 ALL_RECONCILERS: frozenset[str] = frozenset(
-    {CHECKPOINT, DEVICE_NODES, CONTAINER_ACCESS, DEVICE_PLUGIN}
+    {CHECKPOINT, DEVICE_NODES, CONTAINER_ACCESS, DEVICE_PLUGIN, GPU_COUNT}
 )
 # A driver module load/unload changes device nodes (majors, /dev/nvidia-uvm), what
 # containers may open, and what the device plugin advertises; the set of GPUs (and
 # so the checkpoint) is a PCI matter.
-MODULE_RECONCILERS: frozenset[str] = frozenset({DEVICE_NODES, CONTAINER_ACCESS, DEVICE_PLUGIN})
+MODULE_RECONCILERS: frozenset[str] = frozenset(
+    {DEVICE_NODES, CONTAINER_ACCESS, DEVICE_PLUGIN, GPU_COUNT}
+)
 
 DEFAULT_MODULES: tuple[str, ...] = ("nvidia", "nvidia_uvm", "nvidia_modeset", "nvidia_drm")
 NVIDIA_PCI_VENDOR = "10DE"

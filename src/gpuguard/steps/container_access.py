@@ -322,6 +322,9 @@ class ContainerAccessStep:
             svc.log, self.conditions, NAME, [f for f in findings if f.kind in CONDITION_KINDS]
         )
         ctx.findings += findings
+        ctx.gauges["gpu_containers"] = sum(
+            1 for e in view.entitlements.values() if e.is_gpu_container
+        )
         if not cfg.devices.regrant:
             return
         # 2. durable grants through systemd

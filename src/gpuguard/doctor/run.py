@@ -1,0 +1,32 @@
+"""Build the doctor's inputs (inventory, checkpoint registrations) and judge the node."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from gpuguard.doctor.facts import Runner, gather
+from gpuguard.doctor.judge import judge
+from gpuguard.doctor.model import Report
+from gpuguard.errors import GpuguardError
+from gpuguard.inventory import Inventory
+from gpuguard.paths import Root
+
+Registered = Sequence[tuple[str, Optional[Sequence[str]]]]
+
+
+def read_registered(root: Root, checkpoint_path: str) -> Optional[Registered]:
+    """RegisteredDevices of kubelet's checkpoint; None when it cannot be read (the GPU
+    count then leaves the kubelet layer out and says so)."""
+    from gpuguard.checkpoint import load
+
+    try:
+        loaded = load(root.path(checkpoint_path))
+    except GpuguardError:
+        return None
+    return loaded.checkpoint.registered or ()
+
+
+def run_doctor(
+    root: Root, inventory: Optional[Inventory], checkpoint_path: str, run: Runner
+) -> Report:
+    return judge(gather(root, inventory, read_registered(root, checkpoint_path), run))

@@ -1,0 +1,93 @@
+"""GPU count across the layers: PCI functions, GPUs NVML sees, devices kubelet registered.
+
+A node that advertises fewer GPUs than it has is the F4 symptom users report most; the
+count at each layer says where they were lost: PCI > NVML is the driver (a GPU fell off
+the bus, Xid 79, or failed to initialise), NVML > kubelet is the device plugin (it did
+not register them all, F4), kubelet > NVML is registrations from GPUs that are gone (F1).
+Pure: the counts come in, a verdict goes out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from gpuguard.model import Finding
+
+KIND = "gpu-count-mismatch"
+RECONCILER = "gpu_count"
+
+
+@dataclass(frozen=True)
+class GpuCounts:
+    pci: Optional[int]  # None: sysfs unreadable
+    nvml: Optional[int]  # None: no inventory (no driver, NVML failed)
+    registered: Optional[int]  # None: no checkpoint or no RegisteredDevices for the resource
+    resource: str = "nvidia.com/gpu"
+    mig: bool = False  # MIG enabled: kubelet registers MIG devices, not GPUs
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "pci": self.pci,
+            "nvml": self.nvml,
+            "registered": self.registered,
+            "resource": self.resource,
+            "mig": self.mig,
+        }
+
+
+def registered_gpus(
+    registered: Sequence[tuple[str, Optional[Sequence[str]]]], resource: str
+) -> Optional[int]:
+    """Distinct GPUs kubelet registered for `resource` (time-slicing replicas
+    ``GPU-x::0``, ``GPU-x::1`` are one GPU); None when the resource is absent."""
+    for name, ids in registered:
+        if name == resource:
+            return len({i.split("::", 1)[0] for i in ids or ()})
+    return None
+
+
+def judge(c: GpuCounts) -> tuple[Optional[str], str]:
+    """(None when consistent, else which layer lost GPUs; the one-line explanation)."""
+    if c.pci is not None and c.nvml is not None and c.nvml < c.pci:
+        return "driver", (
+            f"NVML sees {c.nvml} of the {c.pci} NVIDIA GPU(s) on the PCI bus: the driver "
+            f"lost {c.pci - c.nvml} (fell off the bus, Xid 79, failed to initialise); "
+            "check dmesg and nvidia-smi"
+        )
+    if c.pci is not None and c.nvml is not None and c.nvml > c.pci:
+        # Not a lost GPU: this sysfs is not the GPUs' host (a simulated inventory, a
+        # container without the host's /sys). The PCI layer says nothing here.
+        c = GpuCounts(None, c.nvml, c.registered, c.resource, c.mig)
+    if c.mig or c.registered is None:
+        return None, _counts(c)
+    have = c.nvml if c.nvml is not None else c.pci
+    if have is None:
+        return None, _counts(c)
+    if c.registered < have:
+        return "device-plugin", (
+            f"kubelet has {c.registered} of {have} GPU(s) registered for {c.resource}: the "
+            f"device plugin did not register {have - c.registered} (F4); restart the device "
+            "plugin and check its log"
+        )
+    if c.registered > have:
+        return "kubelet", (
+            f"kubelet has {c.registered} GPU(s) registered for {c.resource} but the node has "
+            f"{have}: stale registrations (F1), repaired with the checkpoint"
+        )
+    return None, _counts(c)
+
+
+def _counts(c: GpuCounts) -> str:
+    def n(v: Optional[int]) -> str:
+        return "?" if v is None else str(v)
+
+    return f"PCI {n(c.pci)}, NVML {n(c.nvml)}, kubelet {n(c.registered)} ({c.resource})"
+
+
+def findings(c: GpuCounts) -> list[Finding]:
+    layer, text = judge(c)
+    if layer is None:
+        return []
+    fields = {"GPUGUARD_LAYER": layer, "GPU_COUNTS": _counts(c)}
+    return [Finding(KIND, RECONCILER, text, fields, severity="error")]

@@ -1,0 +1,57 @@
+"""The gpu_count step: PCI functions vs GPUs NVML sees vs devices kubelet registered.
+
+Report only: a lost GPU is repaired by its own layer (driver, device plugin, checkpoint),
+this step says which one lost it (reconcilers/gpu_count.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Optional
+
+from gpuguard.devices.pci import read_pci_gpus
+from gpuguard.errors import GpuguardError
+from gpuguard.inventory import Inventory
+from gpuguard.paths import Root
+from gpuguard.reconcilers.gpu_count import GpuCounts, findings, registered_gpus
+
+if TYPE_CHECKING:
+    from gpuguard.passes import PassContext, Services
+
+
+def observe_counts(root: Root, inventory: Optional[Inventory], checkpoint_path: str) -> GpuCounts:
+    from gpuguard.checkpoint import load
+
+    try:
+        pci: Optional[int] = len(read_pci_gpus(root))
+    except OSError:
+        pci = None
+    try:
+        registered = load(root.path(checkpoint_path)).checkpoint.registered or ()
+        reg = registered_gpus(registered, "nvidia.com/gpu")
+    except GpuguardError:
+        reg = None
+    return GpuCounts(
+        pci,
+        len(inventory.gpus) if inventory is not None else None,
+        reg,
+        mig=inventory is not None and any(g.mig for g in inventory.gpus),
+    )
+
+
+class GpuCountStep:
+    async def __call__(self, svc: Services, ctx: PassContext) -> None:
+        inventory = await ctx.device_inventory()
+        counts = await asyncio.to_thread(
+            observe_counts, svc.root, inventory, svc.config.kubelet.checkpoint_path
+        )
+        for layer, n in (
+            ("pci", counts.pci),
+            ("nvml", counts.nvml),
+            ("kubelet", counts.registered),
+        ):
+            if n is not None:
+                ctx.gauges[f"gpus_{layer}"] = n
+        found = findings(counts)
+        for f in found:
+            svc.log.finding(f)
+        ctx.findings += found

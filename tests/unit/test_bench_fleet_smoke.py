@@ -1,0 +1,29 @@
+"""bench/bench_fleet.py runs and prints every figure (values are reported, not checked)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from conftest import REPO
+
+NUM = r"\d+(?:\.\d+)?"
+
+
+def test_bench_fleet_prints_its_figures() -> None:
+    res = subprocess.run(
+        [sys.executable, str(REPO / "bench/bench_fleet.py"), "--runs", "2", "--containers", "20"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    for name in (
+        "npd answer in-process",
+        r"gpuguard npd end to end \(new process\)",
+        "status summary in-process",
+        r"metrics update \+ export \(2 files\)",
+    ):
+        assert re.search(rf"^{name}: n=2 p50={NUM} ms p95={NUM} ms$", res.stdout, re.M), res.stdout

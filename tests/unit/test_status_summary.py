@@ -1,0 +1,72 @@
+"""gpuguard status: the one-screen summary (node verdict, last pass, repairs in the last
+hour) before the per-container table."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from gpuguard import cli
+from gpuguard.summary import render, summarize
+from unit.doctor_support import status_file
+from unit.test_npd import finding, steps
+
+
+def change(kind: str, age: float, status: str = "done") -> dict[str, object]:
+    return {"time": time.time() - age, "step": "s", "kind": kind, "status": status, "target": "t"}
+
+
+def test_summary_counts_repairs_of_the_last_hour_only(tmp_path: Path) -> None:
+    status_file(tmp_path, steps=steps())
+    doc = json.loads((tmp_path / "run/gpuguard/status.json").read_text())
+    doc["recent_changes"] = [
+        change("cgroup-v1-allow", 60),
+        change("cgroup-v1-allow", 120),
+        change("unit-device-allow", 30),
+        change("plugin-restarted", 4000),
+        change("restart-plugin", 10, status="declined"),
+    ]
+    s = summarize(doc, "", [])
+    assert s["verdict"] == "ok" and s["repairs_last_hour"] == 3
+    assert s["repairs_by_kind"] == {"cgroup-v1-allow": 2, "unit-device-allow": 1}
+    text = "\n".join(render(s))
+    assert "repairs:    3 in the last hour (2 cgroup-v1-allow, 1 unit-device-allow)" in text
+    assert text.startswith("node:       OK")
+
+
+def test_problem_and_unknown_verdicts() -> None:
+    now = time.time()
+    doc = {
+        "pid": 1,
+        "steps": steps(gpu_count={"findings": [finding("gpu-count-mismatch", "lost 1")]}),
+        "last_pass": {
+            "number": 7,
+            "ended": now - 3,
+            "reasons": ["periodic audit"],
+            "findings": [1],
+        },
+    }
+    s = summarize(doc, "", [], now=now)
+    assert s["verdict"] == "problem" and s["problems"] == ["GPUCountMismatch: lost 1"]
+    assert "last pass:  3s ago (pass 7: periodic audit), 1 finding(s)" in render(s)
+    s = summarize(None, "no /run/gpuguard/status.json: gpuguard daemon not running", [])
+    assert s["verdict"] == "unknown" and s["last_pass"] is None
+    s = summarize(None, "no status", [{"access": "denied"}])
+    assert s["verdict"] == "problem"  # what the table sees now counts without the daemon
+
+
+def test_cli_status_prints_the_summary_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status_file(tmp_path, steps=steps())
+    assert cli.main(["status", "--root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "node:       OK"
+    assert out[1].startswith("last pass:  ") and out[2].startswith("repairs:    0 in the last hour")
+    assert any(line.startswith("containers: 0 with GPUs") for line in out[3:])
+    assert cli.main(["status", "--root", str(tmp_path), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["summary"]["verdict"] == "ok" and doc["containers"] == []
