@@ -191,12 +191,14 @@ def cmd_check(args: argparse.Namespace) -> int:
         bus_address=_opt(args, "bus"),
         reason=args.reason,
     )
-    report = run_check(root, inventory, settings, log)
-    doc = report.to_json()
-    code = report.exit_code
     from gpuguard.oneshot import driver_loaded
+    from gpuguard.snapshot import HostSnapshot
 
-    if args.only is None and driver_loaded(root):
+    # One snapshot for the whole run, and the steps in the daemon's order
+    # (passes.STEP_ORDER): the device steps, then the checkpoint.
+    snapshot = HostSnapshot(root, k.checkpoint_path)
+    devices = None
+    if args.only is None and driver_loaded(root) and _checkpoint_usable(snapshot):
         import asyncio
 
         from gpuguard.oneshot import OneShotServices, run_device_steps
@@ -205,7 +207,12 @@ def cmd_check(args: argparse.Namespace) -> int:
         svc = OneShotServices(
             root, cfg, log, settings.dry_run, _opt(args, "bus") or bus_address_for(root.prefix)
         )
-        findings, outcomes = asyncio.run(run_device_steps(svc, inventory))
+        devices = asyncio.run(run_device_steps(svc, inventory, snapshot))
+    report = run_check(root, inventory, settings, log, snapshot)
+    doc = report.to_json()
+    code = report.exit_code
+    if devices is not None:
+        findings, outcomes = devices
         doc["devices"] = {
             "findings": [f.to_json() for f in findings],
             "outcomes": [o.to_json() for o in outcomes],
@@ -223,6 +230,18 @@ def cmd_check(args: argparse.Namespace) -> int:
         for o in doc.get("devices", {}).get("outcomes", []):
             print(f"{o['status'] + ':':11} {o['kind']} {o['target']}: {o['detail']}")
     return code
+
+
+def _checkpoint_usable(snapshot: Any) -> bool:
+    """False when the checkpoint step will stop the run with exit 3 ("nothing was
+    modified"): then the device steps must not act first."""
+    from gpuguard.errors import BadInputError
+
+    try:
+        loaded = snapshot.checkpoint()
+    except BadInputError:
+        return False
+    return loaded is None or bool(loaded.valid)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -263,12 +282,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_daemon(args: argparse.Namespace) -> int:
     import asyncio
 
-    from gpuguard.check import CheckpointStep
     from gpuguard.daemon import Daemon
     from gpuguard.notify import Notifier
-    from gpuguard.plugins.step import DevicePluginStep
-    from gpuguard.steps.container_access import ContainerAccessStep
-    from gpuguard.steps.device_nodes import DeviceNodesStep
+    from gpuguard.steps import build_steps
 
     root = _root(args)
     cfg = _config(args, root)
@@ -281,16 +297,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         notifier=Notifier(),
         inventory_path=_opt(args, "inventory"),
         bus_address=_opt(args, "bus"),
-        # Order matters: the container access repair first (after a daemon-reload every
-        # millisecond counts), then nodes and /dev/char links (a new link asks for a
-        # follow-up pass, so durable grants follow at once), then the checkpoint, which
-        # may restart kubelet, then the device plugins.
-        steps={
-            "container_access": ContainerAccessStep(),
-            "device_nodes": DeviceNodesStep(),
-            "checkpoint": CheckpointStep(),
-            "device_plugin": DevicePluginStep(),
-        },
+        steps=build_steps(),  # in passes.STEP_ORDER, which says why
         dry_run=args.dry_run,
         udev=not args.no_udev,
     )

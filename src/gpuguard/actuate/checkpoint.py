@@ -1,16 +1,30 @@
-"""Applies checkpoint actions: check the file is unchanged, back it up, replace or delete.
+"""Applies checkpoint actions: check the file is unchanged, record the pod entries it
+drops, back it up, replace or delete.
 
-The caller guarantees kubelet is stopped (kubelet rewrites the file from memory).
+The caller guarantees kubelet is stopped (kubelet rewrites the file from memory). The
+dropped entries are recorded first (checkpoint/dropped.py): they are evidence the
+container_access step still needs for the pods' running containers, and a repair that
+cannot keep them is not made.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional, Union
 
-from gpuguard.actuate.files import atomic_replace, backup, fsync_dir, remove_stale_temps
+from gpuguard.actuate.files import (
+    atomic_replace,
+    backup,
+    fsync_dir,
+    remove_stale_temps,
+    write_new,
+)
+from gpuguard.checkpoint import dropped
+from gpuguard.errors import BadInputError
 from gpuguard.log import EventLog
 from gpuguard.model import Action, Outcome
 from gpuguard.reconcilers.checkpoint import DeleteCheckpoint, RewriteCheckpoint, sha256
@@ -22,6 +36,9 @@ class CheckpointActuator:
     backup_keep: int
     log: EventLog
     dry_run: bool = False
+    # where the dropped pod entries are recorded (paths.DROPPED_ENTRIES_FILE under the
+    # root); None only in tests of the file mechanics
+    dropped_file: Optional[Path] = None
 
     def apply(self, action: Action) -> Outcome:
         if not isinstance(action, (RewriteCheckpoint, DeleteCheckpoint)):
@@ -45,6 +62,13 @@ class CheckpointActuator:
         if sha256(current) != action.expected_sha256:
             # Someone (kubelet?) wrote it since we analysed it: never overwrite that.
             return self._failed(action, f"{path}: changed since it was analysed; not modified")
+        try:
+            recorded = self._record_dropped(action)
+        except (BadInputError, OSError) as e:
+            return self._failed(
+                action,
+                f"{path}: not modified: the pod entries it would drop cannot be recorded: {e}",
+            )
         saved = backup(current, path, self.backup_dir, keep=self.backup_keep)
         if isinstance(action, RewriteCheckpoint):
             atomic_replace(
@@ -62,10 +86,22 @@ class CheckpointActuator:
                 "GPUGUARD_RECONCILER": action.reconciler,
                 "GPUGUARD_ACTION": action.kind,
                 "BACKUP": str(saved),
+                **({"DROPPED_RECORDED": recorded} if recorded else {}),
                 **action.fields(),
             },
         )
         return Outcome(action, "done", detail)
+
+    def _record_dropped(self, action: Union[RewriteCheckpoint, DeleteCheckpoint]) -> str:
+        """Add the entries `action` drops to the record file; its path, or "" if none."""
+        if self.dropped_file is None or not action.dropped:
+            return ""
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        old = dropped.read(self.dropped_file)
+        records = dropped.merge(old, dropped.dropped_from(action.dropped, when))
+        self.dropped_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        write_new(self.dropped_file, dropped.render(records), mode=0o600)
+        return str(self.dropped_file)
 
     def _failed(self, action: Action, why: str) -> Outcome:
         self.log.event(

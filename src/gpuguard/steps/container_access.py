@@ -47,6 +47,7 @@ from gpuguard.paths import Root
 
 if TYPE_CHECKING:
     from gpuguard.passes import PassContext, Services
+    from gpuguard.snapshot import HostSnapshot
     from gpuguard.systemd import Systemd
 
 NAME = "container_access"
@@ -60,21 +61,6 @@ class AccessView:
     entitlements: Mapping[tuple[str, str], Entitlement]
     access: Mapping[AccessKey, Optional[bool]]
     rules: Mapping[str, DeviceRules]
-
-
-def checkpoint_ids(root: Root, path: str) -> dict[str, set[str]]:
-    """pod UID -> device IDs from the kubelet checkpoint; {} when it cannot be read."""
-    from gpuguard.checkpoint import load
-    from gpuguard.errors import BadInputError
-
-    try:
-        cp = load(root.path(path)).checkpoint
-    except (BadInputError, OSError):
-        return {}
-    out: dict[str, set[str]] = {}
-    for e in cp.entries or ():
-        out.setdefault(e.pod_uid, set()).update(e.all_device_ids())
-    return out
 
 
 class AccessObserver:
@@ -126,8 +112,10 @@ class AccessObserver:
         )
 
     def observe(
-        self, root: Root, inventory: Optional[Inventory], checkpoint_path: str
+        self, root: Root, inventory: Optional[Inventory], snapshot: HostSnapshot
     ) -> Optional[AccessView]:
+        """Entitlements are judged against the pass's snapshot of the checkpoint (and the
+        entries gpuguard dropped from it), never a re-read made after a step acted."""
         majors = nvidia_majors(read_proc_devices(root))
         if majors.nvidia is None:
             return None  # driver not loaded: no GPU node can be granted
@@ -141,7 +129,6 @@ class AccessObserver:
             self._cache.clear()
             self._good.clear()
             self._host_signature = signature
-        ckpt: Optional[dict[str, set[str]]] = None
         ents: dict[tuple[str, str], Entitlement] = {}
         live = set()
         for c in containers:
@@ -150,9 +137,7 @@ class AccessObserver:
             if cached is not None and cached[0] in c.pids:
                 ents[c.key] = cached[1]
                 continue
-            if ckpt is None:
-                ckpt = checkpoint_ids(root, checkpoint_path)
-            ent = read_entitlement(root, c, host_nodes, majors, gpus, ckpt)
+            ent = read_entitlement(root, c, host_nodes, majors, gpus, snapshot.pod_device_ids)
             ents[c.key] = ent
             if ent.readable and c.pids:
                 self._cache[c.key] = (c.pids[0], ent)
@@ -237,11 +222,16 @@ class ContainerAccessStep:
         cfg = svc.config
         if cfg.devices.regrant:
             self._fast_repair(svc, ctx)
-        view = await asyncio.to_thread(
-            self.observer.observe, svc.root, ctx.known_inventory, cfg.kubelet.checkpoint_path
-        )
+        snapshot = ctx.host(svc)
+        # The GPUs are needed to judge conflicts: without them every GPU node in a
+        # container's /dev would be entitled (the start-up pass used to run before any
+        # step had loaded them). A systemd event reuses the last pass's, without waiting.
+        inventory = await ctx.device_inventory()
+        view = await asyncio.to_thread(self.observer.observe, svc.root, inventory, snapshot)
         if view is None:
             return
+        if snapshot.dropped_entries[1]:
+            svc.log.warning(snapshot.dropped_entries[1])
         findings, actions = audit(
             view.containers,
             view.entitlements,
