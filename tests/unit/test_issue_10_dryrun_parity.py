@@ -191,3 +191,31 @@ def test_issue_10_dry_run_parity_a_daemon_pass_after_the_repair_grants_nothing_d
     findings, actions = _access(last["findings"], last["outcomes"])
     assert (findings, actions) == (dry_findings, dry_actions)
     assert GPU_B_RULE not in _granted(root)
+
+
+def test_check_runs_the_steps_in_the_daemons_order(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    inv = str(root / "etc/gpuguard/inventory.json")
+    assert cli.main(["check", "--root", str(root), "--inventory", inv, "--log-json"]) == 0
+    kinds = [json.loads(x)["kind"] for x in capsys.readouterr().err.splitlines() if x[:1] == "{"]
+    order = [
+        kinds.index(k) for k in ("cgroup-v1-allow", "char-link-created", "checkpoint-repaired")
+    ]
+    assert order == sorted(order), kinds
+    assert STEP_ORDER.index("container_access") < STEP_ORDER.index("device_nodes")
+    assert STEP_ORDER.index("device_nodes") < STEP_ORDER.index("checkpoint")
+
+
+def test_a_corrupt_checkpoint_stops_the_run_before_any_step_acts(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Exit 3 means "nothing was modified": the device steps, which now run before the
+    checkpoint step, must not act first."""
+    (root / CHECKPOINT).write_bytes(b'{"Data":{"PodDeviceEntries":[')
+    before = {str(p): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    inv = str(root / "etc/gpuguard/inventory.json")
+    assert cli.main(["check", "--root", str(root), "--inventory", inv]) == exitcodes.BAD_INPUT
+    assert {str(p): p.read_bytes() for p in root.rglob("*") if p.is_file()} == before
+    assert not (root / "dev/char").exists()
+    assert str(root / CHECKPOINT) in capsys.readouterr().err
