@@ -68,12 +68,15 @@ KINDS: dict[str, KindDoc] = {
     "checkpoint-repaired": KindDoc(
         "Kubelet checkpoint repaired",
         "gpuguard rewrote the checkpoint without the stale IDs and pod entries, with a "
-        "checksum kubelet accepts. The previous file is in BACKUP.",
+        "checksum kubelet accepts. The previous file is in BACKUP; the dropped pod "
+        "entries are recorded in DROPPED_RECORDED, so their pods' running containers "
+        "keep being judged by what the entries said.",
     ),
     "checkpoint-deleted": KindDoc(
         "Kubelet checkpoint deleted (policy delete)",
         "With Policy=delete gpuguard removes the whole checkpoint, as Alibaba's gpuops "
-        "does; kubelet rebuilds it and forgets every allocation. The old file is in BACKUP.",
+        "does; kubelet rebuilds it and forgets every allocation. The old file is in BACKUP; "
+        "its pod entries are recorded in DROPPED_RECORDED.",
     ),
     "kubelet-restart": KindDoc(
         "gpuguard restarted kubelet to repair its checkpoint",
