@@ -70,13 +70,15 @@ KINDS: dict[str, KindDoc] = {
     "checkpoint-repaired": KindDoc(
         "Kubelet checkpoint repaired",
         "gpuguard rewrote the checkpoint without the stale IDs and pod entries, with a "
-        "checksum kubelet accepts. The previous file is saved as @BACKUP@.",
+        "checksum kubelet accepts. The previous file is saved as @BACKUP@. The pod entries "
+        "it dropped are recorded in /var/lib/gpuguard/checkpoint-dropped.json, so their "
+        "pods' running containers keep being judged by what the entries said.",
     ),
     "checkpoint-deleted": KindDoc(
         "Kubelet checkpoint deleted (policy delete)",
         "With Policy=delete gpuguard removes the whole checkpoint, as Alibaba's gpuops "
         "does; kubelet rebuilds it and forgets every allocation. The old file is saved as "
-        "@BACKUP@.",
+        "@BACKUP@; its pod entries are recorded in /var/lib/gpuguard/checkpoint-dropped.json.",
     ),
     "kubelet-restart": KindDoc(
         "gpuguard restarted kubelet to repair its checkpoint",

@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from gpuguard import exitcodes, kubelet_hook
 from gpuguard.actuate.checkpoint import CheckpointActuator
-from gpuguard.checkpoint import read_checkpoint
 from gpuguard.errors import BadInputError, GpuguardError, KubeletError
 from gpuguard.inventory import Inventory
 from gpuguard.kubelet import KubeletStatus, kubelet_pids, kubelet_status
 from gpuguard.log import EventLog
 from gpuguard.model import Action, Finding, Outcome
-from gpuguard.paths import Root
+from gpuguard.paths import DROPPED_ENTRIES_FILE, Root
 from gpuguard.reconcilers import checkpoint as ckpt
+from gpuguard.snapshot import HostSnapshot
 
 if TYPE_CHECKING:  # dbus-next costs import time; a healthy node never needs it
     from gpuguard.passes import PassContext, Services
@@ -96,10 +96,16 @@ class CheckReport:
         return "\n".join(lines)
 
 
-def run_check(root: Root, inventory: Inventory, s: CheckSettings, log: EventLog) -> CheckReport:
+def run_check(
+    root: Root,
+    inventory: Inventory,
+    s: CheckSettings,
+    log: EventLog,
+    snapshot: Optional[HostSnapshot] = None,
+) -> CheckReport:
     """The CLI's entry. An event loop and a bus connection only when kubelet must be
     asked about: a healthy node never loads asyncio or D-Bus."""
-    report, actuator = analyse_checkpoint(root, inventory, s, log)
+    report, actuator = analyse_checkpoint(root, inventory, s, log, snapshot)
     if actuator is None:
         return report
     import asyncio
@@ -114,30 +120,40 @@ async def check_checkpoint(
     log: EventLog,
     systemd: Optional[Systemd] = None,
     on_restart: Optional[Callable[[], None]] = None,
+    snapshot: Optional[HostSnapshot] = None,
 ) -> CheckReport:
     """The same for the daemon, on its own bus connection (`systemd`). `on_restart` is
     called just before kubelet is restarted or stopped, whatever comes of it."""
-    report, actuator = analyse_checkpoint(root, inventory, s, log)
+    report, actuator = analyse_checkpoint(root, inventory, s, log, snapshot)
     if actuator is None:
         return report
     return await _coordinate(root, s, report, actuator, log, systemd, inventory, on_restart)
 
 
 def analyse_checkpoint(
-    root: Root, inventory: Inventory, s: CheckSettings, log: EventLog
+    root: Root,
+    inventory: Inventory,
+    s: CheckSettings,
+    log: EventLog,
+    snapshot: Optional[HostSnapshot] = None,
 ) -> tuple[CheckReport, Optional[CheckpointActuator]]:
-    """Read and analyse the checkpoint; the actuator comes back only when a repair that
-    needs kubelet stopped is planned (the report is final otherwise)."""
+    """Read and analyse the checkpoint (from the pass's `snapshot`, so every step decides
+    from the same read); the actuator comes back only when a repair that needs kubelet
+    stopped is planned (the report is final otherwise)."""
     path = root.path(s.checkpoint_path)
     report = CheckReport(checkpoint=str(path), inventory=inventory.to_json())
-    if not path.exists() and not path.is_symlink():
-        report.result = "no checkpoint file (kubelet's device manager has not written one yet)"
-        return report, None
+    snap = snapshot or HostSnapshot(root, s.checkpoint_path)
     try:
-        cp, raw, _st = read_checkpoint(path)
+        loaded = snap.checkpoint()
+        if loaded is not None and not loaded.valid:
+            raise BadInputError(loaded.problem)
     except BadInputError as e:
         log.event("checkpoint-corrupt", e.message, level="error", fields={"CHECKPOINT": path})
         raise
+    if loaded is None:
+        report.result = "no checkpoint file (kubelet's device manager has not written one yet)"
+        return report, None
+    cp, raw = loaded.checkpoint, loaded.raw
     analysis = ckpt.analyse(cp, inventory, s.resources)
     report.findings = list(analysis.findings)
     for f in report.findings:
@@ -156,7 +172,11 @@ def analyse_checkpoint(
         return report, None
 
     actuator = CheckpointActuator(
-        backup_dir=root.path(s.backup_dir), backup_keep=s.backup_keep, log=log, dry_run=s.dry_run
+        backup_dir=root.path(s.backup_dir),
+        backup_keep=s.backup_keep,
+        log=log,
+        dry_run=s.dry_run,
+        dropped_file=root.path(DROPPED_ENTRIES_FILE),
     )
     if s.kubelet_stopped:
         pids = kubelet_pids(root)
@@ -443,6 +463,7 @@ class CheckpointStep:
                 svc.log,
                 systemd=svc.systemd,
                 on_restart=self._restarting,
+                snapshot=ctx.host(svc),
             )
         except GpuguardError as e:
             kind = (

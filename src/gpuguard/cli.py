@@ -293,14 +293,14 @@ def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
         reason=args.reason,
         simulation=_simulation(args),
     )
-    report = run_check(root, inventory, settings, log)
-    if hook is not None:
-        _hook_result(hook, report, log)
-    doc = report.to_json()
-    code = report.exit_code
     from gpuguard.oneshot import driver_loaded
+    from gpuguard.snapshot import HostSnapshot
 
-    if args.only is None and driver_loaded(root):
+    # One snapshot for the whole run, and the steps in the daemon's order
+    # (passes.STEP_ORDER): the device steps, then the checkpoint.
+    snapshot = HostSnapshot(root, k.checkpoint_path)
+    devices = None
+    if args.only is None and driver_loaded(root) and _checkpoint_usable(snapshot):
         import asyncio
 
         from gpuguard.devices.audit import FINDING_UNREADABLE
@@ -310,7 +310,14 @@ def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
         svc = OneShotServices(
             root, cfg, log, settings.dry_run, _opt(args, "bus") or bus_address_for(root.prefix)
         )
-        findings, outcomes = asyncio.run(run_device_steps(svc, inventory))
+        devices = asyncio.run(run_device_steps(svc, inventory, snapshot))
+    report = run_check(root, inventory, settings, log, snapshot)
+    if hook is not None:
+        _hook_result(hook, report, log)
+    doc = report.to_json()
+    code = report.exit_code
+    if devices is not None:
+        findings, outcomes = devices
         doc["devices"] = {
             "findings": [f.to_json() for f in findings],
             "outcomes": [o.to_json() for o in outcomes],
@@ -347,6 +354,18 @@ def _hook_result(hook: Any, report: Any, log: Any) -> None:
         hook.finish(kh.NOT_REPAIRED, report.result, report.exit_code)
     else:
         hook.finish(kh.FAILED, report.result, report.exit_code)
+
+
+def _checkpoint_usable(snapshot: Any) -> bool:
+    """False when the checkpoint step will stop the run with exit 3 ("nothing was
+    modified"): then the device steps must not act first."""
+    from gpuguard.errors import BadInputError
+
+    try:
+        loaded = snapshot.checkpoint()
+    except BadInputError:
+        return False
+    return loaded is None or bool(loaded.valid)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -391,14 +410,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_daemon(args: argparse.Namespace) -> int:
     import asyncio
 
-    from gpuguard.check import CheckpointStep
     from gpuguard.daemon import Daemon
     from gpuguard.metrics import make_output
     from gpuguard.notify import Notifier
-    from gpuguard.plugins.step import DevicePluginStep
-    from gpuguard.steps.container_access import ContainerAccessStep
-    from gpuguard.steps.device_nodes import DeviceNodesStep
-    from gpuguard.steps.gpu_count import GpuCountStep
+    from gpuguard.steps import build_steps
 
     root = _root(args)
     try:
@@ -418,17 +433,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         notifier=Notifier(),
         inventory_path=_opt(args, "inventory"),
         bus_address=_opt(args, "bus"),
-        # Order matters: the container access repair first (after a daemon-reload every
-        # millisecond counts), then nodes and /dev/char links (a new link asks for a
-        # follow-up pass, so durable grants follow at once), then the checkpoint, which
-        # may restart kubelet, then the device plugins.
-        steps={
-            "container_access": ContainerAccessStep(),
-            "device_nodes": DeviceNodesStep(),
-            "checkpoint": CheckpointStep(),
-            "device_plugin": DevicePluginStep(),
-            "gpu_count": GpuCountStep(),  # report only; last, after the plugins' repairs
-        },
+        steps=build_steps(),  # in passes.STEP_ORDER, which says why
         dry_run=args.dry_run,
         udev=not args.no_udev,
         metrics=make_output(),

@@ -14,8 +14,9 @@ from gpuguard.devices.nodes import nvidia_majors, read_proc_devices
 from gpuguard.inventory import Inventory
 from gpuguard.log import EventLog
 from gpuguard.model import Finding, Outcome
-from gpuguard.passes import STATUS_FILE, PassContext, Work
+from gpuguard.passes import STATUS_FILE, STEP_ORDER, PassContext, Work
 from gpuguard.paths import Root
+from gpuguard.snapshot import HostSnapshot
 
 if TYPE_CHECKING:
     from gpuguard.devices.containers import ContainerCgroup
@@ -43,8 +44,11 @@ class OneShotServices:
 
 
 async def run_device_steps(
-    svc: OneShotServices, inventory: Optional[Inventory]
+    svc: OneShotServices, inventory: Optional[Inventory], snapshot: HostSnapshot
 ) -> tuple[list[Finding], list[Outcome]]:
+    """The device steps of `gpuguard check`, in the daemon's order (passes.STEP_ORDER),
+    deciding from `snapshot`, the one the checkpoint step of the same run uses."""
+    from gpuguard.passes import Step
     from gpuguard.steps.container_access import ContainerAccessStep
     from gpuguard.steps.device_nodes import DeviceNodesStep
     from gpuguard.systemd import Systemd, SystemdError
@@ -52,8 +56,17 @@ async def run_device_steps(
     async def load() -> Optional[Inventory]:
         return inventory
 
+    steps: dict[str, Step] = {
+        "container_access": ContainerAccessStep(),
+        "device_nodes": DeviceNodesStep(),
+    }
     now = time.monotonic()
-    ctx = PassContext(Work(frozenset(), ("check",), now, now), load, previous_inventory=inventory)
+    ctx = PassContext(
+        Work(frozenset(), ("check",), now, now),
+        load,
+        previous_inventory=inventory,
+        snapshot=snapshot,
+    )
     sd = Systemd(svc.bus_address, max_in_flight=svc.config.systemd.max_in_flight)
     try:
         await sd.connect()
@@ -61,8 +74,18 @@ async def run_device_steps(
     except SystemdError:
         svc.client = None  # no systemd: direct cgroup repairs only
     try:
-        await DeviceNodesStep()(svc, ctx)
-        await ContainerAccessStep()(svc, ctx)
+        for name in STEP_ORDER:
+            if name in steps:
+                await steps[name](svc, ctx)
+        # The daemon's immediate follow-up pass (links just made: durable grants now),
+        # once. Only systemd's DeviceAllow= depends on the links.
+        again = {n for delay, names, _ in ctx.followups if delay == 0 for n in names}
+        if svc.client is not None and again:
+            first = list(ctx.findings)
+            for name in STEP_ORDER:
+                if name in steps and name in again:
+                    await steps[name](svc, ctx)
+            ctx.findings = first + [f for f in ctx.findings[len(first) :] if f not in first]
     finally:
         sd.disconnect()
     return ctx.findings, ctx.outcomes
@@ -75,7 +98,10 @@ def container_status(
     from gpuguard.steps.container_access import AccessObserver
 
     view = AccessObserver().observe(
-        root, inventory, cfg.kubelet.checkpoint_path, cfg.device_plugin.socket_dir
+        root,
+        inventory,
+        HostSnapshot(root, cfg.kubelet.checkpoint_path),
+        cfg.device_plugin.socket_dir,
     )
     if view is None:
         return []

@@ -15,9 +15,18 @@ from gpuguard.model import Finding, Outcome
 from gpuguard.paths import Root
 
 if TYPE_CHECKING:
+    from gpuguard.snapshot import HostSnapshot
     from gpuguard.systemd import Systemd
 
 STATUS_FILE = "/run/gpuguard/status.json"
+
+# The order of the steps in every pass, the daemon's and `gpuguard check`'s alike:
+# container access first (after a daemon-reload every millisecond counts), then nodes
+# and /dev/char links (a new link asks for an immediate second container_access run, so
+# durable grants follow at once), then the checkpoint, which may restart kubelet, then
+# the device plugins, and last the GPU count (report only: it judges what the plugins'
+# repairs left).
+STEP_ORDER = ("container_access", "device_nodes", "checkpoint", "device_plugin", "gpu_count")
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,8 @@ class PassContext:
     work: Work
     load_inventory: Callable[[], Awaitable[Optional[Inventory]]]
     previous_inventory: Optional[Inventory] = None
+    # What every step of this pass decides from (see snapshot.py); made on first use.
+    snapshot: Optional[HostSnapshot] = None
     findings: list[Finding] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)
     # (delay seconds, reconcilers, why): passes a step wants later, e.g. when a grace
@@ -51,6 +62,14 @@ class PassContext:
     gauges: dict[str, float] = field(default_factory=dict)
     _inventory: Optional[Inventory] = None
     _loaded: bool = False
+
+    def host(self, svc: Services) -> HostSnapshot:
+        """The pass's host snapshot, shared by its steps."""
+        if self.snapshot is None:
+            from gpuguard.snapshot import HostSnapshot
+
+            self.snapshot = HostSnapshot(svc.root, svc.config.kubelet.checkpoint_path)
+        return self.snapshot
 
     def recheck(self, after: float, reconcilers: frozenset[str], why: str) -> None:
         self.followups.append((max(0.0, after), reconcilers, why))

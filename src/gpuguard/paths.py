@@ -29,6 +29,8 @@ KUBELET_CHECKPOINT = "/var/lib/kubelet/device-plugins/kubelet_internal_checkpoin
 DEVICE_PLUGINS_DIR = "/var/lib/kubelet/device-plugins"
 STATE_DIR = "/var/lib/gpuguard"
 BACKUP_DIR = "/var/lib/gpuguard/backups"
+# checkpoint entries gpuguard dropped, kept as evidence (checkpoint/dropped.py)
+DROPPED_ENTRIES_FILE = "/var/lib/gpuguard/checkpoint-dropped.json"
 CONFIG_FILE = "/etc/gpuguard/gpuguard.conf"
 CONFIG_DROPIN_DIR = "/etc/gpuguard/gpuguard.conf.d"
 HOOKS_DIR = "/etc/gpuguard/hooks.d"

@@ -172,13 +172,11 @@ def test_generated_nodes(cs: list[FakeContainer], proc: str, with_checkpoint: bo
     _node_properties(cs, proc, with_checkpoint)
 
 
-# Known divergence (issue 10's dry-run parity defect, fixed on its own branch): a pod's
-# checkpoint entry names its GPU plus a stale ID; its container's /dev also holds a
-# GPU that its NVIDIA_VISIBLE_DEVICES and the checkpoint both contradict. The dry-run
-# declines to grant it; a real run first repairs the checkpoint (dropping the entry),
-# then the device step re-reads it, loses the contradicting record and grants it.
-# Not strict: it passes once that fix is merged.
-@pytest.mark.xfail(strict=False, reason="dry-run parity after a checkpoint repair (issue 10)")
+# Issue 10's dry-run parity defect, as the fuzz suite found it: a pod's checkpoint entry
+# names its GPU plus a stale ID; its container's /dev also holds a GPU that its
+# NVIDIA_VISIBLE_DEVICES and the checkpoint both contradict. The dry-run declines to
+# grant it; the real run repairs the checkpoint (dropping the entry) and must still
+# decline: the run decides from one snapshot, and the dropped entry is kept as evidence.
 @budget(10)
 @given(st.sampled_from([(0, 1), (0, 2), (1, 2)]), st.booleans())
 def test_stale_checkpoint_entry_and_contradicted_gpu_parity(

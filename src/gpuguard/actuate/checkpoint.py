@@ -1,13 +1,19 @@
-"""Applies checkpoint actions: check the file is unchanged, back it up, replace or delete.
+"""Applies checkpoint actions: check the file is unchanged, back it up, record the pod
+entries it drops, replace or delete.
 
-The caller guarantees kubelet is stopped (kubelet rewrites the file from memory).
+The caller guarantees kubelet is stopped (kubelet rewrites the file from memory). The
+dropped entries are recorded before the file changes (checkpoint/dropped.py): they are
+evidence the container_access step still needs for the pods' running containers, and a
+repair that cannot keep them is not made.
 """
 
 from __future__ import annotations
 
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional, Union
 
 from gpuguard import safeio
 from gpuguard.actuate.files import (
@@ -16,8 +22,11 @@ from gpuguard.actuate.files import (
     backup,
     fsync_dir,
     remove_stale_temps,
+    write_new,
 )
+from gpuguard.checkpoint import dropped
 from gpuguard.checkpoint.reader import DEFAULT_MAX_BYTES as CHECKPOINT_MAX
+from gpuguard.errors import BadInputError
 from gpuguard.log import EventLog
 from gpuguard.model import Action, Outcome
 from gpuguard.reconcilers.checkpoint import DeleteCheckpoint, RewriteCheckpoint, sha256
@@ -29,6 +38,9 @@ class CheckpointActuator:
     backup_keep: int
     log: EventLog
     dry_run: bool = False
+    # where the dropped pod entries are recorded (paths.DROPPED_ENTRIES_FILE under the
+    # root); None only in tests of the file mechanics
+    dropped_file: Optional[Path] = None
 
     def apply(self, action: Action) -> Outcome:
         if not isinstance(action, (RewriteCheckpoint, DeleteCheckpoint)):
@@ -52,6 +64,13 @@ class CheckpointActuator:
             return self._failed(
                 action, f"{self.backup_dir}: backup failed ({e.strerror}); {path} not modified"
             )
+        try:
+            recorded = self._record_dropped(action)
+        except (BadInputError, OSError) as e:
+            return self._failed(
+                action,
+                f"{path}: not modified: the pod entries it would drop cannot be recorded: {e}",
+            )
         if isinstance(action, RewriteCheckpoint):
             atomic_replace(
                 path, action.content, mode=stat.S_IMODE(st.st_mode), uid=st.st_uid, gid=st.st_gid
@@ -68,10 +87,21 @@ class CheckpointActuator:
                 "GPUGUARD_RECONCILER": action.reconciler,
                 "GPUGUARD_ACTION": action.kind,
                 "BACKUP": str(saved),
+                **({"DROPPED_RECORDED": recorded} if recorded else {}),
                 **action.fields(),
             },
         )
         return Outcome(action, "done", detail)
+
+    def _record_dropped(self, action: Union[RewriteCheckpoint, DeleteCheckpoint]) -> str:
+        """Add the entries `action` drops to the record file; its path, or "" if none."""
+        if self.dropped_file is None or not action.dropped:
+            return ""
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        old = dropped.read(self.dropped_file)
+        records = dropped.merge(old, dropped.dropped_from(action.dropped, when))
+        write_new(self.dropped_file, dropped.render(records), mode=0o600)
+        return str(self.dropped_file)
 
     def _failed(self, action: Action, why: str) -> Outcome:
         self.log.event(

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-from gpuguard.checkpoint import Checkpoint, marshal
+from gpuguard.checkpoint import Checkpoint, PodDevicesEntry, marshal
 from gpuguard.inventory import Inventory
 from gpuguard.model import Action, Finding
 from gpuguard.reconcilers.deviceids import Matcher, classify
@@ -35,6 +35,7 @@ class Analysis:
     stale_entries: tuple[int, ...]  # positions in checkpoint.entries
     repaired: Optional[Checkpoint]  # None: nothing to change (or refused)
     refused: str = ""  # why a needed repair must not be made
+    entries: tuple[PodDevicesEntry, ...] = ()  # the checkpoint's, for what a repair drops
 
     @property
     def stale(self) -> bool:
@@ -116,7 +117,7 @@ def analyse(cp: Checkpoint, inventory: Inventory, resources: Sequence[str]) -> A
             )
 
     if not stale_reg and not stale_entries:
-        return Analysis(tuple(findings), (), (), None)
+        return Analysis(tuple(findings), (), (), None, entries=tuple(cp.entries or ()))
 
     if not inventory.gpus:
         # Zero GPUs more likely means a driver that is not up than GPUs that all changed.
@@ -127,7 +128,14 @@ def analyse(cp: Checkpoint, inventory: Inventory, resources: Sequence[str]) -> A
         findings.append(
             Finding(kind="checkpoint-refused", reconciler=NAME, summary=why, severity="error")
         )
-        return Analysis(tuple(findings), tuple(stale_reg), tuple(stale_entries), None, why)
+        return Analysis(
+            tuple(findings),
+            tuple(stale_reg),
+            tuple(stale_entries),
+            None,
+            why,
+            entries=tuple(cp.entries or ()),
+        )
 
     drop = set(stale_entries)
     entries = cp.entries
@@ -135,7 +143,13 @@ def analyse(cp: Checkpoint, inventory: Inventory, resources: Sequence[str]) -> A
         entries = tuple(e for pos, e in enumerate(entries) if pos not in drop)
     registered = tuple(new_registered) if cp.registered is not None else None
     repaired = dataclasses.replace(cp, entries=entries, registered=registered)
-    return Analysis(tuple(findings), tuple(stale_reg), tuple(stale_entries), repaired)
+    return Analysis(
+        tuple(findings),
+        tuple(stale_reg),
+        tuple(stale_entries),
+        repaired,
+        entries=tuple(cp.entries or ()),
+    )
 
 
 @dataclass(frozen=True)
@@ -147,6 +161,8 @@ class RewriteCheckpoint(Action):
     expected_sha256: str = ""  # the file must still be what we analysed
     dropped_entries: int = 0
     dropped_registered: int = 0
+    # The pod entries it removes: recorded before the write (checkpoint/dropped.py)
+    dropped: tuple[PodDevicesEntry, ...] = ()
 
     @property
     def kind(self) -> str:
@@ -169,6 +185,7 @@ class DeleteCheckpoint(Action):
 
     path: Path = Path()
     expected_sha256: str = ""
+    dropped: tuple[PodDevicesEntry, ...] = ()  # every pod entry: recorded before the delete
 
     @property
     def kind(self) -> str:
@@ -194,7 +211,16 @@ def plan(analysis: Analysis, *, path: Path, raw: bytes, policy: str) -> tuple[Ac
         "registered IDs name devices this host no longer has"
     )
     if policy == "delete":
-        return (DeleteCheckpoint(NAME, reason, str(path), path=path, expected_sha256=sha256(raw)),)
+        return (
+            DeleteCheckpoint(
+                NAME,
+                reason,
+                str(path),
+                path=path,
+                expected_sha256=sha256(raw),
+                dropped=analysis.entries,
+            ),
+        )
     if policy != "rewrite":
         raise ValueError(f"unknown checkpoint policy {policy!r}")
     return (
@@ -207,5 +233,6 @@ def plan(analysis: Analysis, *, path: Path, raw: bytes, policy: str) -> tuple[Ac
             expected_sha256=sha256(raw),
             dropped_entries=len(analysis.stale_entries),
             dropped_registered=len(analysis.stale_registered),
+            dropped=tuple(analysis.entries[i] for i in analysis.stale_entries),
         ),
     )

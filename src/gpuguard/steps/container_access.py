@@ -55,6 +55,7 @@ from gpuguard.safeio import CGROUP_MAX, UnsafeFileError, read_kernel_text
 
 if TYPE_CHECKING:
     from gpuguard.passes import PassContext, Services
+    from gpuguard.snapshot import HostSnapshot
     from gpuguard.systemd import Systemd
 
 NAME = "container_access"
@@ -75,21 +76,6 @@ class AccessView:
     broken: Mapping[str, str] = field(default_factory=dict)
     # device plugins' own containers: the plugin step judges their view of the nodes
     plugin_containers: frozenset[str] = frozenset()
-
-
-def checkpoint_ids(root: Root, path: str) -> dict[str, set[str]]:
-    """pod UID -> device IDs from the kubelet checkpoint; {} when it cannot be read."""
-    from gpuguard.checkpoint import load
-    from gpuguard.errors import BadInputError
-
-    try:
-        cp = load(root.path(path)).checkpoint
-    except (BadInputError, OSError):
-        return {}
-    out: dict[str, set[str]] = {}
-    for e in cp.entries or ():
-        out.setdefault(e.pod_uid, set()).update(e.all_device_ids())
-    return out
 
 
 class AccessObserver:
@@ -155,9 +141,11 @@ class AccessObserver:
         self,
         root: Root,
         inventory: Optional[Inventory],
-        checkpoint_path: str,
+        snapshot: HostSnapshot,
         plugin_socket_dir: str = DEVICE_PLUGINS_DIR,
     ) -> Optional[AccessView]:
+        """Entitlements are judged against the pass's snapshot of the checkpoint (and the
+        entries gpuguard dropped from it), never a re-read made after a step acted."""
         majors = nvidia_majors(read_proc_devices(root))
         if majors.nvidia is None:
             return None  # driver not loaded: no GPU node can be granted
@@ -171,7 +159,6 @@ class AccessObserver:
             self._cache.clear()
             self._good.clear()
             self._host_signature = signature
-        ckpt: Optional[dict[str, set[str]]] = None
         ents: dict[tuple[str, str], Entitlement] = {}
         broken: dict[str, str] = {}
         live = set()
@@ -185,10 +172,8 @@ class AccessObserver:
             if cached is not None and cached[0] in c.pids:
                 ents[c.key] = cached[1]
                 continue
-            if ckpt is None:
-                ckpt = checkpoint_ids(root, checkpoint_path)
             try:
-                ent = read_entitlement(root, c, host_nodes, majors, gpus, ckpt)
+                ent = read_entitlement(root, c, host_nodes, majors, gpus, snapshot.pod_device_ids)
             except GpuguardError as e:  # its environ or /dev is not what it should be
                 broken[c.container_id] = e.message
                 ents[c.key] = unreadable_entitlement(c, e.message)
@@ -292,15 +277,18 @@ class ContainerAccessStep:
         cfg = svc.config
         if cfg.devices.regrant:
             self._fast_repair(svc, ctx)
+        snapshot = ctx.host(svc)
+        # The GPUs are needed to judge conflicts: without them every GPU node in a
+        # container's /dev would be entitled (the start-up pass used to run before any
+        # step had loaded them). A systemd event reuses the last pass's, without waiting.
+        inventory = await ctx.device_inventory()
         view = await asyncio.to_thread(
-            self.observer.observe,
-            svc.root,
-            ctx.known_inventory,
-            cfg.kubelet.checkpoint_path,
-            cfg.device_plugin.socket_dir,
+            self.observer.observe, svc.root, inventory, snapshot, cfg.device_plugin.socket_dir
         )
         if view is None:
             return
+        if snapshot.dropped_entries[1]:
+            svc.log.warning(snapshot.dropped_entries[1])
         findings, actions = audit(
             view.containers,
             view.entitlements,

@@ -1,0 +1,154 @@
+"""Checkpoint entries gpuguard dropped, kept as evidence for the pods still running.
+
+The container_access step cross-checks a container's GPU nodes against the pod's
+checkpoint entries (devices/entitlement.py): a GPU that both NVIDIA_VISIBLE_DEVICES and
+the checkpoint contradict is a conflict and is never granted. When the checkpoint
+repair drops a pod's entry (it named a GPU this host no longer has), that record would
+vanish with it, and a later read would turn the conflict into a grant (issue 10). So
+the repair records every entry it drops, before it writes the checkpoint, in
+/var/lib/gpuguard/checkpoint-dropped.json, and the evidence a pass decides from is the
+checkpoint's entries plus these records: what the checkpoint said before gpuguard
+touched it.
+
+The newest MAX_RECORDS records are kept: a pod UID is never reused, so an old record
+cannot speak for a new pod, and a node runs a few hundred pods at most.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from gpuguard.checkpoint.model import PodDevicesEntry
+from gpuguard.errors import BadInputError
+
+MAX_RECORDS = 4096
+MAX_BYTES = 8 * 1024 * 1024
+VERSION = 1
+NEXT_STEP = (
+    "move it aside (it lists the device IDs of checkpoint entries gpuguard dropped) "
+    "and run gpuguard again"
+)
+
+
+@dataclass(frozen=True)
+class DroppedEntry:
+    pod_uid: str
+    container_name: str
+    resource_name: str
+    device_ids: tuple[str, ...]
+    dropped_at: str  # UTC, e.g. 2026-11-23T02:41:02Z
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pod_uid": self.pod_uid,
+            "container_name": self.container_name,
+            "resource_name": self.resource_name,
+            "device_ids": list(self.device_ids),
+            "dropped_at": self.dropped_at,
+        }
+
+
+def dropped_from(entries: Iterable[PodDevicesEntry], when: str) -> tuple[DroppedEntry, ...]:
+    return tuple(
+        DroppedEntry(e.pod_uid, e.container_name, e.resource_name, e.all_device_ids(), when)
+        for e in entries
+    )
+
+
+def merge(
+    old: Sequence[DroppedEntry], new: Sequence[DroppedEntry], *, keep: int = MAX_RECORDS
+) -> tuple[DroppedEntry, ...]:
+    """Old records then new ones, a repeated record once (its newest copy), newest `keep`."""
+    out: dict[tuple[str, str, str, tuple[str, ...]], DroppedEntry] = {}
+    for r in (*old, *new):
+        k = (r.pod_uid, r.container_name, r.resource_name, r.device_ids)
+        out.pop(k, None)
+        out[k] = r
+    records = tuple(out.values())
+    return records[max(0, len(records) - keep) :]
+
+
+def pod_device_ids(
+    entries: Iterable[PodDevicesEntry], dropped: Iterable[DroppedEntry] = ()
+) -> dict[str, frozenset[str]]:
+    """pod UID -> every device ID its checkpoint entries name, dropped ones included."""
+    out: dict[str, set[str]] = {}
+    for e in entries:
+        out.setdefault(e.pod_uid, set()).update(e.all_device_ids())
+    for r in dropped:
+        out.setdefault(r.pod_uid, set()).update(r.device_ids)
+    return {pod: frozenset(ids) for pod, ids in out.items()}
+
+
+def render(records: Sequence[DroppedEntry]) -> bytes:
+    doc = {"version": VERSION, "dropped": [r.to_json() for r in records]}
+    return (json.dumps(doc, indent=1) + "\n").encode()
+
+
+def _str(d: Mapping[str, Any], key: str, where: str) -> str:
+    v = d.get(key)
+    if not isinstance(v, str):
+        raise ValueError(f"{where}: {key} is not a string")
+    return v
+
+
+def parse(raw: bytes, source: str) -> tuple[DroppedEntry, ...]:
+    """The records of `raw`; any deviation from what render() writes is a BadInputError."""
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+        if not isinstance(doc, dict) or doc.get("version") != VERSION:
+            raise ValueError(f"not a version {VERSION} record file")
+        items = doc.get("dropped")
+        if not isinstance(items, list):
+            raise ValueError("'dropped' is not a list")
+        out = []
+        for i, d in enumerate(items):
+            where = f"record {i + 1}"
+            if not isinstance(d, dict):
+                raise ValueError(f"{where} is not an object")
+            ids = d.get("device_ids")
+            if not isinstance(ids, list) or not all(isinstance(x, str) for x in ids):
+                raise ValueError(f"{where}: device_ids is not a list of strings")
+            out.append(
+                DroppedEntry(
+                    _str(d, "pod_uid", where),
+                    _str(d, "container_name", where),
+                    _str(d, "resource_name", where),
+                    tuple(ids),
+                    _str(d, "dropped_at", where),
+                )
+            )
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeError too
+        raise BadInputError(f"{source}: unreadable ({str(e)[:200]}); {NEXT_STEP}") from None
+    return tuple(out)
+
+
+def read(path: Path) -> tuple[DroppedEntry, ...]:
+    """The records in `path`; () when it does not exist. Never follows a link, never
+    blocks on a FIFO, never reads past MAX_BYTES."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return ()
+    except OSError as e:
+        why = "is a symbolic link" if e.errno == errno.ELOOP else f"cannot be opened ({e.strerror})"
+        raise BadInputError(f"{path}: {why}; {NEXT_STEP}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise BadInputError(f"{path}: is not a regular file; {NEXT_STEP}")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            raw = f.read(MAX_BYTES + 1)
+    except OSError as e:
+        raise BadInputError(f"{path}: read failed ({e.strerror}); {NEXT_STEP}") from None
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_BYTES:
+        raise BadInputError(f"{path}: is over {MAX_BYTES} bytes; {NEXT_STEP}")
+    return parse(raw, str(path))

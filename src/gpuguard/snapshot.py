@@ -1,0 +1,72 @@
+"""The host as a pass found it: read once, shared by every step of the pass.
+
+Why (issue 10): the checkpoint step may rewrite the kubelet checkpoint in the middle of a
+pass, and the container_access step judges containers against that same file. A step
+that re-read the file after the repair decided from evidence gpuguard itself had just
+removed, so a real run granted what its dry-run had declined. Every step of a pass
+now decides from this snapshot.
+
+Each part is read on first use and then kept for the pass: a pass after a
+daemon-reload repairs container access from its cache and must not wait for a
+1,000-entry checkpoint it does not need. "Before any step acts" still holds, because
+the only step that changes the checkpoint decides from `checkpoint()` too: the snapshot
+is read before that write, whichever step asks first.
+
+Across passes, the repair records the entries it drops (checkpoint/dropped.py), and
+`pod_device_ids` is the checkpoint's entries plus those records: what the checkpoint
+said before gpuguard touched it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Mapping, Optional, Union
+
+from gpuguard.checkpoint import Loaded, dropped, load
+from gpuguard.errors import BadInputError
+from gpuguard.paths import DROPPED_ENTRIES_FILE, Root
+
+
+@dataclass(frozen=True)
+class HostSnapshot:
+    root: Root
+    checkpoint_path: str
+    dropped_path: str = DROPPED_ENTRIES_FILE
+
+    @cached_property
+    def _checkpoint(self) -> Union[Loaded, BadInputError, None]:
+        path = self.root.path(self.checkpoint_path)
+        if not path.exists() and not path.is_symlink():
+            return None
+        try:
+            return load(path)
+        except BadInputError as e:
+            return e
+
+    def checkpoint(self) -> Optional[Loaded]:
+        """The checkpoint as read at the first call of the pass (None: no file). A file
+        that cannot be read raises the same BadInputError at every call. A wrong checksum
+        is reported in the result (`valid`), as checkpoint.load() does."""
+        c = self._checkpoint
+        if isinstance(c, BadInputError):
+            raise BadInputError(c.message)
+        return c
+
+    @cached_property
+    def dropped_entries(self) -> tuple[tuple[dropped.DroppedEntry, ...], str]:
+        """The recorded dropped entries, and why they could not be read ("" if they could)."""
+        try:
+            return dropped.read(self.root.path(self.dropped_path)), ""
+        except BadInputError as e:
+            return (), e.message
+
+    @cached_property
+    def pod_device_ids(self) -> Mapping[str, frozenset[str]]:
+        """pod UID -> the device IDs its checkpoint entries name, dropped ones included.
+
+        An unreadable checkpoint gives no evidence (the checkpoint step reports it); a
+        checksum kubelet would reject does not make the entries less true."""
+        c = self._checkpoint
+        entries = c.checkpoint.entries or () if isinstance(c, Loaded) else ()
+        return dropped.pod_device_ids(entries, self.dropped_entries[0])
