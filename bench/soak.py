@@ -307,10 +307,12 @@ def main(argv: Sequence[str] = ()) -> int:
             time.sleep(min(max(0.0, end - time.monotonic()), rng.expovariate(args.rate)))
             if time.monotonic() > next_report:
                 next_report += 60
+                last = mon.samples[-1] if mon.samples else None
                 print(
                     f"  ... {(time.monotonic() - t0) / 60:.0f} min, {sum(counts.values())} "
                     f"events, {len(soak.sampler.losses)} losses, "
-                    f"passes {status(ns).get('passes')}"
+                    f"passes {status(ns).get('passes')}, "
+                    f"RSS {last.rss_kb / 1024 if last else 0:.1f} MB, fds {last.fds if last else 0}"
                 )
         seconds = time.monotonic() - t0
         _settle_quietly(ns)
