@@ -82,7 +82,7 @@ def test_dbus_restart_then_reload_wipe_is_still_repaired(systemd_ns, tmp_path) -
     wait_for(lambda: len(events(ns, "dbus-connected")) >= 2, timeout=30, what="reconnect")
     # The full pass after reconnecting repairs what was lost meanwhile.
     wait_for(lambda: all(has_gpu(ns, c) for c in ctrs[:3]), timeout=10, what="repair")
-    assert passes(ns) > before
+    wait_for(lambda: passes(ns) > before, what="the pass after reconnecting to end")
     assert "reconnected to the system bus" in json.dumps(status(ns))
     # Signals flow again: later wipes are repaired (a reload, and a new container).
     for _ in range(3):
