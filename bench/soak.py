@@ -177,7 +177,10 @@ class Soak:
         elif event == "dbus-restart":
             ns.systemctl("kill", "-s", "KILL", "dbus.service", check=False)
             time.sleep(self.rng.uniform(0.0, 1.0))
-            ns.systemctl("start", "dbus.service", check=False, timeout=60)
+            for _ in range(3):  # a start right after the kill can fail: try again
+                if ns.systemctl("start", "dbus.service", check=False, timeout=60).returncode == 0:
+                    break
+                time.sleep(0.2)
         elif event == "container-replace":
             old = self.ctrs.pop(self.rng.randrange(len(self.ctrs)))
             self.sampler.remove(old)
