@@ -159,6 +159,7 @@ class Soak:
         self.sampler = Sampler(ns)
         self.next_id = n
         self.log: List[Tuple[float, str]] = []  # (monotonic, event)
+        self.bus_down: List[Tuple[float, float]] = []  # dbus-restart: killed .. started
         self.ctrs = [new_container(i) for i in range(n)]
 
     def container(self) -> Container:
@@ -175,12 +176,14 @@ class Soak:
         elif event == "kubelet-restart":
             ns.systemctl("restart", "kubelet.service", check=False, timeout=60)
         elif event == "dbus-restart":
+            down = time.monotonic()
             ns.systemctl("kill", "-s", "KILL", "dbus.service", check=False)
             time.sleep(self.rng.uniform(0.0, 1.0))
             for _ in range(3):  # a start right after the kill can fail: try again
                 if ns.systemctl("start", "dbus.service", check=False, timeout=60).returncode == 0:
                     break
                 time.sleep(0.2)
+            self.bus_down.append((down, time.monotonic()))
         elif event == "container-replace":
             old = self.ctrs.pop(self.rng.randrange(len(self.ctrs)))
             self.sampler.remove(old)
@@ -205,9 +208,11 @@ class Soak:
             raise ValueError(event)
 
     def cause(self, t: float) -> str:
-        """The last event that began before t."""
+        """The last event that began before t, and whether the bus was down then (no
+        signal reaches gpuguard: it repairs on reconnecting)."""
         before = [e for when, e in self.log if when <= t]
-        return before[-1] if before else "none"
+        bus = any(a <= t <= b for a, b in self.bus_down)
+        return (before[-1] if before else "none") + (" (bus down)" if bus else "")
 
 
 def fmt_ms(values: Sequence[float]) -> str:
