@@ -466,6 +466,10 @@ class CheckpointStep:
                 snapshot=ctx.host(svc),
             )
         except GpuguardError as e:
+            if isinstance(e, KubeletError) and settings.restart_kubelet and not svc.dry_run:
+                # A restart job that failed or was canceled (kubelet stopped meanwhile)
+                # counts too: otherwise every pass would try again, a restart loop.
+                self.last_restart = self.clock()
             kind = (
                 "checkpoint-corrupt"
                 if isinstance(e, BadInputError)

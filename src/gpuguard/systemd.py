@@ -12,6 +12,7 @@ checked: an error reply raises SystemdError, never passes silently.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
@@ -33,6 +34,21 @@ class SystemdError(Exception):
     def __init__(self, message: str, *, name: str = "") -> None:
         super().__init__(message)
         self.name = name
+
+
+def _release(bus: MessageBus) -> None:
+    """Close a finished connection's socket now. dbus-next 0.2.3 only shuts it down and
+    leaves the fd to the garbage collector: each bus restart cost the daemon an fd."""
+    loop = asyncio.get_running_loop()
+    fd = getattr(bus, "_fd", None)
+    if isinstance(fd, int):
+        loop.remove_reader(fd)
+        loop.remove_writer(fd)
+    for name in ("_stream", "_sock"):
+        obj = getattr(bus, name, None)
+        if obj is not None:
+            with contextlib.suppress(OSError):
+                obj.close()
 
 
 def bus_address_for(root: Path) -> str:
@@ -74,10 +90,13 @@ class Systemd:
         return self._bus
 
     async def connect(self) -> None:
+        bus: Optional[MessageBus] = None
         try:
             bus = MessageBus(bus_address=self.bus_address, bus_type=BusType.SYSTEM)
             connected = await asyncio.wait_for(bus.connect(), timeout=5.0)
         except Exception as e:  # dbus-next raises plain Exceptions on auth/handshake
+            if bus is not None:
+                _release(bus)  # a bus that accepted but never answered: one fd per retry
             raise SystemdError(
                 f"cannot connect to the system bus at {self.bus_address}: {e}"
             ) from None
@@ -90,7 +109,11 @@ class Systemd:
             self._bus = None
 
     async def wait_for_disconnect(self) -> None:
-        await self.bus.wait_for_disconnect()
+        bus = self.bus
+        try:
+            await bus.wait_for_disconnect()
+        finally:
+            _release(bus)
 
     def on_signal(self, handler: Callable[[Message], None]) -> None:
         self._signal_handlers.append(handler)

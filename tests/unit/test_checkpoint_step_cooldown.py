@@ -1,0 +1,78 @@
+"""The daemon's checkpoint step restarts kubelet at most once per cool-down, also when
+the restart job failed or was canceled (kubelet stopped meanwhile: a flapping kubelet
+made every pass try again before)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any, List, Optional
+
+import pytest
+
+from gpuguard import check
+from gpuguard.check import CheckpointStep, CheckReport
+from gpuguard.config import Config
+from gpuguard.errors import KubeletError
+from gpuguard.inventory import Inventory, parse_inventory
+from gpuguard.log import EventLog
+from gpuguard.oneshot import OneShotServices
+from gpuguard.passes import PassContext, Work
+from gpuguard.paths import Root
+
+INVENTORY = parse_inventory(
+    {"gpus": [{"uuid": "GPU-1", "index": 0, "minor": 0, "pci_bus_id": "00000000:10:00.0"}]},
+    source="test",
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _ctx() -> PassContext:
+    async def load() -> Optional[Inventory]:
+        return INVENTORY
+
+    now = time.monotonic()
+    return PassContext(Work(frozenset({"checkpoint"}), ("test",), now, now), load)
+
+
+def _run_passes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, outcome: str, times: List[float]
+) -> List[bool]:
+    """Run one pass at each clock time; return restart_kubelet as each pass offered it."""
+    offered: List[bool] = []
+
+    async def fake_check(*args: Any, **_kw: Any) -> CheckReport:
+        settings = args[2]
+        offered.append(settings.restart_kubelet)
+        if settings.restart_kubelet and outcome == "canceled":
+            raise KubeletError("checkpoint: kubelet restart job ended with 'canceled'")
+        report = CheckReport(checkpoint="checkpoint")
+        if settings.restart_kubelet:
+            report.coordination = "restart kubelet.service through systemd"
+        return report
+
+    monkeypatch.setattr(check, "check_checkpoint", fake_check)
+    clock = Clock()
+    step = CheckpointStep(clock=clock)
+    svc = OneShotServices(Root(tmp_path), Config(), EventLog(level="error"), False, "")
+    for t in times:
+        clock.now = t
+        asyncio.run(step(svc, _ctx()))
+    return offered
+
+
+@pytest.mark.parametrize("outcome", ["done", "canceled"])
+def test_one_restart_per_cooldown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, outcome: str
+) -> None:
+    cd = CheckpointStep.COOLDOWN
+    offered = _run_passes(tmp_path, monkeypatch, outcome, [1000, 1001, 1002, 1000 + cd + 1])
+    assert offered == [True, False, False, True]
