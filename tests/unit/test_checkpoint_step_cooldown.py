@@ -49,9 +49,11 @@ def _run_passes(
     """Run one pass at each clock time; return restart_kubelet as each pass offered it."""
     offered: List[bool] = []
 
-    async def fake_check(*args: Any, **_kw: Any) -> CheckReport:
+    async def fake_check(*args: Any, **kw: Any) -> CheckReport:
         settings = args[2]
         offered.append(settings.restart_kubelet)
+        if settings.restart_kubelet:
+            kw["on_restart"]()  # as check_checkpoint does just before it restarts kubelet
         if settings.restart_kubelet and outcome == "canceled":
             raise KubeletError("checkpoint: kubelet restart job ended with 'canceled'")
         report = CheckReport(checkpoint="checkpoint")
