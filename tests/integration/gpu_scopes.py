@@ -152,18 +152,8 @@ def containers(n: int, gpus_per_node: int = 2) -> List[Container]:
     ]
 
 
-def probe_node(ns: SystemdNamespace, numbers: Tuple[int, int]) -> Path:
-    """A fake char node with ``numbers`` in the test's work dir, to probe with."""
-    d = ns.workdir / "probe-nodes"
-    d.mkdir(exist_ok=True)
-    path = d / f"c{numbers[0]}-{numbers[1]}"
-    if not path.exists():
-        os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(*numbers))
-    return path
-
-
 def has(c: Container, ns: SystemdNamespace, numbers: Tuple[int, int]) -> bool:
     """Does the container's cgroup admit ``numbers`` (rw)?"""
     if ns.layout == "v2":
-        return probe_open(probe_node(ns, numbers), [c.cgroup(ns)]).verdict is True
+        return probe_open(ns.fake_node(*numbers), [c.cgroup(ns)]).verdict is True
     return f"c {numbers[0]}:{numbers[1]} rw" in c.devices_list(ns)

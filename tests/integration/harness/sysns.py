@@ -80,6 +80,7 @@ import re
 import select
 import shlex
 import signal
+import stat
 import subprocess
 import time
 import uuid
@@ -342,6 +343,16 @@ class SystemdNamespace:
         """The hierarchy where systemd enforces units' device policy: ``devices`` (v1,
         a devices.list per cgroup) or ``unified`` (v2, BPF device programs)."""
         return "unified" if self.layout == "v2" else "devices"
+
+    def fake_node(self, major: int, minor: int) -> Path:
+        """A char node ``major:minor`` in the instance's host-side work dir (never a
+        /dev), to probe a cgroup's verdict with: EPERM denied, ENXIO admitted."""
+        d = self.workdir / "probe-nodes"
+        d.mkdir(exist_ok=True)
+        path = d / f"c{major}-{minor}"
+        if not path.exists():
+            os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(major, minor))
+        return path
 
     def command(self, argv: Sequence[str]) -> List[str]:
         """Host argv that runs ``argv`` inside the namespace (dies with its caller)."""
