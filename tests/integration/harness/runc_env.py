@@ -32,7 +32,7 @@ import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from gpuguard.devices.probe import probe_open
 
@@ -130,8 +130,10 @@ def prepare(host_dir: Path, gpus: int = 2) -> Tuple[Dict[str, str], Dict[str, Pa
     shutil.copy2(busybox, rootfs / "bin/busybox")
     for app in ("sh", "sleep", "cat", "ls"):
         os.symlink("busybox", rootfs / "bin" / app)
-    for d in ("proc", "sys", "dev", "tmp", "etc"):
-        (rootfs / d).mkdir()
+    for d in ("proc", "sys", "dev", "tmp", "etc", "usr", "var/lib/kubelet/device-plugins"):
+        (rootfs / d).mkdir(parents=True)
+    os.symlink("usr/lib", rootfs / "lib")  # for the host's python3 when /usr is bound in
+    os.symlink("usr/lib64", rootfs / "lib64")
     dev = host_dir / "dev"
     dev.mkdir()
     nodes = {f"nvidia{g}": (195, g) for g in range(gpus)} | CONTROL_NODES
@@ -166,15 +168,26 @@ class Containerd:
             raise RuntimeError(f"runc {' '.join(args)}: {res.stderr.strip() or res.stdout}")
         return res.stdout
 
-    def run(self, c: RuncContainer, *, hook_grant: bool = True, spec_devices: bool = False) -> int:
+    def run(
+        self,
+        c: RuncContainer,
+        *,
+        hook_grant: bool = True,
+        spec_devices: bool = False,
+        nodes: Optional[Sequence[str]] = None,
+        args: Sequence[str] = ("/bin/busybox", "sleep", "3000"),
+        mounts: Sequence[Tuple[str, str, str]] = (),
+    ) -> int:
         """Start ``c`` (busybox sleeping) with its nodes bound in, not in runc's spec.
 
         Then grant them behind runc's back, as the legacy NVIDIA hook does.
         ``spec_devices``: give them in runc's spec instead (``--device /dev/nvidiaN``:
         nodes the test made in the namespace's /dev, see :meth:`make_dev_nodes`), as a
         device plugin's allocation does. Returns the container's init PID (host PID
-        namespace)."""
-        names = [f"nvidia{g}" for g in c.gpus] + list(CONTROL_NODES)
+        namespace). ``nodes``: other /dev names than its GPUs and the control nodes;
+        ``mounts``: (source inside the namespace, destination, "ro"/"rw") binds."""
+        names = list(nodes) if nodes is not None else [f"nvidia{g}" for g in c.gpus]
+        names += [] if nodes is not None else list(CONTROL_NODES)
         argv = ["run", "-d", "--null-io", "--rootfs", f"--cgroup={c.cgroups_path}"]
         if c.systemd:
             argv.append("--runc-systemd-cgroup")
@@ -187,7 +200,9 @@ class Containerd:
                 argv.append(f"--device=/dev/{n}")
             else:
                 argv.append(f"--mount=type=bind,src={INNER}/dev/{n},dst=/dev/{n},options=rbind:rw")
-        argv += [f"{INNER}/rootfs", c.container_id, "/bin/busybox", "sleep", "3000"]
+        for src, dst, mode in mounts:
+            argv.append(f"--mount=type=bind,src={src},dst={dst},options=rbind:{mode}")
+        argv += [f"{INNER}/rootfs", c.container_id, *args]
         self.ctr(*argv)
         self.containers.append(c)
         if hook_grant:
@@ -218,6 +233,22 @@ class Containerd:
                 os.write(fd, f"c {ma}:{mi} rw".encode())
         finally:
             os.close(fd)
+
+    def task_status(self, c: RuncContainer) -> str:
+        """RUNNING, STOPPED, ... or GONE (``ctr task ls``)."""
+        for line in self.ctr("task", "ls").splitlines()[1:]:
+            f = line.split()
+            if f and f[0] == c.container_id:
+                return f[2]
+        return "GONE"
+
+    def remove(self, c: RuncContainer) -> None:
+        """Kill (if still running) and delete one container."""
+        self.ctr("task", "kill", "-s", "SIGKILL", c.container_id, check=False)
+        self.ctr("task", "delete", "-f", c.container_id, check=False)
+        self.ctr("container", "delete", c.container_id, check=False)
+        if c in self.containers:
+            self.containers.remove(c)
 
     def remove_all(self) -> None:
         """Kill and delete every container (the namespace's poweroff would, too)."""
