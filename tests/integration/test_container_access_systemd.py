@@ -79,7 +79,10 @@ def test_reload_wipe_is_repaired_exactly_and_durably(systemd_ns, tmp_path, layou
         assert not has(c, ns, (195, other)), "granted a GPU the container was not given"
         assert _verdict(ns, c, mine) is True  # ENXIO: the cgroup lets it through
         assert _verdict(ns, c, other) is False  # EPERM: still denied
-    assert len(events(ns, "container-device-denied")) >= 4 * 4  # 4 nodes each
+    denied = events(ns, "container-device-denied")
+    assert len(denied) >= 4 * 4  # 4 nodes each
+    mechanism = "v1-rule" if layout == "v1" else "scope-device-allow"
+    assert {(e["CGROUP_LAYOUT"], e["DEVICE_MECHANISM"]) for e in denied} == {(layout, mechanism)}
     assert ns.path("/dev/char/195:0").is_symlink() and ns.path("/dev/nvidia-uvm").exists()
     assert len(events(ns, "unit-device-allow")) >= 4
     regrants = len(events(ns, _regrant_kind(ns)))
@@ -142,6 +145,11 @@ def test_status_reports_and_oneshot_check_repairs(systemd_ns, tmp_path, layout) 
     status = json.loads(ns.run([str(GPUGUARD), "status", "--json"], check=True).stdout)
     rows = {r["container_id"]: r for r in status["containers"]}
     assert {rows[c.container_id]["access"] for c in ctrs} == {"ok"}
+    mechanism = "v1-rule" if layout == "v1" else "scope-device-allow"
+    assert {(r["layout"], r["mechanism"]) for r in rows.values()} == {(layout, mechanism)}
+    text = ns.run([str(GPUGUARD), "status"], check=True).stdout
+    how = "v1 rule" if layout == "v1" else "scope DeviceAllow="
+    assert f": ok ({layout}, {how})" in text, text
     ns.systemctl("daemon-reload")  # durable now, even without the daemon
     assert all(has(c, ns, (195, c.gpus[0])) for c in ctrs)
     # A wipe behind everyone's back shows up in status as DENIED with exit code 1.

@@ -185,6 +185,9 @@ def test_cpu_manager_rewrite_on_v2_is_reported_and_nothing_broadened(systemd_ns,
         mine = [e for e in denied if e["CONTAINER_ID"] == c.container_id]
         assert {e["DEVICE_NUMBERS"] for e in mine} >= {f"{ma}:{mi}" for ma, mi in c.given()}
         assert {e["CGROUP_DRIVER"] for e in mine} == {"cgroupfs"}
+        assert {(e["CGROUP_LAYOUT"], e["DEVICE_MECHANISM"]) for e in mine} == {
+            ("v2", "own-program")
+        }
         # reported, not repaired: the kernel still denies it, and grants nothing else
         assert _verdict(ns, c, c.gpus[0]) is False
         assert _verdict(ns, c, 1 - c.gpus[0]) is False
