@@ -146,7 +146,12 @@ KINDS: dict[str, KindDoc] = {
         "re-applied the container's scope without the device (systemd cgroup driver), or "
         "the kubelet CPU manager's runc update rewrote the device cgroup. This time: "
         "@DEVICE@ (@DEVICE_NUMBERS@) is denied; likely cause: @CAUSE@. gpuguard re-grants "
-        "exactly the nodes the container has in its own /dev.",
+        "exactly the nodes the container has in its own /dev. The container is on cgroup "
+        "@CGROUP_LAYOUT@ and its devices are admitted by @DEVICE_MECHANISM@: v1-rule (its "
+        "devices.list: re-granted at once, then on its scope), scope-device-allow (v2: the "
+        "program systemd builds from its scope's DeviceAllow=, where gpuguard adds the "
+        "node), own-program (v2 without a scope: the runtime's own BPF program, which "
+        "gpuguard reports but does not rewrite; see v2-report-only).",
     ),
     "container-device-missing": KindDoc(
         "A GPU container has no @DEVICE@ in its /dev",

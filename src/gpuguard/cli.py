@@ -12,6 +12,13 @@ from typing import Any, Optional, Sequence
 from gpuguard import __version__, exitcodes
 from gpuguard.errors import GpuguardError
 
+# `gpuguard status`: what admits a container's devices (ContainerCgroup.mechanism)
+MECHANISM_TEXT = {
+    "v1-rule": "v1 rule",
+    "scope-device-allow": "scope DeviceAllow=",
+    "own-program": "own BPF program",
+}
+
 EPILOG = """exit codes: 0 healthy or repaired; 1 problems found and left (dry-run, policy);
 2 usage or configuration error; 3 corrupt or unreadable input (nothing modified);
 4 no NVIDIA driver/NVML (use --inventory); 5 kubelet could not be coordinated
@@ -400,7 +407,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"containers: {len(rows)} with GPUs")
         for r in rows:
             what = r["access"] if r["access"] != "denied" else "DENIED " + ", ".join(r["denied"])
-            print(f"  pod {r['pod_uid']} {r['container_id'][:12]} {', '.join(r['nodes'])}: {what}")
+            how = MECHANISM_TEXT.get(r["mechanism"], r["mechanism"])
+            print(
+                f"  pod {r['pod_uid']} {r['container_id'][:12]} {', '.join(r['nodes'])}: {what}"
+                f" ({r['layout']}, {how})"
+            )
             for p in r["problems"]:
                 print(f"    {p}")
     bad = any(r["access"] != "ok" or r["missing"] for r in rows)

@@ -3,7 +3,10 @@ driver lays them out: kubepods.slice/kubepods-besteffort.slice/kubepods-besteffo
 pod<uid>.slice/cri-containerd-<id>.scope, each process in its own mount namespace whose
 /dev holds exactly the nodes "the runtime gave it" (a directory of fake nodes made with
 mknod in the test's tmp dir, bound over its /dev). Its device cgroup gets the nodes the
-way the legacy NVIDIA hook grants them: written to devices.allow behind systemd's back.
+way the legacy NVIDIA hook grants them, behind systemd's back: written to devices.allow
+(v1), or a device program of its own replacing systemd's (v2, ``harness/bpfdev.py``).
+``has`` asks devices.list on v1 and the kernel itself (a probe open of a fake node:
+EPERM vs ENXIO) on v2, where the policy is a BPF program.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
+from gpuguard.devices.probe import probe_open
 from integration.gpuguard_ns import wait_for
 from integration.harness import SystemdNamespace
+from integration.harness.bpfdev import DEFAULT_RULES, replace_programs
 
 UVM_MAJOR = 511
 NODES: Dict[str, Tuple[int, int]] = {
@@ -67,7 +72,7 @@ class Container:
 
     def cgroup(self, ns: SystemdNamespace) -> Path:
         return (
-            ns.cgroup_dir("devices")
+            ns.cgroup_dir(ns.device_hierarchy)
             / "kubepods.slice/kubepods-besteffort.slice"
             / self.slice
             / self.unit
@@ -78,6 +83,17 @@ class Container:
 
     def devices_list(self, ns: SystemdNamespace) -> str:
         return (self.cgroup(ns) / "devices.list").read_text()
+
+    def hook_grant(self, ns: SystemdNamespace) -> None:
+        """Grant the container its nodes behind systemd's back, as the legacy hook does."""
+        if ns.layout == "v2":
+            rules = [*DEFAULT_RULES, *(("c", ma, mi) for ma, mi in self.given())]
+            replace_programs(self.cgroup(ns), rules)
+            return
+        with open(self.cgroup(ns) / "devices.allow", "w") as f:
+            for ma, mi in self.given():
+                f.write(f"c {ma}:{mi} rw")
+                f.flush()
 
 
 def make_dev_dir(path: Path, gpus: Sequence[int]) -> Path:
@@ -122,10 +138,7 @@ def start(ns: SystemdNamespace, c: Container, *, hook_grant: bool = True) -> Non
     procs = c.cgroup(ns) / "cgroup.procs"
     wait_for(lambda: procs.exists() and procs.read_text().strip(), what=f"{c.unit} running")
     if hook_grant:
-        with open(c.cgroup(ns) / "devices.allow", "w") as f:
-            for ma, mi in c.given():
-                f.write(f"c {ma}:{mi} rw")
-                f.flush()
+        c.hook_grant(ns)
 
 
 def containers(n: int, gpus_per_node: int = 2) -> List[Container]:
@@ -140,4 +153,7 @@ def containers(n: int, gpus_per_node: int = 2) -> List[Container]:
 
 
 def has(c: Container, ns: SystemdNamespace, numbers: Tuple[int, int]) -> bool:
+    """Does the container's cgroup admit ``numbers`` (rw)?"""
+    if ns.layout == "v2":
+        return probe_open(ns.fake_node(*numbers), [c.cgroup(ns)]).verdict is True
     return f"c {numbers[0]}:{numbers[1]} rw" in c.devices_list(ns)

@@ -45,12 +45,13 @@ from typing import Optional, Sequence, Tuple
 import pytest
 
 from conftest import require_tool
-from gpuguard.devices.audit import CAUSE_REWRITE
+from gpuguard.devices.audit import CAUSE_REWRITE, CAUSE_REWRITE_V2
 from gpuguard.devices.probe import probe_open
 from gpuguard.devices.rules import RUNC_DEFAULT_RULES
 from integration.gpu_scopes import fake_proc_devices, gpu_inventory
 from integration.gpuguard_ns import GPUGUARD, events, gpuguard_units, settle, wait_for
 from integration.harness import SystemdNamespace
+from integration.harness import layout as layout
 from integration.harness import systemd_ns as systemd_ns
 from integration.harness.runc_env import (
     REQUIRED_TOOLS,
@@ -63,7 +64,7 @@ from integration.harness.runc_env import (
 pytestmark = pytest.mark.root
 
 
-def _boot(systemd_ns, tmp_path: Path) -> Tuple[SystemdNamespace, Containerd]:  # type: ignore[no-untyped-def]
+def _boot(systemd_ns, tmp_path: Path, layout: str = "v1") -> Tuple[SystemdNamespace, Containerd]:  # type: ignore[no-untyped-def]
     require_tool(*REQUIRED_TOOLS)
     units = gpuguard_units()
     units["gpuguard.service.d/60-fake-driver.conf"] = (
@@ -73,6 +74,7 @@ def _boot(systemd_ns, tmp_path: Path) -> Tuple[SystemdNamespace, Containerd]:  #
     units.update(ctr_units)
     devices = fake_proc_devices(tmp_path / "devices")
     ns = systemd_ns(
+        layout=layout,
         units=units,
         binds=ctr_binds,
         ro_binds={"/run/fake/devices": devices, "/proc/devices": devices},
@@ -102,12 +104,36 @@ def _exactly_entitled(tmp_path: Path, ns: SystemdNamespace, ctrs: Sequence[RuncC
 
 
 def _into_scope(ns: SystemdNamespace, cd: Containerd, c: RuncContainer) -> None:
-    """Put the container's process in its scope's v1 devices cgroup (module docstring)."""
-    (c.cgroup(ns) / "cgroup.procs").write_text(str(cd.pid(c)))
+    """Put the container's process in its scope's v1 devices cgroup (module docstring;
+    on v2 runc and systemd agree on its cgroup)."""
+    if ns.layout == "v1":
+        (c.cgroup(ns) / "cgroup.procs").write_text(str(cd.pid(c)))
 
 
-def test_systemd_driver_update_and_reload_wipe_daemon_restores(systemd_ns, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    ns, cd = _boot(systemd_ns, tmp_path)
+def _cpu_manager_update(
+    ns: SystemdNamespace, cd: Containerd, c: RuncContainer, shares: int
+) -> None:
+    """The CPU manager's ``runc update``. On v2 here every controller is bound to the
+    host's v1 hierarchies, so cgroup2 has no cpu.weight: the update carries no resource
+    (``-r`` with ``{}``), and runc re-applies the container's device policy all the same."""
+    if ns.layout == "v1":
+        cd.runc(c, "update", "--cpu-share", str(shares), c.container_id)
+        return
+    empty = ns.path("/run/ctr-test/no-resources.json")
+    if not empty.exists():
+        empty.write_text("{}\n")
+    cd.runc(c, "update", "-r", "/run/ctr-test/no-resources.json", c.container_id)
+
+
+def _regrant_kind(ns: SystemdNamespace) -> str:
+    """What re-grants a wiped node: devices.allow on v1, the scope's DeviceAllow= on v2."""
+    return "cgroup-v1-allow" if ns.layout == "v1" else "unit-device-allow"
+
+
+def test_systemd_driver_update_and_reload_wipe_daemon_restores(
+    systemd_ns, tmp_path, layout
+) -> None:  # type: ignore[no-untyped-def]
+    ns, cd = _boot(systemd_ns, tmp_path, layout)
     a, b = make_containers(2, systemd=True)
     for c in (a, b):
         cd.run(c)  # hook_grant: devices.allow written behind runc's back
@@ -115,40 +141,88 @@ def test_systemd_driver_update_and_reload_wipe_daemon_restores(systemd_ns, tmp_p
         assert c.allows(ns, (195, c.gpus[0])) and _verdict(tmp_path, ns, c, c.gpus[0]) is True
         assert "/dev/char/195:" not in ns.unit_property(c.unit, "DeviceAllow")
 
-    # The CPU manager's update, through runc's systemd driver: the grant is gone.
-    cd.runc(a, "update", "--cpu-share", "512", a.container_id)
-    assert not a.allows(ns, (195, a.gpus[0])) and not a.allows(ns, (195, 255))
-    assert _verdict(tmp_path, ns, a, a.gpus[0]) is False
-    assert b.allows(ns, (195, b.gpus[0]))
+    if layout == "v1":
+        # The CPU manager's update, through runc's systemd driver: the grant is gone.
+        # (On v2 here an update carries no resource, see _cpu_manager_update, and left
+        # the hook's program in place: the reload below is what loses it there.)
+        _cpu_manager_update(ns, cd, a, 512)
+        assert not a.allows(ns, (195, a.gpus[0])) and not a.allows(ns, (195, 255))
+        assert _verdict(tmp_path, ns, a, a.gpus[0]) is False
+        assert b.allows(ns, (195, b.gpus[0]))
     # seed 003: a daemon-reload re-applies every scope.
     ns.systemctl("daemon-reload")
-    assert not b.allows(ns, (195, b.gpus[0]))
-    assert _verdict(tmp_path, ns, b, b.gpus[0]) is False
+    for c in (a, b):
+        assert not c.allows(ns, (195, c.gpus[0]))
+        assert _verdict(tmp_path, ns, c, c.gpus[0]) is False
 
     assert ns.systemctl("start", "gpuguard.service").returncode == 0
     settle(ns)
     _exactly_entitled(tmp_path, ns, (a, b))
     denied = events(ns, "container-device-denied")
     assert {e["CONTAINER_ID"] for e in denied} == {a.container_id, b.container_id}
-    assert {e["CAUSE"] for e in denied if e["DEVICE"].startswith("/dev/nvidia")} == {CAUSE_REWRITE}
+    cause = CAUSE_REWRITE if layout == "v1" else CAUSE_REWRITE_V2
+    assert {e["CAUSE"] for e in denied if e["DEVICE"].startswith("/dev/nvidia")} == {cause}
     for c in (a, b):
         allow = ns.unit_property(c.unit, "DeviceAllow")
         assert f"/dev/char/195:{c.gpus[0]} rw" in allow, allow
         assert f"/dev/char/195:{1 - c.gpus[0]}" not in allow
-    regrants = len(events(ns, "cgroup-v1-allow"))
+    regrants = len(events(ns, _regrant_kind(ns)))
 
     # Durable now: neither runc's updates nor reloads/reexecs lose the GPU.
     for _ in range(3):
         for c in (a, b):
-            cd.runc(c, "update", "--cpu-share", "256", c.container_id)
-            assert c.allows(ns, (195, c.gpus[0])), c.devices_list(ns)
+            _cpu_manager_update(ns, cd, c, 256)
+            assert c.allows(ns, (195, c.gpus[0])), f"runc update lost it ({layout})"
         ns.systemctl("daemon-reload")
         assert all(c.allows(ns, (195, c.gpus[0])) for c in (a, b))
     ns.systemctl("daemon-reexec")
     wait_for(lambda: all(c.allows(ns, (195, c.gpus[0])) for c in (a, b)), timeout=2)
     settle(ns)
     assert not events(ns, "reconciler-crashed")
-    assert len(events(ns, "cgroup-v1-allow")) == regrants, "durable grants needed re-granting"
+    assert len(events(ns, _regrant_kind(ns))) == regrants, "durable grants needed re-granting"
+    _exactly_entitled(tmp_path, ns, (a, b))
+    cd.remove_all()
+
+
+def test_missing_char_link_dropped_by_runc_lost_on_reload_repaired(  # type: ignore[no-untyped-def]
+    systemd_ns, tmp_path, layout
+) -> None:
+    """F2's other road (issue 12): the GPU is in runc's spec, but its /dev/char link is
+    missing, so runc's systemd driver leaves it out of the scope's DeviceAllow= while
+    its own rules (v1 devices.allow; v2 its own device program) admit it. The next
+    daemon-reload applies the scope's list alone: EPERM. gpuguard creates the link and
+    puts the GPU on the scope, which then survives reloads."""
+    ns, cd = _boot(systemd_ns, tmp_path, layout)
+    cd.make_dev_nodes()
+    a, b = make_containers(2, systemd=True)
+    for c in (a, b):
+        cd.run(c, hook_grant=False, spec_devices=True)
+        _into_scope(ns, cd, c)
+        assert c.allows(ns, (195, c.gpus[0])), "runc did not admit its spec's GPU"
+        assert not c.allows(ns, (195, 1 - c.gpus[0]))
+        assert "/dev/char/195:" not in ns.unit_property(c.unit, "DeviceAllow")
+    assert not ns.path("/dev/char/195:0").exists()
+
+    ns.systemctl("daemon-reload")
+    for c in (a, b):
+        assert not c.allows(ns, (195, c.gpus[0])), f"reload kept the GPU on {layout}"
+        assert _verdict(tmp_path, ns, c, c.gpus[0]) is False  # EPERM
+
+    assert ns.systemctl("start", "gpuguard.service").returncode == 0
+    settle(ns)
+    assert ns.path("/dev/char/195:0").is_symlink()
+    _exactly_entitled(tmp_path, ns, (a, b))
+    for c in (a, b):
+        allow = ns.unit_property(c.unit, "DeviceAllow")
+        assert f"/dev/char/195:{c.gpus[0]} rw" in allow, allow
+        assert f"/dev/char/195:{1 - c.gpus[0]}" not in allow
+    regrants = len(events(ns, _regrant_kind(ns)))
+    for _ in range(5):
+        ns.systemctl("daemon-reload")
+        assert all(c.allows(ns, (195, c.gpus[0])) for c in (a, b))
+    settle(ns)
+    assert len(events(ns, _regrant_kind(ns))) == regrants, "durable grants needed re-granting"
+    assert not events(ns, "reconciler-crashed")
     _exactly_entitled(tmp_path, ns, (a, b))
     cd.remove_all()
 

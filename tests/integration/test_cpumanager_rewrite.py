@@ -11,6 +11,11 @@ repairs every rewrite again, within its interval (AuditInterval=1s in this test)
 Layout, inside the systemd namespace harness (whose v1 devices root is the instance's
 cgroup, ``ns.cgroup_dir("devices")``): ``kubepods/burstable/pod<uid>/<64-hex id>``,
 holding a process that runs in its own mount namespace with a /dev of only its nodes.
+
+On cgroup v2 (unified) the same update makes runc regenerate the container's device
+program from its spec, replacing the hook's (played by ``harness/bpfdev.py``). Without
+a systemd scope gpuguard has no in-place repair there yet: it must report the loss
+(``v2-report-only``) within its audit interval and grant nothing (second test).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from integration.gpu_scopes import (
 from integration.gpuguard_ns import events, gpuguard_units, wait_for
 from integration.harness import SystemdNamespace
 from integration.harness import systemd_ns as systemd_ns
+from integration.harness.bpfdev import DEFAULT_RULES, replace_programs
 
 pytestmark = pytest.mark.root
 
@@ -42,7 +48,8 @@ AUDIT_INTERVAL = 1.0
 
 
 def _cgroup(ns: SystemdNamespace, c: Container) -> Path:
-    return ns.cgroup_dir("devices") / f"kubepods/burstable/pod{c.pod_uid}/{c.container_id}"
+    rel = f"kubepods/burstable/pod{c.pod_uid}/{c.container_id}"
+    return ns.cgroup_dir(ns.device_hierarchy) / rel
 
 
 def _write(path: Path, rules: list[str]) -> None:
@@ -70,8 +77,12 @@ def _start(ns: SystemdNamespace, c: Container) -> None:
     """runc create: the cgroup, its process (own /dev), runc's list; then the hook."""
     cg = _cgroup(ns, c)
     cg.mkdir(parents=True)
-    _runc_rewrite(cg)  # what runc writes at create, too
-    inner = f"/sys/fs/cgroup/devices/kubepods/burstable/pod{c.pod_uid}/{c.container_id}"
+    if ns.layout == "v2":
+        replace_programs(cg, DEFAULT_RULES)  # runc's program at create
+    else:
+        _runc_rewrite(cg)  # what runc writes at create, too
+    top = "/sys/fs/cgroup" if ns.layout == "v2" else "/sys/fs/cgroup/devices"
+    inner = f"{top}/kubepods/burstable/pod{c.pod_uid}/{c.container_id}"
     ns.popen(
         [
             "sh",
@@ -81,17 +92,20 @@ def _start(ns: SystemdNamespace, c: Container) -> None:
         ]
     )
     wait_for(lambda: (cg / "cgroup.procs").read_text().strip(), what=f"{c.container_id[:12]}")
-    _write(cg / "devices.allow", [f"c {ma}:{mi} rw" for ma, mi in c.given()])  # the hook
+    if ns.layout == "v2":  # the hook: its own program, admitting the container's nodes
+        replace_programs(cg, [*DEFAULT_RULES, *(("c", ma, mi) for ma, mi in c.given())])
+    else:
+        _write(cg / "devices.allow", [f"c {ma}:{mi} rw" for ma, mi in c.given()])
 
 
-def test_cpu_manager_rewrite_is_repaired_by_the_periodic_audit(systemd_ns, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    ctrs = containers(2)
+def _boot(systemd_ns, tmp_path, ctrs, layout: str) -> SystemdNamespace:  # type: ignore[no-untyped-def]
     units = gpuguard_units()
     units["gpuguard.service.d/60-fake-driver.conf"] = (
         "[Service]\nBindReadOnlyPaths=/run/fake/devices:/proc/devices\n"
     )
     devices = fake_proc_devices(tmp_path / "devices")
     ns = systemd_ns(
+        layout=layout,
         units=units,
         ro_binds={
             "/run/fake/devices": devices,
@@ -113,6 +127,12 @@ def test_cpu_manager_rewrite_is_repaired_by_the_periodic_audit(systemd_ns, tmp_p
     time.sleep(AUDIT_INTERVAL + 0.5)  # at least one audit pass over intact containers
     assert not events(ns, "container-device-denied")
     assert all(_verdict(ns, c, c.gpus[0]) is True for c in ctrs)
+    return ns
+
+
+def test_cpu_manager_rewrite_is_repaired_by_the_periodic_audit(systemd_ns, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    ctrs = containers(2)
+    ns = _boot(systemd_ns, tmp_path, ctrs, "v1")
 
     repair_s = []
     for round_ in range(3):
@@ -143,4 +163,33 @@ def test_cpu_manager_rewrite_is_repaired_by_the_periodic_audit(systemd_ns, tmp_p
             assert {e["POD_UID"] for e in mine} == {c.pod_uid}
     print(f"\nrewrite -> repaired (s): {[round(s, 3) for s in repair_s]}")
     assert not events(ns, "unit-device-allow"), "no scope: nothing can be made durable"
+    assert not events(ns, "reconciler-crashed")
+
+
+def test_cpu_manager_rewrite_on_v2_is_reported_and_nothing_broadened(systemd_ns, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    ctrs = containers(2)
+    ns = _boot(systemd_ns, tmp_path, ctrs, "v2")
+    for c in ctrs:  # the update: runc's program from the spec replaces the hook's
+        replace_programs(_cgroup(ns, c), DEFAULT_RULES)
+        assert _verdict(ns, c, c.gpus[0]) is False
+    wait_for(
+        lambda: (
+            {e.get("CONTAINER_ID") for e in events(ns, "v2-report-only")}
+            >= {c.container_id for c in ctrs}
+        ),
+        timeout=AUDIT_INTERVAL + 3.0,
+        what="the audit to report the v2 loss",
+    )
+    denied = events(ns, "container-device-denied")
+    for c in ctrs:
+        mine = [e for e in denied if e["CONTAINER_ID"] == c.container_id]
+        assert {e["DEVICE_NUMBERS"] for e in mine} >= {f"{ma}:{mi}" for ma, mi in c.given()}
+        assert {e["CGROUP_DRIVER"] for e in mine} == {"cgroupfs"}
+        assert {(e["CGROUP_LAYOUT"], e["DEVICE_MECHANISM"]) for e in mine} == {
+            ("v2", "own-program")
+        }
+        # reported, not repaired: the kernel still denies it, and grants nothing else
+        assert _verdict(ns, c, c.gpus[0]) is False
+        assert _verdict(ns, c, 1 - c.gpus[0]) is False
+    assert not events(ns, "unit-device-allow") and not events(ns, "cgroup-v1-allow")
     assert not events(ns, "reconciler-crashed")

@@ -230,3 +230,52 @@ def test_context_manager_stops_on_exception(tmp_path: Path) -> None:
     _assert_gone(holder["ns"], tracked)
     assert not any(d.exists() for d in cgroups.values())
     assert _host_state(str(tmp_path)) == before
+
+
+def test_v2_layout_boots_unified_and_enforces_scope_device_policy(
+    systemd_ns: Factory, tmp_path: Path
+) -> None:
+    """A unified node: cgroup2 alone at /sys/fs/cgroup (no v1 mount in mountinfo),
+    systemd unified, a scope's DeviceAllow= enforced by its BPF device program."""
+    import stat
+
+    from gpuguard.devices.probe import probe_open, query_device_programs
+
+    nodes = tmp_path / "nodes"
+    nodes.mkdir()
+    for minor in (0, 1):
+        os.mknod(nodes / f"nvidia{minor}", stat.S_IFCHR | 0o666, os.makedev(195, minor))
+    ns = systemd_ns(layout="v2", ro_binds={"/run/nodes": nodes})
+    assert ns.run(["stat", "-fc", "%T", "/sys/fs/cgroup"], check=True).stdout.strip() == "cgroup2fs"
+    mounts = ns.run(["cat", "/proc/1/mountinfo"], check=True).stdout
+    cgroup_mounts = [ln.split()[4] for ln in mounts.splitlines() if " - cgroup" in ln]
+    assert cgroup_mounts == ["/sys/fs/cgroup"], cgroup_mounts
+    # this kernel still has the host's v1 hierarchies: /proc/PID/cgroup lists them
+    # (at the namespace's root), but systemd only manages the cgroup2 line
+    assert "0::/init.scope" in ns.run(["cat", "/proc/1/cgroup"], check=True).stdout.split()
+    ns.run(["ln", "-s", "/run/nodes/nvidia1", "/dev/char/195:1"], check=True)
+    ns.popen(
+        [
+            "systemd-run",
+            "--scope",
+            "--unit=harness-dev.scope",
+            "-p",
+            "DevicePolicy=strict",
+            "-p",
+            "DeviceAllow=/dev/null rw",
+            "-p",
+            "DeviceAllow=/dev/char/195:1 rw",
+            "sleep",
+            "300",
+        ]
+    )
+    ns.wait_active("harness-dev.scope")
+    scope = ns.cgroup_dir("unified") / "system.slice" / "harness-dev.scope"
+    assert query_device_programs(scope), "systemd attached no device program"
+    assert probe_open(nodes / "nvidia0", [scope]).verdict is False  # EPERM
+    assert probe_open(nodes / "nvidia1", [scope]).verdict is True  # ENXIO
+    cgroups = ns.cgroup_dirs()
+    tracked = [(pid, _start_time(pid)) for pid in [ns.pid, *ns.processes()]]
+    ns.stop()
+    _assert_gone(ns, tracked)
+    assert not any(d.exists() for d in cgroups.values())

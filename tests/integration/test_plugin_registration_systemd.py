@@ -3,7 +3,8 @@ again is reported once the grace period is over, and (a host-service plugin) res
 
 Kubelet's device manager removes the plugin sockets when it starts and plugins must
 serve a new one; the fake kubelet does the same, and the fake plugin (like old or
-forked plugins) never watches for that.
+forked plugins) never watches for that. The host-service plugin is recognised from its
+cgroup on either layout (on v2 from its cgroup2 line) and restarted through systemd.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from integration.gpuguard_ns import events, gpuguard_units, settle, setup_node, wait_for
+from integration.harness import layout as layout
 from integration.harness import systemd_ns as systemd_ns
 
 pytestmark = pytest.mark.root
@@ -34,11 +36,11 @@ ExecStart=/usr/bin/python3 -c "{SERVE}" {DIR}/nvidia-gpu.sock
 """
 
 
-def _ns(systemd_ns, restart: str):  # type: ignore[no-untyped-def]
+def _ns(systemd_ns, restart: str, layout: str = "v1"):  # type: ignore[no-untyped-def]
     units = gpuguard_units()
     units["kubelet.service"] = KUBELET
     units["fake-plugin.service"] = PLUGIN
-    ns = systemd_ns(units=units)
+    ns = systemd_ns(units=units, layout=layout)
     setup_node(
         ns,
         stale=False,
@@ -69,11 +71,12 @@ def test_unregistered_plugin_is_reported_after_the_grace_period(systemd_ns) -> N
     assert ns.unit_property("fake-plugin.service", "NRestarts") == "0"
 
 
-def test_unregistered_host_plugin_is_restarted_and_recovers(systemd_ns) -> None:  # type: ignore[no-untyped-def]
-    ns = _ns(systemd_ns, restart="yes")
+def test_unregistered_host_plugin_is_restarted_and_recovers(systemd_ns, layout) -> None:  # type: ignore[no-untyped-def]
+    ns = _ns(systemd_ns, restart="yes", layout=layout)
     before = ns.unit_property("fake-plugin.service", "InvocationID")
     ns.systemctl("restart", "kubelet.service")
     wait_for(lambda: events(ns, "plugin-recovered"), timeout=40, what="plugin recovered")
     assert ns.unit_property("fake-plugin.service", "InvocationID") != before
     assert ns.path(f"{DIR}/nvidia-gpu.sock").exists()
-    assert events(ns, "plugin-restarted")
+    (restarted,) = events(ns, "plugin-restarted")
+    assert restarted["METHOD"] == "systemd", restarted

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import pytest
 
+from gpuguard.paths import Root
 from gpuguard.plugins.discover import (
     ContainerDev,
     NodeInfo,
@@ -13,6 +15,7 @@ from gpuguard.plugins.discover import (
     PluginObservation,
     ProcessInfo,
     classify_cgroup,
+    process_info,
     resource_for_socket,
 )
 from gpuguard.plugins.health import (
@@ -245,3 +248,45 @@ def test_socket_name_extra_patterns_come_first() -> None:
 )
 def test_classify_cgroup(cgroup: str, expect: tuple[str, ...]) -> None:
     assert classify_cgroup(cgroup) == expect
+
+
+_SCOPE = (
+    "/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod1234_ab.slice/"
+    f"cri-containerd-{CID}.scope"
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "expect"),
+    [
+        # unified node: only the cgroup2 line
+        (f"0::{_SCOPE}\n", ("container", CID, "containerd", "1234-ab")),
+        # unified systemd on a kernel that still has v1 hierarchies: the devices line
+        # is the namespace's root, the container is in the cgroup2 line (issue 12)
+        (
+            f"12:name=systemd:/\n5:devices:/\n4:memory:/\n0::{_SCOPE}\n",
+            ("container", CID, "containerd", "1234-ab"),
+        ),
+        # hybrid node: the devices line names it (cgroup2 sits elsewhere)
+        (
+            f"5:devices:/kubepods/besteffort/pod1234-ab/{CID}\n0::/\n",
+            ("container", CID, "unknown", "1234-ab"),
+        ),
+        (
+            "5:devices:/\n0::/system.slice/nvidia-device-plugin.service\n",
+            ("service", "", "", ""),
+        ),
+        ("5:devices:/\n0::/user.slice/session-1.scope\n", ("process", "", "", "")),
+    ],
+)
+def test_plugin_process_is_a_container_on_either_layout(
+    tmp_path: Path, text: str, expect: tuple[str, ...]
+) -> None:
+    proc = tmp_path / "proc/4242"
+    proc.mkdir(parents=True)
+    (proc / "cgroup").write_text(text)
+    (proc / "comm").write_text("nvidia-device-p\n")
+    (proc / "stat").write_text("4242 (nvidia-device-p) S " + "0 " * 18 + "100 0 0\n")
+    info = process_info(Root(tmp_path), 4242, btime=T0)
+    assert info is not None
+    assert (info.kind, info.container_id, info.runtime, info.pod_uid) == expect

@@ -195,6 +195,8 @@ def unreadable_findings(
                 "POD_UID": c.pod_uid,
                 "CONTAINER_ID": c.container_id,
                 "CGROUP_DRIVER": c.driver,
+                "CGROUP_LAYOUT": c.layout,
+                "DEVICE_MECHANISM": c.mechanism,
             },
             severity="error",
         )
@@ -220,6 +222,8 @@ def _finding(
         "DEVICE_NUMBERS": node.numbers,
         "CAUSE": cause,
         "CGROUP_DRIVER": c.driver,
+        "CGROUP_LAYOUT": c.layout,
+        "DEVICE_MECHANISM": c.mechanism,
     }
     if stale:
         fields["CONTAINER_DEVICE_NUMBERS"] = stale

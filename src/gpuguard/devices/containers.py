@@ -85,6 +85,21 @@ class ContainerCgroup:
     def key(self) -> tuple[str, str]:
         return (self.pod_uid, self.container_id)
 
+    @property
+    def layout(self) -> str:
+        """ "v1" where a v1 devices cgroup decides (hybrid hosts too), else "v2"."""
+        return "v1" if self.cgroup_v1_devices is not None else "v2"
+
+    @property
+    def mechanism(self) -> str:
+        """What admits its devices, so what a repair can change: ``v1-rule`` (its
+        devices.list), ``scope-device-allow`` (v2: the program systemd builds from its
+        scope's DeviceAllow=), ``own-program`` (v2 without a scope: the runtime's own
+        BPF program)."""
+        if self.cgroup_v1_devices is not None:
+            return "v1-rule"
+        return "scope-device-allow" if self.unit is not None else "own-program"
+
 
 def detect_layout(root: Root) -> CgroupLayout:
     """Read the root's /proc/self/mountinfo; fall back to looking at the tree.

@@ -250,7 +250,12 @@ def classify_cgroup(path: str) -> tuple[str, str, str, str, str]:
 
 
 def read_cgroup(root: Root, pid: int) -> str:
-    """The process's cgroup: the v1 devices one, else cgroup2's, else name=systemd."""
+    """The process's cgroup: the first of v1 devices, cgroup2 (``0::``) and name=systemd
+    that names a container, else a service, else the first present.
+
+    On a unified node the runtime places a container only in cgroup2; a kernel that
+    also has v1 hierarchies still lists them, the devices one at its root (``/``), so
+    taking the devices line first made a containerised plugin a bare process there."""
     try:
         text = proc_text(root.path(f"/proc/{pid}/cgroup"))
     except OSError:
@@ -261,7 +266,12 @@ def read_cgroup(root: Root, pid: int) -> str:
         ctrls, _sep2, path = rest.partition(":")
         for c in ctrls.split(",") if ctrls else [""]:
             by.setdefault(c, path)
-    return by.get("devices") or by.get("") or by.get("name=systemd", "")
+    paths = [by[k] for k in ("devices", "", "name=systemd") if by.get(k)]
+    for kind in ("container", "service"):
+        for path in paths:
+            if classify_cgroup(path)[0] == kind:
+                return path
+    return paths[0] if paths else ""
 
 
 def process_info(root: Root, pid: int, btime: Optional[float] = None) -> Optional[ProcessInfo]:

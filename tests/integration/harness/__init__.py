@@ -7,6 +7,10 @@
         ns = systemd_ns(units={"x.service": "..."})
         ns.wait_active("x.service")
 
+``layout`` is a fixture parametrized over both cgroup layouts ("v1", "v2"): a test
+that takes it and passes ``layout=layout`` on runs once on each; under CI=true a
+layout that cannot be booted fails the test (NamespaceError), never skips it.
+
 Every namespace it made is stopped (by PID) and its cgroups removed when the
 test ends, pass or fail. See sysns.py for the safety measures.
 """
@@ -18,13 +22,15 @@ from typing import Any, Callable, Iterator, List
 
 import pytest
 
-from .sysns import DEFAULT_MASKS, REQUIRED_TOOLS, NamespaceError, SystemdNamespace
+from .sysns import DEFAULT_MASKS, LAYOUTS, REQUIRED_TOOLS, NamespaceError, SystemdNamespace
 
 __all__ = [
     "DEFAULT_MASKS",
+    "LAYOUTS",
     "REQUIRED_TOOLS",
     "NamespaceError",
     "SystemdNamespace",
+    "layout",
     "require_systemd_ns",
     "systemd_ns",
 ]
@@ -36,6 +42,12 @@ def require_systemd_ns() -> None:
 
     require_root()
     require_tool(*REQUIRED_TOOLS)
+
+
+@pytest.fixture(params=LAYOUTS)
+def layout(request: pytest.FixtureRequest) -> str:
+    """Each cgroup layout in turn: "v1" (hybrid, devices.list) and "v2" (unified, BPF)."""
+    return str(request.param)
 
 
 @pytest.fixture

@@ -17,8 +17,12 @@ Confinement (everything dies with the namespace):
   * The busybox-static rootfs and the fake NVIDIA nodes (mknod in the test's tmp
     dir, never the host /dev) are bound at ``/run/ctr-test``.
   * A GPU node is given the way the legacy NVIDIA hook gives it: bind-mounted into
-    the container's /dev (``--mount``) and granted in its devices.allow behind
-    runc's back; runc's spec never names it.
+    the container's /dev (``--mount``) and granted behind runc's back (devices.allow on
+    v1, a device program of its own on v2: ``bpfdev.py``); runc's spec never names it.
+    Or (``spec_devices=``) the way a device plugin gives it: in runc's spec
+    (``ctr run --device``), from nodes in the namespace's /dev.
+  * Verdicts: devices.list on v1; on v2 the kernel's answer to a probe open of a fake
+    node (``SystemdNamespace.fake_node``).
 """
 
 from __future__ import annotations
@@ -28,8 +32,11 @@ import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
+from gpuguard.devices.probe import probe_open
+
+from .bpfdev import DEFAULT_RULES, replace_programs
 from .sysns import SystemdNamespace
 
 UNIT = "ctr-test-containerd.service"
@@ -97,8 +104,9 @@ class RuncContainer:
             return f"kubepods.slice/kubepods-besteffort.slice/{self.pod_slice}/{self.unit}"
         return self.cgroups_path.lstrip("/")
 
-    def cgroup(self, ns: SystemdNamespace, hierarchy: str = "devices") -> Path:
-        return ns.cgroup_dir(hierarchy) / self.relative_cgroup
+    def cgroup(self, ns: SystemdNamespace, hierarchy: str = "") -> Path:
+        """Its cgroup in ``hierarchy`` (default: where device access is enforced)."""
+        return ns.cgroup_dir(hierarchy or ns.device_hierarchy) / self.relative_cgroup
 
     def given(self) -> List[Tuple[int, int]]:
         return [(195, g) for g in self.gpus] + list(CONTROL_NODES.values())
@@ -107,6 +115,8 @@ class RuncContainer:
         return (self.cgroup(ns) / "devices.list").read_text()
 
     def allows(self, ns: SystemdNamespace, numbers: Tuple[int, int]) -> bool:
+        if ns.layout == "v2":
+            return probe_open(ns.fake_node(*numbers), [self.cgroup(ns)]).verdict is True
         return f"c {numbers[0]}:{numbers[1]} rw" in self.devices_list(ns)
 
 
@@ -120,8 +130,10 @@ def prepare(host_dir: Path, gpus: int = 2) -> Tuple[Dict[str, str], Dict[str, Pa
     shutil.copy2(busybox, rootfs / "bin/busybox")
     for app in ("sh", "sleep", "cat", "ls"):
         os.symlink("busybox", rootfs / "bin" / app)
-    for d in ("proc", "sys", "dev", "tmp", "etc"):
-        (rootfs / d).mkdir()
+    for d in ("proc", "sys", "dev", "tmp", "etc", "usr", "var/lib/kubelet/device-plugins"):
+        (rootfs / d).mkdir(parents=True)
+    os.symlink("usr/lib", rootfs / "lib")  # for the host's python3 when /usr is bound in
+    os.symlink("usr/lib64", rootfs / "lib64")
     dev = host_dir / "dev"
     dev.mkdir()
     nodes = {f"nvidia{g}": (195, g) for g in range(gpus)} | CONTROL_NODES
@@ -156,18 +168,41 @@ class Containerd:
             raise RuntimeError(f"runc {' '.join(args)}: {res.stderr.strip() or res.stdout}")
         return res.stdout
 
-    def run(self, c: RuncContainer, *, hook_grant: bool = True) -> int:
+    def run(
+        self,
+        c: RuncContainer,
+        *,
+        hook_grant: bool = True,
+        spec_devices: bool = False,
+        nodes: Optional[Sequence[str]] = None,
+        args: Sequence[str] = ("/bin/busybox", "sleep", "3000"),
+        mounts: Sequence[Tuple[str, str, str]] = (),
+    ) -> int:
         """Start ``c`` (busybox sleeping) with its nodes bound in, not in runc's spec.
 
-        Then grant them in its devices.allow, as the legacy NVIDIA hook does.
-        Returns the container's init PID (host PID namespace)."""
-        names = [f"nvidia{g}" for g in c.gpus] + list(CONTROL_NODES)
+        Then grant them behind runc's back, as the legacy NVIDIA hook does.
+        ``spec_devices``: give them in runc's spec instead (``--device /dev/nvidiaN``:
+        nodes the test made in the namespace's /dev, see :meth:`make_dev_nodes`), as a
+        device plugin's allocation does. Returns the container's init PID (host PID
+        namespace). ``nodes``: other /dev names than its GPUs and the control nodes;
+        ``mounts``: (source inside the namespace, destination, "ro"/"rw") binds."""
+        names = list(nodes) if nodes is not None else [f"nvidia{g}" for g in c.gpus]
+        names += [] if nodes is not None else list(CONTROL_NODES)
         argv = ["run", "-d", "--null-io", "--rootfs", f"--cgroup={c.cgroups_path}"]
         if c.systemd:
             argv.append("--runc-systemd-cgroup")
+        if self.ns.layout == "v2":
+            # this kernel binds every controller to v1: cgroup2 has no cpu.weight, which
+            # ctr's default 1024 shares would make runc write
+            argv.append("--cpu-shares=0")
         for n in names:
-            argv.append(f"--mount=type=bind,src={INNER}/dev/{n},dst=/dev/{n},options=rbind:rw")
-        argv += [f"{INNER}/rootfs", c.container_id, "/bin/busybox", "sleep", "3000"]
+            if spec_devices:
+                argv.append(f"--device=/dev/{n}")
+            else:
+                argv.append(f"--mount=type=bind,src={INNER}/dev/{n},dst=/dev/{n},options=rbind:rw")
+        for src, dst, mode in mounts:
+            argv.append(f"--mount=type=bind,src={src},dst={dst},options=rbind:{mode}")
+        argv += [f"{INNER}/rootfs", c.container_id, *args]
         self.ctr(*argv)
         self.containers.append(c)
         if hook_grant:
@@ -180,13 +215,40 @@ class Containerd:
         procs = (c.cgroup(self.ns, "unified") / "cgroup.procs").read_text().split()
         return int(procs[0])
 
+    def make_dev_nodes(self, gpus: int = 2) -> None:
+        """The GPU nodes in the namespace's own /dev (a private tmpfs), WITHOUT their
+        /dev/char links: what a node looks like before anyone created those."""
+        nodes = {f"nvidia{g}": (195, g) for g in range(gpus)} | CONTROL_NODES
+        for name, (ma, mi) in nodes.items():
+            self.ns.run(["mknod", "-m", "666", f"/dev/{name}", "c", str(ma), str(mi)], check=True)
+
     def hook_grant(self, c: RuncContainer) -> None:
+        if self.ns.layout == "v2":
+            rules = [*DEFAULT_RULES, *(("c", ma, mi) for ma, mi in c.given())]
+            replace_programs(c.cgroup(self.ns), rules)
+            return
         fd = os.open(c.cgroup(self.ns) / "devices.allow", os.O_WRONLY)
         try:
             for ma, mi in c.given():
                 os.write(fd, f"c {ma}:{mi} rw".encode())
         finally:
             os.close(fd)
+
+    def task_status(self, c: RuncContainer) -> str:
+        """RUNNING, STOPPED, ... or GONE (``ctr task ls``)."""
+        for line in self.ctr("task", "ls").splitlines()[1:]:
+            f = line.split()
+            if f and f[0] == c.container_id:
+                return f[2]
+        return "GONE"
+
+    def remove(self, c: RuncContainer) -> None:
+        """Kill (if still running) and delete one container."""
+        self.ctr("task", "kill", "-s", "SIGKILL", c.container_id, check=False)
+        self.ctr("task", "delete", "-f", c.container_id, check=False)
+        self.ctr("container", "delete", c.container_id, check=False)
+        if c in self.containers:
+            self.containers.remove(c)
 
     def remove_all(self) -> None:
         """Kill and delete every container (the namespace's poweroff would, too)."""

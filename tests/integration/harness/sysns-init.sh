@@ -79,11 +79,29 @@ mount -o remount,bind,ro /sys
 # 7. cgroups: we are in a new cgroup namespace whose root is the per-instance
 #    cgroup; mounting the hierarchies afresh roots each at that cgroup, so
 #    systemd cannot see (let alone move) anything outside its instance.
-mount -t tmpfs -o mode=755,nosuid,nodev,noexec tmpfs /sys/fs/cgroup
-while IFS='	' read -r name fstype opts; do
-    mkdir "/sys/fs/cgroup/$name"
-    mount -t "$fstype" -o "$opts,nosuid,nodev,noexec" cgroup "/sys/fs/cgroup/$name"
-done < "$S/cgroups.tsv"
+#    Layout v2 (unified): what a unified host shows is cgroup2 alone at
+#    /sys/fs/cgroup, so every inherited v1 mount and the tmpfs under them are
+#    unmounted first (a shadowed mount would still be listed in mountinfo and
+#    mislead code that reads it); systemd then sees cgroup2fs and runs unified.
+if [ "$(cat "$S/layout")" = v2 ]; then
+    awk '$5 ~ "^/sys/fs/cgroup/" { print $5 }' /proc/self/mountinfo | sort -r |
+        while read -r m; do umount "$m"; done
+    umount /sys/fs/cgroup
+    # nsdelegate is honoured only from the initial cgroup namespace; older
+    # kernels refuse it elsewhere, where the mount works without it.
+    mount -t cgroup2 -o nsdelegate,nosuid,nodev,noexec cgroup2 /sys/fs/cgroup 2>/dev/null ||
+        mount -t cgroup2 -o nosuid,nodev,noexec cgroup2 /sys/fs/cgroup
+    if grep -q ' /sys/fs/cgroup/' /proc/self/mountinfo; then
+        echo "sysns-init: v1 cgroup mounts still visible" >&2
+        exit 1
+    fi
+else
+    mount -t tmpfs -o mode=755,nosuid,nodev,noexec tmpfs /sys/fs/cgroup
+    while IFS='	' read -r name fstype opts; do
+        mkdir "/sys/fs/cgroup/$name"
+        mount -t "$fstype" -o "$opts,nosuid,nodev,noexec" cgroup "/sys/fs/cgroup/$name"
+    done < "$S/cgroups.tsv"
+fi
 
 # 8. Binds requested by the test, now that the tree is final.
 n=0

@@ -31,6 +31,13 @@ cgroups (systemd must only ever touch its own subtree):
     If pytest was SIGKILLed, the next start removes empty leftovers of dead
     harness processes (``sweep_stale_cgroups``; only our own name prefix).
 
+Layouts (``layout=``): "v1" mounts every host hierarchy afresh (v1 controllers,
+the named ``systemd`` one and cgroup2 at ``unified``: systemd's hybrid mode, as
+the legacy hosts of seeds 002/003 run); "v2" unmounts all of them in the
+private mount namespace and mounts cgroup2 alone at /sys/fs/cgroup, so systemd
+runs unified and the node looks like a current distribution's (device access
+then is BPF device programs; see sysns-init.sh).
+
 Network: by default a private network namespace (only ``lo``), so systemd's
 loopback setup or any unit's networking cannot touch the host's interfaces;
 AF_UNIX path sockets (the system bus, /run/systemd/private) still work.
@@ -73,6 +80,7 @@ import re
 import select
 import shlex
 import signal
+import stat
 import subprocess
 import time
 import uuid
@@ -157,6 +165,9 @@ REQUIRED_TOOLS: Tuple[str, ...] = (
     "/usr/bin/dbus-daemon",
     "/lib/systemd/system/dbus.socket",
 )
+
+#: The cgroup layouts a namespace can boot (see the module docstring).
+LAYOUTS: Tuple[str, ...] = ("v1", "v2")
 
 _counter = itertools.count()
 CGROUP_PREFIX = "gpuguard-sysns-"
@@ -246,6 +257,7 @@ class SystemdNamespace:
     manager's DefaultEnvironment (seen by every unit). ``private_network``
     (default) gives it its own network namespace with only ``lo``; the system
     bus and every other AF_UNIX path socket stay reachable from the host.
+    ``layout`` is "v1" (hybrid: v1 controllers plus cgroup2) or "v2" (unified).
     """
 
     def __init__(
@@ -258,11 +270,15 @@ class SystemdNamespace:
         extra_mask: Sequence[str] = (),
         env: Optional[Mapping[str, str]] = None,
         private_network: bool = True,
+        layout: str = "v1",
         boot_timeout: float = 30.0,
         stop_timeout: float = 10.0,
     ) -> None:
         self.workdir = Path(workdir)
         self.private_network = private_network
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout {layout!r}: expected one of {LAYOUTS}")
+        self.layout = layout
         self.units = dict(units or {})
         self.binds = {k: Path(v) for k, v in (binds or {}).items()}
         self.ro_binds = {k: Path(v) for k, v in (ro_binds or {}).items()}
@@ -321,6 +337,22 @@ class SystemdNamespace:
             return self._cgroups[hierarchy]
         except KeyError:
             raise KeyError(f"no cgroup hierarchy {hierarchy!r}: {sorted(self._cgroups)}") from None
+
+    @property
+    def device_hierarchy(self) -> str:
+        """The hierarchy where systemd enforces units' device policy: ``devices`` (v1,
+        a devices.list per cgroup) or ``unified`` (v2, BPF device programs)."""
+        return "unified" if self.layout == "v2" else "devices"
+
+    def fake_node(self, major: int, minor: int) -> Path:
+        """A char node ``major:minor`` in the instance's host-side work dir (never a
+        /dev), to probe a cgroup's verdict with: EPERM denied, ENXIO admitted."""
+        d = self.workdir / "probe-nodes"
+        d.mkdir(exist_ok=True)
+        path = d / f"c{major}-{minor}"
+        if not path.exists():
+            os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(major, minor))
+        return path
 
     def command(self, argv: Sequence[str]) -> List[str]:
         """Host argv that runs ``argv`` inside the namespace (dies with its caller)."""
@@ -509,6 +541,7 @@ class SystemdNamespace:
         )
         for name, text in self.units.items():
             self.write_unit(name, text)
+        (self.state / "layout").write_text(self.layout + "\n")
         (self.state / "machine-id").write_text(uuid.uuid4().hex + "\n")
         (self.state / "hostname").write_text(self.name[:63] + "\n")
         masks = [*DEFAULT_MASKS, *self.extra_mask]
@@ -551,7 +584,8 @@ class SystemdNamespace:
                 for knob in ("cpuset.cpus", "cpuset.mems"):
                     (d / knob).write_text((parent / knob).read_text())
             rows.append(f"{name}\t{fstype}\t{opts}\n")
-        if "devices" not in self._cgroups or "systemd" not in self._cgroups:
+        need = {"devices", "systemd"} | ({"unified"} if self.layout == "v2" else set())
+        if not need <= set(self._cgroups):
             raise NamespaceError(f"unexpected cgroup layout: {sorted(self._cgroups)}")
         (self.state / "cgroups.tsv").write_text("".join(rows))
 
