@@ -330,7 +330,7 @@ async def _restart_with_hook(
             f"{report.checkpoint}: not repaired: {verdict.detail}",
             level="error",
             fields={
-                "GPUGUARD_RECONCILER": "checkpoint",
+                "GPUGUARD_RECONCILER": ckpt.NAME,
                 "GPUGUARD_STATUS": "failed",
                 "UNIT": s.kubelet_unit,
                 "CHECKPOINT": report.checkpoint,
@@ -400,7 +400,7 @@ def _log_kubelet(log: EventLog, s: CheckSettings, kind: str, msg: str) -> None:
         msg,
         level="notice",
         fields={
-            "GPUGUARD_RECONCILER": "checkpoint",
+            "GPUGUARD_RECONCILER": ckpt.NAME,
             "GPUGUARD_ACTION": kind,
             "UNIT": s.kubelet_unit,
             "REASON": s.reason,
@@ -413,7 +413,7 @@ def _coordination_failed(log: EventLog, s: CheckSettings, why: str) -> None:
         "kubelet-coordination-failed",
         f"{s.kubelet_unit}: {why}",
         level="error",
-        fields={"UNIT": s.kubelet_unit, "GPUGUARD_RECONCILER": "checkpoint"},
+        fields={"UNIT": s.kubelet_unit, "GPUGUARD_RECONCILER": ckpt.NAME},
     )
 
 
@@ -471,7 +471,7 @@ class CheckpointStep:
                 if isinstance(e, BadInputError)
                 else "kubelet-coordination-failed"
             )
-            ctx.findings.append(Finding(kind, "checkpoint", e.message, severity="error"))
+            ctx.findings.append(Finding(kind, ckpt.NAME, e.message, severity="error"))
             return
         ctx.findings += report.findings
         ctx.outcomes += report.outcomes

@@ -297,7 +297,7 @@ def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
     from gpuguard.snapshot import HostSnapshot
 
     # One snapshot for the whole run, and the steps in the daemon's order
-    # (passes.STEP_ORDER): the device steps, then the checkpoint.
+    # (registry.CHECK_ORDER): the device steps, then the checkpoint.
     snapshot = HostSnapshot(root, k.checkpoint_path)
     devices = None
     if args.only is None and driver_loaded(root) and _checkpoint_usable(snapshot):
@@ -413,7 +413,9 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     from gpuguard.daemon import Daemon
     from gpuguard.metrics import make_output
     from gpuguard.notify import Notifier
-    from gpuguard.steps import build_steps
+    from gpuguard.sources import build_sources
+    from gpuguard.steps.registry import build_steps
+    from gpuguard.systemd import bus_address_for
 
     root = _root(args)
     try:
@@ -425,6 +427,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         _log(args, None, root).event("config-invalid", e.message, level="error")
         raise
     log = _log(args, cfg, root)
+    bus = _opt(args, "bus") or bus_address_for(root.prefix)
     daemon = Daemon(
         root=root,
         config=cfg,
@@ -432,10 +435,10 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         log=log,
         notifier=Notifier(),
         inventory_path=_opt(args, "inventory"),
-        bus_address=_opt(args, "bus"),
-        steps=build_steps(),  # in passes.STEP_ORDER, which says why
+        bus_address=bus,
+        steps=build_steps(),  # steps/registry.py: every step, in STEP_ORDER, which says why
+        sources=build_sources(root, cfg, log, bus, udev=not args.no_udev),
         dry_run=args.dry_run,
-        udev=not args.no_udev,
         metrics=make_output(),
     )
     return asyncio.run(daemon.run())

@@ -226,6 +226,6 @@ class HookRun:
             "kubelet-hook-skipped",
             f"kubelet pre-start: {why}; nothing to do",
             level="debug" if repeated else "notice",
-            fields={"GPUGUARD_RECONCILER": "checkpoint"},
+            fields={"GPUGUARD_RECONCILER": ckpt.NAME},
         )
         return self.finish(SKIPPED, why, 0)

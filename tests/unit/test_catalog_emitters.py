@@ -84,7 +84,8 @@ def daemon_pass(tmp: Path) -> Entries:
         root = Root(tmp / "root")
         d = Daemon(root=root, config=load_config(root), config_path=None, log=log,
                    notifier=Notifier(""), inventory_path=tmp / "none.json",
-                   bus_address="unix:path=/nonexistent", steps={"boom": boom})  # fmt: skip
+                   bus_address="unix:path=/nonexistent", steps={"boom": boom},
+                   step_order=("boom",))  # fmt: skip
         now = time.monotonic()
         asyncio.run(d._run_pass(Work(frozenset({"boom"}), ("test",), now, now)))
         asyncio.run(d._inventory())  # unavailable

@@ -52,13 +52,14 @@ from gpuguard.model import Action, Outcome
 from gpuguard.paths import DEVICE_PLUGINS_DIR, Root
 from gpuguard.plugins.discover import discover_plugins
 from gpuguard.safeio import CGROUP_MAX, UnsafeFileError, read_kernel_text
+from gpuguard.steps.registry import CONTAINER_ACCESS
 
 if TYPE_CHECKING:
     from gpuguard.passes import PassContext, Services
     from gpuguard.snapshot import HostSnapshot
     from gpuguard.systemd import Systemd
 
-NAME = "container_access"
+NAME = CONTAINER_ACCESS
 # Lasting states gpuguard cannot end itself: journaled when they appear, change or clear.
 CONDITION_KINDS = frozenset({FINDING_MISSING, FINDING_STALE, FINDING_CONFLICT})
 POD_RESTART_WINDOW = 3600.0  # V2Remedy=restart-container: one restart per pod per hour
