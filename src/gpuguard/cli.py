@@ -243,7 +243,7 @@ def _inventory_path(args: argparse.Namespace, cfg: Any) -> Optional[Path]:
 def cmd_check(args: argparse.Namespace) -> int:
     if not args.kubelet_stopped:
         return _check(args, _root(args), None)
-    from gpuguard.kubelet_hook import FAILED, HookRun
+    from gpuguard.steps.checkpoint.kubelet_hook import FAILED, HookRun
 
     root = _root(args)
     hook = HookRun(root)
@@ -264,9 +264,9 @@ def _simulation(args: argparse.Namespace) -> str:
 
 
 def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
-    from gpuguard.check import CheckSettings, run_check
     from gpuguard.errors import NoDriverError
     from gpuguard.inventory import load_inventory
+    from gpuguard.steps.checkpoint import CheckSettings, run_check
 
     cfg = _config(args, root)
     log = _log(args, cfg, root)
@@ -303,8 +303,8 @@ def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
     if args.only is None and driver_loaded(root) and _checkpoint_usable(snapshot):
         import asyncio
 
-        from gpuguard.devices.audit import FINDING_UNREADABLE
         from gpuguard.oneshot import OneShotServices, run_device_steps
+        from gpuguard.steps.container_access.reconcile import FINDING_UNREADABLE
         from gpuguard.systemd import bus_address_for
 
         svc = OneShotServices(
@@ -341,7 +341,7 @@ def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
 
 def _hook_result(hook: Any, report: Any, log: Any) -> None:
     """What kubelet's pre-start hook leaves for the caller that restarted kubelet."""
-    from gpuguard import kubelet_hook as kh
+    from gpuguard.steps.checkpoint import kubelet_hook as kh
 
     statuses = {o.status for o in report.outcomes}
     if report.result.startswith("no checkpoint file"):
@@ -473,7 +473,7 @@ def cmd_checkpoint_inspect(args: argparse.Namespace) -> int:
     from gpuguard.checkpoint import load
     from gpuguard.errors import BadInputError, NoDriverError
     from gpuguard.inventory import load_inventory
-    from gpuguard.reconcilers.checkpoint import analyse
+    from gpuguard.steps.checkpoint.reconcile import analyse
 
     root = _root(args)
     cfg = _config(args, root)

@@ -90,8 +90,8 @@ async def run_device_steps(
 def container_status(
     root: Root, cfg: Config, inventory: Optional[Inventory]
 ) -> list[dict[str, Any]]:
-    from gpuguard.devices.audit import audit
-    from gpuguard.steps.container_access import AccessObserver
+    from gpuguard.steps.container_access.observe import AccessObserver
+    from gpuguard.steps.container_access.reconcile import audit
 
     view = AccessObserver().observe(
         root,

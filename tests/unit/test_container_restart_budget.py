@@ -6,11 +6,11 @@ import dataclasses
 from pathlib import Path
 
 from gpuguard.config import Config
-from gpuguard.devices.audit import RestartContainer
 from gpuguard.log import EventLog
 from gpuguard.oneshot import OneShotServices
 from gpuguard.paths import Root
 from gpuguard.steps.container_access import POD_RESTART_WINDOW, ContainerAccessStep
+from gpuguard.steps.container_access.reconcile import RestartContainer
 
 
 def _restart(pod: str) -> RestartContainer:

@@ -46,7 +46,7 @@ STEPS: tuple[StepSpec, ...] = (
     StepSpec(DEVICE_NODES, "gpuguard.steps.device_nodes:DeviceNodesStep",
              "a new /dev/char link asks for an immediate second container access run, "
              "so durable grants follow at once"),
-    StepSpec(CHECKPOINT, "gpuguard.check:CheckpointStep",
+    StepSpec(CHECKPOINT, "gpuguard.steps.checkpoint:CheckpointStep",
              "may restart kubelet, so after the urgent device repairs"),
     StepSpec(DEVICE_PLUGIN, "gpuguard.plugins.step:DevicePluginStep",
              "judges the plugins once nodes and the checkpoint are repaired"),

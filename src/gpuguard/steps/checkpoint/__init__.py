@@ -17,16 +17,17 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from gpuguard import exitcodes, kubelet_hook
-from gpuguard.actuate.checkpoint import CheckpointActuator
+from gpuguard import exitcodes
 from gpuguard.errors import BadInputError, GpuguardError, KubeletError
 from gpuguard.inventory import Inventory
-from gpuguard.kubelet import KubeletStatus, kubelet_pids, kubelet_status
 from gpuguard.log import EventLog
 from gpuguard.model import Action, Finding, Outcome
 from gpuguard.paths import DROPPED_ENTRIES_FILE, Root
-from gpuguard.reconcilers import checkpoint as ckpt
 from gpuguard.snapshot import HostSnapshot
+from gpuguard.steps.checkpoint import kubelet_hook
+from gpuguard.steps.checkpoint import reconcile as ckpt
+from gpuguard.steps.checkpoint.actuate import CheckpointActuator
+from gpuguard.steps.checkpoint.observe import KubeletStatus, kubelet_pids, kubelet_status
 
 if TYPE_CHECKING:  # dbus-next costs import time; a healthy node never needs it
     from gpuguard.passes import PassContext, Services
