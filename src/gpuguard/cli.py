@@ -212,11 +212,13 @@ def _log(args: argparse.Namespace, cfg: Any = None, root: Any = None) -> Any:
     from gpuguard.log import EventLog
 
     default = cfg.daemon.log_level if cfg is not None else "info"
-    return EventLog.auto(
+    log = EventLog.auto(
         level=_opt(args, "log_level", default),
         force_json=_opt(args, "log_json", False),
         root=root.prefix if root is not None else Path("/"),
     )
+    log.route_modules()  # devices/, plugins/ ... log through it, debug included
+    return log
 
 
 def _root(args: argparse.Namespace) -> Any:
