@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, AbstractSet, Callable, Mapping, Optional
 
+from gpuguard.actuate.containers import ContainerStopper
 from gpuguard.conditions import Conditions, log_findings
 from gpuguard.model import Action, Outcome
 from gpuguard.paths import Root
@@ -88,8 +89,13 @@ def plan_durable(
 
 
 class ContainerAccessStep:
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        stopper: Optional[ContainerStopper] = None,  # default: from the configuration
+    ) -> None:
         self.observer = AccessObserver()
+        self.stopper = stopper
         self.durable: dict[str, set[str]] = {}  # unit -> numbers in its DeviceAllow=
         self.clock = clock
         self.pod_restarts: dict[str, float] = {}  # pod UID -> when we last stopped one
@@ -155,7 +161,7 @@ class ContainerAccessStep:
         outcomes += await asyncio.gather(*(self._unit(a, svc, systemd) for a in units))
         for a in actions:
             if isinstance(a, (V2ReportOnly, RestartContainer)):
-                outcomes.append(self._other(a, svc))
+                outcomes.append(await self._other(a, svc))
         for o in outcomes:
             svc.log.outcome(o)
         ctx.outcomes += outcomes
@@ -217,7 +223,7 @@ class ContainerAccessStep:
         self.durable.setdefault(a.unit, set()).update(a.numbers)
         return Outcome(a, "done", "DeviceAllow=" + " ".join(d for d, _ in a.devices))
 
-    def _other(self, a: Action, svc: Services) -> Outcome:
+    async def _other(self, a: Action, svc: Services) -> Outcome:
         if isinstance(a, V2ReportOnly):
             return Outcome(
                 a,
@@ -240,16 +246,12 @@ class ContainerAccessStep:
         if svc.dry_run:
             return Outcome(a, "dry-run", "would stop the container through the CRI")
         self.pod_restarts[a.pod_uid] = now
-        from gpuguard.commands import CommandError, run
-
         dp = svc.config.device_plugin
-        try:
-            res = run([dp.crictl, "--runtime-endpoint", dp.cri_endpoint, "stop", a.container_id])
-        except CommandError as e:
-            return Outcome(a, "failed", str(e))
-        if res.returncode != 0:
-            return Outcome(a, "failed", res.stderr.strip()[:200])
-        return Outcome(a, "done", "stopped; kubelet recreates it")
+        stopper = self.stopper or ContainerStopper(crictl=dp.crictl, cri_endpoint=dp.cri_endpoint)
+        res = await stopper.stop(a.container_id)
+        if not res.ok:
+            return Outcome(a, "failed", res.detail[:200])
+        return Outcome(a, "done", f"stopped ({res.detail}); kubelet recreates it")
 
     async def _learn_durable(self, sd: Systemd, view: AccessView, root: Root) -> None:
         """Ask systemd once per scope what its DeviceAllow= already holds."""
