@@ -22,7 +22,7 @@ from gpuguard.config import (
     render_reference,
     render_shipped,
 )
-from gpuguard.configtypes import MAX_TIMESPAN_USEC, format_timespan, parse_timespan
+from gpuguard.config.types import MAX_TIMESPAN_USEC, format_timespan, parse_timespan
 from gpuguard.errors import ConfigError
 from gpuguard.paths import CONFIG_DROPIN_DIR, CONFIG_FILE, Root
 
