@@ -312,7 +312,7 @@ def _judge(case: Case, before: list[set[Any]], after: list[set[Any]], when: str)
 
 @pytest.fixture(autouse=True)
 def quiet_log(monkeypatch: pytest.MonkeyPatch) -> None:
-    def auto(cls: type[EventLog], *, level: str = "info", force_json: bool = False) -> EventLog:
+    def auto(cls: type[EventLog], *, level: str = "info", **_: object) -> EventLog:
         return cls(level="error", stream=sys.stderr)
 
     monkeypatch.setattr(EventLog, "auto", classmethod(auto))
