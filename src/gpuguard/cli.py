@@ -218,6 +218,8 @@ def _log(args: argparse.Namespace, cfg: Any = None, root: Any = None) -> Any:
         root=root.prefix if root is not None else Path("/"),
     )
     log.route_modules()  # devices/, plugins/ ... log through it, debug included
+    for warning in cfg.warnings if cfg is not None else ():
+        log.warning(warning)  # a deprecated key, still read
     return log
 
 
@@ -448,6 +450,8 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
 def cmd_config(args: argparse.Namespace) -> int:
     cfg = _config(args, _root(args))
+    for warning in cfg.warnings:
+        print(f"gpuguard: warning: {warning}", file=sys.stderr)
     sys.stdout.write(cfg.render())
     return exitcodes.OK
 

@@ -170,6 +170,8 @@ class Daemon:
             self.notifier.send("READY=1", f"STATUS=config rejected; {self.status_line()}")
             return
         self.config = new
+        for warning in new.warnings:
+            self.log.warning(warning)  # a deprecated key, still read
         self.inventory_path = self.cli_inventory or _config_inventory(new)
         self.dry_run = new.daemon.dry_run
         self.log.set_level(new.daemon.log_level)

@@ -4,7 +4,6 @@ the one container stopper (actuate/containers.py), whose clients here are stand-
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +33,6 @@ def test_one_restart_per_pod_per_window(tmp_path: Path) -> None:
     now = [1000.0]
     step = ContainerAccessStep(clock=lambda: now[0], stopper=stopper("/bin/true"))
     cfg = Config()
-    cfg = dataclasses.replace(
-        cfg, device_plugin=dataclasses.replace(cfg.device_plugin, crictl="/bin/true")
-    )
     svc = OneShotServices(
         Root(tmp_path), cfg, EventLog(level="error"), dry_run=False, bus_address=""
     )
@@ -52,9 +48,6 @@ def test_one_restart_per_pod_per_window(tmp_path: Path) -> None:
 def test_a_failed_attempt_counts_too(tmp_path: Path) -> None:
     step = ContainerAccessStep(clock=lambda: 5.0, stopper=stopper("/bin/false"))
     cfg = Config()
-    cfg = dataclasses.replace(
-        cfg, device_plugin=dataclasses.replace(cfg.device_plugin, crictl="/bin/false")
-    )
     svc = OneShotServices(
         Root(tmp_path), cfg, EventLog(level="error"), dry_run=False, bus_address=""
     )

@@ -27,6 +27,7 @@ from gpuguard.config.schema import (
     KeySpec,
     KubeletConfig,
     MetricsConfig,
+    RuntimeConfig,
     SystemdConfig,
 )
 from gpuguard.errors import ConfigError
@@ -46,6 +47,7 @@ __all__ = [
     "KeySpec",
     "KubeletConfig",
     "MetricsConfig",
+    "RuntimeConfig",
     "SystemdConfig",
     "load_config",
     "parse_config",

@@ -33,6 +33,7 @@ from gpuguard.config.schema import (
     _BY_SECTION,
     _SECTIONS,
     DEFAULT_ORIGIN,
+    MOVED_KEYS,
     SEE_ALSO,
     Config,
 )
@@ -49,6 +50,7 @@ class _Assignment:
     value: str
     source: str
     line: int
+    moved_from: str = ""  # the section it was written in, for a key that moved (MOVED_KEYS)
 
     @property
     def where(self) -> str:
@@ -136,16 +138,18 @@ def _parse_text(text: str, source: str) -> List[_Assignment]:
             raise ConfigError(
                 f"{where}: key {clip(key)} appears before any [Section] header; {hint}"
             )
-        if key not in _BY_SECTION[section]:
+        home = MOVED_KEYS.get((section, key), section)
+        if key not in _BY_SECTION[home]:
             raise ConfigError(f"{where}: {_unknown_key(section, key)}")
-        if (section, key) in first_line:
+        if (home, key) in first_line:
             raise ConfigError(
-                f"{where}: duplicate key {clip(key)} in [{section}], first set on line "
-                f"{first_line[section, key]}; keep one of them (a later drop-in may "
+                f"{where}: duplicate key {clip(key)} in [{home}], first set on line "
+                f"{first_line[home, key]}; keep one of them (a later drop-in may "
                 "override a key)"
             )
-        first_line[section, key] = lineno
-        out.append(_Assignment(section, key, value, source, lineno))
+        first_line[home, key] = lineno
+        moved_from = section if home != section else ""
+        out.append(_Assignment(home, key, value, source, lineno, moved_from))
     return out
 
 
@@ -171,7 +175,13 @@ def _apply(assignments: Sequence[_Assignment]) -> Config:
         attr, cls = _SECTIONS[section]
         kwargs = {s.attr: values[section, k] for k, s in specs.items() if (section, k) in values}
         sections[attr] = cls(**kwargs)
-    cfg = Config(**sections, origins=MappingProxyType(origins))
+    warnings = tuple(
+        f"{a.where}: {a.key}= in [{a.moved_from}] is deprecated, it belongs in [{a.section}] "
+        f"(read this time); move it there {SEE_ALSO}"
+        for a in assignments
+        if a.moved_from
+    )
+    cfg = Config(**sections, origins=MappingProxyType(origins), warnings=warnings)
     _check(cfg)
     return cfg
 

@@ -283,11 +283,21 @@ class DevicePluginConfig:
         "/var/lib/kubelet/device-plugins",
         "The directory of kubelet.sock and the device plugins' sockets.",
     )
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """The container runtime, used by two steps: the device plugin's restarts and the
+    container access step's V2Remedy=restart-container."""
+
+    SECTION: ClassVar[str] = "Runtime"
+
     crictl: str = _key(
         "Crictl",
         AbsPath(),
         "/usr/bin/crictl",
-        "The crictl binary used to find and restart the device plugin's container.",
+        "The crictl binary used to stop a container so that kubelet recreates it (the "
+        "device plugin's, or a GPU container's with V2Remedy=restart-container).",
     )
     cri_endpoint: str = _key(
         "CriEndpoint",
@@ -295,6 +305,12 @@ class DevicePluginConfig:
         "unix:///run/containerd/containerd.sock",
         "The container runtime's CRI endpoint, passed to crictl.",
     )
+
+
+# Keys that moved to another section: still read where they were, with a warning.
+MOVED_KEYS: Mapping[Tuple[str, str], str] = MappingProxyType(
+    {("DevicePlugin", "Crictl"): "Runtime", ("DevicePlugin", "CriEndpoint"): "Runtime"}
+)
 
 
 @dataclass(frozen=True)
@@ -341,11 +357,14 @@ class Config:
     systemd: SystemdConfig = field(default_factory=SystemdConfig)
     devices: DevicesConfig = field(default_factory=DevicesConfig)
     device_plugin: DevicePluginConfig = field(default_factory=DevicePluginConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     inventory: InventoryConfig = field(default_factory=InventoryConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     origins: Mapping[Tuple[str, str], str] = field(
         default_factory=_empty_origins, compare=False, repr=False
     )
+    # "file:line: what to change" for each deprecated assignment read (MOVED_KEYS).
+    warnings: Tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     def origin(self, section: str, key: str) -> str:
         """Where a key's value came from: "default" or "file:line"."""
@@ -378,6 +397,7 @@ _SECTIONS: Dict[str, Tuple[str, type]] = {
         ("systemd", SystemdConfig),
         ("devices", DevicesConfig),
         ("device_plugin", DevicePluginConfig),
+        ("runtime", RuntimeConfig),
         ("inventory", InventoryConfig),
         ("metrics", MetricsConfig),
     )

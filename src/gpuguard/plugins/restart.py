@@ -37,7 +37,7 @@ from gpuguard.plugins.discover import (
 from gpuguard.plugins.health import RestartPlugin, view_gaps
 
 if TYPE_CHECKING:
-    from gpuguard.config import DevicePluginConfig
+    from gpuguard.config import RuntimeConfig
     from gpuguard.systemd import Systemd
 
 
@@ -86,7 +86,7 @@ class PluginRestarter:
         self.signal_fallback = signal_fallback
 
     @classmethod
-    def from_config(cls, c: DevicePluginConfig) -> PluginRestarter:
+    def from_config(cls, c: RuntimeConfig) -> PluginRestarter:
         return cls(crictl=c.crictl, cri_endpoint=c.cri_endpoint)
 
     def plan(self, p: ProcessInfo) -> str:

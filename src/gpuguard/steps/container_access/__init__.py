@@ -246,8 +246,8 @@ class ContainerAccessStep:
         if svc.dry_run:
             return Outcome(a, "dry-run", "would stop the container through the CRI")
         self.pod_restarts[a.pod_uid] = now
-        dp = svc.config.device_plugin
-        stopper = self.stopper or ContainerStopper(crictl=dp.crictl, cri_endpoint=dp.cri_endpoint)
+        rt = svc.config.runtime
+        stopper = self.stopper or ContainerStopper(crictl=rt.crictl, cri_endpoint=rt.cri_endpoint)
         res = await stopper.stop(a.container_id)
         if not res.ok:
             return Outcome(a, "failed", res.detail[:200])
