@@ -17,14 +17,13 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, AbstractSet, Callable, Mapping, Optional
 
 from gpuguard.actuate.containers import ContainerStopper
 from gpuguard.conditions import Conditions, log_findings
 from gpuguard.model import Action, Outcome
 from gpuguard.paths import Root
-from gpuguard.steps.container_access.actuate import CgroupWriteError, write_allow
+from gpuguard.steps.container_access.actuate import apply_allow, apply_device_allow
 from gpuguard.steps.container_access.observe import AccessObserver, AccessView, _numbers_of
 from gpuguard.steps.container_access.reconcile import (
     FINDING_CONFLICT,
@@ -196,32 +195,13 @@ class ContainerAccessStep:
         ctx.outcomes += written.values()
 
     def _v1(self, a: CgroupV1Allow, svc: Services) -> Outcome:
-        if svc.dry_run:
-            return Outcome(a, "dry-run", "would write " + "; ".join(a.rules))
-        try:
-            write_allow(Path(a.cgroup_dir), a.rules)
-        except (CgroupWriteError, OSError) as e:
-            return Outcome(a, "failed", str(e))
-        return Outcome(a, "done", "wrote " + "; ".join(a.rules))
+        return apply_allow(a, dry_run=svc.dry_run)
 
     async def _unit(self, a: UnitDeviceAllow, svc: Services, sd: Optional[Systemd]) -> Outcome:
-        from dbus_next import Variant
-
-        from gpuguard.systemd import SystemdError
-
-        if svc.dry_run:
-            return Outcome(
-                a, "dry-run", "would set DeviceAllow= " + ", ".join(d for d, _ in a.devices)
-            )
-        if sd is None:
-            return Outcome(a, "failed", "system bus down; the next pass retries")
-        value = Variant("a(ss)", [[dev, perm] for dev, perm in a.devices])
-        try:
-            await sd.set_unit_properties(a.unit, a.runtime, [("DeviceAllow", value)])
-        except SystemdError as e:
-            return Outcome(a, "failed", str(e))
-        self.durable.setdefault(a.unit, set()).update(a.numbers)
-        return Outcome(a, "done", "DeviceAllow=" + " ".join(d for d, _ in a.devices))
+        outcome = await apply_device_allow(a, sd, dry_run=svc.dry_run)
+        if outcome.status == "done":
+            self.durable.setdefault(a.unit, set()).update(a.numbers)
+        return outcome
 
     async def _other(self, a: Action, svc: Services) -> Outcome:
         if isinstance(a, V2ReportOnly):

@@ -1,4 +1,6 @@
-"""The few cgroup file operations the device code needs (the actuator builds on these).
+"""The container access step's writes: grants written to a v1 devices cgroup, and
+DeviceAllow= set on a container's systemd scope. Each honours dry-run and returns the
+Outcome the step journals (one entry per change, with the action's reason).
 
 Control files are written with one write(2) per rule and without O_CREAT/O_TRUNC: the
 kernel parses each write as one rule (devcgroup_access_write), and cgroupfs files
@@ -9,10 +11,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from gpuguard.devices.rules import DeviceRules, parse_devices_list
 from gpuguard.errors import GpuguardError
+from gpuguard.model import Outcome
+
+if TYPE_CHECKING:
+    from gpuguard.steps.container_access.reconcile import CgroupV1Allow, UnitDeviceAllow
+    from gpuguard.systemd import Systemd
 
 
 class CgroupWriteError(GpuguardError):
@@ -48,3 +55,34 @@ def write_allow(cgroup_dir: Path, rules: Iterable[str]) -> None:
 def read_devices_list(cgroup_dir: Path) -> DeviceRules:
     """Parse the cgroup's devices.list (raises OSError if it vanished)."""
     return parse_devices_list((cgroup_dir / "devices.list").read_text())
+
+
+def apply_allow(a: CgroupV1Allow, *, dry_run: bool) -> Outcome:
+    """The direct re-grant: microseconds, CUDA works again at once."""
+    if dry_run:
+        return Outcome(a, "dry-run", "would write " + "; ".join(a.rules))
+    try:
+        write_allow(Path(a.cgroup_dir), a.rules)
+    except (CgroupWriteError, OSError) as e:
+        return Outcome(a, "failed", str(e))
+    return Outcome(a, "done", "wrote " + "; ".join(a.rules))
+
+
+async def apply_device_allow(
+    a: UnitDeviceAllow, sd: Optional[Systemd], *, dry_run: bool
+) -> Outcome:
+    """The durable grant: a runtime DeviceAllow= that systemd re-applies on every reload."""
+    from dbus_next import Variant
+
+    from gpuguard.systemd import SystemdError
+
+    if dry_run:
+        return Outcome(a, "dry-run", "would set DeviceAllow= " + ", ".join(d for d, _ in a.devices))
+    if sd is None:
+        return Outcome(a, "failed", "system bus down; the next pass retries")
+    value = Variant("a(ss)", [[dev, perm] for dev, perm in a.devices])
+    try:
+        await sd.set_unit_properties(a.unit, a.runtime, [("DeviceAllow", value)])
+    except SystemdError as e:
+        return Outcome(a, "failed", str(e))
+    return Outcome(a, "done", "DeviceAllow=" + " ".join(d for d, _ in a.devices))
