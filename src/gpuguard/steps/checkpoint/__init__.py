@@ -14,87 +14,26 @@ A repair made by the hook is reported only once verified (kubelet_hook.judge): a
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from gpuguard import exitcodes
 from gpuguard.errors import BadInputError, GpuguardError, KubeletError
 from gpuguard.inventory import Inventory
 from gpuguard.log import EventLog
-from gpuguard.model import Action, Finding, Outcome
+from gpuguard.model import Finding
 from gpuguard.paths import DROPPED_ENTRIES_FILE, Root
 from gpuguard.snapshot import HostSnapshot
-from gpuguard.steps.checkpoint import kubelet_hook
 from gpuguard.steps.checkpoint import reconcile as ckpt
 from gpuguard.steps.checkpoint.actuate import CheckpointActuator
-from gpuguard.steps.checkpoint.observe import KubeletStatus, kubelet_pids, kubelet_status
+from gpuguard.steps.checkpoint.kubelet import coordinate
+from gpuguard.steps.checkpoint.observe import kubelet_pids
+from gpuguard.steps.checkpoint.report import CheckReport, CheckSettings, apply_repair
 
 if TYPE_CHECKING:  # dbus-next costs import time; a healthy node never needs it
     from gpuguard.passes import PassContext, Services
     from gpuguard.systemd import Systemd
 
-
-@dataclass(frozen=True)
-class CheckSettings:
-    checkpoint_path: str
-    resources: tuple[str, ...]
-    policy: str  # rewrite | delete | report
-    backup_dir: str
-    backup_keep: int
-    kubelet_unit: str
-    restart_kubelet: bool
-    dry_run: bool
-    kubelet_stopped: bool  # we run as kubelet's ExecStartPre=: kubelet is not up
-    bus_address: Optional[str]
-    reason: str = "check"
-    # Non-empty: the inventory is a simulation (`check --inventory`), so a running
-    # kubelet is never stopped or restarted for it; says why and which flag allows it.
-    simulation: str = ""
-
-
-@dataclass
-class CheckReport:
-    checkpoint: str
-    inventory: dict[str, Any] = field(default_factory=dict)
-    findings: list[Finding] = field(default_factory=list)
-    actions: list[Action] = field(default_factory=list)
-    outcomes: list[Outcome] = field(default_factory=list)
-    kubelet: str = ""
-    coordination: str = ""
-    result: str = ""
-    exit_code: int = exitcodes.OK
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "checkpoint": self.checkpoint,
-            "inventory": self.inventory,
-            "findings": [f.to_json() for f in self.findings],
-            "actions": [a.to_json() for a in self.actions],
-            "outcomes": [o.to_json() for o in self.outcomes],
-            "kubelet": self.kubelet,
-            "coordination": self.coordination,
-            "result": self.result,
-            "exit_code": self.exit_code,
-        }
-
-    def render(self) -> str:
-        lines = [f"checkpoint: {self.checkpoint}"]
-        inv = self.inventory
-        if inv:
-            lines.append(f"inventory:  {len(inv['gpus'])} GPU(s) from {inv['source']}")
-            lines += [f"            {g['index']}: {g['uuid']}" for g in inv["gpus"]]
-        for f in self.findings:
-            lines.append(f"{f.severity + ':':9}  {f.summary}")
-        for a in self.actions:
-            lines.append(f"plan:       {a.describe()}")
-        if self.kubelet:
-            lines.append(f"kubelet:    {self.kubelet}")
-        if self.coordination:
-            lines.append(f"how:        {self.coordination}")
-        for o in self.outcomes:
-            lines.append(f"{o.status + ':':11} {o.detail}")
-        lines.append(f"result:     {self.result}")
-        return "\n".join(lines)
+__all__ = ["CheckReport", "CheckSettings", "CheckpointStep", "check_checkpoint", "run_check"]
 
 
 def run_check(
@@ -111,7 +50,7 @@ def run_check(
         return report
     import asyncio
 
-    return asyncio.run(_coordinate(root, s, report, actuator, log, None, inventory))
+    return asyncio.run(coordinate(root, s, report, actuator, log, None, inventory))
 
 
 async def check_checkpoint(
@@ -128,7 +67,7 @@ async def check_checkpoint(
     report, actuator = analyse_checkpoint(root, inventory, s, log, snapshot)
     if actuator is None:
         return report
-    return await _coordinate(root, s, report, actuator, log, systemd, inventory, on_restart)
+    return await coordinate(root, s, report, actuator, log, systemd, inventory, on_restart)
 
 
 def analyse_checkpoint(
@@ -188,234 +127,8 @@ def analyse_checkpoint(
                 f"(pid {', '.join(map(str, pids))}) and would overwrite the file"
             )
         report.coordination = "repair directly"
-        return _apply(report, actuator, s), None
+        return apply_repair(report, actuator, s), None
     return report, actuator
-
-
-async def _coordinate(
-    root: Root,
-    s: CheckSettings,
-    report: CheckReport,
-    actuator: CheckpointActuator,
-    log: EventLog,
-    systemd: Optional[Systemd],
-    inventory: Inventory,
-    on_restart: Optional[Callable[[], None]] = None,
-) -> CheckReport:
-    k = _Kubelet(root, inventory, on_restart or (lambda: None))
-    if systemd is not None:
-        return await _coordinated(k, s, report, actuator, log, systemd)
-    from gpuguard.systemd import Systemd, SystemdError, bus_address_for
-
-    own = Systemd(s.bus_address or bus_address_for(root.prefix))
-    try:
-        await own.connect()
-    except SystemdError as e:
-        return await _coordinated(k, s, report, actuator, log, None, str(e))
-    try:
-        return await _coordinated(k, s, report, actuator, log, own)
-    finally:
-        own.disconnect()
-
-
-@dataclass(frozen=True)
-class _Kubelet:
-    """What coordinating kubelet needs beyond the settings: the host, the inventory the
-    repair was planned with (to re-analyse after a restart), the restart callback."""
-
-    root: Root
-    inventory: Inventory
-    on_restart: Callable[[], None]
-
-
-def _apply(report: CheckReport, actuator: CheckpointActuator, s: CheckSettings) -> CheckReport:
-    report.outcomes = [actuator.apply(a) for a in report.actions]
-    statuses = {o.status for o in report.outcomes}
-    if statuses == {"done"}:
-        report.result = "repaired"
-    elif statuses == {"dry-run"}:
-        report.result = "dry run: nothing modified"
-        report.exit_code = exitcodes.FINDINGS
-    else:
-        report.result = "repair failed: " + "; ".join(o.detail for o in report.outcomes)
-        report.exit_code = exitcodes.BAD_INPUT
-    return report
-
-
-async def _coordinated(
-    k: _Kubelet,
-    s: CheckSettings,
-    report: CheckReport,
-    actuator: CheckpointActuator,
-    log: EventLog,
-    systemd: Optional[Systemd],
-    bus_error: str = "",
-) -> CheckReport:
-    root = k.root
-    if systemd is None:
-        status = KubeletStatus(s.kubelet_unit, kubelet_pids(root), None, bus_error)
-    else:
-        status = await kubelet_status(root, systemd, s.kubelet_unit)
-    report.kubelet = status.describe()
-    if not status.running:
-        report.coordination = "kubelet is not running: repair directly"
-        return _apply(report, actuator, s)
-    if not status.unit_active or systemd is None:
-        raise KubeletError(
-            f"{report.checkpoint}: not repaired: kubelet runs outside systemd "
-            f"({status.describe()}); stop it, then run `gpuguard check` again"
-        )
-    if not s.restart_kubelet:
-        report.coordination = "kubelet is running and restarts are off: left for its next start"
-        report.result = "not repaired: kubelet must be restarted to apply the repair"
-        report.exit_code = exitcodes.FINDINGS
-        return report
-    if s.simulation:  # also under --dry-run: the dry run prints what the real run does
-        report.coordination = "kubelet is running and the inventory is simulated: left alone"
-        report.result = f"not repaired: {s.simulation}"
-        report.exit_code = exitcodes.FINDINGS
-        return report
-    if status.has_dropin:
-        return await _restart_with_hook(k, systemd, s, report, log)
-    return await _stop_repair_start(k, systemd, s, report, actuator, log)
-
-
-async def _restart_with_hook(
-    k: _Kubelet, systemd: Systemd, s: CheckSettings, report: CheckReport, log: EventLog
-) -> CheckReport:
-    from gpuguard.systemd import SystemdError
-
-    report.coordination = (
-        f"restart {s.kubelet_unit} through systemd; its ExecStartPre= hook repairs the file "
-        "between stop and start"
-    )
-    if s.dry_run:
-        report.result = "dry run: nothing modified, kubelet not restarted"
-        report.exit_code = exitcodes.FINDINGS
-        return report
-    token = kubelet_hook.new_token()
-    try:
-        kubelet_hook.write_request(k.root, token)
-    except OSError as e:
-        # Without the token no outcome could be verified: do not restart at all.
-        raise KubeletError(
-            f"{report.checkpoint}: not repaired, kubelet not restarted: cannot write "
-            f"{k.root.path(kubelet_hook.REQUEST)}: {e.strerror}"
-        ) from None
-    k.on_restart()
-    try:
-        try:
-            result = await systemd.restart_unit(s.kubelet_unit)
-        except SystemdError as e:
-            result = f"failed: {e}"
-        _log_kubelet(
-            log,
-            s,
-            "kubelet-restart",
-            f"restart of {s.kubelet_unit} (job {result}) so its pre-start hook repairs "
-            f"{report.checkpoint}: {report.actions[0].reason}",
-        )
-        verdict = kubelet_hook.verify(
-            k.root, token, s.checkpoint_path, k.inventory, s.resources, s.policy
-        )
-    finally:
-        kubelet_hook.clear_request(k.root)
-    if result != "done" and not verdict.verified:
-        verdict = kubelet_hook.Verdict(
-            False, f"the kubelet restart job ended with '{result}'; {verdict.detail}"
-        )
-    if not verdict.verified:
-        report.outcomes = [Outcome(a, "failed", verdict.detail) for a in report.actions]
-        log.event(
-            "checkpoint-repair-unverified",
-            f"{report.checkpoint}: not repaired: {verdict.detail}",
-            level="error",
-            fields={
-                "GPUGUARD_RECONCILER": ckpt.NAME,
-                "GPUGUARD_STATUS": "failed",
-                "UNIT": s.kubelet_unit,
-                "CHECKPOINT": report.checkpoint,
-                "REASON": s.reason,
-            },
-        )
-        raise KubeletError(f"{report.checkpoint}: not repaired: {verdict.detail}")
-    report.outcomes = [Outcome(a, "done", verdict.detail) for a in report.actions]
-    report.result = "repaired by kubelet's pre-start hook during a kubelet restart (verified)"
-    if result != "done":  # repaired, but kubelet itself did not come back
-        _coordination_failed(log, s, f"restart job ended with '{result}' (checkpoint repaired)")
-        raise KubeletError(
-            f"repaired {report.checkpoint} ({verdict.detail}), but the kubelet restart job "
-            f"ended with '{result}'"
-        )
-    return report
-
-
-async def _stop_repair_start(
-    k: _Kubelet,
-    systemd: Systemd,
-    s: CheckSettings,
-    report: CheckReport,
-    actuator: CheckpointActuator,
-    log: EventLog,
-) -> CheckReport:
-    from gpuguard.systemd import SystemdError
-
-    report.coordination = (
-        f"the gpuguard drop-in is not active for {s.kubelet_unit}: stop it, repair, start it"
-    )
-    if s.dry_run:
-        return _apply(report, actuator, s)
-    k.on_restart()
-    try:
-        result = await systemd.stop_unit(s.kubelet_unit)
-        if result != "done":
-            raise SystemdError(f"stop job ended with '{result}'")
-    except SystemdError as e:
-        _coordination_failed(log, s, str(e))
-        raise KubeletError(
-            f"{report.checkpoint}: not repaired: stopping kubelet failed: {e}"
-        ) from None
-    try:
-        _apply(report, actuator, s)
-    finally:
-        try:
-            start = await systemd.start_unit(s.kubelet_unit)
-        except SystemdError as e:
-            start = str(e)
-        _log_kubelet(
-            log,
-            s,
-            "kubelet-stop-start",
-            f"stopped {s.kubelet_unit}, repaired {report.checkpoint}, started it again "
-            f"(start: {start})",
-        )
-    if start != "done":
-        raise KubeletError(f"repaired {report.checkpoint}, but starting kubelet failed: {start}")
-    return report
-
-
-def _log_kubelet(log: EventLog, s: CheckSettings, kind: str, msg: str) -> None:
-    """The journal entry for a kubelet restart or stop/start made for the checkpoint."""
-    log.event(
-        kind,
-        msg,
-        level="notice",
-        fields={
-            "GPUGUARD_RECONCILER": ckpt.NAME,
-            "GPUGUARD_ACTION": kind,
-            "UNIT": s.kubelet_unit,
-            "REASON": s.reason,
-        },
-    )
-
-
-def _coordination_failed(log: EventLog, s: CheckSettings, why: str) -> None:
-    log.event(
-        "kubelet-coordination-failed",
-        f"{s.kubelet_unit}: {why}",
-        level="error",
-        fields={"UNIT": s.kubelet_unit, "GPUGUARD_RECONCILER": ckpt.NAME},
-    )
 
 
 class CheckpointStep:
