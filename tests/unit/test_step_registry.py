@@ -142,3 +142,17 @@ def test_check_runs_the_daemon_order_with_the_checkpoint_last() -> None:
 def test_every_step_gives_its_reason() -> None:
     assert all(len(s.why) > 10 for s in registry.STEPS)
     assert tuple(build_steps()) == STEP_ORDER
+
+
+def test_sources_and_the_daemon_spell_no_step_name_themselves() -> None:
+    """Step names are written once, in the registry; sources import them."""
+    import ast
+
+    src = Path(registry.__file__).resolve().parents[1]
+    files = [*sorted((src / "sources").glob("*.py")), src / "daemon.py", src / "oneshot.py"]
+    found = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in registry.ALL_STEPS:
+                found.append(f"{path.name}:{node.lineno}: {node.value!r}")
+    assert found == []
