@@ -37,7 +37,7 @@ from gpuguard.checkpoint import (
     verify,
 )
 from gpuguard.inventory import Gpu, Inventory
-from gpuguard.reconcilers.checkpoint import DEFAULT_RESOURCES, analyse
+from gpuguard.steps.checkpoint.reconcile import DEFAULT_RESOURCES, analyse
 
 GPUS = 8
 RESOURCE = "nvidia.com/gpu"

@@ -56,3 +56,16 @@ def _catalog_fields_carried(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(EventLog, "event", event)
     yield
     assert not wrong, "\n".join(wrong)
+
+
+@pytest.fixture(autouse=True)
+def _module_loggers_reset() -> Iterator[None]:
+    """A command run in a test routes the gpuguard.* loggers to its EventLog
+    (EventLog.route_modules); the next test starts from Python's defaults."""
+    yield
+    import logging
+
+    logger = logging.getLogger("gpuguard")
+    logger.handlers.clear()
+    logger.propagate = True
+    logger.setLevel(logging.NOTSET)

@@ -219,11 +219,15 @@ def _log(args: argparse.Namespace, cfg: Any = None, root: Any = None) -> Any:
     from gpuguard.log import EventLog
 
     default = cfg.daemon.log_level if cfg is not None else "info"
-    return EventLog.auto(
+    log = EventLog.auto(
         level=_opt(args, "log_level", default),
         force_json=_opt(args, "log_json", False),
         root=root.prefix if root is not None else Path("/"),
     )
+    log.route_modules()  # devices/, plugins/ ... log through it, debug included
+    for warning in cfg.warnings if cfg is not None else ():
+        log.warning(warning)  # a deprecated key, still read
+    return log
 
 
 def _root(args: argparse.Namespace) -> Any:
@@ -250,7 +254,7 @@ def _inventory_path(args: argparse.Namespace, cfg: Any) -> Optional[Path]:
 def cmd_check(args: argparse.Namespace) -> int:
     if not args.kubelet_stopped:
         return _check(args, _root(args), None)
-    from gpuguard.kubelet_hook import FAILED, HookRun
+    from gpuguard.steps.checkpoint.kubelet_hook import FAILED, HookRun
 
     root = _root(args)
     hook = HookRun(root)
@@ -271,9 +275,9 @@ def _simulation(args: argparse.Namespace) -> str:
 
 
 def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
-    from gpuguard.check import CheckSettings, run_check
     from gpuguard.errors import NoDriverError
     from gpuguard.inventory import load_inventory
+    from gpuguard.steps.checkpoint import CheckSettings, run_check
 
     cfg = _config(args, root)
     log = _log(args, cfg, root)
@@ -304,14 +308,14 @@ def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
     from gpuguard.snapshot import HostSnapshot
 
     # One snapshot for the whole run, and the steps in the daemon's order
-    # (passes.STEP_ORDER): the device steps, then the checkpoint.
+    # (registry.CHECK_ORDER): the device steps, then the checkpoint.
     snapshot = HostSnapshot(root, k.checkpoint_path)
     devices = None
     if args.only is None and driver_loaded(root) and _checkpoint_usable(snapshot):
         import asyncio
 
-        from gpuguard.devices.audit import FINDING_UNREADABLE
         from gpuguard.oneshot import OneShotServices, run_device_steps
+        from gpuguard.steps.container_access.reconcile import FINDING_UNREADABLE
         from gpuguard.systemd import bus_address_for
 
         svc = OneShotServices(
@@ -348,7 +352,7 @@ def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
 
 def _hook_result(hook: Any, report: Any, log: Any) -> None:
     """What kubelet's pre-start hook leaves for the caller that restarted kubelet."""
-    from gpuguard import kubelet_hook as kh
+    from gpuguard.steps.checkpoint import kubelet_hook as kh
 
     statuses = {o.status for o in report.outcomes}
     if report.result.startswith("no checkpoint file"):
@@ -424,7 +428,9 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     from gpuguard.daemon import Daemon
     from gpuguard.metrics import make_output
     from gpuguard.notify import Notifier
-    from gpuguard.steps import build_steps
+    from gpuguard.sources import build_sources
+    from gpuguard.steps.registry import build_steps
+    from gpuguard.systemd import bus_address_for
 
     root = _root(args)
     try:
@@ -436,6 +442,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         _log(args, None, root).event("config-invalid", e.message, level="error")
         raise
     log = _log(args, cfg, root)
+    bus = _opt(args, "bus") or bus_address_for(root.prefix)
     daemon = Daemon(
         root=root,
         config=cfg,
@@ -443,10 +450,10 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         log=log,
         notifier=Notifier(),
         inventory_path=_opt(args, "inventory"),
-        bus_address=_opt(args, "bus"),
-        steps=build_steps(),  # in passes.STEP_ORDER, which says why
+        bus_address=bus,
+        steps=build_steps(),  # steps/registry.py: every step, in STEP_ORDER, which says why
+        sources=build_sources(root, cfg, log, bus, udev=not args.no_udev),
         dry_run=args.dry_run,
-        udev=not args.no_udev,
         metrics=make_output(),
     )
     return asyncio.run(daemon.run())
@@ -454,6 +461,8 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
 def cmd_config(args: argparse.Namespace) -> int:
     cfg = _config(args, _root(args))
+    for warning in cfg.warnings:
+        print(f"gpuguard: warning: {warning}", file=sys.stderr)
     sys.stdout.write(cfg.render())
     return exitcodes.OK
 
@@ -481,7 +490,7 @@ def cmd_checkpoint_inspect(args: argparse.Namespace) -> int:
     from gpuguard.checkpoint import load
     from gpuguard.errors import BadInputError, NoDriverError
     from gpuguard.inventory import load_inventory
-    from gpuguard.reconcilers.checkpoint import analyse
+    from gpuguard.steps.checkpoint.reconcile import analyse
 
     root = _root(args)
     cfg = _config(args, root)

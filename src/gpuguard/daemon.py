@@ -14,7 +14,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from gpuguard.coalescer import Coalescer
 from gpuguard.conditions import Conditions
@@ -27,7 +27,8 @@ from gpuguard.metrics import MetricsOutput
 from gpuguard.notify import Notifier, watchdog_interval
 from gpuguard.passes import STATUS_FILE, PassContext, Step, Work
 from gpuguard.paths import Root
-from gpuguard.sources.systemd import ALL, SystemdSource
+from gpuguard.sources import Sources
+from gpuguard.steps.registry import STEP_ORDER, check_names
 from gpuguard.systemd import Systemd, bus_address_for
 
 PASS_STUCK_AFTER = 300.0  # a pass this old stops the watchdog pings: systemd restarts us
@@ -45,10 +46,13 @@ class Daemon:
         inventory_path: Optional[Path],
         bus_address: Optional[str],
         steps: Mapping[str, Step],
+        sources: Optional[Sources] = None,
+        step_order: Sequence[str] = STEP_ORDER,
         dry_run: bool = False,
-        udev: bool = True,
         metrics: Optional[MetricsOutput] = None,
     ) -> None:
+        # Steps run in step_order (steps/registry.py says why); marks name steps from it.
+        check_names(steps, step_order, "Daemon(steps=...)")
         self.root = root
         self.config = config
         self.config_path = config_path
@@ -60,8 +64,8 @@ class Daemon:
         self.inventory_path = inventory_path or _config_inventory(config)
         self.bus_address = bus_address or bus_address_for(root.prefix)
         self.dry_run = dry_run or config.daemon.dry_run
-        self.use_udev = udev
-        self.steps = dict(steps)
+        self.step_order = tuple(step_order)
+        self.steps = {name: steps[name] for name in self.step_order if name in steps}
         self.passes = 0
         self.started_wall = time.time()
         self.conditions = Conditions()  # daemon-wide states, reported on change only
@@ -73,20 +77,21 @@ class Daemon:
         self._followups: dict[tuple[frozenset[str], str], float] = {}
         self.first_pass_done = asyncio.Event()
         self.coalescer = self._make_coalescer()
-        self.sd_source = SystemdSource(
-            lambda: Systemd(self.bus_address, max_in_flight=self.config.systemd.max_in_flight),
-            self.coalescer.mark,
-            self.coalescer.hold,
-            log,
-            kubelet_units=config.systemd.kubelet_units,
-            runtime_units=config.systemd.runtime_units,
-        )
+        self.sources = sources
+        self.sd_source = sources.systemd if sources is not None else None
+        if sources is not None:
+            sources.sink.connect(self.mark, self.coalescer.hold)
         self.udev: Any = None
 
     @property
     def systemd(self) -> Optional[Systemd]:
         """The live bus connection, None while the bus is down."""
-        return self.sd_source.client
+        return self.sd_source.client if self.sd_source is not None else None
+
+    def mark(self, names: frozenset[str], why: str, urgent: bool) -> None:
+        """Every mark, the sources' and the follow-ups': steps by their registry names."""
+        check_names(names, self.step_order, f"mark ({why})")
+        self.coalescer.mark(names, why, urgent)
 
     def _make_coalescer(self) -> Coalescer:
         d = self.config.daemon
@@ -104,14 +109,15 @@ class Daemon:
         loop.add_signal_handler(signal.SIGTERM, self.stop, "SIGTERM")
         loop.add_signal_handler(signal.SIGINT, self.stop, "SIGINT")
         loop.add_signal_handler(signal.SIGHUP, self.reload_config)
-        if self.use_udev:
-            self._start_udev(loop)
-        sd_task = asyncio.create_task(self.sd_source.run())
-        try:
-            await asyncio.wait_for(self.sd_source.first_attempt_done.wait(), timeout=10)
-        except asyncio.TimeoutError:
-            self.log.warning("systemd did not answer in 10s; going on without it for now")
-        self.coalescer.mark(ALL, "start-up", True)
+        if self.sources is not None and self.sources.udev is not None:
+            self._start_udev(loop, self.sources.udev)
+        sd_task = asyncio.create_task(self.sd_source.run()) if self.sd_source else None
+        if self.sd_source is not None:
+            try:
+                await asyncio.wait_for(self.sd_source.first_attempt_done.wait(), timeout=10)
+            except asyncio.TimeoutError:
+                self.log.warning("systemd did not answer in 10s; going on without it for now")
+        self.mark(frozenset(self.step_order), "start-up", True)
         pass_task = asyncio.create_task(self.coalescer.run())
         first = asyncio.create_task(self.first_pass_done.wait())
         await asyncio.wait({first, pass_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -120,7 +126,9 @@ class Daemon:
             return 0  # stopped before the first pass ended
         self.notifier.ready(self.status_line())
         self.log.event("daemon-started", f"gpuguard daemon ready: {self.status_line()}")
-        helpers = [asyncio.create_task(self._audit_timer())]
+        helpers = []
+        if self.sources is not None:
+            helpers.append(asyncio.create_task(self.sources.timer.run()))
         interval = watchdog_interval()
         if interval is not None:
             helpers.append(asyncio.create_task(self._watchdog(interval)))
@@ -129,24 +137,18 @@ class Daemon:
         finally:
             for t in helpers:
                 t.cancel()
-            self.sd_source.stop()
-            sd_task.cancel()
+            if self.sd_source is not None and sd_task is not None:
+                self.sd_source.stop()
+                helpers.append(sd_task)
+                sd_task.cancel()
             if self.udev is not None:
                 self.udev.stop()
-            await asyncio.gather(sd_task, *helpers, return_exceptions=True)
+            await asyncio.gather(*helpers, return_exceptions=True)
         return 0
 
-    def _start_udev(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _start_udev(self, loop: asyncio.AbstractEventLoop, make: Callable[..., Any]) -> None:
         try:
-            from gpuguard.log import stdlib_logger
-            from gpuguard.sources.udev import UdevSource, choose_source
-
-            self.udev = UdevSource(
-                loop,
-                self.coalescer.mark,
-                source=choose_source(str(self.root.path("/run"))),
-                log=stdlib_logger(self.log, "udev"),
-            )
+            self.udev = make(loop)
             self.udev.start()
         except Exception as e:  # no netlink permission, no libudev: the audit still runs
             self.udev = None
@@ -168,20 +170,18 @@ class Daemon:
             self.notifier.send("READY=1", f"STATUS=config rejected; {self.status_line()}")
             return
         self.config = new
+        for warning in new.warnings:
+            self.log.warning(warning)  # a deprecated key, still read
         self.inventory_path = self.cli_inventory or _config_inventory(new)
         self.dry_run = new.daemon.dry_run
         self.log.set_level(new.daemon.log_level)
         c, d = self.coalescer, new.daemon
         c.quiet, c.urgent_quiet, c.max_delay = d.quiet_period, d.reload_quiet_period, d.max_delay
-        self.sd_source.set_units(new.systemd.kubelet_units, new.systemd.runtime_units)
+        if self.sources is not None:
+            self.sources.reconfigure(new)
         self.log.event("config-reloaded", "configuration reloaded (SIGHUP)", level="notice")
         self.notifier.send("READY=1", f"STATUS={self.status_line()}")
-        self.coalescer.mark(ALL, "configuration reloaded", False)
-
-    async def _audit_timer(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.daemon.audit_interval)
-            self.coalescer.mark(ALL, "periodic audit", False)
+        self.mark(frozenset(self.step_order), "configuration reloaded", False)
 
     async def _watchdog(self, interval: float) -> None:
         while True:
@@ -198,7 +198,7 @@ class Daemon:
         self.passes += 1
         ctx = PassContext(work, self._inventory, previous_inventory=self.inventory)
         steps_ms: dict[str, float] = {}
-        for name, step in self.steps.items():  # in the order main() gave: it matters
+        for name, step in self.steps.items():  # in step_order: it matters
             if name not in work.reconcilers:
                 continue
             t_step = time.monotonic()
@@ -281,7 +281,7 @@ class Daemon:
         if due is None or due > asyncio.get_running_loop().time() + 0.001:
             return  # superseded by an earlier timer that already fired
         del self._followups[key]
-        self.coalescer.mark(key[0], key[1], False)
+        self.mark(key[0], key[1], False)
 
     async def _inventory(self) -> Optional[Inventory]:
         try:
@@ -345,7 +345,7 @@ class Daemon:
         if not p:
             return "starting"
         gpus = "no GPU inventory" if p["gpus"] is None else f"{p['gpus']} GPU(s)"
-        bus = "bus ok" if self.sd_source.client is not None else "bus down"
+        bus = "bus ok" if self.systemd is not None else "bus down"
         return (
             f"pass {p['number']}: {len(p['findings'])} finding(s), "
             f"{sum(o['status'] == 'done' for o in p['outcomes'])} change(s); {gpus}; {bus}"
@@ -358,7 +358,7 @@ class Daemon:
             "pid": os.getpid(),
             "started": self.started_wall,
             "passes": self.passes,
-            "bus_connected": self.sd_source.client is not None,
+            "bus_connected": self.systemd is not None,
             "dry_run": self.dry_run,
             "first_pass": self.first_pass,
             "last_pass": self.last_pass,

@@ -106,6 +106,7 @@ class EventLog:
         self.journal = journal
         self.static = dict(static_fields or {})
         self.stream_format = stream_format
+        self._routed: list[logging.Logger] = []  # module loggers sent here (route_modules)
 
     @classmethod
     def auto(
@@ -124,6 +125,22 @@ class EventLog:
 
     def set_level(self, level: str) -> None:
         self.threshold = LEVELS[level]
+        for logger in self._routed:
+            logger.setLevel(self._stdlib_level())
+
+    def _stdlib_level(self) -> int:
+        # Below LogLevel=debug a module's debug call costs no record at all.
+        return logging.DEBUG if self.threshold >= LEVELS["debug"] else logging.INFO
+
+    def route_modules(self, package: str = "gpuguard") -> None:
+        """Send every module logger under `package` (``logging.getLogger(__name__)`` in
+        devices/, plugins/, ...) to this log, at its level: their debug lines reach the
+        journal with LogLevel=debug instead of Python's last-resort handler."""
+        logger = logging.getLogger(package)
+        logger.handlers[:] = [_Bridge(self)]
+        logger.propagate = False
+        logger.setLevel(self._stdlib_level())
+        self._routed = [logger]
 
     def event(
         self,

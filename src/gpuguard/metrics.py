@@ -25,6 +25,7 @@ from gpuguard import __version__
 from gpuguard.log import EventLog
 from gpuguard.npd import CONDITIONS, DEFAULT_MAX_AGE, OK, PROBLEM, evaluate
 from gpuguard.paths import Root
+from gpuguard.steps.registry import CONTAINER_ACCESS, GPU_COUNT
 
 RUNTIME_FILE = "/run/gpuguard/metrics.prom"
 TEXTFILE_NAME = "gpuguard.prom"
@@ -128,7 +129,7 @@ class Metrics:
         for name, st in steps.items():
             for (kind, step), n in Tally((f["kind"], name) for f in st["findings"]).items():
                 self.open_findings.labels(kind, step).set(n)
-        access = steps.get("container_access")
+        access = steps.get(CONTAINER_ACCESS)
         if access is not None and access.get("pass") == last_pass.get("number"):
             gauges = access.get("gauges") or {}
             if "gpu_containers" in gauges:
@@ -139,7 +140,7 @@ class Metrics:
                 if f["kind"] in DENIED_KINDS
             }
             self.gpu_containers_denied.set(len(denied))
-        counts = (steps.get("gpu_count") or {}).get("gauges") or {}
+        counts = (steps.get(GPU_COUNT) or {}).get("gauges") or {}
         for layer in ("pci", "nvml", "kubelet"):
             if counts.get(f"gpus_{layer}") is not None:
                 self.gpus.labels(layer).set(counts[f"gpus_{layer}"])

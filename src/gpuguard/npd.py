@@ -22,6 +22,7 @@ from typing import Any, Mapping, Optional
 
 from gpuguard.paths import Root
 from gpuguard.safeio import UnsafeFileError, read_bytes
+from gpuguard.steps.registry import CHECKPOINT, CONTAINER_ACCESS, DEVICE_PLUGIN, GPU_COUNT
 
 # passes.STATUS_FILE, repeated so `gpuguard npd` imports nothing heavy (a test keeps them equal).
 STATUS_FILE = "/run/gpuguard/status.json"
@@ -47,7 +48,7 @@ CONDITIONS: tuple[Condition, ...] = (
     Condition(
         "device-access",
         "GPUDeviceAccessLost",
-        ("container_access",),
+        (CONTAINER_ACCESS,),
         frozenset(
             {
                 "container-device-denied",
@@ -63,7 +64,7 @@ CONDITIONS: tuple[Condition, ...] = (
     Condition(
         "checkpoint",
         "KubeletCheckpointStale",
-        ("checkpoint",),
+        (CHECKPOINT,),
         frozenset(
             {
                 "checkpoint-stale-entry",
@@ -80,7 +81,7 @@ CONDITIONS: tuple[Condition, ...] = (
     Condition(
         "device-plugin",
         "GPUDevicePluginStale",
-        ("device_plugin",),
+        (DEVICE_PLUGIN,),
         frozenset(
             {
                 "plugin-missing-device",
@@ -96,7 +97,7 @@ CONDITIONS: tuple[Condition, ...] = (
     Condition(
         "gpu-count",
         "GPUCountMismatch",
-        ("gpu_count",),
+        (GPU_COUNT,),
         frozenset({"gpu-count-mismatch"}),
         "GPUCountMismatch",
         "GPUCountOK",

@@ -14,9 +14,10 @@ from gpuguard.devices.nodes import nvidia_majors, read_proc_devices
 from gpuguard.inventory import Inventory
 from gpuguard.log import EventLog
 from gpuguard.model import Finding, Outcome
-from gpuguard.passes import STATUS_FILE, STEP_ORDER, PassContext, Work
+from gpuguard.passes import STATUS_FILE, PassContext, Work
 from gpuguard.paths import Root
 from gpuguard.snapshot import HostSnapshot
+from gpuguard.steps.registry import CHECK_ORDER, CHECKPOINT, STEPS, build_steps
 
 if TYPE_CHECKING:
     from gpuguard.devices.containers import ContainerCgroup
@@ -46,20 +47,15 @@ class OneShotServices:
 async def run_device_steps(
     svc: OneShotServices, inventory: Optional[Inventory], snapshot: HostSnapshot
 ) -> tuple[list[Finding], list[Outcome]]:
-    """The device steps of `gpuguard check`, in the daemon's order (passes.STEP_ORDER),
+    """The device steps of `gpuguard check`, in the daemon's order (registry.CHECK_ORDER),
     deciding from `snapshot`, the one the checkpoint step of the same run uses."""
-    from gpuguard.passes import Step
-    from gpuguard.steps.container_access import ContainerAccessStep
-    from gpuguard.steps.device_nodes import DeviceNodesStep
     from gpuguard.systemd import Systemd, SystemdError
 
     async def load() -> Optional[Inventory]:
         return inventory
 
-    steps: dict[str, Step] = {
-        "container_access": ContainerAccessStep(),
-        "device_nodes": DeviceNodesStep(),
-    }
+    # CHECK_ORDER's device steps; the checkpoint, last, is run_check's (cli.py).
+    steps = build_steps([s for s in STEPS if s.name in CHECK_ORDER and s.name != CHECKPOINT])
     now = time.monotonic()
     ctx = PassContext(
         Work(frozenset(), ("check",), now, now),
@@ -74,7 +70,7 @@ async def run_device_steps(
     except SystemdError:
         svc.client = None  # no systemd: direct cgroup repairs only
     try:
-        for name in STEP_ORDER:
+        for name in CHECK_ORDER:
             if name in steps:
                 await steps[name](svc, ctx)
         # The daemon's immediate follow-up pass (links just made: durable grants now),
@@ -82,7 +78,7 @@ async def run_device_steps(
         again = {n for delay, names, _ in ctx.followups if delay == 0 for n in names}
         if svc.client is not None and again:
             first = list(ctx.findings)
-            for name in STEP_ORDER:
+            for name in CHECK_ORDER:
                 if name in steps and name in again:
                     await steps[name](svc, ctx)
             ctx.findings = first + [f for f in ctx.findings[len(first) :] if f not in first]
@@ -94,8 +90,8 @@ async def run_device_steps(
 def container_status(
     root: Root, cfg: Config, inventory: Optional[Inventory]
 ) -> list[dict[str, Any]]:
-    from gpuguard.devices.audit import audit
-    from gpuguard.steps.container_access import AccessObserver
+    from gpuguard.steps.container_access.observe import AccessObserver
+    from gpuguard.steps.container_access.reconcile import audit
 
     view = AccessObserver().observe(
         root,

@@ -13,6 +13,7 @@ from gpuguard.inventory import Inventory
 from gpuguard.log import EventLog
 from gpuguard.model import Finding, Outcome
 from gpuguard.paths import Root
+from gpuguard.steps.registry import STEP_ORDER  # the order and its reasons live there
 
 if TYPE_CHECKING:
     from gpuguard.snapshot import HostSnapshot
@@ -20,13 +21,7 @@ if TYPE_CHECKING:
 
 STATUS_FILE = "/run/gpuguard/status.json"
 
-# The order of the steps in every pass, the daemon's and `gpuguard check`'s alike:
-# container access first (after a daemon-reload every millisecond counts), then nodes
-# and /dev/char links (a new link asks for an immediate second container_access run, so
-# durable grants follow at once), then the checkpoint, which may restart kubelet, then
-# the device plugins, and last the GPU count (report only: it judges what the plugins'
-# repairs left).
-STEP_ORDER = ("container_access", "device_nodes", "checkpoint", "device_plugin", "gpu_count")
+__all__ = ["STATUS_FILE", "STEP_ORDER", "PassContext", "Services", "Step", "Work"]
 
 
 @dataclass(frozen=True)

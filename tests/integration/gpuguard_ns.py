@@ -76,7 +76,7 @@ def setup_node(ns: SystemdNamespace, *, stale: bool, config: str = "") -> None:
     if not stale:
         from gpuguard.checkpoint import marshal, parse
         from gpuguard.inventory import parse_inventory
-        from gpuguard.reconcilers.checkpoint import analyse
+        from gpuguard.steps.checkpoint.reconcile import analyse
 
         inv = parse_inventory(INVENTORY, source="test")
         repaired = analyse(parse(data, source="fixture"), inv, ("nvidia.com/gpu",)).repaired

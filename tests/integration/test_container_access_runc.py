@@ -45,9 +45,9 @@ from typing import Optional, Sequence, Tuple
 import pytest
 
 from conftest import require_tool
-from gpuguard.devices.audit import CAUSE_REWRITE, CAUSE_REWRITE_V2
 from gpuguard.devices.probe import probe_open
 from gpuguard.devices.rules import RUNC_DEFAULT_RULES
+from gpuguard.steps.container_access.reconcile import CAUSE_REWRITE, CAUSE_REWRITE_V2
 from integration.gpu_scopes import fake_proc_devices, gpu_inventory
 from integration.gpuguard_ns import GPUGUARD, events, gpuguard_units, settle, wait_for
 from integration.harness import SystemdNamespace

@@ -27,9 +27,9 @@ from typing import Optional
 
 import pytest
 
-from gpuguard.devices.audit import CAUSE_REWRITE
 from gpuguard.devices.probe import probe_open
 from gpuguard.devices.rules import RUNC_DEFAULT_RULES
+from gpuguard.steps.container_access.reconcile import CAUSE_REWRITE
 from integration.gpu_scopes import (
     Container,
     containers,

@@ -25,7 +25,7 @@ import pytest
 from conftest import CHECKPOINTS, REPO, require_root
 from gpuguard.checkpoint import marshal, parse, verify
 from gpuguard.inventory import parse_inventory
-from gpuguard.reconcilers.checkpoint import DEFAULT_RESOURCES, analyse
+from gpuguard.steps.checkpoint.reconcile import DEFAULT_RESOURCES, analyse
 
 pytestmark = pytest.mark.root
 

@@ -30,14 +30,6 @@ from typing import Callable, Iterator
 import pytest
 
 from conftest import require_root, require_tool
-from gpuguard.devices.audit import (
-    CAUSE_REWRITE,
-    CgroupV1Allow,
-    V2ReportOnly,
-    audit,
-    verdicts_from_rules,
-)
-from gpuguard.devices.cgroupio import read_devices_list, write_allow
 from gpuguard.devices.containers import CgroupLayout, detect_layout, discover_containers
 from gpuguard.devices.entitlement import read_entitlement
 from gpuguard.devices.nodes import (
@@ -65,6 +57,14 @@ from gpuguard.devices.rules import (
     apply_write,
 )
 from gpuguard.paths import Root
+from gpuguard.steps.container_access.actuate import read_devices_list, write_allow
+from gpuguard.steps.container_access.reconcile import (
+    CAUSE_REWRITE,
+    CgroupV1Allow,
+    V2ReportOnly,
+    audit,
+    verdicts_from_rules,
+)
 
 pytestmark = pytest.mark.root
 

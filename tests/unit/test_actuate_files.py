@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from gpuguard.actuate import files
-from gpuguard.actuate.checkpoint import CheckpointActuator
 from gpuguard.actuate.files import (
     TEMP_PREFIX,
     atomic_replace,
@@ -23,7 +22,8 @@ from gpuguard.actuate.files import (
     remove_stale_temps,
 )
 from gpuguard.log import EventLog
-from gpuguard.reconcilers.checkpoint import DeleteCheckpoint, RewriteCheckpoint, sha256
+from gpuguard.steps.checkpoint.actuate import CheckpointActuator
+from gpuguard.steps.checkpoint.reconcile import DeleteCheckpoint, RewriteCheckpoint, sha256
 
 OLD = b'{"Data":{"PodDeviceEntries":[],"RegisteredDevices":{}},"Checksum":1}'
 NEW = b'{"Data":{"PodDeviceEntries":null,"RegisteredDevices":{}},"Checksum":2}'

@@ -19,7 +19,6 @@ from typing import Any, Callable
 import pytest
 
 from catalog_fields import shown
-from gpuguard.actuate.checkpoint import CheckpointActuator
 from gpuguard.catalog import KINDS
 from gpuguard.conditions import Conditions, log_findings
 from gpuguard.config import load_config
@@ -30,7 +29,8 @@ from gpuguard.notify import Notifier
 from gpuguard.passes import PassContext, Work
 from gpuguard.paths import Root
 from gpuguard.plugins.health import assess
-from gpuguard.reconcilers.checkpoint import DeleteCheckpoint, RewriteCheckpoint, sha256
+from gpuguard.steps.checkpoint.actuate import CheckpointActuator
+from gpuguard.steps.checkpoint.reconcile import DeleteCheckpoint, RewriteCheckpoint, sha256
 from unit.test_container_findings import ALL_ALLOWED, OLD_UVM, _audit, _ent
 from unit.test_devices_audit import CTL, GPU0, RUNC_LIST
 from unit.test_plugins_nvml import GPU, NO_NS, UNKNOWN, observation, plugin
@@ -84,7 +84,8 @@ def daemon_pass(tmp: Path) -> Entries:
         root = Root(tmp / "root")
         d = Daemon(root=root, config=load_config(root), config_path=None, log=log,
                    notifier=Notifier(""), inventory_path=tmp / "none.json",
-                   bus_address="unix:path=/nonexistent", steps={"boom": boom})  # fmt: skip
+                   bus_address="unix:path=/nonexistent", steps={"boom": boom},
+                   step_order=("boom",))  # fmt: skip
         now = time.monotonic()
         asyncio.run(d._run_pass(Work(frozenset({"boom"}), ("test",), now, now)))
         asyncio.run(d._inventory())  # unavailable
@@ -105,8 +106,8 @@ def conditions() -> Entries:
 
 
 def gpu_count() -> Entries:
-    from gpuguard.reconcilers.gpu_count import GpuCounts
-    from gpuguard.reconcilers.gpu_count import findings as count_findings
+    from gpuguard.steps.gpu_count.reconcile import GpuCounts
+    from gpuguard.steps.gpu_count.reconcile import findings as count_findings
 
     return findings(tuple(count_findings(GpuCounts(pci=4, nvml=3, registered=3))))
 

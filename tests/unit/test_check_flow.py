@@ -20,7 +20,7 @@ from gpuguard import cli, exitcodes
 from gpuguard.checkpoint import marshal, parse, verify
 from gpuguard.inventory import parse_inventory
 from gpuguard.log import EventLog
-from gpuguard.reconcilers.checkpoint import DEFAULT_RESOURCES, analyse
+from gpuguard.steps.checkpoint.reconcile import DEFAULT_RESOURCES, analyse
 
 CHECKPOINT = "var/lib/kubelet/device-plugins/kubelet_internal_checkpoint"
 FIXTURE = CHECKPOINTS / "numa-blog-04.json"

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from gpuguard.actuate.checkpoint import CheckpointActuator
 from gpuguard.checkpoint import Checkpoint, PodDevicesEntry, dropped, marshal
 from gpuguard.checkpoint.spew import checksum
 from gpuguard.errors import BadInputError
 from gpuguard.log import EventLog
 from gpuguard.paths import DROPPED_ENTRIES_FILE, Root
-from gpuguard.reconcilers.checkpoint import DeleteCheckpoint, RewriteCheckpoint, sha256
 from gpuguard.snapshot import HostSnapshot
+from gpuguard.steps.checkpoint.actuate import CheckpointActuator
+from gpuguard.steps.checkpoint.reconcile import DeleteCheckpoint, RewriteCheckpoint, sha256
 
 CKPT = "/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint"
 A = PodDevicesEntry("pod-a", "main", "nvidia.com/gpu", ((0, ("GPU-1", "GPU-old")),), None)

@@ -11,8 +11,6 @@ from typing import Any, List, Optional
 
 import pytest
 
-from gpuguard import check
-from gpuguard.check import CheckpointStep, CheckReport
 from gpuguard.config import Config
 from gpuguard.errors import KubeletError
 from gpuguard.inventory import Inventory, parse_inventory
@@ -20,6 +18,8 @@ from gpuguard.log import EventLog
 from gpuguard.oneshot import OneShotServices
 from gpuguard.passes import PassContext, Work
 from gpuguard.paths import Root
+from gpuguard.steps import checkpoint as check
+from gpuguard.steps.checkpoint import CheckpointStep, CheckReport
 
 INVENTORY = parse_inventory(
     {"gpus": [{"uuid": "GPU-1", "index": 0, "minor": 0, "pci_bus_id": "00000000:10:00.0"}]},

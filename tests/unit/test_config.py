@@ -22,7 +22,7 @@ from gpuguard.config import (
     render_reference,
     render_shipped,
 )
-from gpuguard.configtypes import MAX_TIMESPAN_USEC, format_timespan, parse_timespan
+from gpuguard.config.types import MAX_TIMESPAN_USEC, format_timespan, parse_timespan
 from gpuguard.errors import ConfigError
 from gpuguard.paths import CONFIG_DROPIN_DIR, CONFIG_FILE, Root
 
@@ -96,8 +96,8 @@ VALID = [
         "snap.microk8s.daemon-kubelite.service",
     ),
     ("Kubelet", "CheckpointPath", "/var/snap/kubelet/cp", "/var/snap/kubelet/cp"),
-    ("DevicePlugin", "Crictl", "/usr/local/bin/crictl", "/usr/local/bin/crictl"),
-    ("DevicePlugin", "CriEndpoint", "unix:///run/crio/crio.sock", "unix:///run/crio/crio.sock"),
+    ("Runtime", "Crictl", "/usr/local/bin/crictl", "/usr/local/bin/crictl"),
+    ("Runtime", "CriEndpoint", "unix:///run/crio/crio.sock", "unix:///run/crio/crio.sock"),
     ("Inventory", "File", "/etc/gpuguard/inventory.json", "/etc/gpuguard/inventory.json"),
     ("Inventory", "File", "", None),
     # an empty scalar restores the default (systemd's `Key=`)
@@ -180,7 +180,7 @@ ERRORS = [
     ("[Kubelet]\nResources=gpu\n", 2, "'gpu' is not an extended resource name or glob"),
     ("[Kubelet]\nCheckpointPath=var/lib/x\n", 2, "not an absolute path"),
     ("[Inventory]\nFile=inv.json\n", 2, "not an absolute path"),
-    ("[DevicePlugin]\nCriEndpoint=/run/containerd/containerd.sock\n", 2, "not a CRI endpoint"),
+    ("[Runtime]\nCriEndpoint=/run/containerd/containerd.sock\n", 2, "not a CRI endpoint"),
     ("[Daemon]\nQuietPeriod=5s\n", 2, "MaxDelay=2s is shorter than QuietPeriod=5s in [Daemon]"),
     (
         "[Daemon]\nReloadQuietPeriod=3s\nMaxDelay=1s\n",
@@ -250,8 +250,8 @@ def test_comments_blank_lines_bom_and_whitespace() -> None:
 
 
 def test_hash_inside_a_value_is_not_a_comment() -> None:
-    cfg = parse_config("[DevicePlugin]\nCriEndpoint=unix:///run/x#y.sock\n")
-    assert cfg.device_plugin.cri_endpoint == "unix:///run/x#y.sock"
+    cfg = parse_config("[Runtime]\nCriEndpoint=unix:///run/x#y.sock\n")
+    assert cfg.runtime.cri_endpoint == "unix:///run/x#y.sock"
 
 
 def test_repeated_section_in_one_file_is_allowed() -> None:
@@ -379,6 +379,7 @@ MaxRestartsPerHour=0
 RegistrationGrace=1d
 NvmlProbe=yes
 SocketDir=/srv/device-plugins
+[Runtime]
 Crictl=/opt/bin/crictl
 CriEndpoint=tcp://127.0.0.1:1234
 [Inventory]
@@ -443,7 +444,7 @@ def test_format_timespan_like_systemd(seconds: float, text: str) -> None:
 def test_table_covers_every_field_and_defaults_parse_to_field_defaults() -> None:
     attrs = {(s.section, s.attr) for s in KEYS}
     for section_field in dataclasses.fields(Config):
-        if section_field.name == "origins":
+        if section_field.name in ("origins", "warnings"):
             continue
         cls = type(getattr(Config(), section_field.name))
         for f in dataclasses.fields(cls):
@@ -501,3 +502,60 @@ def test_docs_match_table() -> None:
     )
     for spec in KEYS:
         assert f"| `{spec.key}` |" in doc
+
+
+def test_runtime_keys_in_their_old_section_still_work_with_a_warning(tmp_path: Path) -> None:
+    """Crictl= and CriEndpoint= moved from [DevicePlugin] to [Runtime] (two steps use
+    them); an old file keeps working and says where the keys belong now."""
+    old = "[DevicePlugin]\nRestart=no\nCrictl=/opt/bin/crictl\nCriEndpoint=unix:///run/c.sock\n"
+    cfg = parse_config(old, source="old.conf")
+    assert (cfg.runtime.crictl, cfg.runtime.cri_endpoint) == (
+        "/opt/bin/crictl",
+        "unix:///run/c.sock",
+    )
+    assert cfg.device_plugin.restart is False
+    assert cfg.origin("Runtime", "Crictl") == "old.conf:3"
+    assert cfg.warnings == (
+        "old.conf:3: Crictl= in [DevicePlugin] is deprecated, it belongs in [Runtime] (read "
+        "this time); move it there (see gpuguard.conf(5))",
+        "old.conf:4: CriEndpoint= in [DevicePlugin] is deprecated, it belongs in [Runtime] "
+        "(read this time); move it there (see gpuguard.conf(5))",
+    )
+    assert "[Runtime]\n# old.conf:3\nCrictl=/opt/bin/crictl\n" in cfg.render()
+    assert parse_config("[Runtime]\nCrictl=/opt/bin/crictl\n").warnings == ()
+
+
+def test_a_moved_key_in_both_sections_of_one_file_is_a_duplicate() -> None:
+    with pytest.raises(ConfigError, match=r"f:4: duplicate key 'Crictl' in \[Runtime\]"):
+        parse_config("[DevicePlugin]\nCrictl=/a\n[Runtime]\nCrictl=/b\n", source="f")
+
+
+def test_a_drop_in_in_the_new_section_overrides_the_old_one(tmp_path: Path) -> None:
+    root = Root(tmp_path)
+    main = root.path(CONFIG_FILE)
+    main.parent.mkdir(parents=True)
+    main.write_text("[DevicePlugin]\nCrictl=/old/crictl\n")
+    dropins = root.path(CONFIG_DROPIN_DIR)
+    dropins.mkdir()
+    (dropins / "50-runtime.conf").write_text("[Runtime]\nCrictl=/new/crictl\n")
+    cfg = load_config(root)
+    assert cfg.runtime.crictl == "/new/crictl"
+    assert (
+        len(cfg.warnings) == 1 and "gpuguard.conf:2: Crictl= in [DevicePlugin]" in cfg.warnings[0]
+    )
+
+
+def test_the_cli_warns_of_a_deprecated_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gpuguard import cli
+
+    conf = tmp_path / "gpuguard.conf"
+    conf.write_text("[DevicePlugin]\nCriEndpoint=unix:///run/c.sock\n")
+    assert cli.main(["config", "--root", str(tmp_path), "--config", str(conf)]) == 0
+    out, err = capsys.readouterr()
+    assert f"# {conf}:2\nCriEndpoint=unix:///run/c.sock" in out.split("[Runtime]")[1]
+    assert err == (
+        f"gpuguard: warning: {conf}:2: CriEndpoint= in [DevicePlugin] is deprecated, it "
+        "belongs in [Runtime] (read this time); move it there (see gpuguard.conf(5))\n"
+    )

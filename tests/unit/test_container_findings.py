@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpuguard.devices.audit import CAUSE_RELOADED, CgroupV1Allow, audit, verdicts_from_rules
 from gpuguard.devices.entitlement import Entitlement, VisibleDevices, compute_entitlement
 from gpuguard.devices.nodes import DeviceNode
 from gpuguard.devices.rules import parse_devices_list
 from gpuguard.model import Action, Finding
+from gpuguard.steps.container_access.reconcile import (
+    CAUSE_RELOADED,
+    CgroupV1Allow,
+    audit,
+    verdicts_from_rules,
+)
 from unit.test_devices_audit import CID, CTL, GPU0, HOST, RUNC_LIST, UVM, UVMT, _container
 from unit.test_devices_entitlement import GPUS
 

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from conftest import require_root
-from gpuguard.actuate.devnodes import DeviceNodeActuator, modprobe_args
 from gpuguard.inventory import Gpu, Inventory
 from gpuguard.log import EventLog
 from gpuguard.paths import Root
-from gpuguard.reconcilers.device_nodes import CreateCharLink, CreateDeviceNode, plan
 from gpuguard.steps.device_nodes import apply_all, observe_nodes, plan_nodes
+from gpuguard.steps.device_nodes.actuate import DeviceNodeActuator, modprobe_args
+from gpuguard.steps.device_nodes.reconcile import CreateCharLink, CreateDeviceNode, plan
 
 PROC_DEVICES = """Character devices:
   1 mem

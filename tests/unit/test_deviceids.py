@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from gpuguard.inventory import Gpu, Inventory, MigDevice
-from gpuguard.reconcilers.deviceids import Matcher, classify
+from gpuguard.steps.checkpoint.deviceids import Matcher, classify
 
 G0 = "GPU-0650a168-e770-3ea8-8ac3-8a1d419763e0"
 G1 = "GPU-77a702db-e37f-3a74-d46d-c5713f66058c"

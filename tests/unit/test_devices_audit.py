@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpuguard.devices.audit import (
+from gpuguard.devices.containers import ContainerCgroup
+from gpuguard.devices.entitlement import Entitlement, VisibleDevices, compute_entitlement
+from gpuguard.devices.nodes import DeviceNode, NvidiaMajors, expected_nodes
+from gpuguard.devices.rules import RUNC_DEFAULT_RULES, parse_devices_list
+from gpuguard.model import Action, Finding
+from gpuguard.steps.container_access.reconcile import (
     CAUSE_PLUGIN_UVM,
     CAUSE_REWRITE,
     CAUSE_REWRITE_V2,
@@ -16,11 +21,6 @@ from gpuguard.devices.audit import (
     audit,
     verdicts_from_rules,
 )
-from gpuguard.devices.containers import ContainerCgroup
-from gpuguard.devices.entitlement import Entitlement, VisibleDevices, compute_entitlement
-from gpuguard.devices.nodes import DeviceNode, NvidiaMajors, expected_nodes
-from gpuguard.devices.rules import RUNC_DEFAULT_RULES, parse_devices_list
-from gpuguard.model import Action, Finding
 from unit.test_devices_entitlement import GPUS
 
 MAJORS = NvidiaMajors(195, 237, None)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpuguard.devices.audit import UnitDeviceAllow
 from gpuguard.devices.containers import ContainerCgroup
 from gpuguard.devices.entitlement import Entitlement, VisibleDevices
 from gpuguard.devices.nodes import DeviceNode
-from gpuguard.steps.container_access import AccessView, plan_durable
+from gpuguard.steps.container_access import plan_durable
+from gpuguard.steps.container_access.observe import AccessView
+from gpuguard.steps.container_access.reconcile import UnitDeviceAllow
 
 GPU0 = DeviceNode("/dev/nvidia0", 195, 0, "gpu")
 CTL = DeviceNode("/dev/nvidiactl", 195, 255, "ctl")

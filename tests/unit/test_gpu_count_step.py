@@ -6,8 +6,8 @@ import asyncio
 from pathlib import Path
 
 from gpuguard.paths import KUBELET_CHECKPOINT, Root
-from gpuguard.reconcilers.gpu_count import GpuCounts, findings, registered_gpus
 from gpuguard.steps.gpu_count import observe_counts
+from gpuguard.steps.gpu_count.reconcile import GpuCounts, findings, registered_gpus
 from unit.doctor_support import INVENTORY, UUIDS, pci_gpu, write_checkpoint
 
 

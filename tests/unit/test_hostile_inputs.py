@@ -29,7 +29,7 @@ from fakenode import (
 )
 from gpuguard import cli, exitcodes
 from gpuguard.numparse import parse_decimal
-from gpuguard.reconcilers.deviceids import classify
+from gpuguard.steps.checkpoint.deviceids import classify
 
 STALE = CHECKPOINTS / "numa-blog-04.json"  # names a GPU the inventory below lacks
 INVENTORY = {

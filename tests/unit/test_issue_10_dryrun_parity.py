@@ -185,7 +185,6 @@ def test_issue_10_dry_run_parity_a_daemon_pass_after_the_repair_grants_nothing_d
         inventory_path=root / "etc/gpuguard/inventory.json",
         bus_address="unix:path=/nonexistent",
         steps=steps,
-        udev=False,
     )
     now = time.monotonic()
     asyncio.run(daemon._run_pass(Work(frozenset(STEP_ORDER), ("start-up",), now, now)))

@@ -12,9 +12,9 @@ import pytest
 
 from conftest import CHECKPOINTS
 from gpuguard import cli, exitcodes
-from gpuguard import kubelet_hook as kh
 from gpuguard.log import EventLog
 from gpuguard.paths import Root
+from gpuguard.steps.checkpoint import kubelet_hook as kh
 
 CHECKPOINT = "var/lib/kubelet/device-plugins/kubelet_internal_checkpoint"
 FIXTURE = CHECKPOINTS / "numa-blog-04.json"

@@ -6,9 +6,10 @@ Modules, from the bottom up:
 - ``nodes``: NVIDIA device nodes, their majors from /proc/devices, /dev/char links;
 - ``containers``: GPU container cgroups under kubepods (v1 / v2, systemd / cgroupfs);
 - ``entitlement``: which nodes a container was given (never more);
-- ``audit``: pure findings + actions from the above and observed access verdicts;
 - ``probe``: the kernel's own verdict, by opening a node from inside a cgroup;
-- ``cgroupio``: the few cgroup file reads/writes the above need.
+- ``pci``: GPUs on the PCI bus.
 
-Nothing here is wired into the daemon; observe/reconcilers/actuate import from here.
+Nothing here is wired into the daemon; the steps (``steps/<name>/``) import from here.
+The container access judgement and its cgroup writes live with their step
+(``steps/container_access/reconcile.py``, ``actuate.py``).
 """

@@ -33,7 +33,7 @@ from gpuguard.doctor.textconf import toml_scalars, toml_tables, yaml_top_scalars
 from gpuguard.inventory import Inventory
 from gpuguard.passes import STATUS_FILE
 from gpuguard.paths import KUBELET_DROPIN, KUBELET_DROPIN_VENDOR, Root
-from gpuguard.reconcilers.gpu_count import GpuCounts, registered_gpus
+from gpuguard.steps.gpu_count.reconcile import GpuCounts, registered_gpus
 
 KUBELET_CONFIG = "/var/lib/kubelet/config.yaml"
 TOOLKIT_CONFIG = "/etc/nvidia-container-runtime/config.toml"

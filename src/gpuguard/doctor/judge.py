@@ -15,7 +15,7 @@ from typing import Optional
 from gpuguard.doctor.facts import ConfFile, Facts
 from gpuguard.doctor.model import BROKEN, EXPOSED, OK, UNKNOWN, Check, Report
 from gpuguard.passes import STATUS_FILE
-from gpuguard.reconcilers.gpu_count import judge as judge_counts
+from gpuguard.steps.gpu_count.reconcile import judge as judge_counts
 
 SPEC_MODES = ("cdi", "jit-cdi", "csv")
 FIXED_RUNC = (1, 1, 7)

@@ -467,7 +467,7 @@ def kubelet_started(
     """The latest kubelet (re)start: kubelet.sock's ctime (made by the device manager
     at start-up), the unit's InactiveExitTimestamp, a kubelet process's start.
     None when kubelet does not seem to run (no kubelet.sock, no process)."""
-    from gpuguard.kubelet import kubelet_pids
+    from gpuguard.steps.checkpoint.observe import kubelet_pids
 
     times: list[float] = []
     sock = _ctime(root.path(socket_dir) / KUBELET_SOCKET)

@@ -42,11 +42,12 @@ from gpuguard.plugins.discover import (
     PluginObservation,
     ProcessInfo,
 )
+from gpuguard.steps.registry import DEVICE_PLUGIN
 
 if TYPE_CHECKING:
     from gpuguard.plugins.nvml_probe import NvmlResult
 
-RECONCILER = "device_plugin"
+RECONCILER = DEVICE_PLUGIN
 
 K_MISSING_DEVICE = "plugin-missing-device"
 K_NOT_REGISTERED = "plugin-not-registered"

@@ -3,16 +3,13 @@
 How, in order of preference:
 
 - a plugin in a Kubernetes container: stop the container through the runtime, so
-  kubelet recreates it from its pod spec: ``crictl --runtime-endpoint EP stop ID``
-  when crictl exists, else containerd's own client,
-  ``ctr --address SOCK -n NAMESPACE task kill -s SIGTERM ID`` (kubelet's containers
-  live in containerd namespace ``k8s.io``);
+  kubelet recreates it from its pod spec (crictl, else ctr: actuate/containers.py);
 - a plugin run as a host service: systemd ``RestartUnit`` over D-Bus;
 - last resort only (no runtime client worked, or a bare process): SIGTERM to the
   container's init (pid 1 of its pid namespace) or to the process, through a pidfd
   after checking that the pid still is the process we judged (same start time).
 
-Every command goes through :meth:`PluginRestarter._run` with a timeout. Verification
+Every command runs with a timeout. Verification
 waits (bounded) for a NEW process on the plugin's socket, then checks its /dev.
 """
 
@@ -23,9 +20,9 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional
 
-from gpuguard.commands import run_async
+from gpuguard.actuate.containers import ContainerStopper
 from gpuguard.paths import Root
 from gpuguard.plugins.discover import (
     NodeInfo,
@@ -40,7 +37,7 @@ from gpuguard.plugins.discover import (
 from gpuguard.plugins.health import RestartPlugin, view_gaps
 
 if TYPE_CHECKING:
-    from gpuguard.config import DevicePluginConfig
+    from gpuguard.config import RuntimeConfig
     from gpuguard.systemd import Systemd
 
 
@@ -63,10 +60,6 @@ class Verification:
         return self.status == "recovered"
 
 
-def _endpoint_path(endpoint: str) -> str:
-    return endpoint[len("unix://") :] if endpoint.startswith("unix://") else endpoint
-
-
 class PluginRestarter:
     def __init__(
         self,
@@ -80,33 +73,29 @@ class PluginRestarter:
         stop_timeout: int = 10,
         signal_fallback: bool = True,
     ) -> None:
-        self.crictl = crictl
-        self.cri_endpoint = cri_endpoint
-        self.ctr = ctr
-        self.ctr_address = ctr_address or _endpoint_path(cri_endpoint)
-        self.ctr_namespace = ctr_namespace
+        self.stopper = ContainerStopper(
+            crictl=crictl,
+            cri_endpoint=cri_endpoint,
+            ctr=ctr,
+            ctr_address=ctr_address,
+            ctr_namespace=ctr_namespace,
+            command_timeout=command_timeout,
+            stop_timeout=stop_timeout,
+        )
         self.command_timeout = command_timeout
-        self.stop_timeout = stop_timeout
         self.signal_fallback = signal_fallback
 
     @classmethod
-    def from_config(cls, c: DevicePluginConfig) -> PluginRestarter:
+    def from_config(cls, c: RuntimeConfig) -> PluginRestarter:
         return cls(crictl=c.crictl, cri_endpoint=c.cri_endpoint)
 
     def plan(self, p: ProcessInfo) -> str:
         """The method that will be tried first (for dry-run and journal)."""
         if p.kind == "container":
-            if p.runtime in ("containerd", "cri-o", "unknown") and os.access(self.crictl, os.X_OK):
-                return "crictl"
-            if p.runtime in ("containerd", "unknown") and os.access(self.ctr, os.X_OK):
-                return "ctr"
-            return "signal"
+            return self.stopper.plan(p.runtime) or "signal"
         if p.kind == "service":
             return "systemd"
         return "signal"
-
-    async def _run(self, argv: Sequence[str]) -> tuple[int, str]:
-        return await run_async(argv, timeout=self.command_timeout)
 
     async def restart(
         self, root: Root, action: RestartPlugin, systemd: Optional[Systemd]
@@ -116,25 +105,11 @@ class PluginRestarter:
             return RestartResult(False, "none", f"pid {p.pid} is no longer the plugin we judged")
         errors: list[str] = []
         method = self.plan(p)
-        if method == "crictl":
-            argv = [self.crictl, "--runtime-endpoint", self.cri_endpoint, "stop"]
-            argv += ["--timeout", str(self.stop_timeout), p.container_id]
-            rc, out = await self._run(argv)
-            if rc == 0:
-                return RestartResult(True, "crictl", f"crictl stop {p.container_id[:13]}")
-            errors.append(f"crictl exited {rc}: {out}")
-            method = "ctr" if os.access(self.ctr, os.X_OK) else "signal"
-        if method == "ctr":
-            argv = [self.ctr, "--address", self.ctr_address, "-n", self.ctr_namespace]
-            argv += ["task", "kill", "-s", "SIGTERM", p.container_id]
-            rc, out = await self._run(argv)
-            if rc == 0:
-                return RestartResult(
-                    True,
-                    "ctr",
-                    f"ctr -n {self.ctr_namespace} task kill -s SIGTERM {p.container_id[:13]}",
-                )
-            errors.append(f"ctr exited {rc}: {out}")
+        if method in ("crictl", "ctr"):
+            stopped = await self.stopper.stop(p.container_id, p.runtime)
+            if stopped.ok:
+                return RestartResult(True, stopped.method, stopped.detail)
+            errors += stopped.errors
             method = "signal"
         if method == "systemd":
             if systemd is None:

@@ -273,7 +273,7 @@ class DevicePluginStep:
         log_findings(elog, self.conditions, RECONCILER, result.findings)
         ctx.findings += result.findings
         await self._check_pending(svc, ctx, obs)
-        restarter = self.restarter or PluginRestarter.from_config(cfg)
+        restarter = self.restarter or PluginRestarter.from_config(svc.config.runtime)
         for action in result.actions:
             ctx.outcomes.append(await self._decide(svc, ctx, cfg, restarter, action))
         self._save(root, elog)

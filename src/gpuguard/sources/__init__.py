@@ -1,4 +1,104 @@
-"""Event sources: translate outside signals into "these reconcilers may have work".
+"""Event sources: translate outside signals into "these steps may have work".
 
-A source never acts; it only calls the mark function it was given.
+A source never acts; it only calls the mark function it was given. main() builds the
+sources (build_sources) and hands them to the daemon, which connects their marks to its
+coalescer: the sources exist before the daemon, so they mark through a MarkSink.
 """
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Callable, Optional
+
+if TYPE_CHECKING:
+    from gpuguard.config import Config
+    from gpuguard.log import EventLog
+    from gpuguard.paths import Root
+    from gpuguard.sources.systemd import SystemdSource
+    from gpuguard.sources.timer import AuditTimer
+    from gpuguard.sources.udev import UdevSource
+
+Mark = Callable[[frozenset[str], str, bool], None]
+Hold = Callable[[bool], None]
+
+
+class MarkSink:
+    """Where the sources send their marks; the daemon connects it to its coalescer."""
+
+    def __init__(self) -> None:
+        self._mark: Optional[Mark] = None
+        self._hold: Optional[Hold] = None
+
+    def connect(self, mark: Mark, hold: Hold) -> None:
+        self._mark, self._hold = mark, hold
+
+    def mark(self, names: frozenset[str], why: str, urgent: bool) -> None:
+        if self._mark is None:
+            raise RuntimeError(f"a source marked {sorted(names)} before the daemon connected")
+        self._mark(names, why, urgent)
+
+    def hold(self, on: bool) -> None:
+        if self._hold is None:
+            raise RuntimeError("a source held passes before the daemon connected")
+        self._hold(on)
+
+
+class Sources:
+    """The daemon's event sources: systemd's D-Bus signals, the periodic audit and udev
+    (made on the daemon's loop, since its monitor's fd goes on that loop)."""
+
+    def __init__(
+        self,
+        sink: MarkSink,
+        systemd: SystemdSource,
+        timer: AuditTimer,
+        udev: Optional[Callable[[asyncio.AbstractEventLoop], UdevSource]],
+        max_in_flight: int,
+    ) -> None:
+        self.sink = sink
+        self.systemd = systemd
+        self.timer = timer
+        self.udev = udev
+        self.max_in_flight = max_in_flight  # for the next bus connection
+
+    def reconfigure(self, config: Config) -> None:
+        """A reloaded configuration (SIGHUP): units to watch, audit interval, bus limit."""
+        self.systemd.set_units(config.systemd.kubelet_units, config.systemd.runtime_units)
+        self.timer.interval = config.daemon.audit_interval
+        self.max_in_flight = config.systemd.max_in_flight
+
+
+def build_sources(
+    root: Root, config: Config, log: EventLog, bus_address: str, *, udev: bool
+) -> Sources:
+    """What main() hands the daemon; imports D-Bus, so only `gpuguard daemon` calls it."""
+    from gpuguard.log import stdlib_logger
+    from gpuguard.sources.systemd import SystemdSource
+    from gpuguard.sources.timer import AuditTimer
+    from gpuguard.systemd import Systemd
+
+    sink = MarkSink()
+    sources: Sources
+
+    def client() -> Systemd:
+        return Systemd(bus_address, max_in_flight=sources.max_in_flight)
+
+    def make_udev(loop: asyncio.AbstractEventLoop) -> UdevSource:
+        from gpuguard.sources.udev import UdevSource, choose_source
+
+        run_dir = str(root.path("/run"))
+        logger = stdlib_logger(log, "udev")
+        return UdevSource(loop, sink.mark, source=choose_source(run_dir), log=logger)
+
+    systemd = SystemdSource(
+        client,
+        sink.mark,
+        sink.hold,
+        log,
+        kubelet_units=config.systemd.kubelet_units,
+        runtime_units=config.systemd.runtime_units,
+    )
+    timer = AuditTimer(sink.mark, config.daemon.audit_interval)
+    sources = Sources(sink, systemd, timer, make_udev if udev else None,
+                      config.systemd.max_in_flight)  # fmt: skip
+    return sources

@@ -26,14 +26,15 @@ from typing import Callable, Iterable, Optional
 from dbus_next import Message
 
 from gpuguard.log import EventLog
+from gpuguard.steps.registry import ALL_STEPS, CHECKPOINT, CONTAINER_ACCESS, DEVICE_PLUGIN
 from gpuguard.systemd import MANAGER, PROPS, UNIT, Systemd, SystemdError
 
 Mark = Callable[[frozenset[str], str, bool], None]
 
-ALL = frozenset({"checkpoint", "device_nodes", "container_access", "device_plugin", "gpu_count"})
-ON_RUNTIME_START = frozenset({"container_access", "device_plugin"})
-ON_KUBELET_START = frozenset({"checkpoint", "container_access", "device_plugin"})
-ON_SCOPE_NEW = frozenset({"container_access"})
+ALL = ALL_STEPS
+ON_RUNTIME_START = frozenset({CONTAINER_ACCESS, DEVICE_PLUGIN})
+ON_KUBELET_START = frozenset({CHECKPOINT, CONTAINER_ACCESS, DEVICE_PLUGIN})
+ON_SCOPE_NEW = frozenset({CONTAINER_ACCESS})
 _SCOPE = re.compile(r"^(cri-containerd|crio|docker)-[0-9a-f]{12,64}\.scope$")
 
 

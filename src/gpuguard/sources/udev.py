@@ -34,15 +34,15 @@ import os
 import socket
 from typing import Any, Callable, Iterable, Mapping
 
-# Reconciler names: the contract with the coalescer / reconcilers package.
-CHECKPOINT = "checkpoint"
-DEVICE_NODES = "device_nodes"
-CONTAINER_ACCESS = "container_access"
-DEVICE_PLUGIN = "device_plugin"
-GPU_COUNT = "gpu_count"
-ALL_RECONCILERS: frozenset[str] = frozenset(
-    {CHECKPOINT, DEVICE_NODES, CONTAINER_ACCESS, DEVICE_PLUGIN, GPU_COUNT}
+from gpuguard.steps.registry import (
+    ALL_STEPS,
+    CONTAINER_ACCESS,
+    DEVICE_NODES,
+    DEVICE_PLUGIN,
+    GPU_COUNT,
 )
+
+ALL_RECONCILERS: frozenset[str] = ALL_STEPS
 # A driver module load/unload changes device nodes (majors, /dev/nvidia-uvm), what
 # containers may open, and what the device plugin advertises; the set of GPUs (and
 # so the checkpoint) is a PCI matter.

@@ -32,7 +32,7 @@ from gpuguard.errors import BadInputError
 from gpuguard.inventory import Inventory
 from gpuguard.log import EventLog
 from gpuguard.paths import Root
-from gpuguard.reconcilers import checkpoint as ckpt
+from gpuguard.steps.checkpoint import reconcile as ckpt
 
 REQUEST = "/run/gpuguard/kubelet-hook.request"
 RESULT = "/run/gpuguard/kubelet-hook.result"
@@ -226,6 +226,6 @@ class HookRun:
             "kubelet-hook-skipped",
             f"kubelet pre-start: {why}; nothing to do",
             level="debug" if repeated else "notice",
-            fields={"GPUGUARD_RECONCILER": "checkpoint"},
+            fields={"GPUGUARD_RECONCILER": ckpt.NAME},
         )
         return self.finish(SKIPPED, why, 0)

@@ -26,8 +26,9 @@ from gpuguard.devices.entitlement import Entitlement
 from gpuguard.devices.nodes import ROLE_CTL, ROLE_GPU, ROLE_UVM, ROLE_UVM_TOOLS, DeviceNode
 from gpuguard.devices.rules import DeviceRules, allows, looks_runc_written
 from gpuguard.model import Action, Finding
+from gpuguard.steps.registry import CONTAINER_ACCESS
 
-RECONCILER = "container_access"
+RECONCILER = CONTAINER_ACCESS
 
 FINDING_DENIED = "container-device-denied"
 FINDING_MISSING = "container-device-missing"

@@ -1,7 +1,7 @@
 """The gpu_count step: PCI functions vs GPUs NVML sees vs devices kubelet registered.
 
 Report only: a lost GPU is repaired by its own layer (driver, device plugin, checkpoint),
-this step says which one lost it (reconcilers/gpu_count.py)."""
+this step says which one lost it (reconcile.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from gpuguard.devices.pci import read_pci_gpus
 from gpuguard.errors import GpuguardError
 from gpuguard.inventory import Inventory
 from gpuguard.paths import Root
-from gpuguard.reconcilers.gpu_count import GpuCounts, findings, registered_gpus
+from gpuguard.steps.gpu_count.reconcile import GpuCounts, findings, registered_gpus
 
 if TYPE_CHECKING:
     from gpuguard.passes import PassContext, Services

@@ -18,9 +18,10 @@ from typing import Mapping, Optional, Sequence
 from gpuguard.checkpoint import Checkpoint, PodDevicesEntry, marshal
 from gpuguard.inventory import Inventory
 from gpuguard.model import Action, Finding
-from gpuguard.reconcilers.deviceids import Matcher, classify
+from gpuguard.steps.checkpoint.deviceids import Matcher, classify
+from gpuguard.steps.registry import CHECKPOINT
 
-NAME = "checkpoint"
+NAME = CHECKPOINT
 DEFAULT_RESOURCES = ("nvidia.com/gpu", "nvidia.com/gpu.shared", "nvidia.com/mig-*")
 
 

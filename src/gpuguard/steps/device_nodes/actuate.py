@@ -18,7 +18,7 @@ from gpuguard.commands import CommandError, run
 from gpuguard.log import EventLog
 from gpuguard.model import Action, Outcome
 from gpuguard.paths import Root
-from gpuguard.reconcilers.device_nodes import CreateCharLink, CreateDeviceNode
+from gpuguard.steps.device_nodes.reconcile import CreateCharLink, CreateDeviceNode
 
 
 def modprobe_args(action: CreateDeviceNode) -> Optional[list[str]]:

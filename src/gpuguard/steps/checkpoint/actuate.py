@@ -29,7 +29,7 @@ from gpuguard.checkpoint.reader import DEFAULT_MAX_BYTES as CHECKPOINT_MAX
 from gpuguard.errors import BadInputError
 from gpuguard.log import EventLog
 from gpuguard.model import Action, Outcome
-from gpuguard.reconcilers.checkpoint import DeleteCheckpoint, RewriteCheckpoint, sha256
+from gpuguard.steps.checkpoint.reconcile import DeleteCheckpoint, RewriteCheckpoint, sha256
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from gpuguard.model import Finding
+from gpuguard.steps.registry import GPU_COUNT
 
 KIND = "gpu-count-mismatch"
-RECONCILER = "gpu_count"
+RECONCILER = GPU_COUNT
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,9 @@ from typing import Mapping, Sequence
 
 from gpuguard.devices.nodes import ROLE_CAP, DeviceNode, LinkState, dev_char_link
 from gpuguard.model import Action, Finding
+from gpuguard.steps.registry import DEVICE_NODES
 
-NAME = "device_nodes"
+NAME = DEVICE_NODES
 DEFAULT_MODE = 0o666  # the driver's default (NVreg_DeviceFileMode)
 CAP_MODE = 0o444  # nvidia-modprobe's mode for MIG capability nodes
 

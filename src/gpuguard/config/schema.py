@@ -1,38 +1,15 @@
-"""gpuguard's configuration: /etc/gpuguard/gpuguard.conf plus drop-ins, in systemd's style.
-
-The syntax is systemd's unit-file INI dialect, not Python's: `#` and `;` start comment
-lines (there are no inline comments), keys are CamelCase and case-sensitive, a section
-may be repeated, a trailing backslash continues a line, and `Key=` with an empty value
-resets a key to its default (for a list: empties it). Drop-ins in
-/etc/gpuguard/gpuguard.conf.d/*.conf are applied in lexical order; the last assignment
-of a key wins.
-
-We parse lines ourselves instead of using configparser: configparser cannot say on
-which line a key was set (every error here must be `file:line: what; hint`), treats an
-indented line as a continuation, gives `[DEFAULT]` a special meaning, refuses repeated
-sections and lower-cases keys. None of that is systemd's behaviour, and a line scanner
-is shorter than the workarounds.
-
-The key table lives in the section dataclasses' field metadata (name, type, default
-text, doc); `KEYS` is derived from it, and so are `Config.render()`, the shipped
-packaging/gpuguard.conf and the key reference in docs/configuration.md (tests assert
-that both files match), so the three cannot drift apart.
-"""
+"""The configuration's schema: one frozen dataclass per section, each key's name, value
+type, default and doc in its field metadata; `KEYS` and the per-section table derive
+from it (the parser, `gpuguard config`, the man page and the shipped file read them)."""
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import errno
-import sys
-import textwrap
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import MappingProxyType
-from typing import Any, ClassVar, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, ClassVar, Dict, List, Mapping, Tuple
 
-from gpuguard import safeio
-from gpuguard.configtypes import (
+from gpuguard.config.types import (
     AbsPath,
     Bool,
     Choice,
@@ -43,11 +20,7 @@ from gpuguard.configtypes import (
     SpaceList,
     TimeSpan,
     ValueType,
-    format_timespan,
 )
-from gpuguard.errors import ConfigError
-from gpuguard.numparse import clip, cut
-from gpuguard.paths import CONFIG_DROPIN_DIR, CONFIG_FILE, Root
 
 SEE_ALSO = "(see gpuguard.conf(5))"
 DEFAULT_ORIGIN = "default"
@@ -310,11 +283,21 @@ class DevicePluginConfig:
         "/var/lib/kubelet/device-plugins",
         "The directory of kubelet.sock and the device plugins' sockets.",
     )
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """The container runtime, used by two steps: the device plugin's restarts and the
+    container access step's V2Remedy=restart-container."""
+
+    SECTION: ClassVar[str] = "Runtime"
+
     crictl: str = _key(
         "Crictl",
         AbsPath(),
         "/usr/bin/crictl",
-        "The crictl binary used to find and restart the device plugin's container.",
+        "The crictl binary used to stop a container so that kubelet recreates it (the "
+        "device plugin's, or a GPU container's with V2Remedy=restart-container).",
     )
     cri_endpoint: str = _key(
         "CriEndpoint",
@@ -322,6 +305,12 @@ class DevicePluginConfig:
         "unix:///run/containerd/containerd.sock",
         "The container runtime's CRI endpoint, passed to crictl.",
     )
+
+
+# Keys that moved to another section: still read where they were, with a warning.
+MOVED_KEYS: Mapping[Tuple[str, str], str] = MappingProxyType(
+    {("DevicePlugin", "Crictl"): "Runtime", ("DevicePlugin", "CriEndpoint"): "Runtime"}
+)
 
 
 @dataclass(frozen=True)
@@ -368,11 +357,14 @@ class Config:
     systemd: SystemdConfig = field(default_factory=SystemdConfig)
     devices: DevicesConfig = field(default_factory=DevicesConfig)
     device_plugin: DevicePluginConfig = field(default_factory=DevicePluginConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     inventory: InventoryConfig = field(default_factory=InventoryConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     origins: Mapping[Tuple[str, str], str] = field(
         default_factory=_empty_origins, compare=False, repr=False
     )
+    # "file:line: what to change" for each deprecated assignment read (MOVED_KEYS).
+    warnings: Tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     def origin(self, section: str, key: str) -> str:
         """Where a key's value came from: "default" or "file:line"."""
@@ -405,6 +397,7 @@ _SECTIONS: Dict[str, Tuple[str, type]] = {
         ("systemd", SystemdConfig),
         ("devices", DevicesConfig),
         ("device_plugin", DevicePluginConfig),
+        ("runtime", RuntimeConfig),
         ("inventory", InventoryConfig),
         ("metrics", MetricsConfig),
     )
@@ -432,278 +425,3 @@ del _spec
 
 
 # ------------------------------------------------------------------------------ parsing
-
-
-@dataclass(frozen=True)
-class _Assignment:
-    section: str
-    key: str
-    value: str
-    source: str
-    line: int
-
-    @property
-    def where(self) -> str:
-        return f"{self.source}:{self.line}"
-
-
-def _unknown_section(name: str) -> str:
-    close = difflib.get_close_matches(name, list(_BY_SECTION), n=1)
-    if not close:
-        close = [s for s in _BY_SECTION if s.lower() == name.strip().lower()]
-    hint = (
-        f"did you mean [{close[0]}]?"
-        if close
-        else "sections are " + ", ".join(f"[{s}]" for s in _BY_SECTION)
-    )
-    return f"unknown section [{cut(name)}]; {hint} {SEE_ALSO}"
-
-
-def _unknown_key(section: str, key: str) -> str:
-    keys = list(_BY_SECTION[section])
-    homes = [s for s, specs in _BY_SECTION.items() if key in specs]
-    if homes:
-        return f"key {clip(key)} belongs in [{homes[0]}], not [{section}]; move it there {SEE_ALSO}"
-    same_case = [k for k in keys if k.lower() == key.lower()]
-    close = same_case or difflib.get_close_matches(key, keys, n=1)
-    if close:
-        hint = f"did you mean '{close[0]}'?"
-        if same_case:
-            hint += " (keys are case-sensitive)"
-    else:
-        hint = f"[{section}] has {', '.join(keys)}"
-    return f"unknown key {clip(key)} in [{section}]; {hint} {SEE_ALSO}"
-
-
-def _parse_text(text: str, source: str) -> List[_Assignment]:
-    """Split one file into assignments, rejecting what no later file could fix."""
-    if text.startswith("\ufeff"):  # editors on other systems add a BOM
-        text = text[1:]
-    # split("\n"), not splitlines(): a form feed or U+2028 inside a line must not
-    # shift the line numbers of every later message.
-    lines = text.split("\n")
-    out: List[_Assignment] = []
-    first_line: Dict[Tuple[str, str], int] = {}
-    section: str | None = None
-    i = 0
-    while i < len(lines):
-        lineno = i + 1
-        line = lines[i].strip()
-        i += 1
-        if not line or line[0] in "#;":
-            continue
-        where = f"{source}:{lineno}"
-        if line.startswith("["):
-            if not line.endswith("]"):
-                raise ConfigError(
-                    f"{where}: section header {clip(line)} is not closed; write [Name]"
-                )
-            name = line[1:-1]
-            if name not in _BY_SECTION:
-                raise ConfigError(f"{where}: {_unknown_section(name)}")
-            section = name
-            continue
-        if "=" not in line:
-            raise ConfigError(
-                f"{where}: cannot parse {clip(line)}; expected Key=value, a [Section] header "
-                "or a comment starting with # or ;"
-            )
-        # systemd: a trailing backslash joins the next line (the backslash becomes a
-        # space) and comment lines inside such a continuation are skipped.
-        while line.endswith("\\"):
-            line = line[:-1] + " "
-            while i < len(lines) and lines[i].strip()[:1] in ("#", ";"):
-                i += 1
-            if i >= len(lines):
-                break
-            line += lines[i].strip()
-            i += 1
-        key, _, value = line.partition("=")
-        key, value = key.strip(), value.strip()
-        if not key:
-            raise ConfigError(f"{where}: missing key name before '='; write Key=value")
-        if section is None:
-            homes = [s for s, specs in _BY_SECTION.items() if key in specs]
-            hint = f"put it under [{homes[0]}]" if homes else "put it under its [Section] header"
-            raise ConfigError(
-                f"{where}: key {clip(key)} appears before any [Section] header; {hint}"
-            )
-        if key not in _BY_SECTION[section]:
-            raise ConfigError(f"{where}: {_unknown_key(section, key)}")
-        if (section, key) in first_line:
-            raise ConfigError(
-                f"{where}: duplicate key {clip(key)} in [{section}], first set on line "
-                f"{first_line[section, key]}; keep one of them (a later drop-in may "
-                "override a key)"
-            )
-        first_line[section, key] = lineno
-        out.append(_Assignment(section, key, value, source, lineno))
-    return out
-
-
-def _apply(assignments: Sequence[_Assignment]) -> Config:
-    values: Dict[Tuple[str, str], Any] = {}
-    origins: Dict[Tuple[str, str], str] = {}
-    for a in assignments:
-        spec = _BY_SECTION[a.section][a.key]
-        if not a.value and spec.type.empty_resets:
-            value = spec.default
-        else:
-            try:
-                value = spec.type.parse(a.value)
-            except ValueError as e:
-                raise ConfigError(
-                    f"{a.where}: invalid value {clip(a.value)} for {a.key} in [{a.section}]: {e} "
-                    f"{SEE_ALSO}"
-                ) from None
-        values[a.section, a.key] = value
-        origins[a.section, a.key] = a.where
-    sections: Dict[str, Any] = {}
-    for section, specs in _BY_SECTION.items():
-        attr, cls = _SECTIONS[section]
-        kwargs = {s.attr: values[section, k] for k, s in specs.items() if (section, k) in values}
-        sections[attr] = cls(**kwargs)
-    cfg = Config(**sections, origins=MappingProxyType(origins))
-    _check(cfg)
-    return cfg
-
-
-def _check(cfg: Config) -> None:
-    """Rules that span keys; the error points at whichever key a file set."""
-    d = cfg.daemon
-    for other, other_value in (
-        ("QuietPeriod", d.quiet_period),
-        ("ReloadQuietPeriod", d.reload_quiet_period),
-    ):
-        if d.max_delay < other_value:
-            where = cfg.origin("Daemon", "MaxDelay")
-            if where == DEFAULT_ORIGIN:
-                where = cfg.origin("Daemon", other)
-            raise ConfigError(
-                f"{where}: MaxDelay={format_timespan(d.max_delay)} is shorter than "
-                f"{other}={format_timespan(other_value)} in [Daemon]; raise MaxDelay or "
-                f"lower {other} {SEE_ALSO}"
-            )
-
-
-def _read(path: Path) -> str:
-    """The file's text; FileNotFoundError passes through for the caller to judge.
-
-    Through the shared safe reader: a FIFO, /dev/zero or a huge file is refused in one
-    line instead of hanging or filling memory. Links are followed (configuration
-    management often links files into /etc)."""
-    try:
-        return safeio.read_text(
-            path, what="configuration", max_bytes=safeio.CONFIG_MAX, follow=True
-        )
-    except safeio.UnsafeFileError as e:
-        if e.errno == errno.ENOENT:
-            raise FileNotFoundError(e.errno, e.message) from None
-        raise ConfigError(e.message) from None
-
-
-def _dropins(directory: Path) -> List[Path]:
-    try:
-        entries = list(directory.iterdir())
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    except OSError as e:
-        raise ConfigError(f"{directory}: cannot list drop-ins: {e.strerror}") from None
-    # Hidden files are editors' and package managers' temporaries, not drop-ins.
-    confs = [p for p in entries if p.name.endswith(".conf") and not p.name.startswith(".")]
-    return sorted((p for p in confs if not p.is_dir()), key=lambda p: p.name)
-
-
-def parse_config(text: str, *, source: str = "<string>") -> Config:
-    """A Config from one file's text (e.g. to validate a file before installing it)."""
-    return _apply(_parse_text(text, source))
-
-
-def load_config(root: Root, *, path: Path | None = None) -> Config:
-    """Read the main file and its drop-ins; a missing main file means defaults.
-
-    With `path` (from --config), that file is read as given, not through `root` (it is
-    a command-line path on this machine), it must exist, and its drop-ins are read from
-    `<path>.d/`, the same layout as the default location.
-    """
-    if path is None:
-        main = root.path(CONFIG_FILE)
-        dropin_dir = root.path(CONFIG_DROPIN_DIR)
-    else:
-        main = Path(path)
-        dropin_dir = main.with_name(main.name + ".d")
-    assignments: List[_Assignment] = []
-    try:
-        assignments += _parse_text(_read(main), str(main))
-    except FileNotFoundError:
-        if path is not None:
-            raise ConfigError(f"{main}: no such file; check the --config path") from None
-    for dropin in _dropins(dropin_dir):
-        try:
-            assignments += _parse_text(_read(dropin), str(dropin))
-        except FileNotFoundError:
-            raise ConfigError(
-                f"{dropin}: dangling symlink or removed while reading; fix or remove it"
-            ) from None
-    return _apply(assignments)
-
-
-# ------------------------------------------------------- generated files (kept in sync)
-
-
-def render_shipped() -> str:
-    """packaging/gpuguard.conf: every key commented out with its default, systemd style."""
-    out = [
-        "#  This file is part of gpuguard.",
-        "#",
-        "# The entries below show the defaults, commented out. To change a setting,",
-        "# uncomment it here or, better, create a drop-in such as",
-        "# /etc/gpuguard/gpuguard.conf.d/50-local.conf with the section header and",
-        "# only the keys you change. Drop-ins are read in lexical order and the last",
-        "# assignment of a key wins; an empty value (Key=) restores the default, or",
-        "# empties a list. Reload with: systemctl reload gpuguard",
-        "#",
-        "# Every key and the value syntax: man 5 gpuguard.conf",
-    ]
-    for section, specs in _BY_SECTION.items():
-        out += ["", f"[{section}]"]
-        for spec in specs.values():
-            out += textwrap.wrap(
-                spec.doc, 78, initial_indent="# ", subsequent_indent="# ", break_on_hyphens=False
-            )
-            out.append(f"#{spec.key}={spec.default_text}")
-    return "\n".join(out) + "\n"
-
-
-REFERENCE_BEGIN = "<!-- BEGIN GENERATED KEY REFERENCE: python -m gpuguard.config --reference -->"
-REFERENCE_END = "<!-- END GENERATED KEY REFERENCE -->"
-
-
-def render_reference() -> str:
-    """The key reference of docs/configuration.md (between REFERENCE_BEGIN/END)."""
-    out = [REFERENCE_BEGIN]
-    for section, specs in _BY_SECTION.items():
-        out += ["", f"### [{section}]", "", "| Key | Default | Type | Meaning |"]
-        out.append("|---|---|---|---|")
-        for spec in specs.values():
-            default = f"`{spec.default_text}`" if spec.default_text else "(empty)"
-            cells = [f"`{spec.key}`", default, spec.type.describe, spec.doc]
-            out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-    out += ["", REFERENCE_END]
-    return "\n".join(out) + "\n"
-
-
-def _main(argv: Sequence[str]) -> int:
-    # A developer's helper to regenerate the two generated files, not a user command.
-    if list(argv) == ["--reference"]:
-        sys.stdout.write(render_reference())
-    elif list(argv) == ["--shipped"]:
-        sys.stdout.write(render_shipped())
-    else:
-        sys.stderr.write("usage: python -m gpuguard.config --reference | --shipped\n")
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

@@ -6,7 +6,6 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from gpuguard.actuate.devnodes import DeviceNodeActuator
 from gpuguard.devices.nodes import (
     DeviceNode,
     LinkState,
@@ -21,7 +20,9 @@ from gpuguard.devices.nodes import (
 from gpuguard.inventory import Inventory
 from gpuguard.model import Action, Finding, Outcome
 from gpuguard.paths import Root
-from gpuguard.reconcilers import device_nodes
+from gpuguard.steps.device_nodes import reconcile as device_nodes
+from gpuguard.steps.device_nodes.actuate import DeviceNodeActuator
+from gpuguard.steps.registry import CONTAINER_ACCESS
 
 if TYPE_CHECKING:
     from gpuguard.passes import PassContext, Services
@@ -87,4 +88,4 @@ class DeviceNodesStep:
             ctx.outcomes += outcomes
             if any(o.status == "done" and o.action.kind == "char-link-created" for o in outcomes):
                 # durable DeviceAllow= grants resolve through the links just made
-                ctx.recheck(0.0, frozenset({"container_access"}), "device links created")
+                ctx.recheck(0.0, frozenset({CONTAINER_ACCESS}), "device links created")

@@ -1,0 +1,56 @@
+"""gpuguard's configuration: /etc/gpuguard/gpuguard.conf plus drop-ins, in systemd's style.
+
+- ``schema``: the sections and their keys (name, value type, default, doc), ``KEYS``;
+- ``types``: the value types (parse a value with ``file:line:`` errors, format it back);
+- ``parse``: the INI dialect, drop-ins and where each value came from (``load_config``);
+- ``reference``: the files generated from the key table (``python -m gpuguard.config``).
+"""
+
+from __future__ import annotations
+
+from gpuguard.config.parse import load_config, parse_config
+from gpuguard.config.reference import (
+    REFERENCE_BEGIN,
+    REFERENCE_END,
+    render_reference,
+    render_shipped,
+)
+from gpuguard.config.schema import (
+    DEFAULT_ORIGIN,
+    KEYS,
+    SEE_ALSO,
+    Config,
+    DaemonConfig,
+    DevicePluginConfig,
+    DevicesConfig,
+    InventoryConfig,
+    KeySpec,
+    KubeletConfig,
+    MetricsConfig,
+    RuntimeConfig,
+    SystemdConfig,
+)
+from gpuguard.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_ORIGIN",
+    "KEYS",
+    "REFERENCE_BEGIN",
+    "REFERENCE_END",
+    "SEE_ALSO",
+    "Config",
+    "ConfigError",
+    "DaemonConfig",
+    "DevicePluginConfig",
+    "DevicesConfig",
+    "InventoryConfig",
+    "KeySpec",
+    "KubeletConfig",
+    "MetricsConfig",
+    "RuntimeConfig",
+    "SystemdConfig",
+    "load_config",
+    "parse_config",
+    "render_reference",
+    "render_shipped",
+]

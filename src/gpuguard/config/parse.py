@@ -1,0 +1,266 @@
+"""Reading the configuration: /etc/gpuguard/gpuguard.conf plus drop-ins, in systemd's style.
+
+The syntax is systemd's unit-file INI dialect, not Python's: `#` and `;` start comment
+lines (there are no inline comments), keys are CamelCase and case-sensitive, a section
+may be repeated, a trailing backslash continues a line, and `Key=` with an empty value
+resets a key to its default (for a list: empties it). Drop-ins in
+/etc/gpuguard/gpuguard.conf.d/*.conf are applied in lexical order; the last assignment
+of a key wins.
+
+We parse lines ourselves instead of using configparser: configparser cannot say on
+which line a key was set (every error here must be `file:line: what; hint`), treats an
+indented line as a continuation, gives `[DEFAULT]` a special meaning, refuses repeated
+sections and lower-cases keys. None of that is systemd's behaviour, and a line scanner
+is shorter than the workarounds.
+
+The key table lives in the section dataclasses' field metadata (name, type, default
+text, doc); `KEYS` is derived from it, and so are `Config.render()`, the shipped
+packaging/gpuguard.conf and the key reference in docs/configuration.md (tests assert
+that both files match), so the three cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import difflib
+import errno
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Dict, List, Sequence, Tuple
+
+from gpuguard import safeio
+from gpuguard.config.schema import (
+    _BY_SECTION,
+    _SECTIONS,
+    DEFAULT_ORIGIN,
+    MOVED_KEYS,
+    SEE_ALSO,
+    Config,
+)
+from gpuguard.config.types import format_timespan
+from gpuguard.errors import ConfigError
+from gpuguard.numparse import clip, cut
+from gpuguard.paths import CONFIG_DROPIN_DIR, CONFIG_FILE, Root
+
+
+@dataclass(frozen=True)
+class _Assignment:
+    section: str
+    key: str
+    value: str
+    source: str
+    line: int
+    moved_from: str = ""  # the section it was written in, for a key that moved (MOVED_KEYS)
+
+    @property
+    def where(self) -> str:
+        return f"{self.source}:{self.line}"
+
+
+def _unknown_section(name: str) -> str:
+    close = difflib.get_close_matches(name, list(_BY_SECTION), n=1)
+    if not close:
+        close = [s for s in _BY_SECTION if s.lower() == name.strip().lower()]
+    hint = (
+        f"did you mean [{close[0]}]?"
+        if close
+        else "sections are " + ", ".join(f"[{s}]" for s in _BY_SECTION)
+    )
+    return f"unknown section [{cut(name)}]; {hint} {SEE_ALSO}"
+
+
+def _unknown_key(section: str, key: str) -> str:
+    keys = list(_BY_SECTION[section])
+    homes = [s for s, specs in _BY_SECTION.items() if key in specs]
+    if homes:
+        return f"key {clip(key)} belongs in [{homes[0]}], not [{section}]; move it there {SEE_ALSO}"
+    same_case = [k for k in keys if k.lower() == key.lower()]
+    close = same_case or difflib.get_close_matches(key, keys, n=1)
+    if close:
+        hint = f"did you mean '{close[0]}'?"
+        if same_case:
+            hint += " (keys are case-sensitive)"
+    else:
+        hint = f"[{section}] has {', '.join(keys)}"
+    return f"unknown key {clip(key)} in [{section}]; {hint} {SEE_ALSO}"
+
+
+def _parse_text(text: str, source: str) -> List[_Assignment]:
+    """Split one file into assignments, rejecting what no later file could fix."""
+    if text.startswith("\ufeff"):  # editors on other systems add a BOM
+        text = text[1:]
+    # split("\n"), not splitlines(): a form feed or U+2028 inside a line must not
+    # shift the line numbers of every later message.
+    lines = text.split("\n")
+    out: List[_Assignment] = []
+    first_line: Dict[Tuple[str, str], int] = {}
+    section: str | None = None
+    i = 0
+    while i < len(lines):
+        lineno = i + 1
+        line = lines[i].strip()
+        i += 1
+        if not line or line[0] in "#;":
+            continue
+        where = f"{source}:{lineno}"
+        if line.startswith("["):
+            if not line.endswith("]"):
+                raise ConfigError(
+                    f"{where}: section header {clip(line)} is not closed; write [Name]"
+                )
+            name = line[1:-1]
+            if name not in _BY_SECTION:
+                raise ConfigError(f"{where}: {_unknown_section(name)}")
+            section = name
+            continue
+        if "=" not in line:
+            raise ConfigError(
+                f"{where}: cannot parse {clip(line)}; expected Key=value, a [Section] header "
+                "or a comment starting with # or ;"
+            )
+        # systemd: a trailing backslash joins the next line (the backslash becomes a
+        # space) and comment lines inside such a continuation are skipped.
+        while line.endswith("\\"):
+            line = line[:-1] + " "
+            while i < len(lines) and lines[i].strip()[:1] in ("#", ";"):
+                i += 1
+            if i >= len(lines):
+                break
+            line += lines[i].strip()
+            i += 1
+        key, _, value = line.partition("=")
+        key, value = key.strip(), value.strip()
+        if not key:
+            raise ConfigError(f"{where}: missing key name before '='; write Key=value")
+        if section is None:
+            homes = [s for s, specs in _BY_SECTION.items() if key in specs]
+            hint = f"put it under [{homes[0]}]" if homes else "put it under its [Section] header"
+            raise ConfigError(
+                f"{where}: key {clip(key)} appears before any [Section] header; {hint}"
+            )
+        home = MOVED_KEYS.get((section, key), section)
+        if key not in _BY_SECTION[home]:
+            raise ConfigError(f"{where}: {_unknown_key(section, key)}")
+        if (home, key) in first_line:
+            raise ConfigError(
+                f"{where}: duplicate key {clip(key)} in [{home}], first set on line "
+                f"{first_line[home, key]}; keep one of them (a later drop-in may "
+                "override a key)"
+            )
+        first_line[home, key] = lineno
+        moved_from = section if home != section else ""
+        out.append(_Assignment(home, key, value, source, lineno, moved_from))
+    return out
+
+
+def _apply(assignments: Sequence[_Assignment]) -> Config:
+    values: Dict[Tuple[str, str], Any] = {}
+    origins: Dict[Tuple[str, str], str] = {}
+    for a in assignments:
+        spec = _BY_SECTION[a.section][a.key]
+        if not a.value and spec.type.empty_resets:
+            value = spec.default
+        else:
+            try:
+                value = spec.type.parse(a.value)
+            except ValueError as e:
+                raise ConfigError(
+                    f"{a.where}: invalid value {clip(a.value)} for {a.key} in [{a.section}]: {e} "
+                    f"{SEE_ALSO}"
+                ) from None
+        values[a.section, a.key] = value
+        origins[a.section, a.key] = a.where
+    sections: Dict[str, Any] = {}
+    for section, specs in _BY_SECTION.items():
+        attr, cls = _SECTIONS[section]
+        kwargs = {s.attr: values[section, k] for k, s in specs.items() if (section, k) in values}
+        sections[attr] = cls(**kwargs)
+    warnings = tuple(
+        f"{a.where}: {a.key}= in [{a.moved_from}] is deprecated, it belongs in [{a.section}] "
+        f"(read this time); move it there {SEE_ALSO}"
+        for a in assignments
+        if a.moved_from
+    )
+    cfg = Config(**sections, origins=MappingProxyType(origins), warnings=warnings)
+    _check(cfg)
+    return cfg
+
+
+def _check(cfg: Config) -> None:
+    """Rules that span keys; the error points at whichever key a file set."""
+    d = cfg.daemon
+    for other, other_value in (
+        ("QuietPeriod", d.quiet_period),
+        ("ReloadQuietPeriod", d.reload_quiet_period),
+    ):
+        if d.max_delay < other_value:
+            where = cfg.origin("Daemon", "MaxDelay")
+            if where == DEFAULT_ORIGIN:
+                where = cfg.origin("Daemon", other)
+            raise ConfigError(
+                f"{where}: MaxDelay={format_timespan(d.max_delay)} is shorter than "
+                f"{other}={format_timespan(other_value)} in [Daemon]; raise MaxDelay or "
+                f"lower {other} {SEE_ALSO}"
+            )
+
+
+def _read(path: Path) -> str:
+    """The file's text; FileNotFoundError passes through for the caller to judge.
+
+    Through the shared safe reader: a FIFO, /dev/zero or a huge file is refused in one
+    line instead of hanging or filling memory. Links are followed (configuration
+    management often links files into /etc)."""
+    try:
+        return safeio.read_text(
+            path, what="configuration", max_bytes=safeio.CONFIG_MAX, follow=True
+        )
+    except safeio.UnsafeFileError as e:
+        if e.errno == errno.ENOENT:
+            raise FileNotFoundError(e.errno, e.message) from None
+        raise ConfigError(e.message) from None
+
+
+def _dropins(directory: Path) -> List[Path]:
+    try:
+        entries = list(directory.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as e:
+        raise ConfigError(f"{directory}: cannot list drop-ins: {e.strerror}") from None
+    # Hidden files are editors' and package managers' temporaries, not drop-ins.
+    confs = [p for p in entries if p.name.endswith(".conf") and not p.name.startswith(".")]
+    return sorted((p for p in confs if not p.is_dir()), key=lambda p: p.name)
+
+
+def parse_config(text: str, *, source: str = "<string>") -> Config:
+    """A Config from one file's text (e.g. to validate a file before installing it)."""
+    return _apply(_parse_text(text, source))
+
+
+def load_config(root: Root, *, path: Path | None = None) -> Config:
+    """Read the main file and its drop-ins; a missing main file means defaults.
+
+    With `path` (from --config), that file is read as given, not through `root` (it is
+    a command-line path on this machine), it must exist, and its drop-ins are read from
+    `<path>.d/`, the same layout as the default location.
+    """
+    if path is None:
+        main = root.path(CONFIG_FILE)
+        dropin_dir = root.path(CONFIG_DROPIN_DIR)
+    else:
+        main = Path(path)
+        dropin_dir = main.with_name(main.name + ".d")
+    assignments: List[_Assignment] = []
+    try:
+        assignments += _parse_text(_read(main), str(main))
+    except FileNotFoundError:
+        if path is not None:
+            raise ConfigError(f"{main}: no such file; check the --config path") from None
+    for dropin in _dropins(dropin_dir):
+        try:
+            assignments += _parse_text(_read(dropin), str(dropin))
+        except FileNotFoundError:
+            raise ConfigError(
+                f"{dropin}: dangling symlink or removed while reading; fix or remove it"
+            ) from None
+    return _apply(assignments)

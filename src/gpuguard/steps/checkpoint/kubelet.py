@@ -1,0 +1,234 @@
+"""Kubelet coordination around a checkpoint repair: the unit jobs (RestartUnit with the
+pre-start hook, or StopUnit, repair, StartUnit) and their journal entries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional
+
+from gpuguard import exitcodes
+from gpuguard.errors import KubeletError
+from gpuguard.inventory import Inventory
+from gpuguard.log import EventLog
+from gpuguard.model import Outcome
+from gpuguard.paths import Root
+from gpuguard.steps.checkpoint import kubelet_hook
+from gpuguard.steps.checkpoint import reconcile as ckpt
+from gpuguard.steps.checkpoint.actuate import CheckpointActuator
+from gpuguard.steps.checkpoint.observe import KubeletStatus, kubelet_pids, kubelet_status
+from gpuguard.steps.checkpoint.report import CheckReport, CheckSettings, apply_repair
+
+if TYPE_CHECKING:  # dbus-next costs import time; a healthy node never needs it
+    from gpuguard.systemd import Systemd
+
+
+async def coordinate(
+    root: Root,
+    s: CheckSettings,
+    report: CheckReport,
+    actuator: CheckpointActuator,
+    log: EventLog,
+    systemd: Optional[Systemd],
+    inventory: Inventory,
+    on_restart: Optional[Callable[[], None]] = None,
+) -> CheckReport:
+    k = _Kubelet(root, inventory, on_restart or (lambda: None))
+    if systemd is not None:
+        return await _coordinated(k, s, report, actuator, log, systemd)
+    from gpuguard.systemd import Systemd, SystemdError, bus_address_for
+
+    own = Systemd(s.bus_address or bus_address_for(root.prefix))
+    try:
+        await own.connect()
+    except SystemdError as e:
+        return await _coordinated(k, s, report, actuator, log, None, str(e))
+    try:
+        return await _coordinated(k, s, report, actuator, log, own)
+    finally:
+        own.disconnect()
+
+
+@dataclass(frozen=True)
+class _Kubelet:
+    """What coordinating kubelet needs beyond the settings: the host, the inventory the
+    repair was planned with (to re-analyse after a restart), the restart callback."""
+
+    root: Root
+    inventory: Inventory
+    on_restart: Callable[[], None]
+
+
+async def _coordinated(
+    k: _Kubelet,
+    s: CheckSettings,
+    report: CheckReport,
+    actuator: CheckpointActuator,
+    log: EventLog,
+    systemd: Optional[Systemd],
+    bus_error: str = "",
+) -> CheckReport:
+    root = k.root
+    if systemd is None:
+        status = KubeletStatus(s.kubelet_unit, kubelet_pids(root), None, bus_error)
+    else:
+        status = await kubelet_status(root, systemd, s.kubelet_unit)
+    report.kubelet = status.describe()
+    if not status.running:
+        report.coordination = "kubelet is not running: repair directly"
+        return apply_repair(report, actuator, s)
+    if not status.unit_active or systemd is None:
+        raise KubeletError(
+            f"{report.checkpoint}: not repaired: kubelet runs outside systemd "
+            f"({status.describe()}); stop it, then run `gpuguard check` again"
+        )
+    if not s.restart_kubelet:
+        report.coordination = "kubelet is running and restarts are off: left for its next start"
+        report.result = "not repaired: kubelet must be restarted to apply the repair"
+        report.exit_code = exitcodes.FINDINGS
+        return report
+    if s.simulation:  # also under --dry-run: the dry run prints what the real run does
+        report.coordination = "kubelet is running and the inventory is simulated: left alone"
+        report.result = f"not repaired: {s.simulation}"
+        report.exit_code = exitcodes.FINDINGS
+        return report
+    if status.has_dropin:
+        return await _restart_with_hook(k, systemd, s, report, log)
+    return await _stop_repair_start(k, systemd, s, report, actuator, log)
+
+
+async def _restart_with_hook(
+    k: _Kubelet, systemd: Systemd, s: CheckSettings, report: CheckReport, log: EventLog
+) -> CheckReport:
+    from gpuguard.systemd import SystemdError
+
+    report.coordination = (
+        f"restart {s.kubelet_unit} through systemd; its ExecStartPre= hook repairs the file "
+        "between stop and start"
+    )
+    if s.dry_run:
+        report.result = "dry run: nothing modified, kubelet not restarted"
+        report.exit_code = exitcodes.FINDINGS
+        return report
+    token = kubelet_hook.new_token()
+    try:
+        kubelet_hook.write_request(k.root, token)
+    except OSError as e:
+        # Without the token no outcome could be verified: do not restart at all.
+        raise KubeletError(
+            f"{report.checkpoint}: not repaired, kubelet not restarted: cannot write "
+            f"{k.root.path(kubelet_hook.REQUEST)}: {e.strerror}"
+        ) from None
+    k.on_restart()
+    try:
+        try:
+            result = await systemd.restart_unit(s.kubelet_unit)
+        except SystemdError as e:
+            result = f"failed: {e}"
+        _log_kubelet(
+            log,
+            s,
+            "kubelet-restart",
+            f"restart of {s.kubelet_unit} (job {result}) so its pre-start hook repairs "
+            f"{report.checkpoint}: {report.actions[0].reason}",
+        )
+        verdict = kubelet_hook.verify(
+            k.root, token, s.checkpoint_path, k.inventory, s.resources, s.policy
+        )
+    finally:
+        kubelet_hook.clear_request(k.root)
+    if result != "done" and not verdict.verified:
+        verdict = kubelet_hook.Verdict(
+            False, f"the kubelet restart job ended with '{result}'; {verdict.detail}"
+        )
+    if not verdict.verified:
+        report.outcomes = [Outcome(a, "failed", verdict.detail) for a in report.actions]
+        log.event(
+            "checkpoint-repair-unverified",
+            f"{report.checkpoint}: not repaired: {verdict.detail}",
+            level="error",
+            fields={
+                "GPUGUARD_RECONCILER": ckpt.NAME,
+                "GPUGUARD_STATUS": "failed",
+                "UNIT": s.kubelet_unit,
+                "CHECKPOINT": report.checkpoint,
+                "REASON": s.reason,
+            },
+        )
+        raise KubeletError(f"{report.checkpoint}: not repaired: {verdict.detail}")
+    report.outcomes = [Outcome(a, "done", verdict.detail) for a in report.actions]
+    report.result = "repaired by kubelet's pre-start hook during a kubelet restart (verified)"
+    if result != "done":  # repaired, but kubelet itself did not come back
+        _coordination_failed(log, s, f"restart job ended with '{result}' (checkpoint repaired)")
+        raise KubeletError(
+            f"repaired {report.checkpoint} ({verdict.detail}), but the kubelet restart job "
+            f"ended with '{result}'"
+        )
+    return report
+
+
+async def _stop_repair_start(
+    k: _Kubelet,
+    systemd: Systemd,
+    s: CheckSettings,
+    report: CheckReport,
+    actuator: CheckpointActuator,
+    log: EventLog,
+) -> CheckReport:
+    from gpuguard.systemd import SystemdError
+
+    report.coordination = (
+        f"the gpuguard drop-in is not active for {s.kubelet_unit}: stop it, repair, start it"
+    )
+    if s.dry_run:
+        return apply_repair(report, actuator, s)
+    k.on_restart()
+    try:
+        result = await systemd.stop_unit(s.kubelet_unit)
+        if result != "done":
+            raise SystemdError(f"stop job ended with '{result}'")
+    except SystemdError as e:
+        _coordination_failed(log, s, str(e))
+        raise KubeletError(
+            f"{report.checkpoint}: not repaired: stopping kubelet failed: {e}"
+        ) from None
+    try:
+        apply_repair(report, actuator, s)
+    finally:
+        try:
+            start = await systemd.start_unit(s.kubelet_unit)
+        except SystemdError as e:
+            start = str(e)
+        _log_kubelet(
+            log,
+            s,
+            "kubelet-stop-start",
+            f"stopped {s.kubelet_unit}, repaired {report.checkpoint}, started it again "
+            f"(start: {start})",
+        )
+    if start != "done":
+        raise KubeletError(f"repaired {report.checkpoint}, but starting kubelet failed: {start}")
+    return report
+
+
+def _log_kubelet(log: EventLog, s: CheckSettings, kind: str, msg: str) -> None:
+    """The journal entry for a kubelet restart or stop/start made for the checkpoint."""
+    log.event(
+        kind,
+        msg,
+        level="notice",
+        fields={
+            "GPUGUARD_RECONCILER": ckpt.NAME,
+            "GPUGUARD_ACTION": kind,
+            "UNIT": s.kubelet_unit,
+            "REASON": s.reason,
+        },
+    )
+
+
+def _coordination_failed(log: EventLog, s: CheckSettings, why: str) -> None:
+    log.event(
+        "kubelet-coordination-failed",
+        f"{s.kubelet_unit}: {why}",
+        level="error",
+        fields={"UNIT": s.kubelet_unit, "GPUGUARD_RECONCILER": ckpt.NAME},
+    )

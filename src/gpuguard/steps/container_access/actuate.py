@@ -1,0 +1,88 @@
+"""The container access step's writes: grants written to a v1 devices cgroup, and
+DeviceAllow= set on a container's systemd scope. Each honours dry-run and returns the
+Outcome the step journals (one entry per change, with the action's reason).
+
+Control files are written with one write(2) per rule and without O_CREAT/O_TRUNC: the
+kernel parses each write as one rule (devcgroup_access_write), and cgroupfs files
+cannot be created or truncated anyway.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Optional
+
+from gpuguard.devices.rules import DeviceRules, parse_devices_list
+from gpuguard.errors import GpuguardError
+from gpuguard.model import Outcome
+
+if TYPE_CHECKING:
+    from gpuguard.steps.container_access.reconcile import CgroupV1Allow, UnitDeviceAllow
+    from gpuguard.systemd import Systemd
+
+
+class CgroupWriteError(GpuguardError):
+    """A cgroup control file refused a write; the message names the file and the rule."""
+
+
+def _write_lines(path: Path, lines: Iterable[str]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        for line in lines:
+            try:
+                os.write(fd, line.encode())
+            except OSError as e:
+                raise CgroupWriteError(
+                    f"{path}: writing {line!r} failed: {e.strerror}; the cgroup may be gone "
+                    "or its parent may not allow the device"
+                ) from None
+    finally:
+        os.close(fd)
+
+
+def write_allow(cgroup_dir: Path, rules: Iterable[str]) -> None:
+    """Append allow rules (``c 195:0 rw``) to a v1 devices cgroup's devices.allow."""
+    try:
+        _write_lines(cgroup_dir / "devices.allow", rules)
+    except FileNotFoundError:
+        raise CgroupWriteError(
+            f"{cgroup_dir}/devices.allow does not exist: the container is gone or this "
+            "is not a cgroup v1 devices directory"
+        ) from None
+
+
+def read_devices_list(cgroup_dir: Path) -> DeviceRules:
+    """Parse the cgroup's devices.list (raises OSError if it vanished)."""
+    return parse_devices_list((cgroup_dir / "devices.list").read_text())
+
+
+def apply_allow(a: CgroupV1Allow, *, dry_run: bool) -> Outcome:
+    """The direct re-grant: microseconds, CUDA works again at once."""
+    if dry_run:
+        return Outcome(a, "dry-run", "would write " + "; ".join(a.rules))
+    try:
+        write_allow(Path(a.cgroup_dir), a.rules)
+    except (CgroupWriteError, OSError) as e:
+        return Outcome(a, "failed", str(e))
+    return Outcome(a, "done", "wrote " + "; ".join(a.rules))
+
+
+async def apply_device_allow(
+    a: UnitDeviceAllow, sd: Optional[Systemd], *, dry_run: bool
+) -> Outcome:
+    """The durable grant: a runtime DeviceAllow= that systemd re-applies on every reload."""
+    from dbus_next import Variant
+
+    from gpuguard.systemd import SystemdError
+
+    if dry_run:
+        return Outcome(a, "dry-run", "would set DeviceAllow= " + ", ".join(d for d, _ in a.devices))
+    if sd is None:
+        return Outcome(a, "failed", "system bus down; the next pass retries")
+    value = Variant("a(ss)", [[dev, perm] for dev, perm in a.devices])
+    try:
+        await sd.set_unit_properties(a.unit, a.runtime, [("DeviceAllow", value)])
+    except SystemdError as e:
+        return Outcome(a, "failed", str(e))
+    return Outcome(a, "done", "DeviceAllow=" + " ".join(d for d, _ in a.devices))

@@ -1,0 +1,193 @@
+"""What the container_access step reads: GPU containers, what each was given and what
+its cgroup admits (a worker thread runs this), and the grants systemd already keeps."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
+
+from gpuguard.devices.containers import ContainerCgroup, detect_layout, discover_containers
+from gpuguard.devices.entitlement import Entitlement, read_entitlement, unreadable_entitlement
+from gpuguard.devices.nodes import (
+    list_nvidia_nodes,
+    nvidia_majors,
+    read_proc_devices,
+)
+from gpuguard.devices.probe import probe_open
+from gpuguard.devices.rules import DeviceRules, parse_devices_list
+from gpuguard.errors import GpuguardError
+from gpuguard.inventory import Inventory
+from gpuguard.paths import DEVICE_PLUGINS_DIR, Root
+from gpuguard.plugins.discover import discover_plugins
+from gpuguard.safeio import CGROUP_MAX, UnsafeFileError, read_kernel_text
+from gpuguard.steps.container_access.reconcile import (
+    AccessKey,
+    verdicts_from_rules,
+)
+
+if TYPE_CHECKING:
+    from gpuguard.snapshot import HostSnapshot
+
+
+@dataclass(frozen=True)
+class AccessView:
+    containers: tuple[ContainerCgroup, ...]
+    entitlements: Mapping[tuple[str, str], Entitlement]
+    access: Mapping[AccessKey, Optional[bool]]
+    rules: Mapping[str, DeviceRules]
+    # container_id -> why its own files could not be read: it gets a finding and is
+    # neither judged nor granted anything; every other container goes on.
+    broken: Mapping[str, str] = field(default_factory=dict)
+    # device plugins' own containers: the plugin step judges their view of the nodes
+    plugin_containers: frozenset[str] = frozenset()
+
+
+class AccessObserver:
+    """Reads the host for the step; caches each container's entitlement by its PID."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[str, str], tuple[int, Entitlement]] = {}
+        # The v1 GPU containers of the last pass, for fast_view() after a reload, and the
+        # devices.list text of each that admitted everything it was given.
+        self._known_v1: tuple[tuple[ContainerCgroup, Entitlement], ...] = ()
+        self._good: dict[str, str] = {}
+        self._host_signature: tuple[tuple[str, str], ...] = ()
+
+    def _read_v1(
+        self,
+        pairs: Sequence[tuple[ContainerCgroup, Entitlement]],
+        access: dict[AccessKey, Optional[bool]],
+        rules: dict[str, DeviceRules],
+        broken: dict[str, str],
+    ) -> None:
+        for c, ent in pairs:
+            assert c.cgroup_v1_devices is not None
+            path = c.cgroup_v1_devices / "devices.list"
+            try:
+                text = read_kernel_text(path, what="devices.list", max_bytes=CGROUP_MAX)
+            except UnsafeFileError as e:
+                broken[c.container_id] = e.message
+                continue
+            if text is None:
+                continue  # the container went away
+            if self._good.get(c.container_id) == text:  # unchanged since it was fine
+                access.update({(c.container_id, n.numbers): True for n in ent.nodes})
+                continue
+            try:
+                r = parse_devices_list(text)
+            except ValueError as e:  # not what the kernel writes: this container only
+                broken[c.container_id] = f"{path}: {e}; check what wrote this file"
+                continue
+            rules[c.container_id] = r
+            verdicts = verdicts_from_rules(c.container_id, ent.nodes, r)
+            access.update(verdicts)
+            if all(verdicts.values()):
+                self._good[c.container_id] = text
+            else:
+                self._good.pop(c.container_id, None)
+
+    def fast_view(self) -> AccessView:
+        """The last pass's v1 GPU containers with their access as of now: no tree walk,
+        no /proc reads. A reload's wipe is repaired from this before anything else."""
+        access: dict[AccessKey, Optional[bool]] = {}
+        rules: dict[str, DeviceRules] = {}
+        broken: dict[str, str] = {}
+        self._read_v1(self._known_v1, access, rules, broken)
+        return AccessView(
+            tuple(c for c, _ in self._known_v1),
+            {c.key: e for c, e in self._known_v1},
+            access,
+            rules,
+            broken,
+        )
+
+    def observe(
+        self,
+        root: Root,
+        inventory: Optional[Inventory],
+        snapshot: HostSnapshot,
+        plugin_socket_dir: str = DEVICE_PLUGINS_DIR,
+    ) -> Optional[AccessView]:
+        """Entitlements are judged against the pass's snapshot of the checkpoint (and the
+        entries gpuguard dropped from it), never a re-read made after a step acted."""
+        majors = nvidia_majors(read_proc_devices(root))
+        if majors.nvidia is None:
+            return None  # driver not loaded: no GPU node can be granted
+        containers = discover_containers(root, detect_layout(root))
+        gpus = inventory.gpus if inventory is not None else ()
+        host_nodes = list_nvidia_nodes(root, majors)
+        signature = tuple(sorted((n.path, n.numbers) for n in host_nodes))
+        if signature != self._host_signature:
+            # Entitlements are judged against the host's nodes (a node made or removed
+            # since, e.g. by the device_nodes step, changes them): judge afresh.
+            self._cache.clear()
+            self._good.clear()
+            self._host_signature = signature
+        ents: dict[tuple[str, str], Entitlement] = {}
+        broken: dict[str, str] = {}
+        live = set()
+        for c in containers:
+            live.add(c.key)
+            if c.problem:
+                broken[c.container_id] = c.problem
+                ents[c.key] = unreadable_entitlement(c, c.problem)
+                continue
+            cached = self._cache.get(c.key)
+            if cached is not None and cached[0] in c.pids:
+                ents[c.key] = cached[1]
+                continue
+            try:
+                ent = read_entitlement(root, c, host_nodes, majors, gpus, snapshot.pod_device_ids)
+            except GpuguardError as e:  # its environ or /dev is not what it should be
+                broken[c.container_id] = e.message
+                ents[c.key] = unreadable_entitlement(c, e.message)
+                continue
+            ents[c.key] = ent
+            if ent.readable and c.pids:
+                self._cache[c.key] = (c.pids[0], ent)
+        for gone in set(self._cache) - live:
+            del self._cache[gone]
+        access: dict[AccessKey, Optional[bool]] = {}
+        rules: dict[str, DeviceRules] = {}
+        gpu = [(c, ents[c.key]) for c in containers if ents[c.key].is_gpu_container]
+        v1 = tuple((c, e) for c, e in gpu if c.cgroup_v1_devices is not None)
+        self._read_v1(v1, access, rules, broken)
+        for c, _ent in v1:
+            if c.container_id in broken:  # never granted anything, even durably
+                ents[c.key] = unreadable_entitlement(c, broken[c.container_id])
+        for c, ent in gpu:
+            if c.cgroup_v1_devices is None and c.cgroup_v2 is not None:
+                for n in ent.nodes:
+                    res = probe_open(root.path(n.path), [c.cgroup_v2])
+                    access[(c.container_id, n.numbers)] = res.verdict
+        self._known_v1 = v1
+        for stale_id in set(self._good) - {c.container_id for c, _ in v1}:
+            del self._good[stale_id]
+        for cid in broken:  # a container we could not read is judged afresh next pass
+            self._good.pop(cid, None)
+        plugins: frozenset[str] = frozenset()
+        if any(e.missing or e.stale for _, e in gpu):  # rare: only then find the plugins
+            plugins = frozenset(
+                p.process.container_id
+                for p in discover_plugins(root, plugin_socket_dir)
+                if p.process is not None and p.process.container_id
+            )
+        return AccessView(
+            tuple(containers), ents, access, rules, broken=broken, plugin_containers=plugins
+        )
+
+
+def _numbers_of(root: Root, path: str) -> Optional[str]:
+    """MAJ:MIN of a DeviceAllow= entry; None for class entries ("char-*", "block-*",
+    "char-pts": runc writes these on every container) and for unresolvable paths."""
+    name = os.path.basename(path)
+    if path.startswith("/dev/char/") and ":" in name:
+        return name
+    if not path.startswith("/"):
+        return None
+    try:
+        st = os.stat(root.path(path))
+    except OSError:
+        return None
+    return f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"

@@ -1,0 +1,44 @@
+"""The container access step's actuators: each honours dry-run, writes one rule per
+write(2), and says what failed (the kernel's own verdicts: test_devices_cgroup_v1.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from gpuguard.steps.container_access.actuate import apply_allow, apply_device_allow
+from gpuguard.steps.container_access.reconcile import CgroupV1Allow, UnitDeviceAllow
+
+RULES = ("c 195:0 rw", "c 195:255 rw")
+
+
+def allow(cgroup: Path) -> CgroupV1Allow:
+    return CgroupV1Allow("container_access", "denied", "c1", cgroup_dir=str(cgroup), rules=RULES)
+
+
+def test_dry_run_writes_nothing(tmp_path: Path) -> None:
+    (tmp_path / "devices.allow").write_text("")
+    o = apply_allow(allow(tmp_path), dry_run=True)
+    assert (o.status, o.detail) == ("dry-run", "would write c 195:0 rw; c 195:255 rw")
+    assert (tmp_path / "devices.allow").read_text() == ""
+
+
+def test_each_rule_is_written(tmp_path: Path) -> None:
+    (tmp_path / "devices.allow").write_text("")
+    o = apply_allow(allow(tmp_path), dry_run=False)
+    assert (o.status, o.detail) == ("done", "wrote c 195:0 rw; c 195:255 rw")
+    assert (tmp_path / "devices.allow").read_text() == "".join(RULES)
+
+
+def test_a_container_gone_is_a_failure_naming_the_file(tmp_path: Path) -> None:
+    o = apply_allow(allow(tmp_path / "gone"), dry_run=False)
+    assert o.status == "failed" and f"{tmp_path}/gone/devices.allow does not exist" in o.detail
+
+
+def test_device_allow_dry_run_and_bus_down() -> None:
+    a = UnitDeviceAllow("container_access", "durable", "s", unit="cri-containerd-x.scope",
+                        devices=(("/dev/char/195:0", "rw"),))  # fmt: skip
+    dry = asyncio.run(apply_device_allow(a, None, dry_run=True))
+    assert (dry.status, dry.detail) == ("dry-run", "would set DeviceAllow= /dev/char/195:0")
+    down = asyncio.run(apply_device_allow(a, None, dry_run=False))
+    assert (down.status, down.detail) == ("failed", "system bus down; the next pass retries")
