@@ -198,7 +198,14 @@ KINDS: dict[str, KindDoc] = {
     "v2-report-only": KindDoc(
         "GPU access lost on cgroup v2 without a systemd scope",
         "The device policy is runc's BPF program, which gpuguard does not rewrite. "
-        "Recreate the container, or set V2Remedy=restart-container.",
+        "Recreate the container, or set V2Remedy=inplace or V2Remedy=restart-container.",
+    ),
+    "v2-program-replace": KindDoc(
+        "gpuguard added lost GPU nodes to a container's cgroup v2 device program",
+        "V2Remedy=inplace: the container's BPF device program was replaced by one admitting "
+        "its previous rules plus exactly the entitled nodes it had lost (attached before "
+        "the old one was detached, verified by a probe). On failure the old program stays "
+        "and the entry says why.",
     ),
     "restart-container": KindDoc(
         "gpuguard stopped a container to restore its GPU access",

@@ -8,8 +8,10 @@ program = denied, ENXIO = admitted (no driver behind the numbers).
 - the lost node is admitted after the replacement, nothing else changes, one program;
 - property (hypothesis, bounded): over random previous programs and lost nodes, the
   kernel admits after exactly what it admitted before plus the lost nodes;
-- bad input: a program of unknown shape, no capabilities (setpriv), a frozen cgroup:
-  a clear error, the old program still attached, the verdicts unchanged.
+- bad input: a program of unknown shape, no capabilities (setpriv), a frozen cgroup, an
+  ancestor's program denying the node too: a clear error, the old program still
+  attached, the verdicts unchanged;
+- the step's actuator (V2Remedy=inplace): dry-run prints the replacement, changes nothing.
 
 Everything is removed in finalizers (programs with their cgroup, cgroups deepest first).
 """
@@ -41,6 +43,9 @@ from gpuguard.actuate.bpf import (
 )
 from gpuguard.devices.bpfprog import ACC_RW, DeviceProgram, DevRule, build
 from gpuguard.devices.probe import BPF_PROG_ATTACH, probe_open, query_device_programs
+from gpuguard.paths import Root
+from gpuguard.steps.container_access.actuate import apply_program_replace
+from gpuguard.steps.container_access.reconcile import V2ProgramReplace
 
 pytestmark = pytest.mark.root
 
@@ -230,3 +235,49 @@ def test_without_capabilities_a_clear_error(
     assert "Traceback" not in res.stderr
     assert query_device_programs(cgroup) == (old,)
     assert _verdicts(cgroup, nodes)[(195, 0)] is False
+
+
+def _action(cg: Path, nodes: dict[tuple[int, int], Path]) -> V2ProgramReplace:
+    return V2ProgramReplace(
+        reconciler="container_access",
+        reason="test",
+        target=str(cg),
+        cgroup_dir=str(cg),
+        nodes=(str(nodes[(195, 0)]),),
+        numbers=("195:0",),
+    )
+
+
+def test_step_actuator_dry_run_then_real(cgroup: Path, nodes: dict[tuple[int, int], Path]) -> None:
+    old = _attach_prog(cgroup, build(RUNC))
+    a = _action(cgroup, nodes)
+    o = apply_program_replace(a, Root(Path("/")), dry_run=True)
+    assert o.status == "dry-run" and "allow c 195:0 rw" in o.detail and "(dry-run)" in o.detail
+    assert query_device_programs(cgroup) == (old,)
+    assert _verdicts(cgroup, nodes)[(195, 0)] is False
+    o = apply_program_replace(a, Root(Path("/")), dry_run=False)
+    assert o.status == "done", o.detail
+    assert _verdicts(cgroup, nodes)[(195, 0)] is True
+
+
+def test_ancestor_denies_so_the_swap_is_rolled_back(
+    cgroup: Path, nodes: dict[tuple[int, int], Path]
+) -> None:
+    # The parent's program denies the GPU too: replacing the container's cannot help, the
+    # probe says so, the old program comes back and the outcome says why.
+    _attach_prog(cgroup, build(RUNC))
+    ctr = cgroup / "ctr"
+    ctr.mkdir()
+    try:
+        old = _attach_prog(ctr, build(RUNC))
+        o = apply_program_replace(_action(ctr, nodes), Root(Path("/")), dry_run=False)
+        assert o.status == "failed" and "the old program is back" in o.detail
+        assert query_device_programs(ctr) == (old,)
+        assert _verdicts(ctr, nodes)[(195, 0)] is False
+    finally:
+        for _ in range(100):
+            try:
+                ctr.rmdir()
+                break
+            except OSError:
+                time.sleep(0.02)
