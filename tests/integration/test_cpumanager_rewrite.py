@@ -14,10 +14,10 @@ holding a process that runs in its own mount namespace with a /dev of only its n
 
 On cgroup v2 (unified) the same update makes runc regenerate the container's device
 program from its spec, replacing the hook's (played by ``harness/bpfdev.py``). Without
-a systemd scope gpuguard has no in-place repair there yet: it must report the loss
+a systemd scope, with ``V2Remedy=report``, gpuguard must report the loss
 (``v2-report-only``) within its audit interval and grant nothing (second test); with
-``V2Remedy=inplace`` it replaces runc's program with one admitting its rules plus exactly
-the lost nodes (third test).
+``V2Remedy=inplace`` (the default) it replaces runc's program with one admitting its
+rules plus exactly the lost nodes (third test).
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def test_cpu_manager_rewrite_is_repaired_by_the_periodic_audit(systemd_ns, tmp_p
 
 def test_cpu_manager_rewrite_on_v2_is_reported_and_nothing_broadened(systemd_ns, tmp_path) -> None:  # type: ignore[no-untyped-def]
     ctrs = containers(2)
-    ns = _boot(systemd_ns, tmp_path, ctrs, "v2")
+    ns = _boot(systemd_ns, tmp_path, ctrs, "v2", extra="[Devices]\nV2Remedy=report\n")
     for c in ctrs:  # the update: runc's program from the spec replaces the hook's
         replace_programs(_cgroup(ns, c), DEFAULT_RULES)
         assert _verdict(ns, c, c.gpus[0]) is False

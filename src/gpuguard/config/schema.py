@@ -230,12 +230,12 @@ class DevicesConfig:
     v2_remedy: str = _key(
         "V2Remedy",
         Choice("report", "inplace", "restart-container"),
-        "report",
+        "inplace",
         "On cgroup v2 without a systemd scope (cgroupfs driver, or runc's own device "
-        "program): only report affected containers; inplace: replace the container's "
-        "device program with one admitting its previous rules plus exactly the lost "
-        "nodes (verified by a probe, the old program kept on any failure); or restart "
-        "them so they get their devices back.",
+        "program): inplace: replace the container's device program with one admitting "
+        "its previous rules plus exactly the lost nodes (verified by a probe, the old "
+        "program kept on any failure); report: only report affected containers; "
+        "restart-container: restart them so they get their devices back.",
     )
 
 

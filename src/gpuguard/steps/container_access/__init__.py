@@ -218,8 +218,9 @@ class ContainerAccessStep:
             return Outcome(
                 a,
                 "declined",
-                "cgroup v2 without a systemd scope: gpuguard does not rewrite runc's device "
-                "program; recreate the container (V2Remedy=inplace or restart-container does it)",
+                "cgroup v2 without a systemd scope and V2Remedy=report: runc's device program "
+                "is left as it is; recreate the container (V2Remedy=inplace or "
+                "restart-container does it)",
             )
         assert isinstance(a, RestartContainer)
         # Never a restart loop: kubelet recreates the container, and if the new one is
