@@ -122,3 +122,9 @@ def test_legacy_hook_shape_without_access_register_parses() -> None:
         + _ins(0x95)
     )
     assert parse(code) == DeviceProgram((DevRule(True, "c", 195, 1),), False)
+
+
+def test_a_rule_testing_nothing_is_not_built() -> None:
+    # it would make every later block unreachable, which the verifier refuses
+    with pytest.raises(ValueError, match="tests nothing"):
+        build(DeviceProgram((DevRule(True),), False))
