@@ -151,7 +151,8 @@ KINDS: dict[str, KindDoc] = {
         "devices.list: re-granted at once, then on its scope), scope-device-allow (v2: the "
         "program systemd builds from its scope's DeviceAllow=, where gpuguard adds the "
         "node), own-program (v2 without a scope: the runtime's own BPF program, which "
-        "gpuguard reports but does not rewrite; see v2-report-only).",
+        "gpuguard replaces with its rules plus the lost nodes, see v2-program-replace, or "
+        "with V2Remedy=report only reports, see v2-report-only).",
     ),
     "container-device-missing": KindDoc(
         "A GPU container has no @DEVICE@ in its /dev",
@@ -197,8 +198,16 @@ KINDS: dict[str, KindDoc] = {
     ),
     "v2-report-only": KindDoc(
         "GPU access lost on cgroup v2 without a systemd scope",
-        "The device policy is runc's BPF program, which gpuguard does not rewrite. "
-        "Recreate the container, or set V2Remedy=restart-container.",
+        "The device policy is runc's BPF program, which gpuguard does not rewrite with "
+        "V2Remedy=report. Recreate the container, or set V2Remedy=inplace (the default) "
+        "or V2Remedy=restart-container.",
+    ),
+    "v2-program-replace": KindDoc(
+        "gpuguard added lost GPU nodes to a container's cgroup v2 device program",
+        "V2Remedy=inplace: the container's BPF device program was replaced by one admitting "
+        "its previous rules plus exactly the entitled nodes it had lost (attached before "
+        "the old one was detached, verified by a probe). On failure the old program stays "
+        "and the entry says why.",
     ),
     "restart-container": KindDoc(
         "gpuguard stopped a container to restore its GPU access",

@@ -14,8 +14,10 @@ holding a process that runs in its own mount namespace with a /dev of only its n
 
 On cgroup v2 (unified) the same update makes runc regenerate the container's device
 program from its spec, replacing the hook's (played by ``harness/bpfdev.py``). Without
-a systemd scope gpuguard has no in-place repair there yet: it must report the loss
-(``v2-report-only``) within its audit interval and grant nothing (second test).
+a systemd scope, with ``V2Remedy=report``, gpuguard must report the loss
+(``v2-report-only``) within its audit interval and grant nothing (second test); with
+``V2Remedy=inplace`` (the default) it replaces runc's program with one admitting its
+rules plus exactly the lost nodes (third test).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Optional
 
 import pytest
 
-from gpuguard.devices.probe import probe_open
+from gpuguard.devices.probe import probe_open, query_device_programs
 from gpuguard.devices.rules import RUNC_DEFAULT_RULES
 from gpuguard.steps.container_access.reconcile import CAUSE_REWRITE
 from integration.gpu_scopes import (
@@ -98,7 +100,7 @@ def _start(ns: SystemdNamespace, c: Container) -> None:
         _write(cg / "devices.allow", [f"c {ma}:{mi} rw" for ma, mi in c.given()])
 
 
-def _boot(systemd_ns, tmp_path, ctrs, layout: str) -> SystemdNamespace:  # type: ignore[no-untyped-def]
+def _boot(systemd_ns, tmp_path, ctrs, layout: str, extra: str = "") -> SystemdNamespace:  # type: ignore[no-untyped-def]
     units = gpuguard_units()
     units["gpuguard.service.d/60-fake-driver.conf"] = (
         "[Service]\nBindReadOnlyPaths=/run/fake/devices:/proc/devices\n"
@@ -118,7 +120,7 @@ def _boot(systemd_ns, tmp_path, ctrs, layout: str) -> SystemdNamespace:  # type:
     (etc / "inventory.json").write_text(json.dumps(gpu_inventory(2)))
     (etc / "gpuguard.conf").write_text(
         "[Inventory]\nFile=/etc/gpuguard/inventory.json\n"
-        f"[Daemon]\nAuditInterval={AUDIT_INTERVAL:g}s\n"
+        f"[Daemon]\nAuditInterval={AUDIT_INTERVAL:g}s\n{extra}"
     )
     for c in ctrs:
         _start(ns, c)
@@ -168,7 +170,7 @@ def test_cpu_manager_rewrite_is_repaired_by_the_periodic_audit(systemd_ns, tmp_p
 
 def test_cpu_manager_rewrite_on_v2_is_reported_and_nothing_broadened(systemd_ns, tmp_path) -> None:  # type: ignore[no-untyped-def]
     ctrs = containers(2)
-    ns = _boot(systemd_ns, tmp_path, ctrs, "v2")
+    ns = _boot(systemd_ns, tmp_path, ctrs, "v2", extra="[Devices]\nV2Remedy=report\n")
     for c in ctrs:  # the update: runc's program from the spec replaces the hook's
         replace_programs(_cgroup(ns, c), DEFAULT_RULES)
         assert _verdict(ns, c, c.gpus[0]) is False
@@ -192,4 +194,25 @@ def test_cpu_manager_rewrite_on_v2_is_reported_and_nothing_broadened(systemd_ns,
         assert _verdict(ns, c, c.gpus[0]) is False
         assert _verdict(ns, c, 1 - c.gpus[0]) is False
     assert not events(ns, "unit-device-allow") and not events(ns, "cgroup-v1-allow")
+    assert not events(ns, "reconciler-crashed")
+
+
+def test_cpu_manager_rewrite_on_v2_is_repaired_in_place(systemd_ns, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    ctrs = containers(2)
+    ns = _boot(systemd_ns, tmp_path, ctrs, "v2", extra="[Devices]\nV2Remedy=inplace\n")
+    for c in ctrs:  # the update: runc's program from the spec replaces the hook's
+        replace_programs(_cgroup(ns, c), DEFAULT_RULES)
+        assert _verdict(ns, c, c.gpus[0]) is False
+    wait_for(
+        lambda: all(_verdict(ns, c, c.gpus[0]) is True for c in ctrs),
+        timeout=AUDIT_INTERVAL + 3.0,
+        what="the audit to replace the programs",
+    )
+    done = [e for e in events(ns, "v2-program-replace") if e["GPUGUARD_STATUS"] == "done"]
+    assert {e["CONTAINER_ID"] for e in done} == {c.container_id for c in ctrs}
+    for c in ctrs:  # exactly what it was given, by the kernel's verdict; one program
+        assert _verdict(ns, c, c.gpus[0]) is True
+        assert _verdict(ns, c, 1 - c.gpus[0]) is False
+        assert len(query_device_programs(_cgroup(ns, c))) == 1
+    assert not events(ns, "v2-report-only") and not events(ns, "unit-device-allow")
     assert not events(ns, "reconciler-crashed")

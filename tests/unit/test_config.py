@@ -470,7 +470,7 @@ def test_expected_defaults() -> None:
     )
     assert d.systemd.runtime_units == ("containerd.service", "crio.service", "docker.service")
     assert d.systemd.max_in_flight == 64
-    assert d.devices.v2_remedy == "report"
+    assert d.devices.v2_remedy == "inplace"
     assert (d.device_plugin.cool_down, d.device_plugin.max_restarts_per_hour) == (300, 3)
     assert (d.device_plugin.registration_grace, d.device_plugin.nvml_probe) == (120, False)
     assert d.inventory.file is None

@@ -17,6 +17,7 @@ from gpuguard.steps.container_access.reconcile import (
     CgroupV1Allow,
     RestartContainer,
     UnitDeviceAllow,
+    V2ProgramReplace,
     V2ReportOnly,
     audit,
     verdicts_from_rules,
@@ -140,6 +141,12 @@ def test_v2_cgroupfs_report_or_restart() -> None:
     (r,) = actions
     assert isinstance(r, RestartContainer) and r.kind == "restart-container"
     assert r.fields()["RUNTIME"] == "containerd"
+    # V2Remedy=inplace: exactly the denied GPU node, in the container's own cgroup
+    _, actions = audit([c], {c.key: ent}, access, inplace_on_v2=True, restart_on_v2=True)
+    (p,) = actions
+    assert isinstance(p, V2ProgramReplace) and p.kind == "v2-program-replace"
+    assert p.cgroup_dir.endswith(CID)
+    assert p.numbers == tuple(n.numbers for n in HOST if n.role == "gpu" and n in ent.nodes)
 
 
 def test_v2_systemd_uses_unit() -> None:

@@ -229,10 +229,13 @@ class DevicesConfig:
     )
     v2_remedy: str = _key(
         "V2Remedy",
-        Choice("report", "restart-container"),
-        "report",
-        "On cgroup v2, where access cannot be amended in place: only report affected "
-        "containers, or restart them so they get their devices back.",
+        Choice("report", "inplace", "restart-container"),
+        "inplace",
+        "On cgroup v2 without a systemd scope (cgroupfs driver, or runc's own device "
+        "program): inplace: replace the container's device program with one admitting "
+        "its previous rules plus exactly the lost nodes (verified by a probe, the old "
+        "program kept on any failure); report: only report affected containers; "
+        "restart-container: restart them so they get their devices back.",
     )
 
 

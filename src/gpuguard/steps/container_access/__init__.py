@@ -23,7 +23,11 @@ from gpuguard.actuate.containers import ContainerStopper
 from gpuguard.conditions import Conditions, log_findings
 from gpuguard.model import Action, Outcome
 from gpuguard.paths import Root
-from gpuguard.steps.container_access.actuate import apply_allow, apply_device_allow
+from gpuguard.steps.container_access.actuate import (
+    apply_allow,
+    apply_device_allow,
+    apply_program_replace,
+)
 from gpuguard.steps.container_access.observe import AccessObserver, AccessView, _numbers_of
 from gpuguard.steps.container_access.reconcile import (
     FINDING_CONFLICT,
@@ -32,6 +36,7 @@ from gpuguard.steps.container_access.reconcile import (
     CgroupV1Allow,
     RestartContainer,
     UnitDeviceAllow,
+    V2ProgramReplace,
     V2ReportOnly,
     audit,
     unreadable_findings,
@@ -122,6 +127,7 @@ class ContainerAccessStep:
             view.access,
             device_rules=view.rules,
             restart_on_v2=cfg.devices.v2_remedy == "restart-container",
+            inplace_on_v2=cfg.devices.v2_remedy == "inplace",
             plugin_containers=view.plugin_containers,
         )
         findings += unreadable_findings(view.containers, view.broken)
@@ -159,7 +165,11 @@ class ContainerAccessStep:
             units += plan_durable(view, tuple(units), self.durable, links)
         outcomes += await asyncio.gather(*(self._unit(a, svc, systemd) for a in units))
         for a in actions:
-            if isinstance(a, (V2ReportOnly, RestartContainer)):
+            if isinstance(a, V2ProgramReplace):
+                outcomes.append(
+                    await asyncio.to_thread(apply_program_replace, a, svc.root, dry_run=svc.dry_run)
+                )
+            elif isinstance(a, (V2ReportOnly, RestartContainer)):
                 outcomes.append(await self._other(a, svc))
         for o in outcomes:
             svc.log.outcome(o)
@@ -208,8 +218,9 @@ class ContainerAccessStep:
             return Outcome(
                 a,
                 "declined",
-                "cgroup v2 without a systemd scope: gpuguard does not rewrite runc's device "
-                "program; recreate the container (V2Remedy=restart-container does it)",
+                "cgroup v2 without a systemd scope and V2Remedy=report: runc's device program "
+                "is left as it is; recreate the container (V2Remedy=inplace or "
+                "restart-container does it)",
             )
         assert isinstance(a, RestartContainer)
         # Never a restart loop: kubelet recreates the container, and if the new one is

@@ -1,6 +1,7 @@
-"""The container access step's writes: grants written to a v1 devices cgroup, and
-DeviceAllow= set on a container's systemd scope. Each honours dry-run and returns the
-Outcome the step journals (one entry per change, with the action's reason).
+"""The container access step's writes: grants written to a v1 devices cgroup,
+DeviceAllow= set on a container's systemd scope, and a v2 device program replaced. Each
+honours dry-run and returns the Outcome the step journals (one entry per change, with
+the action's reason).
 
 Control files are written with one write(2) per rule and without O_CREAT/O_TRUNC: the
 kernel parses each write as one rule (devcgroup_access_write), and cgroupfs files
@@ -18,7 +19,12 @@ from gpuguard.errors import GpuguardError
 from gpuguard.model import Outcome
 
 if TYPE_CHECKING:
-    from gpuguard.steps.container_access.reconcile import CgroupV1Allow, UnitDeviceAllow
+    from gpuguard.paths import Root
+    from gpuguard.steps.container_access.reconcile import (
+        CgroupV1Allow,
+        UnitDeviceAllow,
+        V2ProgramReplace,
+    )
     from gpuguard.systemd import Systemd
 
 
@@ -86,3 +92,24 @@ async def apply_device_allow(
     except SystemdError as e:
         return Outcome(a, "failed", str(e))
     return Outcome(a, "done", "DeviceAllow=" + " ".join(d for d, _ in a.devices))
+
+
+def apply_program_replace(a: V2ProgramReplace, root: Root, *, dry_run: bool) -> Outcome:
+    """V2Remedy=inplace: previous program + the lost nodes, checked by a probe of each
+    node from inside the cgroup. Blocking (bpf(2), probe forks): call from a thread."""
+    from gpuguard.actuate.bpf import BpfReplaceError, replace_device_program
+    from gpuguard.devices.probe import probe_open
+
+    cg = Path(a.cgroup_dir)
+    numbers = [(int(ma), int(mi)) for ma, mi in (n.split(":") for n in a.numbers)]
+
+    def verify() -> bool:
+        return all(probe_open(root.path(n), [cg]).verdict is True for n in a.nodes)
+
+    try:
+        r = replace_device_program(cg, numbers, verify, dry_run=dry_run)
+    except BpfReplaceError as e:
+        return Outcome(a, "failed", str(e))
+    except OSError as e:  # the old program is attached until the detach, which is last
+        return Outcome(a, "failed", f"{cg}: {e.strerror}; the old program stays")
+    return Outcome(a, "dry-run" if dry_run else "done", r.describe())

@@ -10,9 +10,11 @@ Actions re-grant exactly the entitled nodes that are denied, never anything else
   2-5 ms for 200 cgroups, but the next runc update / daemon-reload wipes it);
 - ``UnitDeviceAllow``: runtime ``DeviceAllow=/dev/char/MAJ:MIN rw`` on the container's
   systemd scope (durable across reloads; needs the /dev/char link to exist, F2);
-- ``V2ReportOnly`` / ``RestartContainer``: cgroupfs driver on cgroup v2, where the device
-  policy is a BPF program owned by runc that gpuguard does not rewrite; a restart is only
-  executed by the runtime actuator when the operator configured it.
+- ``V2ProgramReplace`` (``V2Remedy=inplace``): cgroup v2 without a systemd scope, where
+  the device policy is runc's BPF program: replace it with one admitting its previous
+  rules plus exactly these nodes (actuate/bpf.py);
+- ``V2ReportOnly`` / ``RestartContainer``: the same case with ``V2Remedy=report`` or
+  ``restart-container``; a restart is only executed when the operator configured it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ ACTION_V1_ALLOW = "cgroup-v1-allow"
 ACTION_UNIT_ALLOW = "unit-device-allow"
 ACTION_V2_REPORT = "v2-report-only"
 ACTION_RESTART = "restart-container"
+ACTION_V2_REPLACE = "v2-program-replace"
 
 CAUSE_REWRITE = "daemon-reload/reexec or CPU manager rewrote the cgroup"
 CAUSE_REWRITE_V2 = (
@@ -112,6 +115,20 @@ class V2ReportOnly(ContainerDeviceAction):
     @property
     def kind(self) -> str:
         return ACTION_V2_REPORT
+
+    def fields(self) -> Mapping[str, str]:
+        return {**super().fields(), "CGROUP": self.cgroup_dir}
+
+
+@dataclass(frozen=True)
+class V2ProgramReplace(ContainerDeviceAction):
+    """Replace the cgroup's device program: its previous rules + read/write on ``numbers``."""
+
+    cgroup_dir: str = ""
+
+    @property
+    def kind(self) -> str:
+        return ACTION_V2_REPLACE
 
     def fields(self) -> Mapping[str, str]:
         return {**super().fields(), "CGROUP": self.cgroup_dir}
@@ -240,6 +257,7 @@ def audit(
     *,
     device_rules: Optional[Mapping[str, DeviceRules]] = None,
     restart_on_v2: bool = False,
+    inplace_on_v2: bool = False,
     plugin_containers: AbstractSet[str] = frozenset(),
 ) -> tuple[tuple[Finding, ...], tuple[Action, ...]]:
     """Findings and actions for every GPU container.
@@ -248,7 +266,8 @@ def audit(
     True allowed, False denied, None / absent unknown (nothing is done on unknown);
     ``device_rules``: the parsed v1 devices.list per container_id, for cause heuristics;
     ``restart_on_v2``: propose RestartContainer instead of V2ReportOnly where no in-place
-    repair exists; ``plugin_containers``: IDs of device plugins' own containers, whose
+    repair exists; ``inplace_on_v2``: propose V2ProgramReplace there (wins over a restart);
+    ``plugin_containers``: IDs of device plugins' own containers, whose
     view of the host's nodes the device plugin step judges (and restarts them for)."""
     rules_by_id = device_rules or {}
     findings: list[Finding] = []
@@ -340,7 +359,20 @@ def audit(
             )
         elif c.cgroup_v1_devices is None:
             v2 = str(c.cgroup_v2) if c.cgroup_v2 is not None else ""
-            if restart_on_v2:
+            if inplace_on_v2 and v2:
+                actions.append(
+                    V2ProgramReplace(
+                        reason=f"cgroup v2 without a systemd unit: add {what} to its program",
+                        target=v2,
+                        cgroup_dir=v2,
+                        reconciler=RECONCILER,
+                        pod_uid=c.pod_uid,
+                        container_id=c.container_id,
+                        nodes=paths,
+                        numbers=numbers,
+                    )
+                )
+            elif restart_on_v2:
                 actions.append(
                     RestartContainer(
                         reason=f"cgroup v2 without a systemd unit: recreate to regain {what}",
