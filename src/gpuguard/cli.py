@@ -279,8 +279,11 @@ def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
     from gpuguard.inventory import load_inventory
 
     cfg = _config(args, root)
-    log = _log(args, cfg, root)
     k = cfg.kubelet
+    # kubelet's pre-start hook with a healthy, unchanged checkpoint says nothing to the
+    # journal: the event log (and its imports) only when something may be said.
+    fast = hook is not None and args.only == "checkpoint" and not cfg.warnings
+    log = None if fast else _log(args, cfg, root)
     if hook is not None:
         hook.start(root.path(k.checkpoint_path))
     try:
@@ -288,9 +291,9 @@ def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
     except NoDriverError as e:
         if hook is None:
             raise
-        return int(hook.skipped(log, e.message))
+        return int(hook.skipped(log or _log(args, cfg, root), e.message))
     memo_key = None
-    if hook is not None and args.only == "checkpoint":
+    if fast:
         # kubelet's pre-start hook: unchanged since the last verified healthy state?
         from gpuguard.steps.checkpoint import memo
 
@@ -301,6 +304,7 @@ def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
                 return _hook_unchanged(args, root, hook, inventory, k.checkpoint_path)
     from gpuguard.steps.checkpoint import CheckSettings, run_check
 
+    log = log or _log(args, cfg, root)
     settings = CheckSettings(
         checkpoint_path=k.checkpoint_path,
         resources=tuple(k.resources),
@@ -379,7 +383,9 @@ def _hook_result(hook: Any, report: Any, log: Any) -> None:
         hook.finish(kh.FAILED, report.result, report.exit_code)
 
 
-def _hook_unchanged(args: argparse.Namespace, root: Any, hook: Any, inventory: Any, path: str) -> int:
+def _hook_unchanged(
+    args: argparse.Namespace, root: Any, hook: Any, inventory: Any, path: str
+) -> int:
     """The hook's healthy fast path: the checkpoint's bytes and the GPUs are those a full
     check last found healthy, so that verdict stands; the hook's result is still written."""
     from gpuguard.steps.checkpoint.kubelet_hook import HEALTHY

@@ -29,9 +29,7 @@ FORMAT = 1
 
 def inventory_identity(inventory: Inventory) -> str:
     """sha256 of the GPUs' identities, in a canonical order: what the analysis reads."""
-    gpus = sorted(
-        (g.uuid, g.index, g.minor, sorted(m.uuid for m in g.mig)) for g in inventory.gpus
-    )
+    gpus = sorted((g.uuid, g.index, g.minor, sorted(m.uuid for m in g.mig)) for g in inventory.gpus)
     return hashlib.sha256(json.dumps(gpus).encode()).hexdigest()
 
 
