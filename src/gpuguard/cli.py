@@ -469,7 +469,21 @@ def cmd_status(args: argparse.Namespace) -> int:
     return exitcodes.FINDINGS if bad else exitcodes.OK
 
 
+# Optional backends the daemon's libraries load when they are installed and the daemon
+# never uses: dbus-next's GLib main loop (PyGObject, ~4 MB resident) next to the asyncio
+# one it uses, and asyncio's TLS (libssl, ~2 MB): D-Bus and the metrics endpoint are
+# plain sockets. Marked absent before the first import, the libraries take the
+# ImportError paths they have for hosts without them.
+UNUSED_IN_DAEMON = ("gi", "ssl")
+
+
+def _skip_unused_backends() -> None:
+    for name in UNUSED_IN_DAEMON:
+        sys.modules.setdefault(name, None)  # type: ignore[arg-type]
+
+
 def cmd_daemon(args: argparse.Namespace) -> int:
+    _skip_unused_backends()
     import asyncio
 
     from gpuguard.daemon import Daemon
