@@ -216,6 +216,28 @@ def test_cool_down_from_the_plugin_start_is_respected(node: Node) -> None:
     assert len(node.plugins_started) == 1
 
 
+def test_declined_for_cool_down_is_restarted_when_it_ends(node: Node) -> None:
+    """The boot case: uvm appears soon after the plugin started. The declined restart
+    asks for a pass at the end of the cool-down, the only thing that triggers it here."""
+    node.start_plugin()
+    node.add_uvm()
+    node.plugin_uvm = True
+    old_cid = node.plugin
+    svc, out = make_svc(node.root, cool_down=3.0)
+    step = make_step(node)
+    ctx = asyncio.run(run_pass(step, svc, node))
+    assert ctx.outcomes[0].status == "declined" and len(node.plugins_started) == 1
+    ((after, names, why),) = ctx.followups
+    assert names == {"device_plugin"} and 0 < after <= 3.2
+    time.sleep(after)  # as the daemon's timer would
+    ctx = asyncio.run(run_with_kubelet(step, svc, node.play_kubelet, f"follow-up: {why}"))
+    (o,) = ctx.outcomes
+    assert o.status == "done", o.detail
+    assert journal(out, "plugin-restarted")[0]["CONTAINER_ID"] == old_cid
+    assert journal(out, "plugin-recovered") and len(node.plugins_started) == 2
+    assert ctx.followups == []
+
+
 def access_root(node: Node, pids: list[int]) -> Path:
     """The same node for the container_access step: its kubepods tree at the top of the
     devices hierarchy (as kubelet lays it out), the driver registered in /proc/devices,

@@ -231,6 +231,10 @@ class Ctx:
     work: Work = field(default_factory=lambda: Work(frozenset({"device_plugin"}), ("test",), 0, 0))
     findings: list[Finding] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)
+    followups: list[tuple[float, frozenset[str], str]] = field(default_factory=list)
+
+    def recheck(self, after: float, reconcilers: frozenset[str], why: str) -> None:
+        self.followups.append((after, reconcilers, why))  # as PassContext.recheck
 
 
 class FakeRestarter(PluginRestarter):

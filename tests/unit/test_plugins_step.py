@@ -40,6 +40,10 @@ class Ctx:
     work: Work = field(default_factory=lambda: Work(frozenset({"device_plugin"}), ("test",), 0, 0))
     findings: list[Finding] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)
+    followups: list[tuple[float, frozenset[str], str]] = field(default_factory=list)
+
+    def recheck(self, after: float, reconcilers: frozenset[str], why: str) -> None:
+        self.followups.append((after, reconcilers, why))  # as PassContext.recheck
 
 
 class FakeRestarter(PluginRestarter):
@@ -136,6 +140,33 @@ def test_cool_down_counts_from_the_plugin_start(tmp_path: Path, verdict: dict[st
     clock.t += 2
     run(s, svc)
     assert len(r.calls) == 1
+
+
+def test_cool_down_end_is_asked_for_and_the_budget_still_holds(
+    tmp_path: Path, verdict: dict[str, str]
+) -> None:
+    verdict["status"] = "still-stale"  # the restarted plugin comes back without uvm too
+    svc, out = make(tmp_path, cool_down=300.0, max_restarts_per_hour=1)
+    r, clock = FakeRestarter(), Clock()
+    s = Step(clock, r)
+    s.start = clock.t - 120  # uvm loaded soon after the plugin started: the boot case
+    ctx = run(s, svc)
+    assert r.calls == [] and ctx.outcomes[0].status == "declined"
+    ((after, names, why),) = ctx.followups
+    assert after == pytest.approx(180.2) and names == {"device_plugin"} and "cool-down" in why
+    clock.t += after  # the follow-up pass, at the moment the cool-down ends
+    ctx = run(s, svc)
+    assert len(r.calls) == 1 and ctx.followups == []
+    s.start = clock.t + 5  # the restarted plugin, still stale, is in its own cool-down
+    clock.t += 10
+    ctx = run(s, svc)
+    assert len(r.calls) == 1 and ctx.outcomes[-1].status == "declined"
+    (again,) = [f for f in ctx.followups if "cool-down" in f[2]]
+    clock.t += again[0]  # its cool-down over: the hourly budget (1) declines it now
+    ctx = run(s, svc)
+    assert len(r.calls) == 1 and ctx.outcomes[-1].status == "declined"
+    assert entries(out, "plugin-restart-declined")[-1]["REASON"] == "budget"
+    assert not [f for f in ctx.followups if "cool-down" in f[2]]  # nothing more asked for
 
 
 def test_budget_per_hour_then_declined_and_persisted(

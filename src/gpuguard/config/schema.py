@@ -257,7 +257,8 @@ class DevicePluginConfig:
         TimeSpan(0.0),
         "5min",
         "The least time between two restarts of the device plugin, counted from "
-        "when it last started.",
+        "when it last started. A restart declined for it is made when it ends "
+        "(MaxRestartsPerHour still applies).",
     )
     max_restarts_per_hour: int = _key(
         "MaxRestartsPerHour",

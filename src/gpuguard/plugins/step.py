@@ -359,6 +359,14 @@ class DevicePluginStep:
             why = ("dry-run", f"dry run: would restart it via {restarter.plan(a.process)}")
         if why is not None:
             code, sentence = why
+            if code == "cool-down":
+                # Nothing else announces the end of the cool-down: ask for that pass
+                # (the budget and back-off are checked again then).
+                ctx.recheck(
+                    a.process.start + cfg.cool_down - now + 0.2,
+                    frozenset({RECONCILER}),
+                    "device plugin cool-down over",
+                )
             level = "info" if st.declined == code else "notice"
             st.declined = code
             self._journal(

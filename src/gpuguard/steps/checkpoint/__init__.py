@@ -18,22 +18,29 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from gpuguard import exitcodes
 from gpuguard.errors import BadInputError, GpuguardError, KubeletError
-from gpuguard.inventory import Inventory
-from gpuguard.log import EventLog
-from gpuguard.model import Finding
 from gpuguard.paths import DROPPED_ENTRIES_FILE, Root
-from gpuguard.snapshot import HostSnapshot
-from gpuguard.steps.checkpoint import reconcile as ckpt
-from gpuguard.steps.checkpoint.actuate import CheckpointActuator
-from gpuguard.steps.checkpoint.kubelet import coordinate
-from gpuguard.steps.checkpoint.observe import kubelet_pids
-from gpuguard.steps.checkpoint.report import CheckReport, CheckSettings, apply_repair
 
 if TYPE_CHECKING:  # dbus-next costs import time; a healthy node never needs it
+    from gpuguard.inventory import Inventory
+    from gpuguard.log import EventLog
     from gpuguard.passes import PassContext, Services
+    from gpuguard.snapshot import HostSnapshot
+    from gpuguard.steps.checkpoint.actuate import CheckpointActuator
+    from gpuguard.steps.checkpoint.report import CheckReport, CheckSettings
     from gpuguard.systemd import Systemd
 
 __all__ = ["CheckReport", "CheckSettings", "CheckpointStep", "check_checkpoint", "run_check"]
+
+
+def __getattr__(name: str) -> object:
+    # Loaded on first use: kubelet's pre-start hook imports this package for its
+    # submodules (kubelet_hook, memo), and on an unchanged healthy node needs nothing
+    # else from it.
+    if name in ("CheckReport", "CheckSettings"):
+        from gpuguard.steps.checkpoint import report
+
+        return getattr(report, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def run_check(
@@ -49,6 +56,8 @@ def run_check(
     if actuator is None:
         return report
     import asyncio
+
+    from gpuguard.steps.checkpoint.kubelet import coordinate
 
     return asyncio.run(coordinate(root, s, report, actuator, log, None, inventory))
 
@@ -67,6 +76,8 @@ async def check_checkpoint(
     report, actuator = analyse_checkpoint(root, inventory, s, log, snapshot)
     if actuator is None:
         return report
+    from gpuguard.steps.checkpoint.kubelet import coordinate
+
     return await coordinate(root, s, report, actuator, log, systemd, inventory, on_restart)
 
 
@@ -80,6 +91,12 @@ def analyse_checkpoint(
     """Read and analyse the checkpoint (from the pass's `snapshot`, so every step decides
     from the same read); the actuator comes back only when a repair that needs kubelet
     stopped is planned (the report is final otherwise)."""
+    from gpuguard.snapshot import HostSnapshot
+    from gpuguard.steps.checkpoint import reconcile as ckpt
+    from gpuguard.steps.checkpoint.actuate import CheckpointActuator
+    from gpuguard.steps.checkpoint.observe import kubelet_pids
+    from gpuguard.steps.checkpoint.report import CheckReport, apply_repair
+
     path = root.path(s.checkpoint_path)
     report = CheckReport(checkpoint=str(path), inventory=inventory.to_json())
     snap = snapshot or HostSnapshot(root, s.checkpoint_path)
@@ -151,6 +168,10 @@ class CheckpointStep:
         self.last_restart = self.clock()
 
     async def __call__(self, svc: Services, ctx: PassContext) -> None:
+        from gpuguard.model import Finding
+        from gpuguard.steps.checkpoint import reconcile as ckpt
+        from gpuguard.steps.checkpoint.report import CheckSettings
+
         inventory = await ctx.inventory()
         if inventory is None:
             return

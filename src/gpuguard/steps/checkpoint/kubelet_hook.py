@@ -20,19 +20,18 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import secrets
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from gpuguard.actuate.files import write_new
-from gpuguard.checkpoint import read_checkpoint
-from gpuguard.errors import BadInputError
-from gpuguard.inventory import Inventory
-from gpuguard.log import EventLog
 from gpuguard.paths import Root
-from gpuguard.steps.checkpoint import reconcile as ckpt
+from gpuguard.steps.registry import CHECKPOINT
+
+if TYPE_CHECKING:  # the hook's healthy path parses and analyses nothing
+    from gpuguard.inventory import Inventory
+    from gpuguard.log import EventLog
 
 REQUEST = "/run/gpuguard/kubelet-hook.request"
 RESULT = "/run/gpuguard/kubelet-hook.result"
@@ -61,6 +60,8 @@ class HookResult:
 
 
 def new_token() -> str:
+    import secrets  # only the caller that restarts kubelet needs one
+
     return secrets.token_hex(16)
 
 
@@ -176,6 +177,10 @@ def verify(
 ) -> Verdict:
     """Read the hook's result and re-analyse the checkpoint as it is after the restart,
     with the inventory the repair was planned with."""
+    from gpuguard.checkpoint import read_checkpoint
+    from gpuguard.errors import BadInputError
+    from gpuguard.steps.checkpoint import reconcile as ckpt
+
     path = root.path(checkpoint_path)
     stale: Optional[int] = 0
     error = ""
@@ -226,6 +231,6 @@ class HookRun:
             "kubelet-hook-skipped",
             f"kubelet pre-start: {why}; nothing to do",
             level="debug" if repeated else "notice",
-            fields={"GPUGUARD_RECONCILER": ckpt.NAME},
+            fields={"GPUGUARD_RECONCILER": CHECKPOINT},
         )
         return self.finish(SKIPPED, why, 0)
