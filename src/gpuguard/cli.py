@@ -224,7 +224,7 @@ def _log(args: argparse.Namespace, cfg: Any = None, root: Any = None) -> Any:
         force_json=_opt(args, "log_json", False),
         root=root.prefix if root is not None else Path("/"),
     )
-    log.route_modules()  # devices/, plugins/ ... log through it, debug included
+    log.route_modules()  # devices/, steps/ ... log through it, debug included
     for warning in cfg.warnings if cfg is not None else ():
         log.warning(warning)  # a deprecated key, still read
     return log

@@ -19,12 +19,12 @@ from gpuguard.devices.rules import DeviceRules, parse_devices_list
 from gpuguard.errors import GpuguardError
 from gpuguard.inventory import Inventory
 from gpuguard.paths import DEVICE_PLUGINS_DIR, Root
-from gpuguard.plugins.discover import discover_plugins
 from gpuguard.safeio import CGROUP_MAX, UnsafeFileError, read_kernel_text
 from gpuguard.steps.container_access.reconcile import (
     AccessKey,
     verdicts_from_rules,
 )
+from gpuguard.steps.device_plugin.observe import discover_plugins
 
 if TYPE_CHECKING:
     from gpuguard.snapshot import HostSnapshot

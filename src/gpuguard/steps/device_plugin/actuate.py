@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from gpuguard.actuate.containers import ContainerStopper
 from gpuguard.paths import Root
-from gpuguard.plugins.discover import (
+from gpuguard.steps.device_plugin.observe import (
     NodeInfo,
     PluginInfo,
     ProcessInfo,
@@ -34,7 +34,7 @@ from gpuguard.plugins.discover import (
     list_nodes,
     still_running,
 )
-from gpuguard.plugins.health import RestartPlugin, view_gaps
+from gpuguard.steps.device_plugin.reconcile import RestartPlugin, view_gaps
 
 if TYPE_CHECKING:
     from gpuguard.config import RuntimeConfig
