@@ -11,8 +11,6 @@ from gpuguard.devices.containers import ContainerCgroup, detect_layout, discover
 from gpuguard.devices.entitlement import Entitlement, read_entitlement, unreadable_entitlement
 from gpuguard.devices.nodes import (
     list_nvidia_nodes,
-    nvidia_majors,
-    read_proc_devices,
 )
 from gpuguard.devices.probe import probe_open
 from gpuguard.devices.rules import DeviceRules, parse_devices_list
@@ -111,7 +109,7 @@ class AccessObserver:
     ) -> Optional[AccessView]:
         """Entitlements are judged against the pass's snapshot of the checkpoint (and the
         entries gpuguard dropped from it), never a re-read made after a step acted."""
-        majors = nvidia_majors(read_proc_devices(root))
+        majors = snapshot.majors
         if majors.nvidia is None:
             return None  # driver not loaded: no GPU node can be granted
         containers = discover_containers(root, detect_layout(root))
