@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "src"))
 
-from gpuguard.plugins.health import assess  # noqa: E402
+from gpuguard.steps.device_plugin.reconcile import assess  # noqa: E402
 from integration.harness.containerd import PrivateContainerd  # noqa: E402
 from integration.test_device_plugin import (  # noqa: E402
     Node,

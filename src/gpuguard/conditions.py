@@ -11,12 +11,14 @@ kept for the process's life; a one-shot command starts empty, so it reports ever
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional
+from typing import Collection, Iterable, Mapping, Optional
 
 from gpuguard.log import EventLog
 from gpuguard.model import Finding
 
 Key = tuple[str, ...]
+# A finding as logged: its key and its summary (a changed summary is a new finding).
+FindingId = tuple[Key, str]
 
 CLEARED_KIND = "condition-cleared"
 
@@ -66,16 +68,28 @@ def finding_key(f: Finding) -> Key:
     )
 
 
+def finding_id(f: Finding) -> FindingId:
+    """A finding as logged: its key and what it says."""
+    return (finding_key(f), f.summary)
+
+
 def log_findings(
-    log: EventLog, conditions: Conditions, scope: str, findings: Iterable[Finding]
+    log: EventLog,
+    conditions: Conditions,
+    scope: str,
+    findings: Iterable[Finding],
+    *,
+    already: Collection[FindingId] = (),
 ) -> None:
     """Log the findings that are new or changed since the last call for `scope`, and one
-    entry for each earlier one that no longer holds."""
+    entry for each earlier one that no longer holds. `already`: findings this pass has
+    logged before (the container access fast path), recorded but not logged again."""
     by_key = {finding_key(f): f for f in findings}
     states = {k: f"{f.severity}: {f.summary}" for k, f in by_key.items()}
     for t in conditions.update(scope, states):
         if t.state is not None:
-            log.finding(by_key[t.key])
+            if finding_id(by_key[t.key]) not in already:
+                log.finding(by_key[t.key])
             continue
         kind, subject, device, pod = t.key
         was = (t.previous or "").split(": ", 1)[-1]

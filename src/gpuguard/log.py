@@ -134,7 +134,7 @@ class EventLog:
 
     def route_modules(self, package: str = "gpuguard") -> None:
         """Send every module logger under `package` (``logging.getLogger(__name__)`` in
-        devices/, plugins/, ...) to this log, at its level: their debug lines reach the
+        devices/, steps/, ...) to this log, at its level: their debug lines reach the
         journal with LogLevel=debug instead of Python's last-resort handler."""
         logger = logging.getLogger(package)
         logger.handlers[:] = [_Bridge(self)]

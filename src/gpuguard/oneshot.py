@@ -54,7 +54,7 @@ async def run_device_steps(
     async def load() -> Optional[Inventory]:
         return inventory
 
-    # CHECK_ORDER's device steps; the checkpoint, last, is run_check's (cli.py).
+    # CHECK_ORDER's device steps; the checkpoint, last, is run_check's (cli/check.py).
     steps = build_steps([s for s in STEPS if s.name in CHECK_ORDER and s.name != CHECKPOINT])
     now = time.monotonic()
     ctx = PassContext(

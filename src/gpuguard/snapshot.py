@@ -24,6 +24,7 @@ from functools import cached_property
 from typing import Mapping, Optional, Union
 
 from gpuguard.checkpoint import Loaded, dropped, load
+from gpuguard.devices.nodes import NvidiaMajors, nvidia_majors, read_proc_devices
 from gpuguard.errors import BadInputError
 from gpuguard.paths import DROPPED_ENTRIES_FILE, Root
 
@@ -70,3 +71,9 @@ class HostSnapshot:
         c = self._checkpoint
         entries = c.checkpoint.entries or () if isinstance(c, Loaded) else ()
         return dropped.pod_device_ids(entries, self.dropped_entries[0])
+
+    @cached_property
+    def majors(self) -> NvidiaMajors:
+        """The NVIDIA majors of /proc/devices, parsed once for every step of the pass (a
+        module loaded since is the next pass's: its udev event marks one)."""
+        return nvidia_majors(read_proc_devices(self.root))

@@ -18,7 +18,7 @@ from gpuguard.log import EventLog
 from gpuguard.oneshot import OneShotServices
 from gpuguard.passes import PassContext, Work
 from gpuguard.paths import Root
-from gpuguard.plugins.step import DevicePluginStep
+from gpuguard.steps.device_plugin import DevicePluginStep
 from integration.harness.containerd import PrivateContainerd
 
 DP = "/var/lib/kubelet/device-plugins"

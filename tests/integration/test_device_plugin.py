@@ -34,8 +34,8 @@ import pytest
 from conftest import require_root, require_tool
 from gpuguard.oneshot import OneShotServices
 from gpuguard.passes import PassContext
-from gpuguard.plugins.restart import PluginRestarter
-from gpuguard.plugins.step import DevicePluginStep
+from gpuguard.steps.device_plugin import DevicePluginStep
+from gpuguard.steps.device_plugin.actuate import PluginRestarter
 from integration.harness.containerd import SOCKET_SERVER, PrivateContainerd
 from integration.plugin_node import (
     DP,

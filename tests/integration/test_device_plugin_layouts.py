@@ -29,9 +29,9 @@ import pytest
 
 from conftest import require_tool
 from gpuguard.paths import Root
-from gpuguard.plugins.discover import process_info
-from gpuguard.plugins.restart import PluginRestarter
-from gpuguard.plugins.step import DevicePluginStep
+from gpuguard.steps.device_plugin import DevicePluginStep
+from gpuguard.steps.device_plugin.actuate import PluginRestarter
+from gpuguard.steps.device_plugin.observe import process_info
 from integration.gpuguard_ns import wait_for
 from integration.harness import SystemdNamespace
 from integration.harness import layout as layout

@@ -38,10 +38,14 @@ from conftest import require_root, require_tool
 from gpuguard.oneshot import OneShotServices
 from gpuguard.passes import PassContext
 from gpuguard.paths import Root
-from gpuguard.plugins import nvml_probe
-from gpuguard.plugins.nvml_probe import NVML_LIBRARY, NvmlResult, plugin_cgroup_dirs, probe_nvml
-from gpuguard.plugins.restart import PluginRestarter
-from gpuguard.plugins.step import DevicePluginStep
+from gpuguard.steps.device_plugin import DevicePluginStep, nvml_probe
+from gpuguard.steps.device_plugin.actuate import PluginRestarter
+from gpuguard.steps.device_plugin.nvml_probe import (
+    NVML_LIBRARY,
+    NvmlResult,
+    plugin_cgroup_dirs,
+    probe_nvml,
+)
 from integration.harness.containerd import SOCKET_SERVER, PrivateContainerd
 from integration.plugin_node import (
     DP,

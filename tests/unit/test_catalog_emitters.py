@@ -28,9 +28,9 @@ from gpuguard.model import Finding
 from gpuguard.notify import Notifier
 from gpuguard.passes import PassContext, Work
 from gpuguard.paths import Root
-from gpuguard.plugins.health import assess
 from gpuguard.steps.checkpoint.actuate import CheckpointActuator
 from gpuguard.steps.checkpoint.reconcile import DeleteCheckpoint, RewriteCheckpoint, sha256
+from gpuguard.steps.device_plugin.reconcile import assess
 from unit.test_container_findings import ALL_ALLOWED, OLD_UVM, _audit, _ent
 from unit.test_devices_audit import CTL, GPU0, RUNC_LIST
 from unit.test_plugins_nvml import GPU, NO_NS, UNKNOWN, observation, plugin
@@ -115,7 +115,7 @@ def gpu_count() -> Entries:
 def plugin_restarts() -> Entries:
     """plugin-restarted / -declined come from DevicePluginStep._journal: the same fields
     as the step passes them (the action's, plus METHOD or REASON)."""
-    from gpuguard.plugins.step import DevicePluginStep
+    from gpuguard.steps.device_plugin import DevicePluginStep
 
     (a,) = assess(observation(plugin(dev=())), registration_grace=120).actions
 

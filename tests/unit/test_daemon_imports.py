@@ -10,7 +10,7 @@ from conftest import REPO
 
 PROBE = """
 import sys
-from gpuguard import cli
+from gpuguard.cli import daemon as cli
 cli._skip_unused_backends()
 import asyncio
 import dbus_next
@@ -39,6 +39,6 @@ def test_daemon_imports_leave_glib_and_ssl_unloaded() -> None:
 
 
 def cli_unused() -> tuple[str, ...]:
-    from gpuguard import cli
+    from gpuguard.cli import daemon as cli
 
     return cli.UNUSED_IN_DAEMON

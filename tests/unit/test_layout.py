@@ -1,9 +1,8 @@
 """The shape of the code: one home per step, and pure reconcilers.
 
-Every step of the registry lives in `steps/<name>/` (the device plugin step excepted:
-`plugins/` is its package). A reconcile module decides from what it is given: it
-imports no `os`, no `subprocess`, no actuator, no D-Bus client and no `commands`
-(checked on the source with `ast`, so a lazy import inside a function counts too).
+Every step of the registry lives in `steps/<name>/`. A reconcile module decides from
+what it is given: it imports no `os`, no `subprocess`, no actuator, no D-Bus client and
+no `commands` (checked on the source with `ast`, so a lazy import inside a function counts too).
 """
 
 from __future__ import annotations
@@ -54,9 +53,6 @@ def reconcile_modules() -> list[Path]:
 def test_every_step_of_the_registry_has_its_package() -> None:
     for spec in registry.STEPS:
         module = spec.load.partition(":")[0]
-        if spec.name == registry.DEVICE_PLUGIN:
-            assert module.startswith("gpuguard.plugins.")
-            continue
         assert module == f"gpuguard.steps.{spec.name}", spec
         assert (SRC / "steps" / spec.name / "__init__.py").is_file()
         assert (SRC / "steps" / spec.name / "reconcile.py").is_file()
@@ -64,7 +60,7 @@ def test_every_step_of_the_registry_has_its_package() -> None:
 
 def test_the_reconcile_modules_are_found() -> None:
     names = {p.parent.name for p in reconcile_modules()}
-    assert names >= {"container_access", "checkpoint", "device_nodes", "gpu_count"}
+    assert names >= {"container_access", "checkpoint", "device_nodes", "device_plugin", "gpu_count"}
 
 
 @pytest.mark.parametrize("path", reconcile_modules(), ids=lambda p: str(p.relative_to(SRC)))

@@ -1,4 +1,4 @@
-"""Module loggers (``logging.getLogger(__name__)`` in devices/, plugins/ ...) reach the
+"""Module loggers (``logging.getLogger(__name__)`` in devices/, steps/ ...) reach the
 event log: their debug lines at LogLevel=debug, nothing below it, and a SIGHUP's new
 level applies to them too."""
 

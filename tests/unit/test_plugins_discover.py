@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from gpuguard.paths import Root
-from gpuguard.plugins import discover
-from gpuguard.plugins.discover import (
+from gpuguard.steps.device_plugin import observe as discover
+from gpuguard.steps.device_plugin.observe import (
     container_init_pid,
     discover_plugins,
     kubelet_started,

@@ -8,7 +8,7 @@ from typing import Optional
 import pytest
 
 from gpuguard.paths import Root
-from gpuguard.plugins.discover import (
+from gpuguard.steps.device_plugin.observe import (
     ContainerDev,
     NodeInfo,
     PluginInfo,
@@ -18,7 +18,7 @@ from gpuguard.plugins.discover import (
     process_info,
     resource_for_socket,
 )
-from gpuguard.plugins.health import (
+from gpuguard.steps.device_plugin.reconcile import (
     CAUSE_STALE,
     CAUSE_UNREGISTERED,
     K_CONTAINER_NO_UVM,

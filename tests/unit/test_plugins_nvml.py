@@ -14,16 +14,29 @@ from typing import Any, Optional
 
 import pytest
 
+import gpuguard.steps.device_plugin as step_mod
 from gpuguard.config import Config, DevicePluginConfig
 from gpuguard.log import EventLog
 from gpuguard.model import Finding, Outcome
 from gpuguard.oneshot import OneShotServices
 from gpuguard.passes import Work
 from gpuguard.paths import Root
-from gpuguard.plugins import nvml_probe
-from gpuguard.plugins import step as step_mod
-from gpuguard.plugins.discover import NodeInfo, PluginInfo, PluginObservation, ProcessInfo
-from gpuguard.plugins.health import (
+from gpuguard.steps.device_plugin import DevicePluginStep, nvml_probe
+from gpuguard.steps.device_plugin.actuate import PluginRestarter, RestartResult, Verification
+from gpuguard.steps.device_plugin.nvml_probe import (
+    NVML_LIBRARY,
+    NvmlResult,
+    library_candidates,
+    plugin_cgroup_dirs,
+    probe_nvml,
+)
+from gpuguard.steps.device_plugin.observe import (
+    NodeInfo,
+    PluginInfo,
+    PluginObservation,
+    ProcessInfo,
+)
+from gpuguard.steps.device_plugin.reconcile import (
     CAUSE_NVML,
     CAUSE_STALE,
     K_MISSING_DEVICE,
@@ -32,15 +45,6 @@ from gpuguard.plugins.health import (
     RestartPlugin,
     assess,
 )
-from gpuguard.plugins.nvml_probe import (
-    NVML_LIBRARY,
-    NvmlResult,
-    library_candidates,
-    plugin_cgroup_dirs,
-    probe_nvml,
-)
-from gpuguard.plugins.restart import PluginRestarter, RestartResult, Verification
-from gpuguard.plugins.step import DevicePluginStep
 
 T0 = 1_700_000_000.0
 CID = "c" * 64

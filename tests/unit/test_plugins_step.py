@@ -13,17 +13,22 @@ from typing import Any, Optional
 
 import pytest
 
+import gpuguard.steps.device_plugin as step_mod
 from gpuguard.config import Config, DevicePluginConfig
 from gpuguard.log import EventLog
 from gpuguard.model import Finding, Outcome
 from gpuguard.oneshot import OneShotServices
 from gpuguard.passes import Work
 from gpuguard.paths import Root
-from gpuguard.plugins import step as step_mod
-from gpuguard.plugins.discover import NodeInfo, PluginInfo, PluginObservation, ProcessInfo
-from gpuguard.plugins.health import RestartPlugin
-from gpuguard.plugins.restart import PluginRestarter, RestartResult, Verification
-from gpuguard.plugins.step import DevicePluginStep
+from gpuguard.steps.device_plugin import DevicePluginStep
+from gpuguard.steps.device_plugin.actuate import PluginRestarter, RestartResult, Verification
+from gpuguard.steps.device_plugin.observe import (
+    NodeInfo,
+    PluginInfo,
+    PluginObservation,
+    ProcessInfo,
+)
+from gpuguard.steps.device_plugin.reconcile import RestartPlugin
 
 T0 = 1_700_000_000.0
 CID = "a" * 64

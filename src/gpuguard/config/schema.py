@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, ClassVar, Dict, List, Mapping, Tuple
 
+from gpuguard.config.keyspec import DEFAULT_ORIGIN as DEFAULT_ORIGIN
+from gpuguard.config.keyspec import SEE_ALSO as SEE_ALSO
+from gpuguard.config.keyspec import KeySpec as KeySpec
+from gpuguard.config.keyspec import _key, _KeyMeta
 from gpuguard.config.types import (
     AbsPath,
     Bool,
@@ -19,43 +23,7 @@ from gpuguard.config.types import (
     ServiceUnit,
     SpaceList,
     TimeSpan,
-    ValueType,
 )
-
-SEE_ALSO = "(see gpuguard.conf(5))"
-DEFAULT_ORIGIN = "default"
-
-
-@dataclass(frozen=True)
-class _KeyMeta:
-    key: str
-    type: ValueType
-    default_text: str
-    doc: str
-
-
-@dataclass(frozen=True)
-class KeySpec:
-    """One configuration key: where it lives, how it parses, its default and meaning."""
-
-    section: str
-    key: str
-    attr: str  # the attribute of the section dataclass
-    type: ValueType
-    default_text: str  # the default as it is written in a config file
-    default: Any
-    doc: str
-
-
-def _key(key: str, vtype: ValueType, default_text: str, doc: str) -> Any:
-    """A section dataclass field whose default is parsed from its text form.
-
-    Parsing the default (at import) proves each default is itself a valid setting and
-    makes the text in docs/the shipped file the single source of the value.
-    """
-    default = vtype.parse(default_text) if default_text or not vtype.empty_resets else None
-    meta = {"gpuguard": _KeyMeta(key, vtype, default_text, doc)}
-    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)

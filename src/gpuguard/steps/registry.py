@@ -48,7 +48,7 @@ STEPS: tuple[StepSpec, ...] = (
              "so durable grants follow at once"),
     StepSpec(CHECKPOINT, "gpuguard.steps.checkpoint:CheckpointStep",
              "may restart kubelet, so after the urgent device repairs"),
-    StepSpec(DEVICE_PLUGIN, "gpuguard.plugins.step:DevicePluginStep",
+    StepSpec(DEVICE_PLUGIN, "gpuguard.steps.device_plugin:DevicePluginStep",
              "judges the plugins once nodes and the checkpoint are repaired"),
     StepSpec(GPU_COUNT, "gpuguard.steps.gpu_count:GpuCountStep",
              "last, report only: it judges what the plugins' repairs left"),

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
 from gpuguard import exitcodes
+from gpuguard.actuate.units import run_job
 from gpuguard.errors import KubeletError
 from gpuguard.inventory import Inventory
 from gpuguard.log import EventLog
@@ -99,8 +100,6 @@ async def _coordinated(
 async def _restart_with_hook(
     k: _Kubelet, systemd: Systemd, s: CheckSettings, report: CheckReport, log: EventLog
 ) -> CheckReport:
-    from gpuguard.systemd import SystemdError
-
     report.coordination = (
         f"restart {s.kubelet_unit} through systemd; its ExecStartPre= hook repairs the file "
         "between stop and start"
@@ -120,10 +119,8 @@ async def _restart_with_hook(
         ) from None
     k.on_restart()
     try:
-        try:
-            result = await systemd.restart_unit(s.kubelet_unit)
-        except SystemdError as e:
-            result = f"failed: {e}"
+        job = await run_job(systemd, "restart", s.kubelet_unit)
+        result = f"failed: {job.error}" if job.error else job.result
         _log_kubelet(
             log,
             s,
@@ -174,30 +171,21 @@ async def _stop_repair_start(
     actuator: CheckpointActuator,
     log: EventLog,
 ) -> CheckReport:
-    from gpuguard.systemd import SystemdError
-
     report.coordination = (
         f"the gpuguard drop-in is not active for {s.kubelet_unit}: stop it, repair, start it"
     )
     if s.dry_run:
         return apply_repair(report, actuator, s)
     k.on_restart()
-    try:
-        result = await systemd.stop_unit(s.kubelet_unit)
-        if result != "done":
-            raise SystemdError(f"stop job ended with '{result}'")
-    except SystemdError as e:
-        _coordination_failed(log, s, str(e))
-        raise KubeletError(
-            f"{report.checkpoint}: not repaired: stopping kubelet failed: {e}"
-        ) from None
+    stop = await run_job(systemd, "stop", s.kubelet_unit)
+    if not stop.ok:
+        why = stop.error or f"stop job ended with '{stop.result}'"
+        _coordination_failed(log, s, why)
+        raise KubeletError(f"{report.checkpoint}: not repaired: stopping kubelet failed: {why}")
     try:
         apply_repair(report, actuator, s)
     finally:
-        try:
-            start = await systemd.start_unit(s.kubelet_unit)
-        except SystemdError as e:
-            start = str(e)
+        start = (await run_job(systemd, "start", s.kubelet_unit)).outcome
         _log_kubelet(
             log,
             s,

@@ -20,7 +20,7 @@ import time
 from typing import TYPE_CHECKING, AbstractSet, Callable, Mapping, Optional
 
 from gpuguard.actuate.containers import ContainerStopper
-from gpuguard.conditions import Conditions, log_findings
+from gpuguard.conditions import Conditions, FindingId, finding_id, log_findings
 from gpuguard.model import Action, Outcome
 from gpuguard.paths import Root
 from gpuguard.steps.container_access.actuate import (
@@ -107,8 +107,8 @@ class ContainerAccessStep:
 
     async def __call__(self, svc: Services, ctx: PassContext) -> None:
         cfg = svc.config
-        if cfg.devices.regrant:
-            self._fast_repair(svc, ctx)
+        # What the fast path logged is not logged again by the full pass: once per pass.
+        logged = self._fast_repair(svc, ctx) if cfg.devices.regrant else frozenset()
         snapshot = ctx.host(svc)
         # The GPUs are needed to judge conflicts: without them every GPU node in a
         # container's /dev would be entitled (the start-up pass used to run before any
@@ -137,12 +137,16 @@ class ContainerAccessStep:
         if cfg.devices.regrant:
             outcomes = [self._v1(a, svc) for a in actions if isinstance(a, CgroupV1Allow)]
         for f in findings:
-            if f.kind not in CONDITION_KINDS:
+            if f.kind not in CONDITION_KINDS and finding_id(f) not in logged:
                 svc.log.finding(f)
         log_findings(
-            svc.log, self.conditions, NAME, [f for f in findings if f.kind in CONDITION_KINDS]
+            svc.log,
+            self.conditions,
+            NAME,
+            [f for f in findings if f.kind in CONDITION_KINDS],
+            already=logged,
         )
-        ctx.findings += findings
+        ctx.findings += [f for f in findings if finding_id(f) not in logged]
         ctx.gauges["gpu_containers"] = sum(
             1 for e in view.entitlements.values() if e.is_gpu_container
         )
@@ -175,7 +179,7 @@ class ContainerAccessStep:
             svc.log.outcome(o)
         ctx.outcomes += outcomes
 
-    def _fast_repair(self, svc: Services, ctx: PassContext) -> None:
+    def _fast_repair(self, svc: Services, ctx: PassContext) -> frozenset[FindingId]:
         """Right after a daemon-reload every millisecond counts: re-check the v1 GPU
         containers the last pass knew and write their grants back before walking the
         tree, and before building the report (800 findings cost more than 200 writes).
@@ -191,7 +195,7 @@ class ContainerAccessStep:
             action = v1_allow(c, c.cgroup_v1_devices, denied)
             written[c.container_id] = self._v1(action, svc)
         if not written:
-            return
+            return frozenset()
         # The report: the same audit as a full pass (findings with their causes).
         findings, _ = audit(
             fast.containers, fast.entitlements, fast.access, device_rules=fast.rules
@@ -203,6 +207,7 @@ class ContainerAccessStep:
             svc.log.outcome(o)
         ctx.findings += findings
         ctx.outcomes += written.values()
+        return frozenset(finding_id(f) for f in findings)
 
     def _v1(self, a: CgroupV1Allow, svc: Services) -> Outcome:
         return apply_allow(a, dry_run=svc.dry_run)

@@ -11,20 +11,18 @@ from gpuguard.devices.containers import ContainerCgroup, detect_layout, discover
 from gpuguard.devices.entitlement import Entitlement, read_entitlement, unreadable_entitlement
 from gpuguard.devices.nodes import (
     list_nvidia_nodes,
-    nvidia_majors,
-    read_proc_devices,
 )
 from gpuguard.devices.probe import probe_open
 from gpuguard.devices.rules import DeviceRules, parse_devices_list
 from gpuguard.errors import GpuguardError
 from gpuguard.inventory import Inventory
 from gpuguard.paths import DEVICE_PLUGINS_DIR, Root
-from gpuguard.plugins.discover import discover_plugins
 from gpuguard.safeio import CGROUP_MAX, UnsafeFileError, read_kernel_text
 from gpuguard.steps.container_access.reconcile import (
     AccessKey,
     verdicts_from_rules,
 )
+from gpuguard.steps.device_plugin.observe import discover_plugins
 
 if TYPE_CHECKING:
     from gpuguard.snapshot import HostSnapshot
@@ -111,7 +109,7 @@ class AccessObserver:
     ) -> Optional[AccessView]:
         """Entitlements are judged against the pass's snapshot of the checkpoint (and the
         entries gpuguard dropped from it), never a re-read made after a step acted."""
-        majors = nvidia_majors(read_proc_devices(root))
+        majors = snapshot.majors
         if majors.nvidia is None:
             return None  # driver not loaded: no GPU node can be granted
         containers = discover_containers(root, detect_layout(root))

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from gpuguard.devices.nodes import (
     DeviceNode,
     LinkState,
+    NvidiaMajors,
     check_dev_char_links,
     expected_nodes,
     list_nvidia_nodes,
@@ -36,8 +37,12 @@ class NodesView:
     links: tuple[LinkState, ...]
 
 
-def observe_nodes(root: Root, inventory: Optional[Inventory]) -> NodesView:
-    majors = nvidia_majors(read_proc_devices(root))
+def observe_nodes(
+    root: Root, inventory: Optional[Inventory], majors: Optional[NvidiaMajors] = None
+) -> NodesView:
+    """`majors`: the pass's, from its host snapshot (None: read /proc/devices here)."""
+    if majors is None:
+        majors = nvidia_majors(read_proc_devices(root))
     if majors.nvidia is None or inventory is None:
         return NodesView(False, (), (), ())
     modules = read_loaded_modules(root)
@@ -73,7 +78,8 @@ class DeviceNodesStep:
     async def __call__(self, svc: Services, ctx: PassContext) -> None:
         inventory = await ctx.device_inventory()
         cfg = svc.config.devices
-        view = await asyncio.to_thread(observe_nodes, svc.root, inventory)
+        host = ctx.host(svc)  # /proc/devices read once for the pass's steps, in the thread
+        view = await asyncio.to_thread(lambda: observe_nodes(svc.root, inventory, host.majors))
         findings, actions = plan_nodes(
             view, create_nodes=cfg.create_nodes, create_links=cfg.create_char_links
         )

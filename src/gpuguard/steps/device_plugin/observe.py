@@ -40,16 +40,20 @@ from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
 from gpuguard.devices.containers import (
-    _CGROUPFS_CONTAINER,
-    _CGROUPFS_POD,
-    _RUNTIME,
-    _SYSTEMD_CONTAINER,
-    _SYSTEMD_POD,
     discover_containers,
 )
 from gpuguard.numparse import parse_decimal
 from gpuguard.paths import DEVICE_PLUGINS_DIR, Root
 from gpuguard.safeio import proc_text
+from gpuguard.steps.device_plugin.processes import ProcessInfo as ProcessInfo
+from gpuguard.steps.device_plugin.processes import _pids as _pids
+from gpuguard.steps.device_plugin.processes import boot_time as boot_time
+from gpuguard.steps.device_plugin.processes import classify_cgroup as classify_cgroup
+from gpuguard.steps.device_plugin.processes import container_init_pid as container_init_pid
+from gpuguard.steps.device_plugin.processes import process_info as process_info
+from gpuguard.steps.device_plugin.processes import process_start as process_start
+from gpuguard.steps.device_plugin.processes import read_cgroup as read_cgroup
+from gpuguard.steps.device_plugin.processes import still_running as still_running
 
 log = logging.getLogger(__name__)
 
@@ -92,58 +96,6 @@ class NodeInfo:
 
 
 @dataclass(frozen=True)
-class ProcessInfo:
-    pid: int
-    start: float  # wall-clock seconds
-    comm: str
-    kind: str  # "container" | "service" | "process"
-    container_id: str = ""
-    runtime: str = ""  # containerd | cri-o | docker | unknown
-    pod_uid: str = ""
-    unit: str = ""  # the systemd service of a host-service plugin
-    cgroup: str = ""
-
-    def describe(self) -> str:
-        if self.kind == "container":
-            return f"container {self.container_id[:13]} (pid {self.pid})"
-        if self.kind == "service":
-            return f"{self.unit} (pid {self.pid})"
-        return f"process {self.comm} (pid {self.pid})"
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "pid": self.pid,
-            "start": self.start,
-            "comm": self.comm,
-            "kind": self.kind,
-            "container_id": self.container_id,
-            "runtime": self.runtime,
-            "pod_uid": self.pod_uid,
-            "unit": self.unit,
-            "cgroup": self.cgroup,
-        }
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, object]) -> ProcessInfo:
-        def s(key: str) -> str:
-            v = d.get(key, "")
-            return v if isinstance(v, str) else ""
-
-        pid, start = d.get("pid", 0), d.get("start", 0.0)
-        return cls(
-            pid=int(pid) if isinstance(pid, (int, float)) else 0,
-            start=float(start) if isinstance(start, (int, float)) else 0.0,
-            comm=s("comm"),
-            kind=s("kind") or "process",
-            container_id=s("container_id"),
-            runtime=s("runtime"),
-            pod_uid=s("pod_uid"),
-            unit=s("unit"),
-            cgroup=s("cgroup"),
-        )
-
-
-@dataclass(frozen=True)
 class PluginInfo:
     socket: str  # host path of the socket
     resource: str
@@ -183,118 +135,6 @@ class PluginObservation:
     containers: tuple[ContainerDev, ...] = ()
     # identity -> the remembered plugin process, when it still runs (F4: its socket is gone)
     remembered: Mapping[str, Optional[ProcessInfo]] = field(default_factory=dict)
-
-
-# -- /proc readers -------------------------------------------------------------------
-
-
-def boot_time(root: Root) -> float:
-    try:
-        for line in proc_text(root.path("/proc/stat")).splitlines():
-            if line.startswith("btime "):
-                return float(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0.0
-
-
-_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def process_start(root: Root, pid: int, btime: Optional[float] = None) -> Optional[float]:
-    """Wall-clock start of ``pid`` (None: gone). Field 22 of /proc/<pid>/stat."""
-    try:
-        text = proc_text(root.path(f"/proc/{pid}/stat"))
-    except OSError:
-        return None
-    rest = text[text.rfind(")") + 2 :].split()
-    try:
-        ticks = int(rest[19])
-    except (IndexError, ValueError):
-        return None
-    return (boot_time(root) if btime is None else btime) + ticks / _CLK_TCK
-
-
-def _comm(root: Root, pid: int) -> str:
-    try:
-        return proc_text(root.path(f"/proc/{pid}/comm")).strip()
-    except OSError:
-        return ""
-
-
-def classify_cgroup(path: str) -> tuple[str, str, str, str, str]:
-    """(kind, container_id, runtime, pod_uid, unit) for a cgroup path.
-
-    Reuses devices.containers' kubepods patterns, wherever the kubepods tree sits
-    (kubelet's --cgroup-root); a ``*.service`` component outside a pod is a host
-    service (``system.slice/nvidia-device-plugin.service``)."""
-    parts = [p for p in path.split("/") if p]
-    pod = ""
-    for i, part in enumerate(parts):
-        m = _SYSTEMD_CONTAINER.match(part)
-        if m:
-            if i > 0:
-                pm = _SYSTEMD_POD.match(parts[i - 1])
-                pod = pm.group(1).replace("_", "-") if pm else ""
-            return ("container", m.group(2), _RUNTIME[m.group(1)], pod, "")
-        pm2 = _CGROUPFS_POD.match(part)
-        if pm2 and i + 1 < len(parts):
-            cm = _CGROUPFS_CONTAINER.match(parts[i + 1])
-            if cm:
-                rt = _RUNTIME[cm.group(1)] if cm.group(1) else "unknown"
-                return ("container", cm.group(2), rt, pm2.group(1), "")
-    for part in reversed(parts):
-        if part.endswith(".service"):
-            return ("service", "", "", "", part)
-    return ("process", "", "", "", "")
-
-
-def read_cgroup(root: Root, pid: int) -> str:
-    """The process's cgroup: the first of v1 devices, cgroup2 (``0::``) and name=systemd
-    that names a container, else a service, else the first present.
-
-    On a unified node the runtime places a container only in cgroup2; a kernel that
-    also has v1 hierarchies still lists them, the devices one at its root (``/``), so
-    taking the devices line first made a containerised plugin a bare process there."""
-    try:
-        text = proc_text(root.path(f"/proc/{pid}/cgroup"))
-    except OSError:
-        return ""
-    by: dict[str, str] = {}
-    for line in text.splitlines():
-        _h, _sep, rest = line.partition(":")
-        ctrls, _sep2, path = rest.partition(":")
-        for c in ctrls.split(",") if ctrls else [""]:
-            by.setdefault(c, path)
-    paths = [by[k] for k in ("devices", "", "name=systemd") if by.get(k)]
-    for kind in ("container", "service"):
-        for path in paths:
-            if classify_cgroup(path)[0] == kind:
-                return path
-    return paths[0] if paths else ""
-
-
-def process_info(root: Root, pid: int, btime: Optional[float] = None) -> Optional[ProcessInfo]:
-    start = process_start(root, pid, btime)
-    if start is None:
-        return None
-    cg = read_cgroup(root, pid)
-    kind, cid, runtime, pod, unit = classify_cgroup(cg)
-    return ProcessInfo(pid, start, _comm(root, pid), kind, cid, runtime, pod, unit, cg)
-
-
-def still_running(root: Root, proc: ProcessInfo, btime: Optional[float] = None) -> bool:
-    """Same pid and same start time: the very process, not a recycled pid."""
-    start = process_start(root, proc.pid, btime)
-    return start is not None and abs(start - proc.start) < 0.5
-
-
-def _pids(root: Root) -> list[int]:
-    try:
-        pids = (parse_decimal(n, lo=1, hi=2**22) for n in os.listdir(root.path("/proc")))
-        return sorted(p for p in pids if p is not None)
-    except OSError:
-        return []
 
 
 def parse_unix_table(text: str) -> list[tuple[int, int, str]]:
@@ -497,37 +337,6 @@ def container_devs(root: Root, cgroup_root: str = "/") -> tuple[ContainerDev, ..
             if cd.is_gpu:
                 out.append(cd)
     return tuple(out)
-
-
-def container_init_pid(root: Root, pid: int) -> Optional[int]:
-    """The init (pid 1 of its pid namespace) of the container ``pid`` runs in."""
-
-    def nspid(p: int) -> list[str]:
-        try:
-            for line in proc_text(root.path(f"/proc/{p}/status")).splitlines():
-                if line.startswith("NSpid:"):
-                    return line.split()[1:]
-        except OSError:
-            pass
-        return []
-
-    own = nspid(pid)
-    if own and own[-1] == "1":
-        return pid
-    try:
-        ns = os.readlink(root.path(f"/proc/{pid}/ns/pid"))
-    except OSError:
-        return None
-    for p in _pids(root):
-        try:
-            if os.readlink(root.path(f"/proc/{p}/ns/pid")) != ns:
-                continue
-        except OSError:
-            continue
-        v = nspid(p)
-        if v and v[-1] == "1":
-            return p
-    return None
 
 
 def find_plugin(plugins: Iterable[PluginInfo], identity: str) -> Optional[PluginInfo]:

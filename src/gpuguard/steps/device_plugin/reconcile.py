@@ -19,7 +19,7 @@ Rules:
   container's /dev, so they must be recreated. Reported, never acted on here.
 - A plugin socket nobody listens on is reported (the plugin died; kubelet or the
   runtime restarts it).
-- NVML (``NvmlProbe=yes``, results from plugins/nvml_probe.py): a plugin in whose
+- NVML (``NvmlProbe=yes``, results from steps/device_plugin/nvml_probe.py): a plugin in whose
   context NVML cannot initialise ("Failed to initialize NVML: Unknown Error") is
   restarted, unless a stale view already asks for that; a probe that could not run
   (no verdict) is reported as a warning only.
@@ -30,12 +30,11 @@ business: the reconciler only says what would make the node healthy.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Optional
 
 from gpuguard.model import Action, Finding
-from gpuguard.plugins.discover import (
+from gpuguard.steps.device_plugin.observe import (
     UVM_PATH,
     NodeInfo,
     PluginInfo,
@@ -45,7 +44,7 @@ from gpuguard.plugins.discover import (
 from gpuguard.steps.registry import DEVICE_PLUGIN
 
 if TYPE_CHECKING:
-    from gpuguard.plugins.nvml_probe import NvmlResult
+    from gpuguard.steps.device_plugin.nvml_probe import NvmlResult
 
 RECONCILER = DEVICE_PLUGIN
 
@@ -315,7 +314,7 @@ def _containers(obs: PluginObservation, stale: list[str]) -> list[Finding]:
                     "CONTAINER_RUNTIME": c.runtime,
                     "MISSING": UVM_PATH,
                     "GPU_NODES": " ".join(
-                        os.path.basename(n.path) for n in c.dev if n.path != UVM_PATH
+                        n.path.rsplit("/", 1)[-1] for n in c.dev if n.path != UVM_PATH
                     ),
                 },
                 "warning",

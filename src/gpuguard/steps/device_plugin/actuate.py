@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
 from gpuguard.actuate.containers import ContainerStopper
+from gpuguard.actuate.units import run_job
 from gpuguard.paths import Root
-from gpuguard.plugins.discover import (
+from gpuguard.steps.device_plugin.observe import (
     NodeInfo,
     PluginInfo,
     ProcessInfo,
@@ -34,7 +35,7 @@ from gpuguard.plugins.discover import (
     list_nodes,
     still_running,
 )
-from gpuguard.plugins.health import RestartPlugin, view_gaps
+from gpuguard.steps.device_plugin.reconcile import RestartPlugin, view_gaps
 
 if TYPE_CHECKING:
     from gpuguard.config import RuntimeConfig
@@ -114,14 +115,10 @@ class PluginRestarter:
         if method == "systemd":
             if systemd is None:
                 return RestartResult(False, "systemd", f"{p.unit}: the system bus is down")
-            from gpuguard.systemd import SystemdError
-
-            try:
-                result = await systemd.restart_unit(p.unit, timeout=self.command_timeout)
-            except SystemdError as e:
-                return RestartResult(False, "systemd", f"RestartUnit {p.unit}: {e}")
-            ok = result == "done"
-            return RestartResult(ok, "systemd", f"RestartUnit {p.unit}: job {result}")
+            job = await run_job(systemd, "restart", p.unit, timeout=self.command_timeout)
+            if job.error:
+                return RestartResult(False, "systemd", f"RestartUnit {p.unit}: {job.error}")
+            return RestartResult(job.ok, "systemd", f"RestartUnit {p.unit}: job {job.result}")
         if not self.signal_fallback:
             return RestartResult(False, "none", "; ".join(errors) or "no way to restart it")
         return self._signal(root, p, errors)

@@ -12,7 +12,7 @@ Limits (never a restart loop):
 - one restart per plugin per pass, and none while an earlier one awaits verification.
 
 With ``NvmlProbe=yes`` every served plugin (a container or a host service) is also
-probed for NVML in its own context (plugins/nvml_probe.py: one child process per
+probed for NVML in its own context (steps/device_plugin/nvml_probe.py: one child process per
 plugin process and pass, off the event loop); NvmlProbe=no runs no probe at all.
 
 Every decision is a journal entry, the declined ones included (plugin-restart-declined
@@ -36,7 +36,8 @@ from gpuguard.conditions import Conditions, log_findings
 from gpuguard.errors import GpuguardError
 from gpuguard.model import Finding, Outcome
 from gpuguard.paths import STATE_DIR, Root
-from gpuguard.plugins.discover import (
+from gpuguard.steps.device_plugin.actuate import PluginRestarter, check_new_plugin, verify
+from gpuguard.steps.device_plugin.observe import (
     NodeInfo,
     PluginObservation,
     ProcessInfo,
@@ -46,14 +47,13 @@ from gpuguard.plugins.discover import (
     list_nodes,
     still_running,
 )
-from gpuguard.plugins.health import RECONCILER, RestartPlugin, assess
-from gpuguard.plugins.restart import PluginRestarter, check_new_plugin, verify
+from gpuguard.steps.device_plugin.reconcile import RECONCILER, RestartPlugin, assess
 
 if TYPE_CHECKING:
     from gpuguard.config import DevicePluginConfig
     from gpuguard.log import EventLog
     from gpuguard.passes import PassContext, Services
-    from gpuguard.plugins.nvml_probe import NvmlResult
+    from gpuguard.steps.device_plugin.nvml_probe import NvmlResult
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ class DevicePluginStep:
         """NVML in each served plugin's context, by identity (one probe per process)."""
         if not obs.host_nodes:  # no driver: NVML fails everywhere, nothing to judge
             return {}
-        from gpuguard.plugins import nvml_probe  # ctypes: only with NvmlProbe=yes
+        from gpuguard.steps.device_plugin import nvml_probe  # ctypes: only with NvmlProbe=yes
 
         by_pid: dict[int, NvmlResult] = {}
         out: dict[str, NvmlResult] = {}

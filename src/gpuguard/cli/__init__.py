@@ -1,0 +1,333 @@
+"""Command line. Imports are lazy so `gpuguard check` on a healthy node stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from gpuguard import __version__, exitcodes
+from gpuguard.cli.args import _config, _inventory_path, _log, _opt, _root
+from gpuguard.cli.check import cmd_check
+from gpuguard.cli.checkpoint import cmd_checkpoint_canonical, cmd_checkpoint_inspect
+from gpuguard.cli.daemon import cmd_daemon
+from gpuguard.cli.status import cmd_status
+from gpuguard.errors import GpuguardError
+
+__all__ = ["COMMANDS", "_log", "build_parser", "main"]
+
+EPILOG = """exit codes: 0 healthy or repaired; 1 problems found and left (dry-run, policy);
+2 usage or configuration error; 3 corrupt or unreadable input (nothing modified);
+4 no NVIDIA driver/NVML (use --inventory); 5 kubelet could not be coordinated
+(or a repair during its restart not verified); 70 internal error. See gpuguard(8)."""
+
+
+class _CommandParser(argparse.ArgumentParser):
+    """A command's parser: an option it does not know is reported with its own usage.
+
+    By default argparse hands a subcommand's leftovers to the top-level parser, which
+    prints `usage: gpuguard [-h] ...`, not the usage of the command that was mistyped."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Optional[Sequence[str]] = None, namespace: Optional[argparse.Namespace] = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        ns, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns, extras
+
+
+def _common() -> _CommandParser:
+    p = _CommandParser(add_help=False)
+    g = p.add_argument_group("host")
+    g.add_argument(
+        "--root",
+        type=Path,
+        default=argparse.SUPPRESS,
+        help="host root prefix; every path is taken under it (default /)",
+    )
+    g.add_argument(
+        "--inventory",
+        type=Path,
+        default=argparse.SUPPRESS,
+        help="JSON GPU inventory standing in for NVML (tests, simulations)",
+    )
+    g.add_argument(
+        "--config",
+        type=Path,
+        default=argparse.SUPPRESS,
+        help="configuration file (default ROOT/etc/gpuguard/gpuguard.conf)",
+    )
+    g.add_argument(
+        "--bus",
+        default=argparse.SUPPRESS,
+        help="system bus address (default unix:path=ROOT/run/dbus/system_bus_socket)",
+    )
+    g.add_argument(
+        "--log-level",
+        choices=["debug", "info", "notice", "warning", "error"],
+        default=argparse.SUPPRESS,
+        help="the least severe messages logged (default from config: info)",
+    )
+    g.add_argument(
+        "--log-json",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="log JSON lines to stderr (also GPUGUARD_LOG_FORMAT=json); the journal gets "
+        "every entry either way when the host has journald",
+    )
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _common()
+    parser = argparse.ArgumentParser(
+        prog="gpuguard",
+        description="Keeps GPUs usable on Kubernetes nodes across reboots, daemon-reloads "
+        "and kubelet/containerd restarts.",
+        epilog=EPILOG,
+        parents=[common],
+    )
+    parser.add_argument("--version", action="version", version=f"gpuguard {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_CommandParser)
+    sub.required = True
+
+    c = sub.add_parser(
+        "check",
+        parents=[common],
+        epilog=EPILOG,
+        help="check and repair this node once (the kubelet checkpoint, ...)",
+    )
+    c.add_argument("--dry-run", action="store_true", help="print the plan; change nothing")
+    c.add_argument("--json", action="store_true", help="print the report as JSON")
+    c.add_argument("--only", choices=["checkpoint"], default=None, help="run only this check")
+    c.add_argument(
+        "--policy",
+        choices=["rewrite", "delete", "report"],
+        default=None,
+        help="what to do with a stale checkpoint (default from config: rewrite)",
+    )
+    c.add_argument(
+        "--kubelet-stopped",
+        action="store_true",
+        help="we run as kubelet's ExecStartPre= hook: repair in place, never restart kubelet",
+    )
+    c.add_argument(
+        "--no-restart", action="store_true", help="never restart or stop kubelet; report instead"
+    )
+    c.add_argument(
+        "--allow-kubelet-restart",
+        action="store_true",
+        help="with --inventory (a simulation), still restart or stop a running kubelet for "
+        "the repair; without it such a run reports the plan and exits 1",
+    )
+    c.add_argument("--reason", default="check", help=argparse.SUPPRESS)
+
+    cp = sub.add_parser("checkpoint", parents=[common], help="inspect kubelet checkpoint files")
+    cps = cp.add_subparsers(dest="checkpoint_command", metavar="ACTION")
+    cps.required = True
+    ins = cps.add_parser(
+        "inspect",
+        parents=[common],
+        help="format, checksums, validity, contents and stale IDs of FILE",
+    )
+    ins.add_argument("file", type=Path)
+    ins.add_argument("--json", action="store_true", help="print the inspection as JSON")
+    can = cps.add_parser(
+        "canonical",
+        parents=[common],
+        help="print the exact bytes kubelet would write for FILE's data",
+    )
+    can.add_argument("file", type=Path)
+
+    d = sub.add_parser(
+        "daemon",
+        parents=[common],
+        epilog=EPILOG,
+        help="run the event-driven daemon (what gpuguard.service starts)",
+    )
+    d.add_argument(
+        "--dry-run", action="store_true", help="log the plan of every pass; change nothing"
+    )
+    d.add_argument("--no-udev", action="store_true", help="do not listen to udev events")
+
+    sub.add_parser(
+        "config", parents=[common], help="check the configuration and print the effective values"
+    )
+    st = sub.add_parser(
+        "status", parents=[common], help="per GPU container: is its device access intact?"
+    )
+    st.add_argument(
+        "--json", action="store_true", help="print the containers and their access as JSON"
+    )
+    sub.add_parser("catalog", parents=[common], help="print the journal message catalog")
+    doc = sub.add_parser(
+        "doctor",
+        parents=[common],
+        help="is this node exposed to F1-F4, and why? (one line per check; changes nothing)",
+        epilog="exit codes: 0 nothing exposed or broken (unknown checks are listed); "
+        "1 a check is exposed or broken; 2 usage or configuration error; 70 internal error.",
+    )
+    doc.add_argument("--json", action="store_true", help="print the verdicts as JSON")
+    npd = sub.add_parser(
+        "npd",
+        parents=[common],
+        help="answer one node-problem-detector condition from the daemon's status file",
+        epilog="exit codes (node-problem-detector's): 0 condition False (OK), 1 True (the "
+        "problem is present), 2 unknown (no or unreadable status, daemon gone, result too "
+        "old). The first output line is the message.",
+    )
+    from gpuguard.npd import CONDITIONS, DEFAULT_MAX_AGE, DEFAULT_MAX_LENGTH
+
+    npd.add_argument("condition", choices=[c.name for c in CONDITIONS])
+    me = sub.add_parser(
+        "metrics",
+        parents=[common],
+        help="print the daemon's Prometheus metrics, or serve them (gpuguard-metrics.socket)",
+    )
+    me.add_argument(
+        "--serve",
+        action="store_true",
+        help="serve GET /metrics on the socket systemd passed (or --listen)",
+    )
+    me.add_argument("--listen", metavar="HOST:PORT", help="listen here instead (by hand, tests)")
+    npd.add_argument(
+        "--max-age",
+        type=float,
+        default=DEFAULT_MAX_AGE,
+        metavar="SECONDS",
+        help="a step result older than this is unknown (default %(default).0f)",
+    )
+    npd.add_argument(
+        "--max-length",
+        type=int,
+        default=DEFAULT_MAX_LENGTH,
+        metavar="BYTES",
+        help="message length (NPD's max_output_length, default %(default)d)",
+    )
+    return parser
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    cfg = _config(args, _root(args))
+    for warning in cfg.warnings:
+        print(f"gpuguard: warning: {warning}", file=sys.stderr)
+    sys.stdout.write(cfg.render())
+    return exitcodes.OK
+
+
+def cmd_catalog(args: argparse.Namespace) -> int:
+    from gpuguard.catalog import render_catalog
+
+    sys.stdout.write(render_catalog())
+    return exitcodes.OK
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from gpuguard.commands import run
+    from gpuguard.doctor.run import run_doctor
+    from gpuguard.inventory import load_inventory
+
+    root = _root(args)
+    cfg = _config(args, root)
+    try:
+        inventory = load_inventory(_inventory_path(args, cfg))
+    except GpuguardError:
+        inventory = None  # the driver and gpu-count checks say what is missing
+
+    def runner(argv: Sequence[str]) -> str:
+        return run(argv, timeout=5.0).stdout
+
+    report = run_doctor(root, inventory, cfg.kubelet.checkpoint_path, runner)
+    print(json.dumps(report.to_json(), indent=2) if args.json else report.render())
+    return report.exit_code
+
+
+def cmd_npd(args: argparse.Namespace) -> int:
+    from gpuguard.npd import answer, one_line
+
+    code, message = answer(_root(args), args.condition, max_age=args.max_age)
+    print(one_line(message, args.max_length))
+    return code
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    from gpuguard.metrics import RUNTIME_FILE
+    from gpuguard.metrics_http import print_file, serve
+
+    path = _root(args).path(RUNTIME_FILE)
+    return serve(path, args.listen) if args.serve else print_file(path)
+
+
+COMMANDS = {
+    "metrics": cmd_metrics,
+    "npd": cmd_npd,
+    "doctor": cmd_doctor,
+    "check": cmd_check,
+    "daemon": cmd_daemon,
+    "config": cmd_config,
+    "status": cmd_status,
+    "checkpoint-inspect": cmd_checkpoint_inspect,
+    "checkpoint-canonical": cmd_checkpoint_canonical,
+    "catalog": cmd_catalog,
+}
+
+
+# The .deb/.rpm ship nvidia-ml-py (and dbus-next where the distribution lacks it) here.
+# Appended, not inserted: a distribution package of the same module wins.
+VENDOR_DIR = "/usr/lib/gpuguard/vendor"
+
+
+def _debug_wanted(args: Optional[argparse.Namespace]) -> bool:
+    """--log-level debug, or LogLevel=debug in a configuration that still loads."""
+    if args is None:
+        return False
+    if _opt(args, "log_level") is not None:
+        return bool(_opt(args, "log_level") == "debug")
+    try:
+        return bool(_config(args, _root(args)).daemon.log_level == "debug")
+    except Exception:  # the configuration itself may be what failed
+        return False
+
+
+def internal_error(e: BaseException, *, trace: bool) -> int:
+    """The one line for a bug (exit 70, never 1: 1 means "problems left"); the trace only
+    when asked for, since a hostile input must never print pages of Python."""
+    from gpuguard.numparse import cut
+
+    if trace:
+        import traceback
+
+        traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
+    text = cut(" ".join(str(e).split()), 200)
+    print(
+        f"gpuguard: internal error: {type(e).__name__}: {text} (a bug: please report it; "
+        "run with --log-level debug or LogLevel=debug for the trace)",
+        file=sys.stderr,
+    )
+    return exitcodes.INTERNAL
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args: Optional[argparse.Namespace] = None
+    try:
+        if VENDOR_DIR not in sys.path and os.path.isdir(VENDOR_DIR):
+            sys.path.append(VENDOR_DIR)
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        name = args.command
+        if name == "checkpoint":
+            name = f"checkpoint-{args.checkpoint_command}"
+        return COMMANDS[name](args)
+    except GpuguardError as e:
+        print(f"gpuguard: {e.message}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return exitcodes.OK
+    except Exception as e:  # every command, the daemon included: a bug, in one line
+        return internal_error(e, trace=_debug_wanted(args))

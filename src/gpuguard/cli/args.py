@@ -1,0 +1,48 @@
+"""What every command reads from its arguments: the root, the configuration, the log."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+
+def _opt(args: argparse.Namespace, name: str, default: Any = None) -> Any:
+    return getattr(args, name, default)
+
+
+def _log(args: argparse.Namespace, cfg: Any = None, root: Any = None) -> Any:
+    from gpuguard.log import EventLog
+
+    default = cfg.daemon.log_level if cfg is not None else "info"
+    log = EventLog.auto(
+        level=_opt(args, "log_level", default),
+        force_json=_opt(args, "log_json", False),
+        root=root.prefix if root is not None else Path("/"),
+    )
+    log.route_modules()  # devices/, steps/ ... log through it, debug included
+    for warning in cfg.warnings if cfg is not None else ():
+        log.warning(warning)  # a deprecated key, still read
+    return log
+
+
+def _root(args: argparse.Namespace) -> Any:
+    from gpuguard.paths import Root
+
+    # abspath, not resolve(): /proc/<pid>/root (another mount namespace's root) is a
+    # magic link that resolves to "/", which would silently mean this host's files.
+    return Root(Path(os.path.abspath(_opt(args, "root", "/"))))
+
+
+def _config(args: argparse.Namespace, root: Any) -> Any:
+    from gpuguard.config import load_config
+
+    return load_config(root, path=_opt(args, "config"))
+
+
+def _inventory_path(args: argparse.Namespace, cfg: Any) -> Optional[Path]:
+    explicit = _opt(args, "inventory")
+    if explicit is not None:
+        return Path(explicit)
+    return Path(cfg.inventory.file) if cfg.inventory.file else None

@@ -1,0 +1,186 @@
+"""`gpuguard check`: the checkpoint and device steps once, and kubelet's pre-start hook."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from gpuguard import exitcodes
+from gpuguard.cli.args import _config, _inventory_path, _log, _opt, _root
+from gpuguard.errors import GpuguardError
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    if not args.kubelet_stopped:
+        return _check(args, _root(args), None)
+    from gpuguard.steps.checkpoint.kubelet_hook import FAILED, HookRun
+
+    root = _root(args)
+    hook = HookRun(root)
+    try:
+        return _check(args, root, hook)
+    except GpuguardError as e:
+        hook.finish(FAILED, e.message, e.exit_code)
+        raise
+
+
+def _simulation(args: argparse.Namespace) -> str:
+    if _opt(args, "inventory") is None or args.allow_kubelet_restart:
+        return ""
+    return (
+        "the GPU inventory comes from --inventory (a simulation), so a running kubelet is "
+        "not restarted or stopped; pass --allow-kubelet-restart to allow it"
+    )
+
+
+def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
+    from gpuguard.errors import NoDriverError
+    from gpuguard.inventory import load_inventory
+
+    cfg = _config(args, root)
+    k = cfg.kubelet
+    # kubelet's pre-start hook with a healthy, unchanged checkpoint says nothing to the
+    # journal: the event log (and its imports) only when something may be said.
+    fast = hook is not None and args.only == "checkpoint" and not cfg.warnings
+    log = None if fast else _log(args, cfg, root)
+    if hook is not None:
+        hook.start(root.path(k.checkpoint_path))
+    try:
+        inventory = load_inventory(_inventory_path(args, cfg))
+    except NoDriverError as e:
+        if hook is None:
+            raise
+        return int(hook.skipped(log or _log(args, cfg, root), e.message))
+    memo_key = None
+    if fast:
+        # kubelet's pre-start hook: unchanged since the last verified healthy state?
+        from gpuguard.steps.checkpoint import memo
+
+        read = memo.checkpoint_sha256(root.path(k.checkpoint_path))
+        if read is not None:
+            memo_key = memo.memo_key(k.checkpoint_path, read[1], inventory, k.resources)
+            if memo.unchanged(root, memo_key):
+                return _hook_unchanged(args, root, hook, inventory, k.checkpoint_path)
+    from gpuguard.steps.checkpoint import CheckSettings, run_check
+
+    log = log or _log(args, cfg, root)
+    settings = CheckSettings(
+        checkpoint_path=k.checkpoint_path,
+        resources=tuple(k.resources),
+        policy=args.policy or k.policy,
+        backup_dir=k.backup_dir,
+        backup_keep=k.backup_keep,
+        kubelet_unit=k.unit,
+        restart_kubelet=k.restart_kubelet and not args.no_restart,
+        dry_run=args.dry_run or cfg.daemon.dry_run,
+        kubelet_stopped=args.kubelet_stopped,
+        bus_address=_opt(args, "bus"),
+        reason=args.reason,
+        simulation=_simulation(args),
+    )
+    from gpuguard.oneshot import driver_loaded
+    from gpuguard.snapshot import HostSnapshot
+
+    # One snapshot for the whole run, and the steps in the daemon's order
+    # (registry.CHECK_ORDER): the device steps, then the checkpoint.
+    snapshot = HostSnapshot(root, k.checkpoint_path)
+    devices = None
+    if args.only is None and driver_loaded(root) and _checkpoint_usable(snapshot):
+        import asyncio
+
+        from gpuguard.oneshot import OneShotServices, run_device_steps
+        from gpuguard.steps.container_access.reconcile import FINDING_UNREADABLE
+        from gpuguard.systemd import bus_address_for
+
+        svc = OneShotServices(
+            root, cfg, log, settings.dry_run, _opt(args, "bus") or bus_address_for(root.prefix)
+        )
+        devices = asyncio.run(run_device_steps(svc, inventory, snapshot))
+    report = run_check(root, inventory, settings, log, snapshot)
+    if hook is not None:
+        _hook_result(hook, report, log)
+        _remember_healthy(root, report, snapshot, memo_key)
+    doc = report.to_json()
+    code = report.exit_code
+    if devices is not None:
+        findings, outcomes = devices
+        doc["devices"] = {
+            "findings": [f.to_json() for f in findings],
+            "outcomes": [o.to_json() for o in outcomes],
+        }
+        left = [o for o in outcomes if o.status not in ("done", "skipped")]
+        # A container gpuguard could not read is a problem left, whatever else it repaired.
+        unread = [f for f in findings if f.kind == FINDING_UNREADABLE]
+        if (left or unread or (findings and not outcomes)) and code == exitcodes.OK:
+            code = exitcodes.FINDINGS
+        doc["exit_code"] = code
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print(report.render())
+        for f in doc.get("devices", {}).get("findings", []):
+            print(f"{f['severity'] + ':':11} {f['summary']}")
+        for o in doc.get("devices", {}).get("outcomes", []):
+            print(f"{o['status'] + ':':11} {o['kind']} {o['target']}: {o['detail']}")
+    return code
+
+
+def _hook_result(hook: Any, report: Any, log: Any) -> None:
+    """What kubelet's pre-start hook leaves for the caller that restarted kubelet."""
+    from gpuguard.steps.checkpoint import kubelet_hook as kh
+
+    statuses = {o.status for o in report.outcomes}
+    if report.result.startswith("no checkpoint file"):
+        hook.skipped(log, report.result)
+    elif statuses == {"done"}:
+        hook.finish(kh.REPAIRED, report.result, report.exit_code)
+    elif report.exit_code == exitcodes.OK and not report.actions:
+        hook.finish(kh.HEALTHY, report.result, report.exit_code)
+    elif report.exit_code == exitcodes.FINDINGS:
+        hook.finish(kh.NOT_REPAIRED, report.result, report.exit_code)
+    else:
+        hook.finish(kh.FAILED, report.result, report.exit_code)
+
+
+def _hook_unchanged(
+    args: argparse.Namespace, root: Any, hook: Any, inventory: Any, path: str
+) -> int:
+    """The hook's healthy fast path: the checkpoint's bytes and the GPUs are those a full
+    check last found healthy, so that verdict stands; the hook's result is still written."""
+    from gpuguard.steps.checkpoint.kubelet_hook import HEALTHY
+
+    result = "checkpoint matches this host's GPUs; nothing to do (unchanged since last verified)"
+    hook.finish(HEALTHY, result, exitcodes.OK)
+    if args.json:
+        doc = {"checkpoint": str(root.path(path)), "inventory": inventory.to_json()}
+        print(json.dumps({**doc, "result": result, "exit_code": exitcodes.OK}, indent=2))
+    else:
+        print(f"checkpoint: {root.path(path)}\nresult:     {result}")
+    return exitcodes.OK
+
+
+def _remember_healthy(root: Any, report: Any, snapshot: Any, key: Any) -> None:
+    """After a full check that found the file healthy (no finding, no action), remember
+    its digest and the inventory for the next kubelet start."""
+    if key is None or report.exit_code != exitcodes.OK or report.findings or report.actions:
+        return
+    from gpuguard.steps.checkpoint import memo
+
+    loaded = snapshot.checkpoint()
+    # Only the bytes the analysis read: a file changed between the two reads is not
+    # remembered (the next start verifies it fully).
+    if loaded is not None and memo.digest(loaded.raw) == key["checkpoint_sha256"]:
+        memo.write_memo(root, key)
+
+
+def _checkpoint_usable(snapshot: Any) -> bool:
+    """False when the checkpoint step will stop the run with exit 3 ("nothing was
+    modified"): then the device steps must not act first."""
+    from gpuguard.errors import BadInputError
+
+    try:
+        loaded = snapshot.checkpoint()
+    except BadInputError:
+        return False
+    return loaded is None or bool(loaded.valid)

@@ -1,0 +1,59 @@
+"""`gpuguard status`: the node's GPUs, containers and the daemon's last passes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from gpuguard import exitcodes
+from gpuguard.cli.args import _config, _inventory_path, _root
+
+# `gpuguard status`: what admits a container's devices (ContainerCgroup.mechanism)
+MECHANISM_TEXT = {
+    "v1-rule": "v1 rule",
+    "scope-device-allow": "scope DeviceAllow=",
+    "own-program": "own BPF program",
+}
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from gpuguard.errors import NoDriverError
+    from gpuguard.inventory import load_inventory
+    from gpuguard.oneshot import container_status, daemon_status
+
+    root = _root(args)
+    cfg = _config(args, root)
+    try:
+        inventory = load_inventory(_inventory_path(args, cfg))
+    except NoDriverError:
+        inventory = None
+    from gpuguard.summary import node_summary, render
+
+    rows = container_status(root, cfg, inventory)
+    daemon = daemon_status(root)
+    summary = node_summary(root, rows)
+    if args.json:
+        print(json.dumps({"summary": summary, "daemon": daemon, "containers": rows}, indent=2))
+    else:
+        print("\n".join(render(summary)))
+        if daemon is None:
+            print("daemon:     not running (no status file)")
+        else:
+            last = daemon.get("last_pass") or {}
+            print(
+                f"daemon:     pid {daemon['pid']}, {daemon['passes']} pass(es); last: "
+                f"{', '.join(last.get('reasons', [])[:2])} with "
+                f"{len(last.get('findings', []))} finding(s)"
+            )
+        print(f"containers: {len(rows)} with GPUs")
+        for r in rows:
+            what = r["access"] if r["access"] != "denied" else "DENIED " + ", ".join(r["denied"])
+            how = MECHANISM_TEXT.get(r["mechanism"], r["mechanism"])
+            print(
+                f"  pod {r['pod_uid']} {r['container_id'][:12]} {', '.join(r['nodes'])}: {what}"
+                f" ({r['layout']}, {how})"
+            )
+            for p in r["problems"]:
+                print(f"    {p}")
+    bad = any(r["access"] != "ok" or r["missing"] for r in rows)
+    return exitcodes.FINDINGS if bad else exitcodes.OK

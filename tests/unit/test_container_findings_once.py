@@ -1,0 +1,74 @@
+"""The container access step logs each finding once per pass: what its fast path (the
+re-grant right after a daemon-reload) logged, the full pass that follows does not log or
+count again. Under --dry-run nothing is written, so both see the same denial."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import io
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from gpuguard.config import Config
+from gpuguard.devices.rules import parse_devices_list
+from gpuguard.log import EventLog
+from gpuguard.oneshot import OneShotServices
+from gpuguard.passes import PassContext, Work
+from gpuguard.paths import Root
+from gpuguard.steps.container_access import ContainerAccessStep
+from gpuguard.steps.container_access.observe import AccessView
+from gpuguard.steps.container_access.reconcile import verdicts_from_rules
+from unit.test_devices_audit import CID, CTL, GPU0, HOST, RUNC_LIST, _container, _ent
+
+
+class SameView:
+    """The observer, as both of its views find the host: one container denied its GPU."""
+
+    def __init__(self, view: AccessView) -> None:
+        self.view = view
+
+    def fast_view(self) -> AccessView:
+        return self.view
+
+    def observe(self, *_: Any) -> Optional[AccessView]:
+        return self.view
+
+
+def one_pass(tmp_path: Path, view: AccessView) -> tuple[list[dict[str, Any]], PassContext]:
+    out = io.StringIO()
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, devices=dataclasses.replace(cfg.devices, durable_grants=False))
+    svc = OneShotServices(
+        Root(tmp_path), cfg, EventLog(stream=out, level="debug"), dry_run=True, bus_address=""
+    )
+    step = ContainerAccessStep()
+    step.observer = SameView(view)  # type: ignore[assignment]
+
+    async def no_inventory() -> None:
+        return None
+
+    ctx = PassContext(
+        Work(frozenset({"container_access"}), ("systemd:reload",), 0, 0), no_inventory
+    )
+    asyncio.run(step(svc, ctx))
+    return [json.loads(line) for line in out.getvalue().splitlines()], ctx
+
+
+def test_a_finding_of_the_fast_path_is_logged_and_counted_once(tmp_path: Path) -> None:
+    c = dataclasses.replace(_container(), cgroup_v1_devices=tmp_path / "devices" / CID)
+    rules = parse_devices_list(RUNC_LIST)  # runc's defaults: the GPU was taken away
+    view = AccessView(
+        (c,), {c.key: _ent((GPU0, CTL))}, verdicts_from_rules(CID, HOST, rules), {CID: rules}
+    )
+    entries, ctx = one_pass(tmp_path, view)
+    denied = [e for e in entries if e.get("kind") == "container-device-denied"]
+    assert denied, entries  # the fast path did log it
+    keys = [(e["kind"], e.get("DEVICE"), e["msg"]) for e in denied]
+    assert len(keys) == len(set(keys)), keys
+    found = [(f.kind, f.summary) for f in ctx.findings]
+    assert len(found) == len(set(found)), found
+    assert len([e for e in entries if e.get("kind") == "container-device-denied"]) == len(
+        [f for f in ctx.findings if f.kind == "container-device-denied"]
+    )
