@@ -10,10 +10,10 @@ from gpuguard.errors import GpuguardError
 
 # Optional backends the daemon's libraries load when they are installed and the daemon
 # never uses: dbus-next's GLib main loop (PyGObject, ~4 MB resident) next to the asyncio
-# one it uses, and asyncio's TLS (libssl, ~2 MB): D-Bus and the metrics endpoint are
-# plain sockets. Marked absent before the first import, the libraries take the
-# ImportError paths they have for hosts without them.
-UNUSED_IN_DAEMON = ("gi", "ssl")
+# one it uses. Marked absent before the first import, dbus-next takes the ImportError
+# path it has for hosts without PyGObject. (`ssl` must stay: prometheus_client's
+# exposition module imports it unconditionally, and without it there are no metrics.)
+UNUSED_IN_DAEMON = ("gi",)
 
 
 def _skip_unused_backends() -> None:
