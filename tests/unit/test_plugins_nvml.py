@@ -21,6 +21,7 @@ from gpuguard.model import Finding, Outcome
 from gpuguard.oneshot import OneShotServices
 from gpuguard.passes import Work
 from gpuguard.paths import Root
+from gpuguard.snapshot import HostSnapshot
 from gpuguard.steps.device_plugin import DevicePluginStep, nvml_probe
 from gpuguard.steps.device_plugin.actuate import PluginRestarter, RestartResult, Verification
 from gpuguard.steps.device_plugin.nvml_probe import (
@@ -240,6 +241,9 @@ class Ctx:
     def recheck(self, after: float, reconcilers: frozenset[str], why: str) -> None:
         self.followups.append((after, reconcilers, why))  # as PassContext.recheck
 
+    def host(self, svc: Any) -> HostSnapshot:
+        return HostSnapshot(svc.root, "")  # a fresh read at every call, as a new pass
+
 
 class FakeRestarter(PluginRestarter):
     def __init__(self) -> None:
@@ -257,7 +261,9 @@ class Step(DevicePluginStep):
     def __init__(self, restarter: FakeRestarter) -> None:
         super().__init__(restarter=restarter, clock=lambda: T0 + 1000, verify_timeout=1)
 
-    def observe(self, root: Root, cfg: DevicePluginConfig, unit_started: Any) -> PluginObservation:
+    def observe(
+        self, root: Root, cfg: DevicePluginConfig, unit_started: Any, snapshot: Any = None
+    ) -> PluginObservation:
         return observation(plugin("nvidia-gpu.sock"), plugin("nvidia-gpu.shared.sock"))
 
 

@@ -20,6 +20,7 @@ from gpuguard.model import Finding, Outcome
 from gpuguard.oneshot import OneShotServices
 from gpuguard.passes import Work
 from gpuguard.paths import Root
+from gpuguard.snapshot import HostSnapshot
 from gpuguard.steps.device_plugin import DevicePluginStep
 from gpuguard.steps.device_plugin.actuate import PluginRestarter, RestartResult, Verification
 from gpuguard.steps.device_plugin.observe import (
@@ -50,6 +51,9 @@ class Ctx:
     def recheck(self, after: float, reconcilers: frozenset[str], why: str) -> None:
         self.followups.append((after, reconcilers, why))  # as PassContext.recheck
 
+    def host(self, svc: Any) -> HostSnapshot:
+        return HostSnapshot(svc.root, "")  # a fresh read at every call, as a new pass
+
 
 class FakeRestarter(PluginRestarter):
     def __init__(self, ok: bool = True) -> None:
@@ -78,7 +82,9 @@ class Step(DevicePluginStep):
         self.view: Optional[tuple[NodeInfo, ...]] = STALE_VIEW
         self.start = T0
 
-    def observe(self, root: Root, cfg: DevicePluginConfig, unit_started: Any) -> PluginObservation:
+    def observe(
+        self, root: Root, cfg: DevicePluginConfig, unit_started: Any, snapshot: Any = None
+    ) -> PluginObservation:
         proc = ProcessInfo(4242, self.start, "plugin", "container", CID, "containerd", "p1")
         sock = "/var/lib/kubelet/device-plugins/nvidia-gpu.sock"
         p = PluginInfo(sock, "nvidia.com/gpu", self.start, proc, self.view)

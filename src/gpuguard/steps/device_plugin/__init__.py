@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from gpuguard.config import DevicePluginConfig
     from gpuguard.log import EventLog
     from gpuguard.passes import PassContext, Services
+    from gpuguard.snapshot import HostSnapshot
     from gpuguard.steps.device_plugin.nvml_probe import NvmlResult
 
 log = logging.getLogger(__name__)
@@ -192,8 +193,17 @@ class DevicePluginStep:
         return list_nodes(root.path(self.dev_dir)) or ()
 
     def observe(
-        self, root: Root, cfg: DevicePluginConfig, unit_started: Optional[float]
+        self,
+        root: Root,
+        cfg: DevicePluginConfig,
+        unit_started: Optional[float],
+        snapshot: Optional[HostSnapshot] = None,
     ) -> PluginObservation:
+        """``snapshot``: the pass's, whose kubepods walk container access shares."""
+        if snapshot is None:  # a caller outside a pass (bench, tests)
+            from gpuguard.snapshot import HostSnapshot
+
+            snapshot = HostSnapshot(root, "")
         now = self.clock()
         plugins = discover_plugins(root, cfg.socket_dir, extra=self.extra)
         served = {p.identity for p in plugins if p.process is not None}
@@ -210,7 +220,7 @@ class DevicePluginStep:
             host_nodes=self.host_nodes(root),
             plugins=plugins,
             kubelet_started=kubelet_started(root, cfg.socket_dir, unit_started=unit_started),
-            containers=container_devs(root, self.cgroup_root),
+            containers=container_devs(root, snapshot.containers(self.cgroup_root)),
             remembered=remembered,
         )
 
@@ -253,7 +263,7 @@ class DevicePluginStep:
         root, elog = svc.root, svc.log
         self._load(root, elog)
         unit_started = await self._kubelet_unit_started(svc)
-        obs = await asyncio.to_thread(self.observe, root, cfg, unit_started)
+        obs = await asyncio.to_thread(self.observe, root, cfg, unit_started, ctx.host(svc))
         nvml = await asyncio.to_thread(self.probe_nvml, root, obs) if cfg.nvml_probe else {}
         result = assess(obs, registration_grace=cfg.registration_grace, nvml=nvml)
         k = obs.kubelet_started

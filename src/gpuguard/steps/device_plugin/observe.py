@@ -39,9 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
-from gpuguard.devices.containers import (
-    discover_containers,
-)
+from gpuguard.devices.containers import ContainerCgroup
 from gpuguard.numparse import parse_decimal
 from gpuguard.paths import DEVICE_PLUGINS_DIR, Root
 from gpuguard.safeio import proc_text
@@ -325,10 +323,10 @@ def kubelet_started(
     return max(times) if times else None
 
 
-def container_devs(root: Root, cgroup_root: str = "/") -> tuple[ContainerDev, ...]:
+def container_devs(root: Root, containers: Iterable[ContainerCgroup]) -> tuple[ContainerDev, ...]:
     """Kubernetes containers with their NVIDIA nodes (GPU containers only)."""
     out: list[ContainerDev] = []
-    for c in discover_containers(root, cgroup_root=cgroup_root):
+    for c in containers:
         for pid in c.pids[:1]:
             dev = list_nodes(root.path(f"/proc/{pid}/root/dev"))
             if dev is None:
