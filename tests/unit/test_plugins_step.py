@@ -15,6 +15,7 @@ import pytest
 
 import gpuguard.steps.device_plugin as step_mod
 from gpuguard.config import Config, DevicePluginConfig
+from gpuguard.devices.nodes import ROLE_OTHER
 from gpuguard.log import EventLog
 from gpuguard.model import Finding, Outcome
 from gpuguard.oneshot import OneShotServices
@@ -34,9 +35,9 @@ from gpuguard.steps.device_plugin.reconcile import RestartPlugin
 T0 = 1_700_000_000.0
 CID = "a" * 64
 HOST = (
-    NodeInfo("/dev/nvidia0", "c", 195, 0, T0 - 100),
-    NodeInfo("/dev/nvidiactl", "c", 195, 255, T0 - 100),
-    NodeInfo("/dev/nvidia-uvm", "c", 510, 0, T0 + 10),
+    NodeInfo("/dev/nvidia0", 195, 0, ROLE_OTHER, ctime=T0 - 100),
+    NodeInfo("/dev/nvidiactl", 195, 255, ROLE_OTHER, ctime=T0 - 100),
+    NodeInfo("/dev/nvidia-uvm", 510, 0, ROLE_OTHER, ctime=T0 + 10),
 )
 STALE_VIEW = HOST[:2]
 
