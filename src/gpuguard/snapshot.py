@@ -24,6 +24,7 @@ from functools import cached_property
 from typing import Mapping, Optional, Union
 
 from gpuguard.checkpoint import Loaded, dropped, load
+from gpuguard.devices.containers import ContainerCgroup, discover_containers
 from gpuguard.devices.nodes import NvidiaMajors, nvidia_majors, read_proc_devices
 from gpuguard.errors import BadInputError
 from gpuguard.paths import DROPPED_ENTRIES_FILE, Root
@@ -77,3 +78,17 @@ class HostSnapshot:
         """The NVIDIA majors of /proc/devices, parsed once for every step of the pass (a
         module loaded since is the next pass's: its udev event marks one)."""
         return nvidia_majors(read_proc_devices(self.root))
+
+    @cached_property
+    def _containers(self) -> dict[str, tuple[ContainerCgroup, ...]]:
+        return {}
+
+    def containers(self, cgroup_root: str = "/") -> tuple[ContainerCgroup, ...]:
+        """The kubepods containers under kubelet's ``cgroup_root``, walked once per pass
+        for every step (container access and the device plugin step both judge them)."""
+        got = self._containers.get(cgroup_root)
+        if got is None:
+            got = self._containers[cgroup_root] = discover_containers(
+                self.root, cgroup_root=cgroup_root
+            )
+        return got

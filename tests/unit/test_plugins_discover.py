@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from gpuguard.devices import nodes
 from gpuguard.paths import Root
-from gpuguard.steps.device_plugin import observe as discover
 from gpuguard.steps.device_plugin.observe import (
     container_init_pid,
     discover_plugins,
@@ -101,15 +101,15 @@ def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (h / "net").mkdir()
     (h / "net/unix").write_text(UNIX_HEADER + unix_line(5, "/run/systemd/notify"))
 
-    real_stat = discover._stat
+    real_stat = nodes._stat
 
-    def fake_stat(p: Path) -> os.stat_result:
-        st = real_stat(p)
+    def fake_stat(p: Path, follow_symlinks: bool) -> os.stat_result:
+        st = real_stat(p, follow_symlinks)
         if p.name.startswith("nvidia"):  # plain files standing in for char nodes
             return _St(st, 195, 255 if p.name == "nvidiactl" else 0)  # type: ignore[return-value]
         return st
 
-    monkeypatch.setattr(discover, "_stat", fake_stat)
+    monkeypatch.setattr(nodes, "_stat", fake_stat)
     return tmp_path
 
 

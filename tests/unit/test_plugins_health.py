@@ -7,6 +7,7 @@ from typing import Optional
 
 import pytest
 
+from gpuguard.devices.nodes import ROLE_OTHER
 from gpuguard.paths import Root
 from gpuguard.steps.device_plugin.observe import (
     ContainerDev,
@@ -34,7 +35,7 @@ UVM_MAJOR = 510
 
 
 def node(path: str, major: int, minor: int, ctime: float = T0 - 1000) -> NodeInfo:
-    return NodeInfo(path, "c", major, minor, ctime)
+    return NodeInfo(path, major, minor, ROLE_OTHER, ctime=ctime)
 
 
 GPU0 = node("/dev/nvidia0", 195, 0)

@@ -16,11 +16,13 @@ import pytest
 
 import gpuguard.steps.device_plugin as step_mod
 from gpuguard.config import Config, DevicePluginConfig
+from gpuguard.devices.nodes import ROLE_OTHER
 from gpuguard.log import EventLog
 from gpuguard.model import Finding, Outcome
 from gpuguard.oneshot import OneShotServices
 from gpuguard.passes import Work
 from gpuguard.paths import Root
+from gpuguard.snapshot import HostSnapshot
 from gpuguard.steps.device_plugin import DevicePluginStep, nvml_probe
 from gpuguard.steps.device_plugin.actuate import PluginRestarter, RestartResult, Verification
 from gpuguard.steps.device_plugin.nvml_probe import (
@@ -50,9 +52,9 @@ T0 = 1_700_000_000.0
 CID = "c" * 64
 GPU = "nvidia.com/gpu"
 HOST = (
-    NodeInfo("/dev/nvidia0", "c", 195, 0, T0 - 100),
-    NodeInfo("/dev/nvidiactl", "c", 195, 255, T0 - 100),
-    NodeInfo("/dev/nvidia-uvm", "c", 510, 0, T0 - 100),
+    NodeInfo("/dev/nvidia0", 195, 0, ROLE_OTHER, ctime=T0 - 100),
+    NodeInfo("/dev/nvidiactl", 195, 255, ROLE_OTHER, ctime=T0 - 100),
+    NodeInfo("/dev/nvidia-uvm", 510, 0, ROLE_OTHER, ctime=T0 - 100),
 )
 
 OK = NvmlResult(True, 0, "nvmlInit succeeded", "ok", "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1")
@@ -240,6 +242,9 @@ class Ctx:
     def recheck(self, after: float, reconcilers: frozenset[str], why: str) -> None:
         self.followups.append((after, reconcilers, why))  # as PassContext.recheck
 
+    def host(self, svc: Any) -> HostSnapshot:
+        return HostSnapshot(svc.root, "")  # a fresh read at every call, as a new pass
+
 
 class FakeRestarter(PluginRestarter):
     def __init__(self) -> None:
@@ -257,7 +262,9 @@ class Step(DevicePluginStep):
     def __init__(self, restarter: FakeRestarter) -> None:
         super().__init__(restarter=restarter, clock=lambda: T0 + 1000, verify_timeout=1)
 
-    def observe(self, root: Root, cfg: DevicePluginConfig, unit_started: Any) -> PluginObservation:
+    def observe(
+        self, root: Root, cfg: DevicePluginConfig, unit_started: Any, snapshot: Any = None
+    ) -> PluginObservation:
         return observation(plugin("nvidia-gpu.sock"), plugin("nvidia-gpu.shared.sock"))
 
 

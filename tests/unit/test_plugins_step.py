@@ -15,11 +15,13 @@ import pytest
 
 import gpuguard.steps.device_plugin as step_mod
 from gpuguard.config import Config, DevicePluginConfig
+from gpuguard.devices.nodes import ROLE_OTHER
 from gpuguard.log import EventLog
 from gpuguard.model import Finding, Outcome
 from gpuguard.oneshot import OneShotServices
 from gpuguard.passes import Work
 from gpuguard.paths import Root
+from gpuguard.snapshot import HostSnapshot
 from gpuguard.steps.device_plugin import DevicePluginStep
 from gpuguard.steps.device_plugin.actuate import PluginRestarter, RestartResult, Verification
 from gpuguard.steps.device_plugin.observe import (
@@ -33,9 +35,9 @@ from gpuguard.steps.device_plugin.reconcile import RestartPlugin
 T0 = 1_700_000_000.0
 CID = "a" * 64
 HOST = (
-    NodeInfo("/dev/nvidia0", "c", 195, 0, T0 - 100),
-    NodeInfo("/dev/nvidiactl", "c", 195, 255, T0 - 100),
-    NodeInfo("/dev/nvidia-uvm", "c", 510, 0, T0 + 10),
+    NodeInfo("/dev/nvidia0", 195, 0, ROLE_OTHER, ctime=T0 - 100),
+    NodeInfo("/dev/nvidiactl", 195, 255, ROLE_OTHER, ctime=T0 - 100),
+    NodeInfo("/dev/nvidia-uvm", 510, 0, ROLE_OTHER, ctime=T0 + 10),
 )
 STALE_VIEW = HOST[:2]
 
@@ -49,6 +51,9 @@ class Ctx:
 
     def recheck(self, after: float, reconcilers: frozenset[str], why: str) -> None:
         self.followups.append((after, reconcilers, why))  # as PassContext.recheck
+
+    def host(self, svc: Any) -> HostSnapshot:
+        return HostSnapshot(svc.root, "")  # a fresh read at every call, as a new pass
 
 
 class FakeRestarter(PluginRestarter):
@@ -78,7 +83,9 @@ class Step(DevicePluginStep):
         self.view: Optional[tuple[NodeInfo, ...]] = STALE_VIEW
         self.start = T0
 
-    def observe(self, root: Root, cfg: DevicePluginConfig, unit_started: Any) -> PluginObservation:
+    def observe(
+        self, root: Root, cfg: DevicePluginConfig, unit_started: Any, snapshot: Any = None
+    ) -> PluginObservation:
         proc = ProcessInfo(4242, self.start, "plugin", "container", CID, "containerd", "p1")
         sock = "/var/lib/kubelet/device-plugins/nvidia-gpu.sock"
         p = PluginInfo(sock, "nvidia.com/gpu", self.start, proc, self.view)

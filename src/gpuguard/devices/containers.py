@@ -9,6 +9,8 @@ Layouts (kubelet's cgroup-root is ``/`` unless ``--cgroup-root`` says otherwise)
 - cgroupfs driver: ``kubepods/burstable/pod<uid>/<id>``, ``kubepods/pod<uid>/<id>``
   (cri-o names it ``crio-<id>``).
 
+The name patterns live in devices/cgroupnames.py.
+
 Hierarchies: v1 devices at /sys/fs/cgroup/devices; cgroup2 at /sys/fs/cgroup/unified on
 hybrid hosts and /sys/fs/cgroup on unified ones. On a hybrid host BOTH apply to a
 device open (the kernel runs the cgroup2 BPF device programs, then the v1 controller),
@@ -23,11 +25,21 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
+from gpuguard.devices.cgroupnames import (
+    CGROUPFS_CONTAINER,
+    CGROUPFS_POD,
+    CGROUPFS_QOS,
+    KUBEPODS_DIR,
+    KUBEPODS_SLICE,
+    RUNTIME,
+    SYSTEMD_CONTAINER,
+    SYSTEMD_POD,
+    SYSTEMD_QOS,
+)
 from gpuguard.numparse import clip, parse_decimal
 from gpuguard.paths import Root
 from gpuguard.safeio import CGROUP_MAX, PROC_MAX, UnsafeFileError, read_bytes, read_kernel_text
@@ -36,16 +48,6 @@ log = logging.getLogger(__name__)
 
 CGROUP_MOUNT = "/sys/fs/cgroup"
 
-_SYSTEMD_POD = re.compile(
-    r"^kubepods(?:-(?:burstable|besteffort|guaranteed))?-pod([0-9a-f_]+)\.slice$"
-)
-_SYSTEMD_QOS = re.compile(r"^kubepods-(burstable|besteffort|guaranteed)\.slice$")
-_SYSTEMD_CONTAINER = re.compile(r"^(cri-containerd|crio|docker)-([0-9a-f]{64})\.scope$")
-_CGROUPFS_POD = re.compile(r"^pod([0-9a-f-]+)$")
-_CGROUPFS_QOS = ("burstable", "besteffort", "guaranteed")
-_CGROUPFS_CONTAINER = re.compile(r"^(?:(crio|docker|cri-containerd)-)?([0-9a-f]{64})$")
-
-_RUNTIME = {"cri-containerd": "containerd", "crio": "cri-o", "docker": "docker"}
 
 # The sandbox's only process runs the pause binary (k8s.gcr.io/pause: /pause).
 _PAUSE_COMMANDS = ("/pause", "pause")
@@ -165,12 +167,12 @@ def _subdirs(d: Path) -> list[tuple[str, Path]]:
 
 def _systemd_pods(kubepods: Path) -> Iterator[tuple[str, Path]]:
     for name, path in _subdirs(kubepods):
-        m = _SYSTEMD_POD.match(name)
+        m = SYSTEMD_POD.match(name)
         if m:
             yield m.group(1).replace("_", "-"), path
-        elif _SYSTEMD_QOS.match(name):
+        elif SYSTEMD_QOS.match(name):
             for qname, qpath in _subdirs(path):
-                qm = _SYSTEMD_POD.match(qname)
+                qm = SYSTEMD_POD.match(qname)
                 if qm:
                     yield qm.group(1).replace("_", "-"), qpath
                 else:
@@ -181,12 +183,12 @@ def _systemd_pods(kubepods: Path) -> Iterator[tuple[str, Path]]:
 
 def _cgroupfs_pods(kubepods: Path) -> Iterator[tuple[str, Path]]:
     for name, path in _subdirs(kubepods):
-        m = _CGROUPFS_POD.match(name)
+        m = CGROUPFS_POD.match(name)
         if m:
             yield m.group(1), path
-        elif name in _CGROUPFS_QOS:
+        elif name in CGROUPFS_QOS:
             for qname, qpath in _subdirs(path):
-                qm = _CGROUPFS_POD.match(qname)
+                qm = CGROUPFS_POD.match(qname)
                 if qm:
                     yield qm.group(1), qpath
                 else:
@@ -196,23 +198,23 @@ def _cgroupfs_pods(kubepods: Path) -> Iterator[tuple[str, Path]]:
 
 
 def _walk(hierarchy: Path) -> Iterator[_Found]:
-    systemd = hierarchy / "kubepods.slice"
+    systemd = hierarchy / KUBEPODS_SLICE
     for uid, pod in _systemd_pods(systemd) if systemd.is_dir() else ():
         for name, path in _subdirs(pod):
-            m = _SYSTEMD_CONTAINER.match(name)
+            m = SYSTEMD_CONTAINER.match(name)
             if not m:
                 # crio-conmon-<id>.scope is the monitor, not the container
                 log.debug("skipping %s: not a container scope", path)
                 continue
-            yield _Found(uid, m.group(2), _RUNTIME[m.group(1)], "systemd", name, path)
-    cgroupfs = hierarchy / "kubepods"
+            yield _Found(uid, m.group(2), RUNTIME[m.group(1)], "systemd", name, path)
+    cgroupfs = hierarchy / KUBEPODS_DIR
     for uid, pod in _cgroupfs_pods(cgroupfs) if cgroupfs.is_dir() else ():
         for name, path in _subdirs(pod):
-            m = _CGROUPFS_CONTAINER.match(name)
+            m = CGROUPFS_CONTAINER.match(name)
             if not m:
                 log.debug("skipping %s: not a container directory", path)
                 continue
-            runtime = _RUNTIME[m.group(1)] if m.group(1) else "unknown"
+            runtime = RUNTIME[m.group(1)] if m.group(1) else "unknown"
             yield _Found(uid, m.group(2), runtime, "cgroupfs", None, path)
 
 

@@ -27,7 +27,7 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional, Protocol, Sequence
+from typing import Callable, Mapping, Optional, Protocol, Sequence
 
 from gpuguard.devices.rules import allow_line
 from gpuguard.numparse import parse_decimal
@@ -147,6 +147,10 @@ class DeviceNode:
     type: str = "c"
     mode: Optional[int] = None  # permission bits when read from stat(); None when expected
     cap: str = ""  # for ROLE_CAP: the capability, e.g. "gpu0/mig/gi1/access"
+    # When the node was (re)made, when listed with it: the device plugin step compares a
+    # plugin's view with the host's by it (a node remade after the plugin started). One
+    # type for every lister, so the fields are the union of what each needs.
+    ctime: Optional[float] = None
 
     @property
     def numbers(self) -> str:
@@ -197,6 +201,54 @@ def _is_nvidia_name(name: str) -> bool:
     return name.startswith("nvidia")
 
 
+def list_dev_dir(
+    host_dir: Path,
+    wanted: Callable[[str], bool],
+    majors: Optional[NvidiaMajors] = None,
+    *,
+    sub: str = "",
+    block: bool = False,
+    ctime: bool = False,
+) -> Optional[tuple[DeviceNode, ...]]:
+    """The device nodes in ``host_dir`` whose names are ``wanted`` (None: not listable),
+    as seen from that /dev (``/dev/<sub><name>``). lstat: a link is not a node. Character
+    nodes, block ones too with ``block``; roles from ``majors`` (ROLE_OTHER without: the
+    device plugin step compares nodes by numbers, never by role); ``ctime`` keeps it."""
+    try:
+        names = sorted(os.listdir(host_dir))
+    except OSError as e:
+        log.debug("cannot list %s: %s", host_dir, e.strerror)
+        return None
+    out: list[DeviceNode] = []
+    for name in names:
+        if not wanted(name):
+            continue
+        try:
+            st = _stat(host_dir / name, False)
+        except OSError as e:
+            log.debug("skipping %s: %s", host_dir / name, e.strerror)
+            continue
+        if stat.S_ISCHR(st.st_mode):
+            t = "c"
+        elif block and stat.S_ISBLK(st.st_mode):
+            t = "b"
+        else:
+            continue
+        major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
+        out.append(
+            DeviceNode(
+                path=f"/dev/{sub}{name}",
+                major=major,
+                minor=minor,
+                role=classify(sub + name, major, minor, majors) if majors else ROLE_OTHER,
+                type=t,
+                mode=None if ctime else stat.S_IMODE(st.st_mode),
+                ctime=st.st_ctime if ctime else None,
+            )
+        )
+    return tuple(out)
+
+
 def list_nvidia_nodes(
     root: Root, majors: NvidiaMajors, dev_dir: str = "/dev"
 ) -> tuple[DeviceNode, ...]:
@@ -208,31 +260,7 @@ def list_nvidia_nodes(
     out: list[DeviceNode] = []
     for sub in ("", "nvidia-caps/"):
         host_dir = root.path(dev_dir.rstrip("/") + "/" + sub)
-        try:
-            names = sorted(os.listdir(host_dir))
-        except OSError as e:
-            log.debug("cannot list %s: %s", host_dir, e.strerror)
-            continue
-        for name in names:
-            if not _is_nvidia_name(name):
-                continue
-            try:
-                st = _stat(host_dir / name, False)
-            except OSError as e:
-                log.debug("skipping %s: %s", host_dir / name, e.strerror)
-                continue
-            if not stat.S_ISCHR(st.st_mode):
-                continue
-            major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
-            out.append(
-                DeviceNode(
-                    path=f"/dev/{sub}{name}",
-                    major=major,
-                    minor=minor,
-                    role=classify(sub + name, major, minor, majors),
-                    mode=stat.S_IMODE(st.st_mode),
-                )
-            )
+        out += list_dev_dir(host_dir, _is_nvidia_name, majors, sub=sub) or ()
     return tuple(out)
 
 

@@ -19,12 +19,12 @@ a full pass follows every reconnection.
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from typing import Callable, Iterable, Optional
 
 from dbus_next import Message
 
+from gpuguard.devices.cgroupnames import ANY_CONTAINER_SCOPE
 from gpuguard.log import EventLog
 from gpuguard.steps.registry import ALL_STEPS, CHECKPOINT, CONTAINER_ACCESS, DEVICE_PLUGIN
 from gpuguard.systemd import MANAGER, PROPS, UNIT, Systemd, SystemdError
@@ -35,7 +35,6 @@ ALL = ALL_STEPS
 ON_RUNTIME_START = frozenset({CONTAINER_ACCESS, DEVICE_PLUGIN})
 ON_KUBELET_START = frozenset({CHECKPOINT, CONTAINER_ACCESS, DEVICE_PLUGIN})
 ON_SCOPE_NEW = frozenset({CONTAINER_ACCESS})
-_SCOPE = re.compile(r"^(cri-containerd|crio|docker)-[0-9a-f]{12,64}\.scope$")
 
 
 def unit_object_path(unit: str) -> str:
@@ -165,7 +164,7 @@ class SystemdSource:
                 self.mark(ALL, "systemd: startup finished", False)
             elif member == "UnitNew" and not self._reloading:
                 unit = str(msg.body[0])
-                if _SCOPE.match(unit):
+                if ANY_CONTAINER_SCOPE.match(unit):
                     self.mark(ON_SCOPE_NEW, f"systemd: new container scope {unit}", False)
         elif (
             member == "NameOwnerChanged" and msg.body and msg.body[0] == "org.freedesktop.systemd1"

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
-from gpuguard.devices.containers import ContainerCgroup, detect_layout, discover_containers
+from gpuguard.devices.containers import ContainerCgroup
 from gpuguard.devices.entitlement import Entitlement, read_entitlement, unreadable_entitlement
 from gpuguard.devices.nodes import (
     list_nvidia_nodes,
@@ -112,7 +112,7 @@ class AccessObserver:
         majors = snapshot.majors
         if majors.nvidia is None:
             return None  # driver not loaded: no GPU node can be granted
-        containers = discover_containers(root, detect_layout(root))
+        containers = snapshot.containers()
         gpus = inventory.gpus if inventory is not None else ()
         host_nodes = list_nvidia_nodes(root, majors)
         signature = tuple(sorted((n.path, n.numbers) for n in host_nodes))

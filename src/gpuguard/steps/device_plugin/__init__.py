@@ -24,18 +24,15 @@ daemon restart, or a crash in the middle of one, does not reset it.
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
-from gpuguard import safeio
 from gpuguard.conditions import Conditions, log_findings
 from gpuguard.errors import GpuguardError
 from gpuguard.model import Finding, Outcome
-from gpuguard.paths import STATE_DIR, Root
+from gpuguard.paths import Root
 from gpuguard.steps.device_plugin.actuate import PluginRestarter, check_new_plugin, verify
 from gpuguard.steps.device_plugin.observe import (
     NodeInfo,
@@ -48,73 +45,25 @@ from gpuguard.steps.device_plugin.observe import (
     still_running,
 )
 from gpuguard.steps.device_plugin.reconcile import RECONCILER, RestartPlugin, assess
+from gpuguard.steps.device_plugin.state import STATE_FILE as STATE_FILE
+from gpuguard.steps.device_plugin.state import PluginState as PluginState
+from gpuguard.steps.device_plugin.state import read_states
 
 if TYPE_CHECKING:
     from gpuguard.config import DevicePluginConfig
     from gpuguard.log import EventLog
     from gpuguard.passes import PassContext, Services
+    from gpuguard.snapshot import HostSnapshot
     from gpuguard.steps.device_plugin.nvml_probe import NvmlResult
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = f"{STATE_DIR}/plugin-restarts.json"
 HOUR = 3600.0
 
 K_RESTARTED = "plugin-restarted"
 K_DECLINED = "plugin-restart-declined"
 K_RECOVERED = "plugin-recovered"
 K_FAILED = "plugin-restart-failed"
-
-
-@dataclass
-class PluginState:
-    restarts: list[float] = field(default_factory=list)  # wall-clock times, last hour
-    failures: int = 0  # consecutive failed attempts
-    last_failure: float = 0.0
-    last: Optional[ProcessInfo] = None  # the last process seen serving it
-    last_seen: float = 0.0
-    socket: str = ""
-    pending_since: float = 0.0  # when the restart awaiting verification happened
-    pending_deadline: float = 0.0  # restarted, not verified yet: give up after this
-    pending_old: Optional[ProcessInfo] = None
-    declined: str = ""  # code of the last decline, so repeats log quieter
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "restarts": self.restarts,
-            "failures": self.failures,
-            "last_failure": self.last_failure,
-            "last": self.last.to_json() if self.last else None,
-            "last_seen": self.last_seen,
-            "socket": self.socket,
-            "pending_since": self.pending_since,
-            "pending_deadline": self.pending_deadline,
-            "pending_old": self.pending_old.to_json() if self.pending_old else None,
-        }
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> PluginState:
-        def proc(v: Any) -> Optional[ProcessInfo]:
-            return ProcessInfo.from_json(v) if isinstance(v, dict) else None
-
-        def ok(v: Any) -> bool:  # a finite time or count, as this daemon writes them
-            return isinstance(v, (int, float)) and -(2**53) <= v <= 2**53
-
-        def num(v: Any) -> float:
-            return float(v) if ok(v) else 0.0
-
-        r = d.get("restarts")
-        return cls(
-            restarts=[float(x) for x in r if ok(x)] if isinstance(r, list) else [],
-            failures=int(num(d.get("failures"))),
-            last_failure=num(d.get("last_failure")),
-            last=proc(d.get("last")),
-            last_seen=num(d.get("last_seen")),
-            socket=str(d.get("socket") or ""),
-            pending_since=num(d.get("pending_since")),
-            pending_deadline=num(d.get("pending_deadline")),
-            pending_old=proc(d.get("pending_old")),
-        )
 
 
 class DevicePluginStep:
@@ -158,22 +107,7 @@ class DevicePluginStep:
         if self._loaded_from == root:
             return
         self._loaded_from = root
-        path = root.path(self.state_file)
-        try:
-            doc = json.loads(
-                safeio.read_text(path, what="plugin state file", max_bytes=safeio.STATUS_MAX)
-            )
-            plugins = doc.get("plugins", {}) if isinstance(doc, dict) else {}
-            self.state = {
-                str(k): PluginState.from_json(v) for k, v in plugins.items() if isinstance(v, dict)
-            }
-        except safeio.UnsafeFileError as e:
-            if e.errno != errno.ENOENT:
-                elog.warning(f"ignoring {e.message}; plugin restart budgets start afresh")
-            self.state = {}
-        except (OSError, ValueError, AttributeError, RecursionError) as e:
-            elog.warning(f"ignoring unreadable {path} ({e}); plugin restart budgets start afresh")
-            self.state = {}
+        self.state = read_states(root.path(self.state_file), elog)
 
     def _save(self, root: Root, elog: EventLog) -> None:
         from gpuguard.actuate.files import write_new
@@ -192,8 +126,17 @@ class DevicePluginStep:
         return list_nodes(root.path(self.dev_dir)) or ()
 
     def observe(
-        self, root: Root, cfg: DevicePluginConfig, unit_started: Optional[float]
+        self,
+        root: Root,
+        cfg: DevicePluginConfig,
+        unit_started: Optional[float],
+        snapshot: Optional[HostSnapshot] = None,
     ) -> PluginObservation:
+        """``snapshot``: the pass's, whose kubepods walk container access shares."""
+        if snapshot is None:  # a caller outside a pass (bench, tests)
+            from gpuguard.snapshot import HostSnapshot
+
+            snapshot = HostSnapshot(root, "")
         now = self.clock()
         plugins = discover_plugins(root, cfg.socket_dir, extra=self.extra)
         served = {p.identity for p in plugins if p.process is not None}
@@ -210,7 +153,7 @@ class DevicePluginStep:
             host_nodes=self.host_nodes(root),
             plugins=plugins,
             kubelet_started=kubelet_started(root, cfg.socket_dir, unit_started=unit_started),
-            containers=container_devs(root, self.cgroup_root),
+            containers=container_devs(root, snapshot.containers(self.cgroup_root)),
             remembered=remembered,
         )
 
@@ -253,7 +196,7 @@ class DevicePluginStep:
         root, elog = svc.root, svc.log
         self._load(root, elog)
         unit_started = await self._kubelet_unit_started(svc)
-        obs = await asyncio.to_thread(self.observe, root, cfg, unit_started)
+        obs = await asyncio.to_thread(self.observe, root, cfg, unit_started, ctx.host(svc))
         nvml = await asyncio.to_thread(self.probe_nvml, root, obs) if cfg.nvml_probe else {}
         result = assess(obs, registration_grace=cfg.registration_grace, nvml=nvml)
         k = obs.kubelet_started

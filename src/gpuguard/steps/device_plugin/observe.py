@@ -39,9 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
-from gpuguard.devices.containers import (
-    discover_containers,
-)
+from gpuguard.devices.containers import ContainerCgroup
+from gpuguard.devices.nodes import DeviceNode, list_dev_dir
 from gpuguard.numparse import parse_decimal
 from gpuguard.paths import DEVICE_PLUGINS_DIR, Root
 from gpuguard.safeio import proc_text
@@ -80,19 +79,9 @@ def resource_for_socket(name: str, extra: Optional[Mapping[str, str]] = None) ->
     return f"nvidia.com/{m.group(1)}" if m else ""
 
 
-@dataclass(frozen=True)
-class NodeInfo:
-    """A device node as seen in some /dev (the host's, a plugin's, a container's)."""
-
-    path: str  # /dev/nvidia-uvm
-    type: str  # "c" | "b"
-    major: int
-    minor: int
-    ctime: float
-
-    @property
-    def numbers(self) -> tuple[str, int, int]:
-        return (self.type, self.major, self.minor)
+# One device-node type for every lister (devices/nodes.py); the plugin step's nodes
+# carry their ctime and compare by `key` (type, major, minor).
+NodeInfo = DeviceNode
 
 
 @dataclass(frozen=True)
@@ -216,34 +205,11 @@ def _same_file(root: Root, pid: int, inner: str, host_st: os.stat_result) -> boo
     return (st.st_dev, st.st_ino) == (host_st.st_dev, host_st.st_ino)
 
 
-def _stat(path: Path) -> os.stat_result:
-    """lstat, one indirection so unit tests can fake device nodes without CAP_MKNOD."""
-    return os.stat(path, follow_symlinks=False)
-
-
 def list_nodes(
     dev_dir: Path, pattern: re.Pattern[str] = _PLUGIN_NODE
 ) -> Optional[tuple[NodeInfo, ...]]:
     """The NVIDIA nodes a plugin cares about in ``dev_dir`` (None: not listable)."""
-    try:
-        names = sorted(os.listdir(dev_dir))
-    except OSError as e:
-        log.debug("cannot list %s: %s", dev_dir, e.strerror)
-        return None
-    out: list[NodeInfo] = []
-    for name in names:
-        if not pattern.match(name):
-            continue
-        try:
-            st = _stat(dev_dir / name)
-        except OSError:
-            continue
-        if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
-            t = "c" if stat.S_ISCHR(st.st_mode) else "b"
-            out.append(
-                NodeInfo(f"/dev/{name}", t, os.major(st.st_rdev), os.minor(st.st_rdev), st.st_ctime)
-            )
-    return tuple(out)
+    return list_dev_dir(dev_dir, lambda name: bool(pattern.match(name)), block=True, ctime=True)
 
 
 def _ctime(p: Path) -> Optional[float]:
@@ -325,10 +291,10 @@ def kubelet_started(
     return max(times) if times else None
 
 
-def container_devs(root: Root, cgroup_root: str = "/") -> tuple[ContainerDev, ...]:
+def container_devs(root: Root, containers: Iterable[ContainerCgroup]) -> tuple[ContainerDev, ...]:
     """Kubernetes containers with their NVIDIA nodes (GPU containers only)."""
     out: list[ContainerDev] = []
-    for c in discover_containers(root, cgroup_root=cgroup_root):
+    for c in containers:
         for pid in c.pids[:1]:
             dev = list_nodes(root.path(f"/proc/{pid}/root/dev"))
             if dev is None:

@@ -8,12 +8,12 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from gpuguard.devices.containers import (
-    _CGROUPFS_CONTAINER,
-    _CGROUPFS_POD,
-    _RUNTIME,
-    _SYSTEMD_CONTAINER,
-    _SYSTEMD_POD,
+from gpuguard.devices.cgroupnames import (
+    CGROUPFS_CONTAINER,
+    CGROUPFS_POD,
+    RUNTIME,
+    SYSTEMD_CONTAINER,
+    SYSTEMD_POD,
 )
 from gpuguard.numparse import parse_decimal
 from gpuguard.paths import Root
@@ -112,23 +112,23 @@ def _comm(root: Root, pid: int) -> str:
 def classify_cgroup(path: str) -> tuple[str, str, str, str, str]:
     """(kind, container_id, runtime, pod_uid, unit) for a cgroup path.
 
-    Reuses devices.containers' kubepods patterns, wherever the kubepods tree sits
+    Matches with devices.cgroupnames' kubepods patterns, wherever the kubepods tree sits
     (kubelet's --cgroup-root); a ``*.service`` component outside a pod is a host
     service (``system.slice/nvidia-device-plugin.service``)."""
     parts = [p for p in path.split("/") if p]
     pod = ""
     for i, part in enumerate(parts):
-        m = _SYSTEMD_CONTAINER.match(part)
+        m = SYSTEMD_CONTAINER.match(part)
         if m:
             if i > 0:
-                pm = _SYSTEMD_POD.match(parts[i - 1])
+                pm = SYSTEMD_POD.match(parts[i - 1])
                 pod = pm.group(1).replace("_", "-") if pm else ""
-            return ("container", m.group(2), _RUNTIME[m.group(1)], pod, "")
-        pm2 = _CGROUPFS_POD.match(part)
+            return ("container", m.group(2), RUNTIME[m.group(1)], pod, "")
+        pm2 = CGROUPFS_POD.match(part)
         if pm2 and i + 1 < len(parts):
-            cm = _CGROUPFS_CONTAINER.match(parts[i + 1])
+            cm = CGROUPFS_CONTAINER.match(parts[i + 1])
             if cm:
-                rt = _RUNTIME[cm.group(1)] if cm.group(1) else "unknown"
+                rt = RUNTIME[cm.group(1)] if cm.group(1) else "unknown"
                 return ("container", cm.group(2), rt, pm2.group(1), "")
     for part in reversed(parts):
         if part.endswith(".service"):

@@ -108,17 +108,17 @@ def view_gaps(
 ) -> tuple[list[str], str]:
     """(paths the plugin lacks, how we know). Empty when it sees everything."""
     if view is None:
-        newer = [n.path for n in host if n.ctime > start + START_SLACK]
+        newer = [n.path for n in host if (n.ctime or 0.0) > start + START_SLACK]
         return newer, "created after the plugin started; its /dev is not readable"
-    seen = {n.path: n.numbers for n in view}
+    seen = {n.path: n.key for n in view}
     gaps: list[str] = []
     wrong: list[str] = []
     for n in host:
         have = seen.get(n.path)
         if have is None:
             gaps.append(n.path)
-        elif have != n.numbers:
-            wrong.append(f"{n.path} ({_mm(have)}, host has {_mm(n.numbers)})")
+        elif have != n.key:
+            wrong.append(f"{n.path} ({_mm(have)}, host has {_mm(n.key)})")
     how = []
     if gaps:
         how.append(f"absent from its /dev: {', '.join(gaps)}")

@@ -1,0 +1,33 @@
+"""The names Kubernetes gives its cgroups: pods, QoS classes and container scopes, both
+cgroup drivers, every runtime. The one place these patterns live; the kubepods walk
+(devices/containers.py), the device plugin's process classification and the systemd
+source's scope events all match with them.
+
+- systemd driver: ``kubepods.slice/kubepods-burstable.slice/
+  kubepods-burstable-pod<uid with _ for ->.slice/cri-containerd-<id>.scope``
+  (``crio-<id>.scope``, ``docker-<id>.scope``);
+- cgroupfs driver: ``kubepods/burstable/pod<uid>/<id>`` (cri-o: ``crio-<id>``).
+"""
+
+from __future__ import annotations
+
+import re
+
+KUBEPODS_SLICE = "kubepods.slice"  # systemd driver
+KUBEPODS_DIR = "kubepods"  # cgroupfs driver
+
+# the scope / directory prefix of each runtime -> its name in journal fields
+RUNTIME = {"cri-containerd": "containerd", "crio": "cri-o", "docker": "docker"}
+_PREFIXES = "|".join(re.escape(p) for p in RUNTIME)
+
+SYSTEMD_POD = re.compile(
+    r"^kubepods(?:-(?:burstable|besteffort|guaranteed))?-pod([0-9a-f_]+)\.slice$"
+)
+SYSTEMD_QOS = re.compile(r"^kubepods-(burstable|besteffort|guaranteed)\.slice$")
+SYSTEMD_CONTAINER = re.compile(rf"^({_PREFIXES})-([0-9a-f]{{64}})\.scope$")
+CGROUPFS_POD = re.compile(r"^pod([0-9a-f-]+)$")
+CGROUPFS_QOS = ("burstable", "besteffort", "guaranteed")
+CGROUPFS_CONTAINER = re.compile(rf"^(?:({_PREFIXES})-)?([0-9a-f]{{64}})$")
+# A container scope as systemd announces it (UnitNew): runtimes may name a scope by a
+# shortened id, so 12 to 64 hex digits.
+ANY_CONTAINER_SCOPE = re.compile(rf"^({_PREFIXES})-[0-9a-f]{{12,64}}\.scope$")
