@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import errno
 import json
-import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from gpuguard import safeio
 from gpuguard.checkpoint.model import PodDevicesEntry
 from gpuguard.errors import BadInputError
 
@@ -131,24 +130,11 @@ def parse(raw: bytes, source: str) -> tuple[DroppedEntry, ...]:
 
 def read(path: Path) -> tuple[DroppedEntry, ...]:
     """The records in `path`; () when it does not exist. Never follows a link, never
-    blocks on a FIFO, never reads past MAX_BYTES."""
+    blocks on a FIFO, never reads past MAX_BYTES (safeio's reader)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return ()
-    except OSError as e:
-        why = "is a symbolic link" if e.errno == errno.ELOOP else f"cannot be opened ({e.strerror})"
-        raise BadInputError(f"{path}: {why}; {NEXT_STEP}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise BadInputError(f"{path}: is not a regular file; {NEXT_STEP}")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            raw = f.read(MAX_BYTES + 1)
-    except OSError as e:
-        raise BadInputError(f"{path}: read failed ({e.strerror}); {NEXT_STEP}") from None
-    finally:
-        os.close(fd)
-    if len(raw) > MAX_BYTES:
-        raise BadInputError(f"{path}: is over {MAX_BYTES} bytes; {NEXT_STEP}")
+        raw, _st = safeio.read_bytes(path, what="dropped-entries record", max_bytes=MAX_BYTES)
+    except safeio.UnsafeFileError as e:
+        if e.errno == errno.ENOENT:
+            return ()
+        raise BadInputError(f"{e.message}; {NEXT_STEP}") from None
     return parse(raw, str(path))
