@@ -21,6 +21,19 @@ CHECKPOINTS = FIXTURES / "kubelet-checkpoint"
 sys.path.insert(0, str(REPO / "tests"))
 
 
+def log_to_stderr(monkeypatch: pytest.MonkeyPatch, level: str = "") -> None:
+    """Commands run in this test log to the current sys.stderr (pytest's capture), at
+    `level` or the one the command asks for, never to the host's journal. EventLog's
+    `stream=sys.stderr` default is bound at import time: under pytest it would keep
+    writing to the first test's (closed) capture."""
+    from gpuguard.log import EventLog
+
+    def auto(cls: type[EventLog], **kw: Any) -> EventLog:
+        return cls(level=level or kw.get("level", "info"), stream=sys.stderr)
+
+    monkeypatch.setattr(EventLog, "auto", classmethod(auto))
+
+
 def _missing(reason: str) -> None:
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         pytest.fail(f"CI=true but {reason}: this test must run in CI", pytrace=False)

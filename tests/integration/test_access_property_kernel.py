@@ -28,7 +28,6 @@ import os
 import shutil
 import stat
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -40,13 +39,12 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from conftest import require_root, require_tool
+from conftest import log_to_stderr, require_root, require_tool
 from gpuguard import cli
 from gpuguard.checkpoint import Checkpoint, PodDevicesEntry, marshal
 from gpuguard.checkpoint.spew import checksum
 from gpuguard.devices.probe import probe_open
 from gpuguard.devices.rules import RUNC_DEFAULT_RULES
-from gpuguard.log import EventLog
 
 pytestmark = pytest.mark.root
 
@@ -312,10 +310,7 @@ def _judge(case: Case, before: list[set[Any]], after: list[set[Any]], when: str)
 
 @pytest.fixture(autouse=True)
 def quiet_log(monkeypatch: pytest.MonkeyPatch) -> None:
-    def auto(cls: type[EventLog], *, level: str = "info", **_: object) -> EventLog:
-        return cls(level="error", stream=sys.stderr)
-
-    monkeypatch.setattr(EventLog, "auto", classmethod(auto))
+    log_to_stderr(monkeypatch, level="error")
 
 
 @settings(

@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CHECKPOINTS, REPO
+from conftest import CHECKPOINTS, REPO, log_to_stderr
 from gpuguard import cli, exitcodes
 from gpuguard.checkpoint import marshal, parse, verify
 from gpuguard.inventory import parse_inventory
-from gpuguard.log import EventLog
 from gpuguard.steps.checkpoint.reconcile import DEFAULT_RESOURCES, analyse
 
 CHECKPOINT = "var/lib/kubelet/device-plugins/kubelet_internal_checkpoint"
@@ -42,12 +41,7 @@ INVENTORY = {
 
 @pytest.fixture(autouse=True)
 def log_to_current_stderr(monkeypatch: pytest.MonkeyPatch) -> None:
-    # EventLog's `stream=sys.stderr` default is bound at import time, so under pytest
-    # it would keep writing to the first test's (closed) capture: bind it per test.
-    def auto(cls: type[EventLog], *, level: str = "info", **_: object) -> EventLog:
-        return cls(level=level, stream=sys.stderr)
-
-    monkeypatch.setattr(EventLog, "auto", classmethod(auto))
+    log_to_stderr(monkeypatch)
 
 
 def tree(root: Path) -> dict[str, str]:

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from conftest import log_to_stderr
 from gpuguard import cli, exitcodes
 from gpuguard.checkpoint import Checkpoint, PodDevicesEntry, marshal, parse
 from gpuguard.checkpoint.spew import checksum
@@ -53,13 +54,7 @@ GPU_B_RULE = "c 195:1 rw"
 @pytest.fixture(autouse=True)
 def fake_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(nodes, "_stat", fake_stat)
-
-    def auto(
-        cls: type[EventLog], *, level: str = "info", force_json: bool = False, root: Any = None
-    ) -> EventLog:
-        return cls(level=level, stream=sys.stderr)
-
-    monkeypatch.setattr(EventLog, "auto", classmethod(auto))
+    log_to_stderr(monkeypatch)
 
 
 def _checkpoint() -> bytes:

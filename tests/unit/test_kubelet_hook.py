@@ -4,15 +4,13 @@ during a kubelet restart counts as verified (kubelet_hook.judge is a pure table)
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Optional
 
 import pytest
 
-from conftest import CHECKPOINTS
+from conftest import CHECKPOINTS, log_to_stderr
 from gpuguard import cli, exitcodes
-from gpuguard.log import EventLog
 from gpuguard.paths import Root
 from gpuguard.steps.checkpoint import kubelet_hook as kh
 
@@ -82,10 +80,7 @@ def test_request_and_result_round_trip(tmp_path: Path) -> None:
 
 @pytest.fixture(autouse=True)
 def log_to_current_stderr(monkeypatch: pytest.MonkeyPatch) -> None:
-    def auto(cls: type[EventLog], *, level: str = "info", **_: object) -> EventLog:
-        return cls(level=level, stream=sys.stderr)
-
-    monkeypatch.setattr(EventLog, "auto", classmethod(auto))
+    log_to_stderr(monkeypatch)
 
 
 @pytest.fixture

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import CHECKPOINTS
+from conftest import CHECKPOINTS, log_to_stderr
 from gpuguard import cli, exitcodes
 from gpuguard.inventory import parse_inventory
-from gpuguard.log import EventLog
 from gpuguard.paths import Root
 from gpuguard.steps.checkpoint import kubelet_hook as kh
 from gpuguard.steps.checkpoint import memo
@@ -31,10 +29,7 @@ INVENTORY = {
 
 @pytest.fixture(autouse=True)
 def log_to_current_stderr(monkeypatch: pytest.MonkeyPatch) -> None:
-    def auto(cls: type[EventLog], *, level: str = "info", **_: object) -> EventLog:
-        return cls(level=level, stream=sys.stderr)
-
-    monkeypatch.setattr(EventLog, "auto", classmethod(auto))
+    log_to_stderr(monkeypatch)
 
 
 @pytest.fixture
