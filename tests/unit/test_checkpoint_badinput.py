@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -167,9 +168,12 @@ def test_unreadable(tmp_path: Path) -> None:
         path = Path(d) / "cp"
         path.write_bytes(GOOD)
         path.chmod(0)
-        env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+        # nobody may not enter the checkout (a clone under a 0700 directory): give it
+        # a copy of the package and the interpreter the venv links to.
+        shutil.copytree(REPO / "src" / "gpuguard", Path(d) / "src" / "gpuguard")
+        env = {**os.environ, "PYTHONPATH": str(Path(d) / "src")}
         out = subprocess.run(
-            [sys.executable, "-c", _CHILD, str(path)],
+            [os.path.realpath(sys.executable), "-c", _CHILD, str(path)],
             user=65534,
             group=65534,
             extra_groups=[],
