@@ -43,8 +43,8 @@ INVENTORY = {
 FAKE_KUBELET = f"""[Unit]
 Description=fake kubelet: records the device checkpoint it reads at start-up
 [Service]
-ExecStart=/bin/sh -c 'mkdir -p /var/lib/fake-kubelet; \\
-  cat {CHECKPOINT} > /var/lib/fake-kubelet/read-$(date +%%s%%N) 2>/dev/null; exec sleep infinity'
+ExecStart=/bin/sh -c 'mkdir -p /var/lib/fake-kubelet; cd /var/lib/fake-kubelet; \\
+  cat {CHECKPOINT} > .partial 2>/dev/null; mv .partial read-$(date +%%s%%N); exec sleep infinity'
 """
 
 
@@ -134,7 +134,8 @@ def kubelet_reads(ns: SystemdNamespace) -> List[bytes]:
     d = ns.path("/var/lib/fake-kubelet")
     if not d.exists():
         return []
-    return [p.read_bytes() for p in sorted(d.iterdir())]
+    # each read appears whole (written as .partial, then renamed): never half a file
+    return [p.read_bytes() for p in sorted(d.glob("read-*"))]
 
 
 def gpuguard_ns(factory: Callable[..., SystemdNamespace], **kwargs: Any) -> SystemdNamespace:
