@@ -59,12 +59,15 @@ import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from gpuguard.devices import cgroupchild
 from gpuguard.devices.cgroupchild import process_cgroup_dirs, run_in_cgroups
 from gpuguard.paths import Root
 from gpuguard.safeio import proc_bytes, proc_text
+
+if TYPE_CHECKING:
+    from gpuguard.steps.device_plugin.observe import PluginObservation
 
 NVML_LIBRARY = "libnvidia-ml.so.1"
 NVML_SUCCESS = 0
@@ -326,3 +329,21 @@ def probe_nvml(
         stage=stage,
         library=str(msg.get("library", "")),
     )
+
+
+def probe_plugins(root: Root, obs: PluginObservation, *, timeout: float) -> dict[str, NvmlResult]:
+    """NVML in each served plugin's context (a container or a host service), by
+    identity: one probe per process, however many sockets it serves."""
+    if not obs.host_nodes:  # no driver: NVML fails everywhere, nothing to judge
+        return {}
+    by_pid: dict[int, NvmlResult] = {}
+    out: dict[str, NvmlResult] = {}
+    for p in obs.plugins:
+        proc = p.process
+        if proc is None or proc.kind not in ("container", "service"):
+            continue
+        if proc.pid not in by_pid:
+            dirs = plugin_cgroup_dirs(root, proc.pid)
+            by_pid[proc.pid] = probe_nvml(proc.pid, dirs, timeout=timeout, root=root)
+        out[p.identity] = by_pid[proc.pid]
+    return out
