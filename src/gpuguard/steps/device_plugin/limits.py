@@ -4,7 +4,8 @@ loop impossible, as one pure judgement (no clock, no file: the step passes both 
 In order: ``Restart=no`` or ``MaxRestartsPerHour=0`` (report only); an earlier restart
 still being verified; the cool-down from the plugin's START (a plugin younger than
 ``CoolDown`` is still starting, or was just restarted); at most ``MaxRestartsPerHour``
-restarts of the plugin identity in any hour; exponential back-off after failed
+restarts per plugin identity (its resource, or its socket name: container ids and pids
+change with every restart) in any hour; exponential back-off after failed
 attempts (``backoff_base`` * 2^(failures-1), capped at ``backoff_max``).
 """
 
