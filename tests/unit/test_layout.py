@@ -1,8 +1,10 @@
-"""The shape of the code: one home per step, pure reconcilers, small modules.
+"""The shape of the code: one home per step, pure reconcilers, libraries that know no
+step, small modules.
 
 Every step of the registry lives in `steps/<name>/`. A reconcile module decides from
 what it is given: it imports no `os`, no `subprocess`, no actuator, no D-Bus client and
 no `commands` (checked on the source with `ast`, so a lazy import inside a function counts too).
+`devices/` and `checkpoint/` import no step, actuator, D-Bus client or `commands`.
 A module of the package fits in a head: at most MAX_LINES lines, or it is listed in
 LONG_MODULES with the reason it may be longer.
 """
@@ -97,6 +99,25 @@ def test_the_check_catches_each_kind_of_impure_import(line: str) -> None:
 def test_pure_imports_pass() -> None:
     src = "from dataclasses import dataclass\nfrom gpuguard.model import Finding\nimport re\n"
     assert impurities(src) == []
+
+
+# Libraries of host and format knowledge: the steps share them, they know no step.
+LIBRARIES = ("devices", "checkpoint")
+LIBRARY_FORBIDDEN = ("gpuguard.steps", "gpuguard.actuate", "gpuguard.systemd", "gpuguard.commands")
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted(p for lib in LIBRARIES for p in (SRC / lib).rglob("*.py")),
+    ids=lambda p: str(p.relative_to(SRC)),
+)
+def test_libraries_import_no_step_actuator_or_client(path: Path) -> None:
+    bad = [
+        n
+        for n in sorted(imported(path.read_text()))
+        if any(n == f or n.startswith(f + ".") for f in LIBRARY_FORBIDDEN)
+    ]
+    assert bad == [], f"{path.relative_to(SRC)} is a library: {bad}"
 
 
 def module_lines() -> dict[str, int]:
