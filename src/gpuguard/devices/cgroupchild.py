@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from gpuguard.devices.cgroupnames import parse_proc_cgroup
 from gpuguard.devices.containers import detect_layout
 from gpuguard.paths import Root
 from gpuguard.safeio import proc_text
@@ -139,15 +140,8 @@ def process_cgroup_dirs(root: Root, pid: int) -> list[Path]:
         text = proc_text(root.path(f"/proc/{pid}/cgroup"))
     except OSError:
         return []
-    v1 = v2 = ""
-    for line in text.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        if parts[0] == "0" and parts[1] == "":
-            v2 = parts[2]
-        elif "devices" in parts[1].split(","):
-            v1 = parts[2]
+    by = parse_proc_cgroup(text)
+    v1, v2 = by.get("devices", ""), by.get("", "")
     layout = detect_layout(root)
     out: list[Path] = []
     for mount, rel in ((layout.v1_devices, v1), (layout.v2, v2)):
