@@ -40,7 +40,7 @@ from integration.test_device_plugin import (  # noqa: E402
 def one_round(node: Node) -> dict[str, float]:
     node.plugin_uvm = False
     node.start_plugin()
-    svc, out = make_svc(node, cool_down=0.0, max_restarts_per_hour=1000)
+    svc, out = make_svc(node.root, cool_down=0.0, max_restarts_per_hour=1000)
     step = make_step(node)
     t0 = time.monotonic()
     node.add_uvm()

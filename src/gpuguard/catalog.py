@@ -88,15 +88,31 @@ KINDS: dict[str, KindDoc] = {
         "kubelet reads it. The repair is then verified; when it cannot be, "
         "checkpoint-repair-unverified follows.",
     ),
-    "kubelet-stop-start": KindDoc(
-        "gpuguard stopped kubelet, repaired its checkpoint and started it",
-        "The kubelet drop-in is not installed, so gpuguard stopped kubelet, repaired the "
-        "file and started kubelet again. Install the drop-in to make this a plain restart.",
+    "kubelet-stop": KindDoc(
+        "gpuguard stopped kubelet to repair its checkpoint",
+        "The kubelet drop-in is not installed, so gpuguard stopped kubelet, repairs the "
+        "file while it is stopped (checkpoint-repaired) and starts kubelet again "
+        "(kubelet-start). Install the drop-in to make this a plain restart.",
+    ),
+    "kubelet-start": KindDoc(
+        "gpuguard started kubelet again after repairing its checkpoint",
+        "The end of a stop, repair, start (kubelet-stop): gpuguard starts kubelet whether "
+        "the repair succeeded or not, so a node is never left without kubelet.",
     ),
     "kubelet-coordination-failed": KindDoc(
         "gpuguard could not coordinate with kubelet",
         "Kubelet runs but could not be stopped or restarted through systemd (not a "
         "systemd unit, or the job failed). The checkpoint was not modified.",
+    ),
+    "unit-job-failed": KindDoc(
+        "A systemd job gpuguard queued did not succeed",
+        "gpuguard asked systemd to restart, stop or start @UNIT@ (for the reason in the "
+        "message: kubelet around a checkpoint repair, or a device plugin run as a host "
+        "service) and the job ended otherwise than 'done', or systemd refused it: "
+        "@JOB_RESULT@. The unit may now be stopped: see `systemctl status` and "
+        "`journalctl -u` for it. What it means for the repair follows in gpuguard's next "
+        "entry (kubelet-coordination-failed, checkpoint-repair-unverified or "
+        "plugin-restart-failed).",
     ),
     "checkpoint-repair-unverified": KindDoc(
         "A checkpoint repair during a kubelet restart could not be verified",

@@ -101,7 +101,10 @@ def test_without_dropin_stop_repair_start(systemd_ns) -> None:  # type: ignore[n
     code, out, log = gpuguard_check(ns)
     assert code == exitcodes.OK, out + json.dumps(log)
     assert "stop it, repair, start it" in out and "result:     repaired" in out
-    assert [r["kind"] for r in log if r["kind"].startswith("kubelet")] == ["kubelet-stop-start"]
+    assert [r["kind"] for r in log if r["kind"].startswith("kubelet")] == [
+        "kubelet-stop",
+        "kubelet-start",
+    ]
     ns.wait_active("kubelet.service")
     assert ns.unit_property("kubelet.service", "MainPID") != main_pid
     reads = wait_for(lambda: len(kubelet_reads(ns)) == 2 and kubelet_reads(ns), what="2nd read")

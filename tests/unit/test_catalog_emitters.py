@@ -127,6 +127,19 @@ def plugin_restarts() -> Entries:
     return logged(emit)
 
 
+def unit_jobs() -> Entries:
+    """unit-job-failed comes from the unit-job actuator, for every caller's job."""
+    from gpuguard.actuate.units import UnitJob, UnitJobs
+    from unit.test_unit_jobs import FakeSystemd
+
+    def emit(log: EventLog) -> None:
+        for sd in (FakeSystemd("failed"), FakeSystemd(error="bus gone")):
+            jobs = UnitJobs(sd, log)  # type: ignore[arg-type]
+            asyncio.run(jobs.run(UnitJob("restart", "kubelet.service", "now", "kubelet-restart")))
+
+    return logged(emit)
+
+
 @pytest.fixture(scope="module")
 def entries(tmp_path_factory: pytest.TempPathFactory) -> Entries:
     tmp = tmp_path_factory.mktemp("emitters")
@@ -137,6 +150,7 @@ def entries(tmp_path_factory: pytest.TempPathFactory) -> Entries:
         + daemon_pass(tmp)
         + conditions()
         + plugin_restarts()
+        + unit_jobs()
         + gpu_count()
     )
 

@@ -270,3 +270,30 @@ def test_bad_inventory_exit_3(root: Path, capsys: pytest.CaptureFixture[str]) ->
     assert code == exitcodes.BAD_INPUT
     (line,) = plain_lines(err)
     assert "inventory.json" in line
+
+
+def test_the_check_settings_come_from_kubelet_config_one_way() -> None:
+    """`gpuguard check` and the daemon's checkpoint step build their settings with
+    CheckSettings.from_config only: [Kubelet] decides, the caller overrides what it must."""
+    import ast
+    import dataclasses
+
+    from gpuguard.config import KubeletConfig
+    from gpuguard.steps.checkpoint.report import CheckSettings
+
+    k = dataclasses.replace(KubeletConfig(), policy="report", unit="k.service", backup_keep=3)
+    s = CheckSettings.from_config(k, dry_run=True, reason="why", bus_address=None)
+    assert (s.policy, s.kubelet_unit, s.backup_keep, s.resources) == (
+        "report", "k.service", 3, tuple(k.resources))  # fmt: skip
+    assert (s.restart_kubelet, s.dry_run, s.reason) == (k.restart_kubelet, True, "why")
+    later = CheckSettings.from_config(
+        k, dry_run=False, reason="", bus_address=None, policy="delete", may_restart=False
+    )
+    assert (later.policy, later.restart_kubelet) == ("delete", False)
+    builders = [
+        str(p.relative_to(REPO))
+        for p in sorted((REPO / "src/gpuguard").rglob("*.py"))
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "CheckSettings"
+    ]
+    assert builders == [], f"build CheckSettings with CheckSettings.from_config: {builders}"

@@ -145,7 +145,8 @@ def test_modprobe_args(role: str, minor: int, args: list[str] | None) -> None:
 
 
 def test_plan_is_pure_over_given_views() -> None:
-    from gpuguard.devices.nodes import DeviceNode, LinkState
+    from gpuguard.devices.devchar import LinkState
+    from gpuguard.devices.nodes import DeviceNode
 
     n = DeviceNode("/dev/nvidia0", 195, 0, "gpu")
     findings, actions = plan(

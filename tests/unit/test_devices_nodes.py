@@ -1,4 +1,5 @@
-"""nodes.py: /proc/devices, NVIDIA node listing, expected nodes and /dev/char links."""
+"""nodes.py: /proc/devices, NVIDIA node listing, expected nodes; caps.py: MIG capability
+minors; devchar.py: /dev/char links."""
 
 from __future__ import annotations
 
@@ -9,16 +10,14 @@ from pathlib import Path
 import pytest
 
 from gpuguard.devices import nodes
+from gpuguard.devices.caps import parse_cap_access, read_cap_minors
+from gpuguard.devices.devchar import check_dev_char_links, dev_char_link
 from gpuguard.devices.nodes import (
     NvidiaMajors,
-    check_dev_char_links,
-    dev_char_link,
     expected_nodes,
     list_nvidia_nodes,
     nvidia_majors,
-    parse_cap_access,
     parse_proc_devices,
-    read_cap_minors,
     read_loaded_modules,
     read_proc_devices,
 )

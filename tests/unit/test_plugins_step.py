@@ -282,3 +282,42 @@ def test_unreadable_state_file_starts_afresh(tmp_path: Path, verdict: dict[str, 
     r = FakeRestarter()
     run(Step(Clock(), r), svc)
     assert len(r.calls) == 1 and "unreadable" in out.getvalue()
+
+
+class ServiceStep(Step):
+    """A plugin run as a host service, restarted by the real restarter through systemd."""
+
+    def observe(
+        self, root: Root, cfg: DevicePluginConfig, unit_started: Any, snapshot: Any = None
+    ) -> PluginObservation:
+        proc = ProcessInfo(4242, self.start, "plugin", "service", unit="fake-plugin.service")
+        sock = "/var/lib/kubelet/device-plugins/nvidia-gpu.sock"
+        p = PluginInfo(sock, "nvidia.com/gpu", self.start, proc, self.view)
+        return PluginObservation(self.clock(), HOST, (p,), None)
+
+
+@pytest.mark.parametrize("result", ["done", "failed"])
+def test_a_host_service_restart_is_journaled_once_by_the_unit_job_actuator(
+    tmp_path: Path, verdict: dict[str, str], monkeypatch: pytest.MonkeyPatch, result: str
+) -> None:
+    from gpuguard.steps.device_plugin import actuate
+    from unit.test_unit_jobs import FakeSystemd
+
+    monkeypatch.setattr(actuate, "still_running", lambda root, p: True)
+    svc, out = make(tmp_path)
+    sd = FakeSystemd(result)
+    svc = dataclasses.replace(svc, client=sd)  # type: ignore[arg-type]
+    restarter = PluginRestarter(ctr="/nonexistent", crictl="/nonexistent")
+    ctx = run(ServiceStep(Clock(), restarter), svc)  # type: ignore[arg-type]
+    assert ("RestartUnit", "fake-plugin.service", {"timeout": 30.0}) in sd.calls
+    restarted = entries(out, "plugin-restarted")
+    failed = entries(out, "unit-job-failed")
+    if result == "done":
+        assert [o.status for o in ctx.outcomes] == ["done"] and not failed
+        (e,) = restarted  # the actuator's, not a second one from the step
+        assert (e["METHOD"], e["UNIT"], e["PLUGIN"], e["JOB_RESULT"]) == (
+            "systemd", "fake-plugin.service", "nvidia.com/gpu", "done")  # fmt: skip
+        assert e["GPUGUARD_RECONCILER"] == "device_plugin" and "because" in e["msg"]
+    else:
+        assert [o.status for o in ctx.outcomes] == ["failed"] and not restarted
+        assert len(failed) == 1 and len(entries(out, "plugin-restart-failed")) == 1

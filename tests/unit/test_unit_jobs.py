@@ -1,20 +1,33 @@
 """The unit-job actuator (actuate/units.py): the job's result comes back, a bus error
-becomes the result's error instead of an exception, dry-run queues no job, and the
-optional timeout reaches systemd.py only when given."""
+becomes the result's error instead of an exception, dry-run queues no job and journals
+nothing, a stop of a stopped unit or a start of a running one queues nothing, the
+optional timeout reaches systemd.py only when given, and every job queued is exactly
+one journal entry with the reason: the caller's kind when done, unit-job-failed else."""
 
 from __future__ import annotations
 
 import asyncio
+import io
+import json
 from typing import Any
 
-from gpuguard.actuate.units import run_job
-from gpuguard.systemd import SystemdError
+import pytest
+
+from gpuguard.actuate.units import FAILED_KIND, UnitJob, UnitJobs, Verb
+from gpuguard.catalog import KINDS, message_id
+from gpuguard.log import EventLog
+from gpuguard.systemd import SystemdError, UnitState
 
 
 class FakeSystemd:
-    def __init__(self, result: str = "done", error: str = "") -> None:
+    def __init__(self, result: str = "done", error: str = "", state: str = "active") -> None:
         self.calls: list[tuple[str, str, dict[str, Any]]] = []
-        self.result, self.error = result, error
+        self.result, self.error, self.state = result, error, state
+
+    async def unit_state(self, unit: str) -> UnitState:
+        if self.state == "unreachable":
+            raise SystemdError("bus gone")
+        return UnitState(unit, "loaded", self.state, "", "", (), 0)
 
     async def _job(self, member: str, unit: str, kw: dict[str, Any]) -> str:
         self.calls.append((member, unit, kw))
@@ -32,25 +45,69 @@ class FakeSystemd:
         return await self._job("StartUnit", unit, kw)
 
 
-def test_each_verb_queues_its_job() -> None:
-    sd = FakeSystemd()
-    for verb in ("restart", "stop", "start"):
-        job = asyncio.run(run_job(sd, verb, "kubelet.service"))  # type: ignore[arg-type]
-        assert job.ok and job.outcome == "done"
-    assert [c[0] for c in sd.calls] == ["RestartUnit", "StopUnit", "StartUnit"]
-    assert all(c[2] == {} for c in sd.calls)  # systemd.py's own wait unless told
+def job(verb: Verb, unit: str = "kubelet.service") -> UnitJob:
+    return UnitJob(verb, unit, "to repair its checkpoint", "kubelet-stop", {"REASON": "check"})
 
 
-def test_a_failed_job_and_a_bus_error_are_results() -> None:
-    job = asyncio.run(run_job(FakeSystemd("failed"), "stop", "kubelet.service"))  # type: ignore[arg-type]
-    assert (job.ok, job.result, job.error) == (False, "failed", "")
-    err = asyncio.run(run_job(FakeSystemd(error="bus gone"), "restart", "p.service"))  # type: ignore[arg-type]
+def run(sd: FakeSystemd, j: UnitJob, **kw: Any) -> tuple[Any, list[dict[str, Any]]]:
+    out = io.StringIO()
+    jobs = UnitJobs(sd, EventLog(stream=out, level="debug"), **kw)  # type: ignore[arg-type]
+    res = asyncio.run(jobs.run(j))
+    return res, [json.loads(line) for line in out.getvalue().splitlines()]
+
+
+@pytest.mark.parametrize(
+    ("verb", "state", "member"),
+    [("restart", "active", "RestartUnit"), ("stop", "active", "StopUnit"),
+     ("start", "inactive", "StartUnit"), ("start", "failed", "StartUnit")],
+)  # fmt: skip
+def test_each_verb_queues_its_job_and_journals_it_once(verb: Verb, state: str, member: str) -> None:
+    sd = FakeSystemd(state=state)
+    res, entries = run(sd, job(verb))
+    assert res.ok and res.outcome == "done" and not res.already
+    assert sd.calls == [(member, "kubelet.service", {})]  # systemd.py's own wait
+    (e,) = entries
+    assert (e["kind"], e["level"]) == ("kubelet-stop", "notice")
+    assert e["msg"].endswith("kubelet.service to repair its checkpoint")
+    assert (e["UNIT"], e["JOB_RESULT"], e["REASON"]) == ("kubelet.service", "done", "check")
+
+
+@pytest.mark.parametrize(("verb", "state"), [("stop", "inactive"), ("stop", "failed"),
+                                             ("start", "active")])  # fmt: skip
+def test_no_job_and_no_entry_when_the_unit_is_already_there(verb: Verb, state: str) -> None:
+    sd = FakeSystemd(state=state)
+    res, entries = run(sd, job(verb))
+    assert res.ok and res.already and sd.calls == [] and entries == []
+
+
+def test_an_unreadable_state_still_queues_the_job() -> None:
+    sd = FakeSystemd(state="unreachable")
+    res, entries = run(sd, job("stop"))
+    assert res.ok and [c[0] for c in sd.calls] == ["StopUnit"] and len(entries) == 1
+
+
+def test_a_failed_job_and_a_bus_error_are_results_and_unit_job_failed() -> None:
+    res, entries = run(FakeSystemd("failed"), job("restart"))
+    assert (res.ok, res.result, res.error) == (False, "failed", "")
+    (e,) = entries
+    assert (e["kind"], e["level"], e["JOB_RESULT"]) == (FAILED_KIND, "error", "failed")
+    assert e["msg"] == "RestartUnit kubelet.service to repair its checkpoint: failed"
+    err, entries = run(FakeSystemd(error="bus gone"), job("restart", "p.service"))
     assert (err.ok, err.result, err.outcome) == (False, "", "bus gone")
+    assert [(e["kind"], e["UNIT"], e["JOB_RESULT"]) for e in entries] == [
+        (FAILED_KIND, "p.service", "bus gone")
+    ]
+    assert FAILED_KIND in KINDS and message_id(FAILED_KIND)
 
 
-def test_dry_run_queues_nothing_and_the_timeout_is_passed() -> None:
+def test_dry_run_queues_nothing_and_journals_nothing() -> None:
     sd = FakeSystemd()
-    job = asyncio.run(run_job(sd, "restart", "p.service", dry_run=True))  # type: ignore[arg-type]
-    assert job.dry_run and not job.ok and sd.calls == []
-    asyncio.run(run_job(sd, "restart", "p.service", timeout=7.0))  # type: ignore[arg-type]
+    res, entries = run(sd, job("restart"), dry_run=True)
+    assert res.dry_run and not res.ok and sd.calls == [] and entries == []
+
+
+def test_the_timeout_is_passed() -> None:
+    sd = FakeSystemd()
+    jobs = UnitJobs(sd, EventLog(stream=io.StringIO()))  # type: ignore[arg-type]
+    asyncio.run(jobs.run(job("restart", "p.service"), timeout=7.0))
     assert sd.calls == [("RestartUnit", "p.service", {"timeout": 7.0})]

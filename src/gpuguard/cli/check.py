@@ -65,18 +65,14 @@ def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
     from gpuguard.steps.checkpoint import CheckSettings, run_check
 
     log = log or _log(args, cfg, root)
-    settings = CheckSettings(
-        checkpoint_path=k.checkpoint_path,
-        resources=tuple(k.resources),
-        policy=args.policy or k.policy,
-        backup_dir=k.backup_dir,
-        backup_keep=k.backup_keep,
-        kubelet_unit=k.unit,
-        restart_kubelet=k.restart_kubelet and not args.no_restart,
+    settings = CheckSettings.from_config(
+        k,
         dry_run=args.dry_run or cfg.daemon.dry_run,
-        kubelet_stopped=args.kubelet_stopped,
-        bus_address=_opt(args, "bus"),
         reason=args.reason,
+        bus_address=_opt(args, "bus"),
+        policy=args.policy or "",
+        may_restart=not args.no_restart,
+        kubelet_stopped=args.kubelet_stopped,
         simulation=_simulation(args),
     )
     from gpuguard.oneshot import driver_loaded

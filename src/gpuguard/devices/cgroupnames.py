@@ -1,7 +1,8 @@
 """The names Kubernetes gives its cgroups: pods, QoS classes and container scopes, both
 cgroup drivers, every runtime. The one place these patterns live; the kubepods walk
 (devices/containers.py), the device plugin's process classification and the systemd
-source's scope events all match with them.
+source's scope events all match with them. And the one parser of /proc/PID/cgroup,
+which says in which of these cgroups a process is.
 
 - systemd driver: ``kubepods.slice/kubepods-burstable.slice/
   kubepods-burstable-pod<uid with _ for ->.slice/cri-containerd-<id>.scope``
@@ -31,3 +32,17 @@ CGROUPFS_CONTAINER = re.compile(rf"^(?:({_PREFIXES})-)?([0-9a-f]{{64}})$")
 # A container scope as systemd announces it (UnitNew): runtimes may name a scope by a
 # shortened id, so 12 to 64 hex digits.
 ANY_CONTAINER_SCOPE = re.compile(rf"^({_PREFIXES})-[0-9a-f]{{12,64}}\.scope$")
+
+
+def parse_proc_cgroup(text: str) -> dict[str, str]:
+    """/proc/PID/cgroup: each controller's path (``devices``, ``name=systemd`` ...; ``""``
+    for cgroup2's ``0::`` line), the first line naming it; malformed lines skipped."""
+    by: dict[str, str] = {}
+    for line in text.splitlines():
+        _hierarchy, sep, rest = line.partition(":")
+        controllers, sep2, path = rest.partition(":")
+        if not (sep and sep2):
+            continue
+        for c in controllers.split(",") if controllers else [""]:
+            by.setdefault(c, path)
+    return by

@@ -15,9 +15,8 @@ container toolkit's internal/info/proc/devices):
 - Names must match exactly: ``nvidia-caps-imex-channels`` is another major
   (kubernetes-sigs/dra-driver-nvidia-gpu#304 created cap nodes on it by substring match).
 
-runc turns a ``DeviceAllow=`` for a systemd unit into ``/dev/char/MAJ:MIN`` and only if
-that link exists (failure-modes.md F2), so the expected ``/dev/char`` links are part of
-the expected set.
+The MIG capability minors are read in caps.py, the ``/dev/char`` links checked in
+devchar.py.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from typing import Callable, Mapping, Optional, Protocol, Sequence
 from gpuguard.devices.rules import allow_line
 from gpuguard.numparse import parse_decimal
 from gpuguard.paths import Root
-from gpuguard.safeio import UnsafeFileError, read_kernel_text
+from gpuguard.safeio import read_kernel_text
 
 log = logging.getLogger(__name__)
 MAX_MAJOR = 4095  # the kernel's majors are 12 bits
@@ -48,8 +47,6 @@ UVM_TOOLS_MINOR = 1
 GPU_MAJOR_NAMES = ("nvidia", "nvidiactl", "nvidia-frontend")
 UVM_NAME = "nvidia-uvm"
 CAPS_NAME = "nvidia-caps"
-
-CAPS_PROC_DIR = "/proc/driver/nvidia/capabilities"
 
 ROLE_GPU = "gpu"
 ROLE_CTL = "ctl"
@@ -264,52 +261,6 @@ def list_nvidia_nodes(
     return tuple(out)
 
 
-def parse_cap_access(text: str) -> Optional[int]:
-    """``DeviceFileMinor: N`` from a capability file (the first one, as nvidia-modprobe)."""
-    for line in text.split("\n"):
-        key, sep, value = line.partition(":")
-        if sep and key.strip() == "DeviceFileMinor":
-            return parse_decimal(value.strip(), hi=MAX_MINOR)
-    return None
-
-
-def read_cap_minors(root: Root, max_depth: int = 6) -> dict[str, int]:
-    """Capability path (relative to /proc/driver/nvidia/capabilities) -> device minor."""
-    base = root.path(CAPS_PROC_DIR)
-    out: dict[str, int] = {}
-
-    def walk(d: Path, rel: str, depth: int) -> None:
-        if depth > max_depth:
-            return
-        try:
-            entries = sorted(os.scandir(d), key=lambda e: e.name)
-        except OSError:
-            return
-        for e in entries:
-            r = f"{rel}{e.name}"
-            try:
-                if e.is_dir(follow_symlinks=False):
-                    walk(Path(e.path), r + "/", depth + 1)
-                elif e.is_file(follow_symlinks=False):
-                    text = read_kernel_text(Path(e.path), what="capability file")
-                    minor = parse_cap_access(text or "")
-                    if minor is not None:
-                        out[r] = minor
-            except OSError as err:
-                log.debug("skipping %s: %s", e.path, err.strerror)
-            except UnsafeFileError as err:
-                log.debug("skipping %s", err.message)
-
-    walk(base, "", 0)
-    return out
-
-
-def mig_cap_paths(gpu_minor: int, gi: int, ci: int) -> tuple[str, str]:
-    """The capabilities a MIG device (GPU instance gi, compute instance ci) needs."""
-    gi_path = f"gpu{gpu_minor}/mig/gi{gi}/access"
-    return gi_path, f"gpu{gpu_minor}/mig/gi{gi}/ci{ci}/access"
-
-
 def expected_nodes(
     gpus: Sequence[GpuLike],
     majors: NvidiaMajors,
@@ -341,53 +292,6 @@ def expected_nodes(
                     f"/dev/nvidia-caps/nvidia-cap{minor}", majors.caps, minor, ROLE_CAP, cap=cap
                 )
             )
-    return tuple(out)
-
-
-def dev_char_link(node: DeviceNode) -> tuple[str, str]:
-    """(link path, target) as udev writes them: ``/dev/char/195:0 -> ../nvidia0``."""
-    if not node.path.startswith("/dev/"):
-        raise ValueError(f"not a /dev path: {node.path}")
-    return node.dev_char, "../" + node.path[len("/dev/") :]
-
-
-@dataclass(frozen=True)
-class LinkState:
-    node: DeviceNode
-    link: str  # /dev/char/MAJ:MIN
-    state: str  # "ok" | "missing" | "wrong" (points at another device or none)
-    detail: str = ""
-
-
-def check_dev_char_links(root: Root, nodes: Sequence[DeviceNode]) -> tuple[LinkState, ...]:
-    """Whether each node's /dev/char link resolves to a node with the same numbers.
-
-    Any target is fine (udev writes ``../nvidia0``, nvidia-ctk ``/dev/nvidia0``); only
-    where it leads counts, because that is all runc checks. Targets are resolved under
-    the root, never on the host when the root is a test directory."""
-    out: list[LinkState] = []
-    for node in nodes:
-        link = node.dev_char
-        host_link = root.path(link)
-        try:
-            target = os.readlink(host_link)
-        except FileNotFoundError:
-            out.append(LinkState(node, link, "missing"))
-            continue
-        except OSError as e:
-            out.append(LinkState(node, link, "wrong", f"not a symlink: {e.strerror}"))
-            continue
-        resolved = root.path(target) if target.startswith("/") else host_link.parent / target
-        try:
-            st = _stat(resolved, True)
-        except OSError as e:
-            out.append(LinkState(node, link, "wrong", f"-> {target}: {e.strerror}"))
-            continue
-        same = stat.S_ISCHR(st.st_mode) == (node.type == "c") and (
-            os.major(st.st_rdev),
-            os.minor(st.st_rdev),
-        ) == (node.major, node.minor)
-        out.append(LinkState(node, link, "ok" if same else "wrong", "" if same else f"-> {target}"))
     return tuple(out)
 
 

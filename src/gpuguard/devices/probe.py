@@ -14,35 +14,31 @@ which case the fd is closed at once).
 
 `query_device_programs` lists the attached program ids (BPF_PROG_QUERY) for reports.
 
-The probe forks: the child moves itself into the target cgroup(s) (v1: the devices
-directory only, so no other controller sees it; v2: the container's directory), opens
-the node with O_RDWR|O_NONBLOCK|O_NOCTTY, reports the errno over a pipe and _exits. The
-parent waits with a timeout and SIGKILLs a child that hangs (a frozen cgroup). Call it
-from a worker thread of the daemon; the child only makes raw syscalls before _exit.
+The probe runs in a child placed in the target cgroup(s) (devices/cgroupchild.py: v1
+the devices directory only, so no other controller sees it; v2 the container's
+directory), which opens the node with O_RDWR|O_NONBLOCK|O_NOCTTY and reports the errno.
+A child that hangs (a frozen cgroup) is killed. Call it from a worker thread of the
+daemon; the child only makes raw syscalls before _exit.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import os
 import platform
-import select
-import signal
 import struct
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
+
+from gpuguard.devices import cgroupchild
+from gpuguard.devices.cgroupchild import run_in_cgroups
 
 OPEN_FLAGS = os.O_RDWR | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 # Errnos meaning "the cgroup let the open through and something else answered".
 _ALLOWED_ERRNOS = frozenset({0, errno.ENXIO, errno.ENODEV, errno.EBUSY, errno.EIO})
-
-_MOVE_FAILED = 1
-_OPEN_DONE = 2
 
 
 @dataclass(frozen=True)
@@ -63,30 +59,14 @@ def interpret_errno(err: int) -> Optional[bool]:
     return None
 
 
-def _child(node: bytes, procs_files: Sequence[bytes], wfd: int) -> None:
-    """Runs in the forked child: raw syscalls only, then _exit."""
-    code = _OPEN_DONE
+def _open_errno(node: bytes) -> bytes:
+    """In the child: the errno of opening ``node`` (0: opened, and closed at once)."""
     err = 0
     try:
-        pid = str(os.getpid()).encode()
-        for pf in procs_files:
-            fd = os.open(pf, os.O_WRONLY | os.O_CLOEXEC)
-            try:
-                os.write(fd, pid)
-            finally:
-                os.close(fd)
-        try:
-            os.close(os.open(node, OPEN_FLAGS))
-        except OSError as e:
-            err = e.errno or 0
+        os.close(os.open(node, OPEN_FLAGS))
     except OSError as e:
-        code, err = _MOVE_FAILED, e.errno or 0
-    except BaseException:
-        code, err = _MOVE_FAILED, 0
-    try:
-        os.write(wfd, struct.pack("<ii", code, err))
-    finally:
-        os._exit(0)
+        err = e.errno or 0
+    return struct.pack("<i", err)
 
 
 def probe_open(node: Path, cgroup_dirs: Sequence[Path], *, timeout: float = 5.0) -> ProbeResult:
@@ -94,39 +74,16 @@ def probe_open(node: Path, cgroup_dirs: Sequence[Path], *, timeout: float = 5.0)
 
     Pass the container's v1 devices directory and/or its v2 directory (host paths under
     the root). Nothing is left behind: the child exits and leaves the cgroup with it."""
-    procs = [os.fsencode(d / "cgroup.procs") for d in cgroup_dirs]
-    rfd, wfd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child's coverage is not collected
-        os.close(rfd)
-        _child(os.fsencode(node), procs, wfd)
-    os.close(wfd)
-    data = b""
-    try:
-        deadline = time.monotonic() + timeout
-        while len(data) < 8:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            ready, _, _ = select.select([rfd], [], [], left)
-            if not ready:
-                break
-            chunk = os.read(rfd, 8 - len(data))
-            if not chunk:
-                break
-            data += chunk
-    finally:
-        os.close(rfd)
-        if len(data) < 8:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-    if len(data) < 8:
+    path = os.fsencode(node)
+    r = run_in_cgroups(cgroup_dirs, lambda: _open_errno(path), timeout=timeout)
+    if r.status == cgroupchild.TIMEOUT:
         return ProbeResult(str(node), -1, None, f"probe timed out after {timeout}s")
-    code, err = struct.unpack("<ii", data)
-    if code == _MOVE_FAILED:
-        why = os.strerror(err) if err else "unexpected error"
-        return ProbeResult(str(node), err, None, f"could not join the cgroup: {why}")
+    if r.status == cgroupchild.JOIN:
+        why = os.strerror(r.errno) if r.errno else "unexpected error"
+        return ProbeResult(str(node), r.errno, None, f"could not join the cgroup: {why}")
+    if r.status != cgroupchild.DONE or len(r.data) != 4:
+        return ProbeResult(str(node), -1, None, f"probe failed: {r.text}")
+    (err,) = struct.unpack("<i", r.data)
     return ProbeResult(str(node), err, interpret_errno(err), os.strerror(err) if err else "opened")
 
 

@@ -17,14 +17,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
 from gpuguard import safeio
+from gpuguard.devices.caps import read_cap_minors
+from gpuguard.devices.devchar import LinkState, check_dev_char_links
 from gpuguard.devices.nodes import (
-    LinkState,
     NvidiaMajors,
-    check_dev_char_links,
     expected_nodes,
     list_nvidia_nodes,
     nvidia_majors,
-    read_cap_minors,
     read_loaded_modules,
     read_proc_devices,
 )

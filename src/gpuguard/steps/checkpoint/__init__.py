@@ -177,18 +177,12 @@ class CheckpointStep:
             return
         k = svc.config.kubelet
         cooled = self.clock() - self.last_restart > self.COOLDOWN
-        settings = CheckSettings(
-            checkpoint_path=k.checkpoint_path,
-            resources=tuple(k.resources),
-            policy=k.policy,
-            backup_dir=k.backup_dir,
-            backup_keep=k.backup_keep,
-            kubelet_unit=k.unit,
-            restart_kubelet=k.restart_kubelet and cooled,
+        settings = CheckSettings.from_config(
+            k,
             dry_run=svc.dry_run,
-            kubelet_stopped=False,
-            bus_address=svc.bus_address,
             reason="daemon: " + ctx.work.reasons[0],
+            bus_address=svc.bus_address,
+            may_restart=cooled,
         )
         try:
             report = await check_checkpoint(

@@ -1,5 +1,6 @@
-"""Kubelet coordination around a checkpoint repair: the unit jobs (RestartUnit with the
-pre-start hook, or StopUnit, repair, StartUnit) and their journal entries."""
+"""Kubelet coordination around a checkpoint repair: which unit jobs (RestartUnit with the
+pre-start hook, or StopUnit, repair, StartUnit), queued through actuate/units.py, which
+journals each job with its reason; here only what a failed job means for the repair."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
 from gpuguard import exitcodes
-from gpuguard.actuate.units import run_job
+from gpuguard.actuate.units import UnitJob, UnitJobs, Verb
 from gpuguard.errors import KubeletError
 from gpuguard.inventory import Inventory
 from gpuguard.log import EventLog
@@ -119,15 +120,9 @@ async def _restart_with_hook(
         ) from None
     k.on_restart()
     try:
-        job = await run_job(systemd, "restart", s.kubelet_unit)
+        why = f"so that its pre-start hook repairs {report.checkpoint}: {report.actions[0].reason}"
+        job = await UnitJobs(systemd, log).run(_job(s, "restart", why, "kubelet-restart"))
         result = f"failed: {job.error}" if job.error else job.result
-        _log_kubelet(
-            log,
-            s,
-            "kubelet-restart",
-            f"restart of {s.kubelet_unit} (job {result}) so its pre-start hook repairs "
-            f"{report.checkpoint}: {report.actions[0].reason}",
-        )
         verdict = kubelet_hook.verify(
             k.root, token, s.checkpoint_path, k.inventory, s.resources, s.policy
         )
@@ -177,7 +172,9 @@ async def _stop_repair_start(
     if s.dry_run:
         return apply_repair(report, actuator, s)
     k.on_restart()
-    stop = await run_job(systemd, "stop", s.kubelet_unit)
+    jobs = UnitJobs(systemd, log)
+    why = f"to repair {report.checkpoint} while it is stopped (no gpuguard drop-in)"
+    stop = await jobs.run(_job(s, "stop", why, "kubelet-stop"))
     if not stop.ok:
         why = stop.error or f"stop job ended with '{stop.result}'"
         _coordination_failed(log, s, why)
@@ -185,32 +182,17 @@ async def _stop_repair_start(
     try:
         apply_repair(report, actuator, s)
     finally:
-        start = (await run_job(systemd, "start", s.kubelet_unit)).outcome
-        _log_kubelet(
-            log,
-            s,
-            "kubelet-stop-start",
-            f"stopped {s.kubelet_unit}, repaired {report.checkpoint}, started it again "
-            f"(start: {start})",
-        )
+        why = f"again after the repair of {report.checkpoint}"
+        start = (await jobs.run(_job(s, "start", why, "kubelet-start"))).outcome
     if start != "done":
         raise KubeletError(f"repaired {report.checkpoint}, but starting kubelet failed: {start}")
     return report
 
 
-def _log_kubelet(log: EventLog, s: CheckSettings, kind: str, msg: str) -> None:
-    """The journal entry for a kubelet restart or stop/start made for the checkpoint."""
-    log.event(
-        kind,
-        msg,
-        level="notice",
-        fields={
-            "GPUGUARD_RECONCILER": ckpt.NAME,
-            "GPUGUARD_ACTION": kind,
-            "UNIT": s.kubelet_unit,
-            "REASON": s.reason,
-        },
-    )
+def _job(s: CheckSettings, verb: Verb, why: str, kind: str) -> UnitJob:
+    """A kubelet job for the checkpoint step, journaled by the actuator with `kind`."""
+    fields = {"GPUGUARD_RECONCILER": ckpt.NAME, "GPUGUARD_ACTION": kind, "REASON": s.reason}
+    return UnitJob(verb, s.kubelet_unit, why, kind, fields)
 
 
 def _coordination_failed(log: EventLog, s: CheckSettings, why: str) -> None:

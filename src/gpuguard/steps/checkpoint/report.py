@@ -9,8 +9,8 @@ from gpuguard import exitcodes
 from gpuguard.model import Action, Finding, Outcome
 from gpuguard.steps.checkpoint.actuate import CheckpointActuator
 
-if TYPE_CHECKING:  # dbus-next costs import time; a healthy node never needs it
-    pass
+if TYPE_CHECKING:
+    from gpuguard.config import KubeletConfig
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,35 @@ class CheckSettings:
     # Non-empty: the inventory is a simulation (`check --inventory`), so a running
     # kubelet is never stopped or restarted for it; says why and which flag allows it.
     simulation: str = ""
+
+    @classmethod
+    def from_config(
+        cls,
+        k: KubeletConfig,
+        *,
+        dry_run: bool,
+        reason: str,
+        bus_address: Optional[str],
+        policy: str = "",  # "": [Kubelet] Policy=
+        may_restart: bool = True,  # False: not now, whatever RestartKubelet= says
+        kubelet_stopped: bool = False,
+        simulation: str = "",
+    ) -> CheckSettings:
+        """The one way from [Kubelet] to a check's settings (`gpuguard check`, the daemon)."""
+        return cls(
+            checkpoint_path=k.checkpoint_path,
+            resources=tuple(k.resources),
+            policy=policy or k.policy,
+            backup_dir=k.backup_dir,
+            backup_keep=k.backup_keep,
+            kubelet_unit=k.unit,
+            restart_kubelet=k.restart_kubelet and may_restart,
+            dry_run=dry_run,
+            kubelet_stopped=kubelet_stopped,
+            bus_address=bus_address,
+            reason=reason,
+            simulation=simulation,
+        )
 
 
 @dataclass

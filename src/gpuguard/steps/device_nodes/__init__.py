@@ -6,15 +6,14 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
+from gpuguard.devices.caps import read_cap_minors
+from gpuguard.devices.devchar import LinkState, check_dev_char_links
 from gpuguard.devices.nodes import (
     DeviceNode,
-    LinkState,
     NvidiaMajors,
-    check_dev_char_links,
     expected_nodes,
     list_nvidia_nodes,
     nvidia_majors,
-    read_cap_minors,
     read_loaded_modules,
     read_proc_devices,
 )

@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from gpuguard.devices.nodes import ROLE_CAP, DeviceNode, LinkState, dev_char_link
+from gpuguard.devices.devchar import LinkState, dev_char_link
+from gpuguard.devices.nodes import ROLE_CAP, DeviceNode
 from gpuguard.model import Action, Finding
 from gpuguard.steps.registry import DEVICE_NODES
 

@@ -1,15 +1,9 @@
 """The daemon's device_plugin step: observe, assess, restart within limits, verify.
 
-Limits (never a restart loop):
-
-- ``Restart=no`` or ``MaxRestartsPerHour=0``: report only;
-- cool-down from the plugin's START: a plugin younger than ``CoolDown`` is still
-  starting (or was just restarted) and is left alone;
-- at most ``MaxRestartsPerHour`` restarts per plugin identity (its resource, or its
-  socket name: container ids and pids change with every restart) in any hour;
-- exponential back-off after failed attempts (``backoff_base`` * 2^(failures-1),
-  capped at ``backoff_max``);
-- one restart per plugin per pass, and none while an earlier one awaits verification.
+Never a restart loop: the limits (Restart=, MaxRestartsPerHour=, the cool-down from
+the plugin's start, the budget per plugin identity in any hour, exponential back-off
+after failed attempts) are judged in limits.py; besides, one restart per plugin per
+pass, and none while an earlier one awaits verification.
 
 With ``NvmlProbe=yes`` every served plugin (a container or a host service) is also
 probed for NVML in its own context (steps/device_plugin/nvml_probe.py: one child process per
@@ -29,11 +23,13 @@ import logging
 import time
 from typing import TYPE_CHECKING, Callable, Optional
 
+from gpuguard.actuate.units import UnitJobs
 from gpuguard.conditions import Conditions, log_findings
 from gpuguard.errors import GpuguardError
 from gpuguard.model import Finding, Outcome
 from gpuguard.paths import Root
 from gpuguard.steps.device_plugin.actuate import PluginRestarter, check_new_plugin, verify
+from gpuguard.steps.device_plugin.limits import HOUR, why_not
 from gpuguard.steps.device_plugin.observe import (
     NodeInfo,
     PluginObservation,
@@ -44,7 +40,15 @@ from gpuguard.steps.device_plugin.observe import (
     list_nodes,
     still_running,
 )
-from gpuguard.steps.device_plugin.reconcile import RECONCILER, RestartPlugin, assess
+from gpuguard.steps.device_plugin.reconcile import (
+    K_DECLINED,
+    K_FAILED,
+    K_RECOVERED,
+    K_RESTARTED,
+    RECONCILER,
+    RestartPlugin,
+    assess,
+)
 from gpuguard.steps.device_plugin.state import STATE_FILE as STATE_FILE
 from gpuguard.steps.device_plugin.state import PluginState as PluginState
 from gpuguard.steps.device_plugin.state import read_states
@@ -57,13 +61,6 @@ if TYPE_CHECKING:
     from gpuguard.steps.device_plugin.nvml_probe import NvmlResult
 
 log = logging.getLogger(__name__)
-
-HOUR = 3600.0
-
-K_RESTARTED = "plugin-restarted"
-K_DECLINED = "plugin-restart-declined"
-K_RECOVERED = "plugin-recovered"
-K_FAILED = "plugin-restart-failed"
 
 
 class DevicePluginStep:
@@ -159,23 +156,9 @@ class DevicePluginStep:
 
     def probe_nvml(self, root: Root, obs: PluginObservation) -> dict[str, NvmlResult]:
         """NVML in each served plugin's context, by identity (one probe per process)."""
-        if not obs.host_nodes:  # no driver: NVML fails everywhere, nothing to judge
-            return {}
         from gpuguard.steps.device_plugin import nvml_probe  # ctypes: only with NvmlProbe=yes
 
-        by_pid: dict[int, NvmlResult] = {}
-        out: dict[str, NvmlResult] = {}
-        for p in obs.plugins:
-            proc = p.process
-            if proc is None or proc.kind not in ("container", "service"):
-                continue
-            if proc.pid not in by_pid:
-                dirs = nvml_probe.plugin_cgroup_dirs(root, proc.pid)
-                by_pid[proc.pid] = nvml_probe.probe_nvml(
-                    proc.pid, dirs, timeout=self.nvml_timeout, root=root
-                )
-            out[p.identity] = by_pid[proc.pid]
-        return out
+        return nvml_probe.probe_plugins(root, obs, timeout=self.nvml_timeout)
 
     async def _kubelet_unit_started(self, svc: Services) -> Optional[float]:
         sd = svc.systemd
@@ -233,41 +216,6 @@ class DevicePluginStep:
 
     # -- decisions ---------------------------------------------------------------------
 
-    def _why_not(
-        self, cfg: DevicePluginConfig, st: PluginState, a: RestartPlugin, now: float
-    ) -> Optional[tuple[str, str]]:
-        """(code, sentence) when this restart must not happen now; None when it may."""
-        if not cfg.restart:
-            return "disabled", "restarts are off (Restart=no)"
-        if cfg.max_restarts_per_hour == 0:
-            return "disabled", "restarts are off (MaxRestartsPerHour=0)"
-        if st.pending_deadline:
-            return "pending", "an earlier restart is still being verified"
-        age = now - a.process.start
-        if age < cfg.cool_down:
-            return (
-                "cool-down",
-                f"it started {age:.0f}s ago, less than CoolDown={cfg.cool_down:.0f}s: "
-                "it may still be starting",
-            )
-        recent = [t for t in st.restarts if now - t < HOUR]
-        if len(recent) >= cfg.max_restarts_per_hour:
-            return (
-                "budget",
-                f"{len(recent)} restart(s) in the last hour already "
-                f"(MaxRestartsPerHour={cfg.max_restarts_per_hour}); "
-                "recreate it by hand once the cause is fixed",
-            )
-        if st.failures:
-            wait = min(self.backoff_base * 2 ** (st.failures - 1), self.backoff_max)
-            if now < st.last_failure + wait:
-                return (
-                    "back-off",
-                    f"{st.failures} failed attempt(s); next one not before "
-                    f"{st.last_failure + wait - now:.0f}s from now",
-                )
-        return None
-
     def _journal(
         self,
         elog: EventLog,
@@ -277,14 +225,7 @@ class DevicePluginStep:
         level: str,
         **extra: str,
     ) -> None:
-        elog.event(
-            kind,
-            msg,
-            level=level,
-            fields={"GPUGUARD_RECONCILER": RECONCILER, "GPUGUARD_ACTION": a.kind}
-            | dict(a.fields())
-            | extra,
-        )
+        elog.event(kind, msg, level=level, fields=a.entry_fields(**extra))
 
     async def _decide(
         self,
@@ -297,7 +238,7 @@ class DevicePluginStep:
         root, elog = svc.root, svc.log
         now = self.clock()
         st = self.state.setdefault(a.identity, PluginState())
-        why = self._why_not(cfg, st, a, now)
+        why = why_not(cfg, st, a, now, backoff_base=self.backoff_base, backoff_max=self.backoff_max)
         if why is None and svc.dry_run:
             why = ("dry-run", f"dry run: would restart it via {restarter.plan(a.process)}")
         if why is not None:
@@ -324,7 +265,8 @@ class DevicePluginStep:
         st.declined = ""
         st.restarts.append(now)
         self._save(root, elog)  # counted before acting: a crash cannot reset the budget
-        res = await restarter.restart(root, a, svc.systemd)
+        units = UnitJobs(svc.systemd, elog, dry_run=svc.dry_run) if svc.systemd else None
+        res = await restarter.restart(root, a, units)
         if not res.ok:
             st.failures += 1
             st.last_failure = self.clock()
@@ -337,14 +279,16 @@ class DevicePluginStep:
                 METHOD=res.method,
             )
             return Outcome(a, "failed", res.detail)
-        self._journal(
-            elog,
-            K_RESTARTED,
-            a,
-            f"restarted device plugin {a.identity} ({a.target}) because {a.reason}: {res.detail}",
-            "notice",
-            METHOD=res.method,
-        )
+        if not res.journaled:  # a unit restart's entry is the unit-job actuator's
+            self._journal(
+                elog,
+                K_RESTARTED,
+                a,
+                f"restarted device plugin {a.identity} ({a.target}) because {a.reason}: "
+                f"{res.detail}",
+                "notice",
+                METHOD=res.method,
+            )
         timeout = min(self.verify_timeout, cfg.registration_grace or self.verify_timeout)
         v = await verify(
             root,

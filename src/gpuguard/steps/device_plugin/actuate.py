@@ -4,7 +4,8 @@ How, in order of preference:
 
 - a plugin in a Kubernetes container: stop the container through the runtime, so
   kubelet recreates it from its pod spec (crictl, else ctr: actuate/containers.py);
-- a plugin run as a host service: systemd ``RestartUnit`` over D-Bus;
+- a plugin run as a host service: systemd ``RestartUnit`` over D-Bus (actuate/units.py,
+  which journals the restart: the result says so, and the step does not);
 - last resort only (no runtime client worked, or a bare process): SIGTERM to the
   container's init (pid 1 of its pid namespace) or to the process, through a pidfd
   after checking that the pid still is the process we judged (same start time).
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
 from gpuguard.actuate.containers import ContainerStopper
-from gpuguard.actuate.units import run_job
+from gpuguard.actuate.units import UnitJob
 from gpuguard.paths import Root
 from gpuguard.steps.device_plugin.observe import (
     NodeInfo,
@@ -35,11 +36,11 @@ from gpuguard.steps.device_plugin.observe import (
     list_nodes,
     still_running,
 )
-from gpuguard.steps.device_plugin.reconcile import RestartPlugin, view_gaps
+from gpuguard.steps.device_plugin.reconcile import K_RESTARTED, RestartPlugin, view_gaps
 
 if TYPE_CHECKING:
+    from gpuguard.actuate.units import UnitJobs
     from gpuguard.config import RuntimeConfig
-    from gpuguard.systemd import Systemd
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class RestartResult:
     ok: bool
     method: str  # crictl | ctr | systemd | signal | none
     detail: str
+    journaled: bool = False  # the unit-job actuator wrote the entry for this change
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,7 @@ class PluginRestarter:
         return "signal"
 
     async def restart(
-        self, root: Root, action: RestartPlugin, systemd: Optional[Systemd]
+        self, root: Root, action: RestartPlugin, units: Optional[UnitJobs]
     ) -> RestartResult:
         p = action.process
         if not still_running(root, p):
@@ -113,12 +115,17 @@ class PluginRestarter:
             errors += stopped.errors
             method = "signal"
         if method == "systemd":
-            if systemd is None:
+            if units is None:
                 return RestartResult(False, "systemd", f"{p.unit}: the system bus is down")
-            job = await run_job(systemd, "restart", p.unit, timeout=self.command_timeout)
+            why = f"(device plugin {action.identity}, {action.target}) because {action.reason}"
+            fields = action.entry_fields(METHOD="systemd")
+            job = await units.run(
+                UnitJob("restart", p.unit, why, K_RESTARTED, fields), timeout=self.command_timeout
+            )
             if job.error:
-                return RestartResult(False, "systemd", f"RestartUnit {p.unit}: {job.error}")
-            return RestartResult(job.ok, "systemd", f"RestartUnit {p.unit}: job {job.result}")
+                return RestartResult(False, "systemd", f"RestartUnit {p.unit}: {job.error}", True)
+            detail = f"RestartUnit {p.unit}: job {job.result}"
+            return RestartResult(job.ok, "systemd", detail, journaled=True)
         if not self.signal_fallback:
             return RestartResult(False, "none", "; ".join(errors) or "no way to restart it")
         return self._signal(root, p, errors)

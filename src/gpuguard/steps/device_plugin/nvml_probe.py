@@ -6,7 +6,8 @@ running driver's, a device node it needs is denied by its device cgroup, the dri
 was reloaded under it. The probe asks NVML itself, from where the plugin stands:
 
 1. a forked child writes its pid into the plugin's ``cgroup.procs`` (the v1 devices
-   directory and/or the v2 directory), so the device cgroup that applies to the plugin
+   directory and/or the v2 directory: devices/cgroupchild.py, the fork, join and report
+   skeleton the device probe shares), so the device cgroup that applies to the plugin
    (v1 rules, or BPF programs of the directory and its ancestors) applies to it;
 2. it enters the plugin's mount namespace: ``setns(open("/proc/PID/ns/mnt"),
    CLONE_NEWNS)`` through ctypes (``os.setns`` is Python >= 3.12 only), then
@@ -56,17 +57,17 @@ import ctypes
 import json
 import os
 import platform
-import select
-import signal
-import struct
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
-from gpuguard.devices.containers import detect_layout
+from gpuguard.devices import cgroupchild
+from gpuguard.devices.cgroupchild import process_cgroup_dirs, run_in_cgroups
 from gpuguard.paths import Root
 from gpuguard.safeio import proc_bytes, proc_text
+
+if TYPE_CHECKING:
+    from gpuguard.steps.device_plugin.observe import PluginObservation
 
 NVML_LIBRARY = "libnvidia-ml.so.1"
 NVML_SUCCESS = 0
@@ -115,30 +116,8 @@ class NvmlResult:
 
 # -- what the parent reads about the plugin -------------------------------------------
 
-
-def plugin_cgroup_dirs(root: Root, pid: int) -> list[Path]:
-    """The plugin's v1 devices directory and v2 directory (those that exist)."""
-    try:
-        text = proc_text(root.path(f"/proc/{pid}/cgroup"))
-    except OSError:
-        return []
-    v1 = v2 = ""
-    for line in text.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        if parts[0] == "0" and parts[1] == "":
-            v2 = parts[2]
-        elif "devices" in parts[1].split(","):
-            v1 = parts[2]
-    layout = detect_layout(root)
-    out: list[Path] = []
-    for mount, rel in ((layout.v1_devices, v1), (layout.v2, v2)):
-        if mount and rel:
-            d = root.path(f"{mount.rstrip('/')}/{rel.lstrip('/')}".rstrip("/") or "/")
-            if d.is_dir():
-                out.append(d)
-    return out
+# The plugin's v1 devices directory and v2 directory (those that exist).
+plugin_cgroup_dirs = process_cgroup_dirs
 
 
 def library_candidates(root: Root, pid: int) -> list[str]:
@@ -274,46 +253,12 @@ def _nvml(candidates: Sequence[str]) -> dict[str, object]:
     return {"stage": "ok", "code": code, "library": path, "detail": "nvmlInit succeeded"}
 
 
-def _child(
-    procs_files: Sequence[bytes],
-    ns_path: bytes,
-    caps: Optional[tuple[int, int]],
-    candidates: Sequence[str],
-    hint: str,
-    wfd: int,
-) -> None:  # pragma: no cover - runs in the forked child, whose coverage is not collected
-    msg: dict[str, object] = {"stage": "error", "detail": "unexpected error"}
-    try:
-        msg = _child_work(procs_files, ns_path, caps, candidates, hint)
-    except BaseException as e:  # anything must become a report
-        msg = {"stage": "error", "detail": f"probe failed: {e!r}"}
-    try:
-        data = json.dumps(msg).encode()[:60000]
-        os.write(wfd, struct.pack("<I", len(data)) + data)
-    finally:
-        os._exit(0)
-
-
 def _child_work(
-    procs_files: Sequence[bytes],
     ns_path: bytes,
     caps: Optional[tuple[int, int]],
     candidates: Sequence[str],
     hint: str,
-) -> dict[str, object]:  # pragma: no cover - forked child
-    pid = str(os.getpid()).encode()
-    for pf in procs_files:
-        try:
-            fd = os.open(pf, os.O_WRONLY | os.O_CLOEXEC)
-            try:
-                os.write(fd, pid)
-            finally:
-                os.close(fd)
-        except OSError as e:
-            return {
-                "stage": "cgroup",
-                "detail": f"cannot join the plugin's cgroup {os.fsdecode(pf)}: {e.strerror}",
-            }
+) -> dict[str, object]:  # pragma: no cover - forked child, already in the plugin's cgroups
     libc = ctypes.CDLL(None, use_errno=True)
     for dep in _HOST_DEPENDENCIES:
         with contextlib.suppress(OSError):
@@ -342,26 +287,6 @@ def _child_work(
 # -- the parent -----------------------------------------------------------------------
 
 
-def _read_message(rfd: int, timeout: float) -> Optional[bytes]:
-    deadline = time.monotonic() + timeout
-    data = b""
-    need = 4
-    while len(data) < need:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return None
-        ready, _, _ = select.select([rfd], [], [], left)
-        if not ready:
-            return None
-        chunk = os.read(rfd, need - len(data))
-        if not chunk:
-            return None
-        data += chunk
-        if need == 4 and len(data) == 4:
-            need = 4 + struct.unpack("<I", data)[0]
-    return data[4:]
-
-
 def probe_nvml(
     pid: int,
     cgroup_dirs: Sequence[Path],
@@ -374,31 +299,25 @@ def probe_nvml(
     ``cgroup_dirs``: host paths (under the root) of the plugin's v1 devices and/or v2
     directory (:func:`plugin_cgroup_dirs`); empty: the child stays in ours. Nothing is
     left behind: the child exits (or is killed) and is reaped before this returns."""
-    r = root or Root()
-    procs = [os.fsencode(d / "cgroup.procs") for d in cgroup_dirs]
-    ns_path = os.fsencode(r.path(f"/proc/{pid}/ns/mnt"))
-    candidates = library_candidates(r, pid)
-    caps = _caps(r, str(pid))
+    rt = root or Root()
+    ns_path = os.fsencode(rt.path(f"/proc/{pid}/ns/mnt"))
+    candidates = library_candidates(rt, pid)
+    caps = _caps(rt, str(pid))
     hint = _namespace_hint()
-    rfd, wfd = os.pipe()
-    child = os.fork()
-    if child == 0:  # pragma: no cover - the child's coverage is not collected
-        os.close(rfd)
-        _child(procs, ns_path, caps, candidates, hint, wfd)
-    os.close(wfd)
-    data: Optional[bytes] = None
-    try:
-        data = _read_message(rfd, timeout)
-    finally:
-        os.close(rfd)
-        if data is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signal.SIGKILL)
-        os.waitpid(child, 0)
-    if data is None:
+
+    def work() -> bytes:  # in the child, once it joined the cgroups
+        return json.dumps(_child_work(ns_path, caps, candidates, hint)).encode()
+
+    r = run_in_cgroups(cgroup_dirs, work, timeout=timeout)
+    if r.status == cgroupchild.TIMEOUT:
         return NvmlResult(False, None, f"the NVML probe timed out after {timeout:g}s", "timeout")
+    if r.status == cgroupchild.JOIN:
+        why = os.strerror(r.errno) if r.errno else "unexpected error"
+        return NvmlResult(False, None, f"cannot join the plugin's cgroup {r.text}: {why}", "cgroup")
+    if r.status == cgroupchild.ERROR:
+        return NvmlResult(False, None, f"probe failed: {r.text}", "error")
     try:
-        msg = json.loads(data)
+        msg = json.loads(r.data)
     except ValueError:
         return NvmlResult(False, None, "the NVML probe sent an unreadable report", "error")
     stage = str(msg.get("stage", "error"))
@@ -410,3 +329,21 @@ def probe_nvml(
         stage=stage,
         library=str(msg.get("library", "")),
     )
+
+
+def probe_plugins(root: Root, obs: PluginObservation, *, timeout: float) -> dict[str, NvmlResult]:
+    """NVML in each served plugin's context (a container or a host service), by
+    identity: one probe per process, however many sockets it serves."""
+    if not obs.host_nodes:  # no driver: NVML fails everywhere, nothing to judge
+        return {}
+    by_pid: dict[int, NvmlResult] = {}
+    out: dict[str, NvmlResult] = {}
+    for p in obs.plugins:
+        proc = p.process
+        if proc is None or proc.kind not in ("container", "service"):
+            continue
+        if proc.pid not in by_pid:
+            dirs = plugin_cgroup_dirs(root, proc.pid)
+            by_pid[proc.pid] = probe_nvml(proc.pid, dirs, timeout=timeout, root=root)
+        out[p.identity] = by_pid[proc.pid]
+    return out

@@ -14,6 +14,7 @@ from gpuguard.devices.cgroupnames import (
     RUNTIME,
     SYSTEMD_CONTAINER,
     SYSTEMD_POD,
+    parse_proc_cgroup,
 )
 from gpuguard.numparse import parse_decimal
 from gpuguard.paths import Root
@@ -147,12 +148,7 @@ def read_cgroup(root: Root, pid: int) -> str:
         text = proc_text(root.path(f"/proc/{pid}/cgroup"))
     except OSError:
         return ""
-    by: dict[str, str] = {}
-    for line in text.splitlines():
-        _h, _sep, rest = line.partition(":")
-        ctrls, _sep2, path = rest.partition(":")
-        for c in ctrls.split(",") if ctrls else [""]:
-            by.setdefault(c, path)
+    by = parse_proc_cgroup(text)
     paths = [by[k] for k in ("devices", "", "name=systemd") if by.get(k)]
     for kind in ("container", "service"):
         for path in paths:

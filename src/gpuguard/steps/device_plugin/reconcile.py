@@ -54,6 +54,12 @@ K_NOT_SERVING = "plugin-not-serving"
 K_CONTAINER_NO_UVM = "container-missing-uvm"
 K_NVML_FAILED = "plugin-nvml-failed"
 K_NVML_UNCHECKED = "plugin-nvml-unchecked"
+# The step's decisions about a restart (a restart through systemd is journaled by the
+# unit-job actuator, with the same kind and fields).
+K_RESTARTED = "plugin-restarted"
+K_DECLINED = "plugin-restart-declined"
+K_RECOVERED = "plugin-recovered"
+K_FAILED = "plugin-restart-failed"
 
 CAUSE_STALE = "stale-view"
 CAUSE_UNREGISTERED = "not-registered"
@@ -94,6 +100,12 @@ class RestartPlugin(Action):
         if self.missing:
             out["MISSING"] = " ".join(self.missing)
         return out
+
+    def entry_fields(self, **extra: str) -> dict[str, str]:
+        """The fields of a journal entry about this restart: the step, the action, the
+        plugin, and ``extra`` (METHOD, REASON ...)."""
+        step = {"GPUGUARD_RECONCILER": RECONCILER, "GPUGUARD_ACTION": self.kind}
+        return step | dict(self.fields()) | extra
 
 
 @dataclass(frozen=True)
