@@ -22,7 +22,7 @@ FIGURES = (
     "(b) 5 containers x 5 daemon-reloads",
     "container-reloads without the GPU right after the reload returned: ",
     "real losses (re-granted by gpuguard): ",
-    "(c) fast path only (DurableGrants=no), 5 new scopes, 5 reloads",
+    "(c) fast path only (DurableGrants=no), 5 new scopes, 5 reloads",  # v1, the default
     "reload returned -> every container restored: p50",
     "reload returned -> repair pass ended:        p50",
     "repair pass duration:",
