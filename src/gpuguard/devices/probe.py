@@ -63,10 +63,9 @@ def interpret_errno(err: int) -> Optional[bool]:
     return None
 
 
-def _child(node: bytes, procs_files: Sequence[bytes], wfd: int) -> None:
+def _child(nodes: Sequence[bytes], procs_files: Sequence[bytes], wfd: int) -> None:
     """Runs in the forked child: raw syscalls only, then _exit."""
-    code = _OPEN_DONE
-    err = 0
+    out = b""
     try:
         pid = str(os.getpid()).encode()
         for pf in procs_files:
@@ -75,16 +74,19 @@ def _child(node: bytes, procs_files: Sequence[bytes], wfd: int) -> None:
                 os.write(fd, pid)
             finally:
                 os.close(fd)
-        try:
-            os.close(os.open(node, OPEN_FLAGS))
-        except OSError as e:
-            err = e.errno or 0
+        for node in nodes:
+            err = 0
+            try:
+                os.close(os.open(node, OPEN_FLAGS))
+            except OSError as e:
+                err = e.errno or 0
+            out += struct.pack("<ii", _OPEN_DONE, err)
     except OSError as e:
-        code, err = _MOVE_FAILED, e.errno or 0
+        out = struct.pack("<ii", _MOVE_FAILED, e.errno or 0)
     except BaseException:
-        code, err = _MOVE_FAILED, 0
+        out = struct.pack("<ii", _MOVE_FAILED, 0)
     try:
-        os.write(wfd, struct.pack("<ii", code, err))
+        os.write(wfd, out)
     finally:
         os._exit(0)
 
@@ -94,40 +96,53 @@ def probe_open(node: Path, cgroup_dirs: Sequence[Path], *, timeout: float = 5.0)
 
     Pass the container's v1 devices directory and/or its v2 directory (host paths under
     the root). Nothing is left behind: the child exits and leaves the cgroup with it."""
+    return probe_open_all([node], cgroup_dirs, timeout=timeout)[0]
+
+
+def probe_open_all(
+    nodes: Sequence[Path], cgroup_dirs: Sequence[Path], *, timeout: float = 5.0
+) -> list[ProbeResult]:
+    """`probe_open` of each of ``nodes`` from one child: one fork per cgroup, not per node."""
     procs = [os.fsencode(d / "cgroup.procs") for d in cgroup_dirs]
+    want = 8 * len(nodes)
     rfd, wfd = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child's coverage is not collected
         os.close(rfd)
-        _child(os.fsencode(node), procs, wfd)
+        _child([os.fsencode(n) for n in nodes], procs, wfd)
     os.close(wfd)
     data = b""
     try:
         deadline = time.monotonic() + timeout
-        while len(data) < 8:
+        while len(data) < want:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
             ready, _, _ = select.select([rfd], [], [], left)
             if not ready:
                 break
-            chunk = os.read(rfd, 8 - len(data))
+            chunk = os.read(rfd, want - len(data))
             if not chunk:
                 break
             data += chunk
     finally:
         os.close(rfd)
-        if len(data) < 8:
+        if len(data) < want:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
-    if len(data) < 8:
-        return ProbeResult(str(node), -1, None, f"probe timed out after {timeout}s")
-    code, err = struct.unpack("<ii", data)
-    if code == _MOVE_FAILED:
+    if len(data) >= 8 and struct.unpack_from("<i", data)[0] == _MOVE_FAILED:
+        err = struct.unpack_from("<i", data, 4)[0]
         why = os.strerror(err) if err else "unexpected error"
-        return ProbeResult(str(node), err, None, f"could not join the cgroup: {why}")
-    return ProbeResult(str(node), err, interpret_errno(err), os.strerror(err) if err else "opened")
+        return [ProbeResult(str(n), err, None, f"could not join the cgroup: {why}") for n in nodes]
+    if len(data) < want:
+        return [ProbeResult(str(n), -1, None, f"probe timed out after {timeout}s") for n in nodes]
+    out = []
+    for i, n in enumerate(nodes):
+        _code, err = struct.unpack_from("<ii", data, 8 * i)
+        verdict = interpret_errno(err)
+        out.append(ProbeResult(str(n), err, verdict, os.strerror(err) if err else "opened"))
+    return out
 
 
 # --- bpf(2) through ctypes: enough for BPF_PROG_QUERY (and for tests to load a program)
@@ -161,8 +176,11 @@ def bpf_syscall(cmd: int, attr: ctypes.Array[ctypes.c_char]) -> int:
     return ret
 
 
-def query_device_programs(cgroup_dir: Path, max_progs: int = 64) -> tuple[int, ...]:
-    """Ids of the BPF device programs attached to a cgroup2 directory (not ancestors)."""
+def query_device_programs(
+    cgroup_dir: Path, max_progs: int = 64, *, query_flags: int = 0
+) -> tuple[int, ...]:
+    """Ids of the BPF device programs attached to a cgroup2 directory (not ancestors;
+    with BPF_F_QUERY_EFFECTIVE, every program the kernel runs for it, ancestors' too)."""
     ids = (ctypes.c_uint32 * max_progs)()
     fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -170,7 +188,15 @@ def query_device_programs(cgroup_dir: Path, max_progs: int = 64) -> tuple[int, .
         # union bpf_attr.query: target_fd, attach_type, query_flags, attach_flags,
         # prog_ids (u64 pointer), prog_cnt
         struct.pack_into(
-            "<IIIIQI", attr, 0, fd, BPF_CGROUP_DEVICE, 0, 0, ctypes.addressof(ids), max_progs
+            "<IIIIQI",
+            attr,
+            0,
+            fd,
+            BPF_CGROUP_DEVICE,
+            query_flags,
+            0,
+            ctypes.addressof(ids),
+            max_progs,
         )
         bpf_syscall(BPF_PROG_QUERY, attr)
         (count,) = struct.unpack_from("<I", attr, 24)
