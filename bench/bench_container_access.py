@@ -189,7 +189,12 @@ def undo_durable(ns: SystemdNamespace, ctrs: Sequence[Container]) -> None:
     )
     ns.run(["sh", "-c", script], check=True, timeout=300)
     for c in ctrs:
-        c.hook_grant(ns)
+        for attempt in range(50):  # systemd may still be swapping its own program
+            try:
+                c.hook_grant(ns)
+                break
+            except FileNotFoundError:
+                time.sleep(0.01 * (attempt + 1))
 
 
 def start_all(ns: SystemdNamespace, ctrs: Sequence[Container], workers: int = 16) -> float:
