@@ -66,21 +66,23 @@ class AccessObserver:
         pairs: Sequence[tuple[ContainerCgroup, Entitlement]],
         access: dict[AccessKey, Optional[bool]],
         programs: dict[str, Optional[tuple[int, ...]]],
+        *,
+        probe: bool = True,
     ) -> None:
         """v2 verdicts from the programs the kernel runs for each cgroup, parsed once
         each (no fork); a probe, one fork per container, where a program cannot be read
-        or parsed."""
+        or parsed (``probe=False``: left unknown, for the fast path on the loop)."""
         for c, ent in pairs:
             assert c.cgroup_v2 is not None
             verdicts = judge(self._programs, c.cgroup_v2, [(n.major, n.minor) for n in ent.nodes])
             if verdicts is not None:
                 for n in ent.nodes:
                     access[(c.container_id, n.numbers)] = verdicts[(n.major, n.minor)]
-            else:
+            elif probe:
                 res = probe_open_all([root.path(n.path) for n in ent.nodes], [c.cgroup_v2])
                 for n, r in zip(ent.nodes, res):
                     access[(c.container_id, n.numbers)] = r.verdict
-            if c.unit is None:
+            if c.unit is None and probe:
                 try:
                     programs[c.container_id] = query_device_programs(c.cgroup_v2)
                 except OSError:
@@ -128,7 +130,7 @@ class AccessObserver:
         programs: dict[str, Optional[tuple[int, ...]]] = {}
         self._read_v1(self._known_v1, access, rules, broken)
         if self._root is not None:
-            self._read_v2(self._root, self._known_v2, access, programs)
+            self._read_v2(self._root, self._known_v2, access, programs, probe=False)
         known = self._known_v1 + self._known_v2
         return AccessView(
             tuple(c for c, _ in known),
