@@ -119,3 +119,17 @@ def test_a_program_of_another_shape_is_not_judged(
     assert all(r.verdict is True for r in probe_open_all(list(nodes.values()), [child]))
     gone = child.parent / "gone"
     assert judge(cache, gone, NODES) is None and not gone.exists()
+
+
+def test_systemds_program_is_judged_as_the_kernel_does(
+    child: Path,
+    nodes: dict[tuple[int, int], Path],
+) -> None:
+    from unit.test_bpfprog import SYSTEMD_252, _code
+
+    _attach_prog(child, _code(SYSTEMD_252))  # a scope's program, as systemd 252 loads it
+    mine = judge(ProgramCache(), child, NODES)
+    assert mine is not None, "systemd's own shape must be judged without a probe"
+    for n in NODES:
+        assert mine[n] == probe_open(nodes[n], [child], timeout=2).verdict, n
+    assert mine[(195, 0)] is True and mine[(195, 1)] is False
