@@ -171,12 +171,12 @@ class Access:
             self.probers.popitem()[1].close()
 
 
-def regrants(ns: SystemdNamespace) -> int:
+def regrants(ns: SystemdNamespace) -> List[Any]:
     """gpuguard's re-grants so far: devices.allow writes on v1; on v2 (durable grants
     already in place) a DeviceAllow= or a program replacement."""
     if ns.layout == "v1":
-        return len(events(ns, "cgroup-v1-allow"))
-    return len(events(ns, "unit-device-allow")) + len(events(ns, "v2-program-replace"))
+        return events(ns, "cgroup-v1-allow")
+    return events(ns, "unit-device-allow") + events(ns, "v2-program-replace")
 
 
 def undo_durable(ns: SystemdNamespace, ctrs: Sequence[Container]) -> None:
@@ -241,7 +241,7 @@ def part_a(ns: SystemdNamespace, ctrs: Sequence[Container]) -> None:
 
 
 def part_b(ns: SystemdNamespace, acc: Access, ctrs: Sequence[Container], reloads: int) -> None:
-    regrants0 = regrants(ns)
+    regrants0 = len(regrants(ns))
     missing, windows, reload_ms = 0, 0, []
     t_start = time.monotonic()
     for i in range(reloads):
@@ -259,12 +259,15 @@ def part_b(ns: SystemdNamespace, acc: Access, ctrs: Sequence[Container], reloads
                 time.sleep(0.005)
                 lacking = acc.lacking(lacking)
     settle(ns)
-    lost = regrants(ns) - regrants0
+    new = regrants(ns)[regrants0:]
+    lost = len(new)
     print(f"(b) {len(ctrs)} containers x {reloads} daemon-reloads (durable grants)")
     print(f"    daemon-reload itself: {fmt(reload_ms)}")
     print(f"    container-reloads without the GPU right after the reload returned: {missing}")
     print(f"      reloads where a check caught systemd mid-apply: {windows}")
     print(f"    real losses (re-granted by gpuguard): {lost}   (target 0)")
+    for why in sorted({str(e.get("MESSAGE", ""))[:160] for e in new})[:3]:
+        print(f"      e.g. {why}")
 
 
 def part_c(ns: SystemdNamespace, acc: Access, ctrs: Sequence[Container], reloads: int) -> None:

@@ -42,3 +42,27 @@ def test_bench_prints_every_figure() -> None:
     assert res.returncode == 0, res.stdout + res.stderr
     missing = [f for f in FIGURES if f not in res.stdout]
     assert not missing, f"missing {missing} in:\n{res.stdout}"
+
+
+def test_bench_v2_verdicts_prints_every_figure() -> None:
+    from conftest import require_root, require_tool
+
+    require_root()
+    require_tool("/sys/fs/cgroup/unified/cgroup.procs")
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench/bench_v2_verdicts.py"),
+            "--containers",
+            "3",
+            "--runs",
+            "1",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    for figure in ("probe per node:", "probe per container:", "programs, first pass:",
+                   "programs, next pass:"):  # fmt: skip
+        assert f"  {figure}" in res.stdout and "ms per container" in res.stdout, res.stdout
