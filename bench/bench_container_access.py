@@ -189,12 +189,7 @@ def undo_durable(ns: SystemdNamespace, ctrs: Sequence[Container]) -> None:
     )
     ns.run(["sh", "-c", script], check=True, timeout=300)
     for c in ctrs:
-        for attempt in range(50):  # systemd may still be swapping its own program
-            try:
-                c.hook_grant(ns)
-                break
-            except FileNotFoundError:
-                time.sleep(0.01 * (attempt + 1))
+        c.hook_grant(ns)
 
 
 def start_all(ns: SystemdNamespace, ctrs: Sequence[Container], workers: int = 16) -> float:
