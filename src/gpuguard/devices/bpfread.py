@@ -85,6 +85,9 @@ class ProgramCache:
     def __init__(self) -> None:
         self._parsed: Dict[int, Optional[DeviceProgram]] = {}
         self._seen: set[int] = set()
+        # by instructions too: after a daemon-reload systemd loads a new program per
+        # scope, mostly byte-identical (same DeviceAllow= lists), so most skip the parse
+        self._by_code: Dict[bytes, Optional[DeviceProgram]] = {}
 
     def get(self, prog_id: int) -> Optional[DeviceProgram]:
         """The program's rules; None when it cannot be read or has another shape."""
@@ -98,8 +101,14 @@ class ProgramCache:
             fd = -1  # gone or not permitted: unknown (a gone one is not cached below)
         if fd >= 0:
             try:
-                prog = parse(read_program(fd))
-            except (OSError, ProgramUnreadable, UnknownProgramShape):
+                code = read_program(fd)
+                if code not in self._by_code:
+                    try:
+                        self._by_code[code] = parse(code)
+                    except UnknownProgramShape:
+                        self._by_code[code] = None
+                prog = self._by_code[code]
+            except (OSError, ProgramUnreadable):
                 prog = None
             finally:
                 os.close(fd)
@@ -111,6 +120,8 @@ class ProgramCache:
         for gone in set(self._parsed) - self._seen:
             del self._parsed[gone]
         self._seen = set()
+        if len(self._by_code) > 4 * len(self._parsed) + 64:  # bounded: start afresh
+            self._by_code = {}
 
 
 def judge(
