@@ -18,7 +18,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "gpuguard"
 # Modules a reconciler must not import: the OS, commands, D-Bus, anything that writes.
 FORBIDDEN = ("os", "subprocess", "shutil", "gpuguard.commands", "gpuguard.systemd", "dbus_next")
 # Pure helpers of a reconciler, held to the same rule.
-PURE = (SRC / "steps/checkpoint/deviceids.py",)
+PURE = (SRC / "steps/checkpoint/deviceids.py", SRC / "steps/container_access/inplace.py")
 
 
 def imported(source: str) -> set[str]:
