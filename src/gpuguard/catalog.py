@@ -201,6 +201,26 @@ KINDS: dict[str, KindDoc] = {
         "container is still audited and repaired. The message above names the file: check what "
         "wrote it, or recreate the container.",
     ),
+    "container-program-unexpected": KindDoc(
+        "A container's cgroup v2 has several device programs: no in-place repair",
+        "The container (cgroup v2, no systemd scope) lost GPU nodes, but more than one "
+        "device program is attached to its cgroup (@BPF_PROGRAMS@): gpuguard replaces only "
+        "the single program runc or systemd attaches, since it cannot tell which of several "
+        "denies, and replacing one could never be judged safe. Nothing was changed and "
+        "nothing else was granted. Restart the container (V2Remedy=restart-container does "
+        "it through the CRI), or find the tool that attached the other programs "
+        "(`bpftool cgroup show @CGROUP@`). Reported when it appears and when it clears.",
+    ),
+    "container-repair-backoff": KindDoc(
+        "gpuguard holds back a failed in-place repair of a container's device program",
+        "Replacing the container's cgroup v2 device program failed @FAILURES@ time(s) with "
+        "the same programs attached (@BPF_PROGRAMS@); the last reason is in the message "
+        "(no CAP_SYS_ADMIN/CAP_BPF, BPF_PROG_QUERY refused, a frozen cgroup, a program of "
+        "unknown shape). The old program stays, nothing else was granted. gpuguard tries "
+        "again when the cgroup's programs change, or after a back-off that doubles from "
+        "1 min up to 1 h; restart the container to end it sooner. Reported when it "
+        "appears, changes and clears.",
+    ),
     "cgroup-v1-allow": KindDoc(
         "gpuguard re-granted GPU devices in a container's cgroup",
         "A direct write to the container's devices.allow restored the nodes it was given "

@@ -22,7 +22,7 @@ FIGURES = (
     "(b) 5 containers x 5 daemon-reloads",
     "container-reloads without the GPU right after the reload returned: ",
     "real losses (re-granted by gpuguard): ",
-    "(c) fast path only (DurableGrants=no), 5 new scopes, 5 reloads",
+    "(c) fast path only (DurableGrants=no), 5 new scopes, 5 reloads",  # v1, the default
     "reload returned -> every container restored: p50",
     "reload returned -> repair pass ended:        p50",
     "repair pass duration:",
@@ -42,3 +42,27 @@ def test_bench_prints_every_figure() -> None:
     assert res.returncode == 0, res.stdout + res.stderr
     missing = [f for f in FIGURES if f not in res.stdout]
     assert not missing, f"missing {missing} in:\n{res.stdout}"
+
+
+def test_bench_v2_verdicts_prints_every_figure() -> None:
+    from conftest import require_root, require_tool
+
+    require_root()
+    require_tool("/sys/fs/cgroup/unified/cgroup.procs")
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench/bench_v2_verdicts.py"),
+            "--containers",
+            "3",
+            "--runs",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    figures = ("probe per node:", "probe per container:", "programs, first", "programs, next")
+    for figure in figures:
+        assert f"  {figure}" in res.stdout and "ms per container" in res.stdout, res.stdout

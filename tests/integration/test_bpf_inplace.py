@@ -200,11 +200,21 @@ def test_frozen_cgroup_keeps_the_old_program(
 ) -> None:
     old = _attach_prog(cgroup, build(RUNC))
     (cgroup / "cgroup.freeze").write_text("1")
-    # the probe's child freezes on joining: it times out, so the swap is rolled back
-    with pytest.raises(BpfReplaceError, match="the old program is back"):
+    # the probe's child would freeze on joining: refused before any swap
+    with pytest.raises(BpfReplaceError, match=r"the cgroup is frozen .* the old program stays"):
         replace_device_program(
             cgroup, [(195, 0)], _verify(cgroup, nodes, [(195, 0)]), dry_run=False
         )
+    assert query_device_programs(cgroup) == (old,)
+    # frozen between the check and the probe: the probe times out, the swap is undone
+    with pytest.raises(BpfReplaceError, match="the old program is back"):
+
+        def freeze_then_probe() -> bool:
+            (cgroup / "cgroup.freeze").write_text("1")
+            return probe_open(nodes[(195, 0)], [cgroup], timeout=1).verdict is True
+
+        (cgroup / "cgroup.freeze").write_text("0")
+        replace_device_program(cgroup, [(195, 0)], freeze_then_probe, dry_run=False)
     assert query_device_programs(cgroup) == (old,)
     (cgroup / "cgroup.freeze").write_text("0")
     assert _verdicts(cgroup, nodes)[(195, 0)] is False

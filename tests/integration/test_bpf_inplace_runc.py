@@ -15,8 +15,9 @@ import os
 
 import pytest
 
-from gpuguard.actuate.bpf import _fd_by_id, read_program
 from gpuguard.devices.bpfprog import parse
+from gpuguard.devices.bpfread import fd_by_id as _fd_by_id
+from gpuguard.devices.bpfread import read_program
 from gpuguard.devices.probe import query_device_programs
 from integration.gpuguard_ns import GPUGUARD
 from integration.harness import systemd_ns as systemd_ns

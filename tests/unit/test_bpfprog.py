@@ -128,3 +128,45 @@ def test_a_rule_testing_nothing_is_not_built() -> None:
     # it would make every later block unreachable, which the verifier refuses
     with pytest.raises(ValueError, match="tests nothing"):
         build(DeviceProgram((DevRule(True),), False))
+
+
+# systemd 252's program for DevicePolicy=strict, DeviceAllow=/dev/char/195:0 rw and
+# /dev/null rw, as the kernel gives it back (read from a unified systemd's scope): each
+# rule jumps to a shared "r0 = 1; exit", the default is "r0 = 0; goto exit".
+SYSTEMD_252 = [
+    (0x61, 0x12, 0, 0), (0x54, 0x02, 0, 0xFFFF), (0x61, 0x13, 0, 0), (0x74, 0x03, 0, 16),
+    (0x61, 0x14, 4, 0), (0x61, 0x15, 8, 0),
+    (0xBC, 0x31, 0, 0), (0x54, 0x01, 0, 6), (0x5D, 0x31, 4, 0), (0x55, 0x02, 3, 2),
+    (0x55, 0x04, 2, 195), (0x55, 0x05, 1, 0), (0x05, 0x00, 9, 0),
+    (0xBC, 0x31, 0, 0), (0x54, 0x01, 0, 6), (0x5D, 0x31, 4, 0), (0x55, 0x02, 3, 2),
+    (0x55, 0x04, 2, 1), (0x55, 0x05, 1, 3), (0x05, 0x00, 2, 0),
+    (0xB7, 0x00, 0, 0), (0x05, 0x00, 1, 0), (0xB7, 0x00, 0, 1), (0x95, 0x00, 0, 0),
+]  # fmt: skip
+
+
+def _code(insns: list[tuple[int, int, int, int]]) -> bytes:
+    return b"".join(struct.pack("<BBhi", *i) for i in insns)
+
+
+def test_systemds_shape_parses() -> None:
+    prog = parse(_code(SYSTEMD_252))
+    assert prog == DeviceProgram(
+        (DevRule(True, "c", 195, 0, 6), DevRule(True, "c", 1, 3, 6)), default_allow=False
+    )
+    assert prog.admits("c", 195, 0, ACC_RW) and not prog.admits("c", 195, 1, ACC_RW)
+    assert parse(build(prog)) == prog  # rebuilt in runc's shape, the same rules
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {12: (0x05, 0x00, 8, 0)},  # a rule jumping into the default, not to the accept
+        {21: (0x05, 0x00, 0, 0)},  # the default jumping to the accept, not to exit
+        {22: (0xB7, 0x00, 0, 7)},  # a shared verdict that is neither 0 nor 1
+        {23: (0xB7, 0x00, 0, 1)},  # no exit at the end
+    ],
+)
+def test_systemds_shape_altered_is_refused(change: dict[int, tuple[int, int, int, int]]) -> None:
+    insns = [change.get(i, x) for i, x in enumerate(SYSTEMD_252)]
+    with pytest.raises(UnknownProgramShape):
+        parse(_code(insns))

@@ -105,6 +105,19 @@ def conditions() -> Entries:
     return logged(emit)
 
 
+def inplace_held_back() -> Entries:
+    """container-program-unexpected / -repair-backoff: the in-place repair's checks."""
+    from gpuguard.steps.container_access.inplace import Backoff, hold_back
+    from gpuguard.steps.container_access.reconcile import V2ProgramReplace
+
+    a = V2ProgramReplace("container_access", "lost", "/cg", cgroup_dir="/cg", container_id="c")
+    b = Backoff()
+    b.record("/cg", (7,), False, "frozen", 0.0)
+    return findings(
+        hold_back([a], {"c": (7, 8)}, {}, 0.0)[1] + hold_back([a], {"c": (7,)}, b.failures, 1.0)[1]
+    )
+
+
 def gpu_count() -> Entries:
     from gpuguard.steps.gpu_count.reconcile import GpuCounts
     from gpuguard.steps.gpu_count.reconcile import findings as count_findings
@@ -152,6 +165,7 @@ def entries(tmp_path_factory: pytest.TempPathFactory) -> Entries:
         + plugin_restarts()
         + unit_jobs()
         + gpu_count()
+        + inplace_held_back()
     )
 
 

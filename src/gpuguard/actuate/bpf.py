@@ -29,6 +29,9 @@ from pathlib import Path
 from typing import Callable, Sequence, Tuple
 
 from gpuguard.devices.bpfprog import DeviceProgram, UnknownProgramShape, build, grant_nodes, parse
+from gpuguard.devices.bpfread import ProgramUnreadable, read_program
+from gpuguard.devices.bpfread import fd_by_id as _fd_by_id
+from gpuguard.devices.bpfread import prog_info as _info
 from gpuguard.devices.probe import (
     BPF_ATTR_SIZE,
     BPF_CGROUP_DEVICE,
@@ -39,11 +42,9 @@ from gpuguard.devices.probe import (
     bpf_syscall,
     query_device_programs,
 )
+from gpuguard.safeio import UnsafeFileError, read_kernel_text
 
-BPF_PROG_GET_FD_BY_ID = 13
-BPF_OBJ_GET_INFO_BY_FD = 15
 BPF_F_ALLOW_MULTI = 2
-_INFO_SIZE = 64  # bpf_prog_info up to xlated_prog_insns (offset 32) and a little more
 
 
 class BpfReplaceError(Exception):
@@ -60,39 +61,6 @@ class Replacement:
     def describe(self) -> str:
         new = self.new_id or "(dry-run)"
         return f"program {self.old_id} replaced by {new}: {self.program.describe()}"
-
-
-def _fd_by_id(prog_id: int) -> int:
-    attr = ctypes.create_string_buffer(BPF_ATTR_SIZE)
-    struct.pack_into("<I", attr, 0, prog_id)
-    return bpf_syscall(BPF_PROG_GET_FD_BY_ID, attr)
-
-
-def _info(prog_fd: int, insns: int = 0, size: int = 0) -> Tuple[int, int]:
-    """(id, xlated length) of a program; fills ``insns`` (an address) when given."""
-    info = ctypes.create_string_buffer(_INFO_SIZE)
-    struct.pack_into("<I", info, 20, size)  # xlated_prog_len
-    struct.pack_into("<Q", info, 32, insns)  # xlated_prog_insns
-    attr = ctypes.create_string_buffer(BPF_ATTR_SIZE)
-    struct.pack_into("<IIQ", attr, 0, prog_fd, _INFO_SIZE, ctypes.addressof(info))
-    bpf_syscall(BPF_OBJ_GET_INFO_BY_FD, attr)
-    (prog_type, prog_id) = struct.unpack_from("<II", info, 0)
-    if prog_type != BPF_PROG_TYPE_CGROUP_DEVICE:
-        raise BpfReplaceError(f"program {prog_id} is of type {prog_type}, not a device program")
-    (length,) = struct.unpack_from("<I", info, 20)
-    return prog_id, length
-
-
-def read_program(prog_fd: int) -> bytes:
-    """The kernel's xlated instructions of a loaded program."""
-    _, length = _info(prog_fd)
-    if length == 0:
-        raise BpfReplaceError("the kernel hides the program's instructions (needs CAP_SYS_ADMIN)")
-    buf = ctypes.create_string_buffer(length)
-    _info(prog_fd, ctypes.addressof(buf), length)
-    if not any(buf.raw):
-        raise BpfReplaceError("the kernel hides the program's instructions (needs CAP_SYS_ADMIN)")
-    return buf.raw
 
 
 def load_program(code: bytes, name: bytes = b"gpuguard") -> int:
@@ -129,6 +97,15 @@ def _attach(cmd: int, cgroup_fd: int, prog_fd: int, flags: int) -> None:
     bpf_syscall(cmd, attr)
 
 
+def _frozen(cgroup_dir: Path) -> bool:
+    """cgroup.events says ``frozen 1`` (its own freeze or an ancestor's)."""
+    try:
+        text = read_kernel_text(cgroup_dir / "cgroup.events", what="cgroup.events")
+    except UnsafeFileError:
+        return False
+    return "frozen 1" in (text or "").splitlines()
+
+
 def replace_device_program(
     cgroup_dir: Path,
     nodes: Sequence[Tuple[int, int]],
@@ -141,6 +118,12 @@ def replace_device_program(
     Raises BpfReplaceError (the old program attached, as before) on any failure,
     including ``verify()`` returning False after the swap."""
     where = f"{cgroup_dir}: "
+    if not dry_run and _frozen(cgroup_dir):
+        # The probe's child would freeze on joining it: no swap can be verified now.
+        raise BpfReplaceError(
+            f"{where}the cgroup is frozen (cgroup.events: frozen 1); the old program stays; "
+            "gpuguard tries again after its back-off, once the container is thawed"
+        )
     try:
         ids = query_device_programs(cgroup_dir)
     except OSError as e:
@@ -160,7 +143,7 @@ def replace_device_program(
             prev = parse(read_program(old_fd))
         except OSError as e:
             raise BpfReplaceError(f"{where}cannot read program {old_id}: {e.strerror}") from None
-        except (UnknownProgramShape, BpfReplaceError) as e:
+        except (UnknownProgramShape, ProgramUnreadable) as e:
             raise BpfReplaceError(f"{where}program {old_id} left as it is: {e}") from None
         new = grant_nodes(prev, nodes)
         if dry_run:

@@ -4,7 +4,9 @@ A BPF_PROG_TYPE_CGROUP_DEVICE program as runc (libcontainer/cgroups/devices) and
 systemd (bpf-devices.c) generate it is a prologue loading the context into registers
 (r2 = type, r3 = access, r4 = major, r5 = minor) followed by blocks, each a run of
 "jump to the next block unless ..." tests and ``r0 = verdict; exit``. The first block
-whose tests all pass decides; a block without tests is the default verdict.
+whose tests all pass decides; a block without tests is the default verdict. systemd
+ends its blocks with a jump to one shared verdict instead: a rule ``goto accept``, the
+default ``r0 = 0; goto exit``, and the program ``accept: r0 = 1; exit: exit``.
 
 `parse` accepts exactly that shape and raises `UnknownProgramShape` for anything else:
 an unexpected program is a finding, never a guess. `build` writes the same shape, so a
@@ -35,6 +37,7 @@ _MOV32_K = 0xB4
 _MOV64_K = 0xB7
 _JNE_K = 0x55
 _JNE_X = 0x5D
+_JA = 0x05  # goto pc + 1 + off (systemd: a matching rule jumps to its shared verdict)
 _EXIT = 0x95
 
 _KINDS = {DEVCG_BLOCK: "b", DEVCG_CHAR: "c"}
@@ -138,16 +141,50 @@ def _prologue(insns: List[_Insn]) -> Tuple[Dict[int, str], int]:
     return regs, pc
 
 
+def _tail(insns: List[_Insn]) -> List[_Insn]:
+    """systemd's shared verdict at the end, ``r0 = 1; exit``, or nothing (runc)."""
+    if len(insns) >= 4 and insns[-3].code == _JA and insns[-3].off == 1:
+        last = insns[-2:]
+        if last[0].code in (_MOV64_K, _MOV32_K) and last[0].dst == 0 and last[1].code == _EXIT:
+            return last
+    return []
+
+
+def _verdict(insns: List[_Insn], pc: int, tail: List[_Insn]) -> Tuple[int, int]:
+    """(verdict, next pc) of the block end at ``pc``: ``r0 = v; exit`` (runc), or
+    systemd's ``goto accept`` / ``r0 = v; goto exit`` into the shared tail."""
+    end = len(insns) - len(tail)  # index of the tail's ``r0 = 1``
+    i = insns[pc] if pc < len(insns) else None
+    nxt = insns[pc + 1] if pc + 1 < len(insns) else None
+    verdict: Optional[int] = None
+    if i is not None and i.code == _JA and tail and pc + 1 + i.off == end:
+        verdict, pc = tail[0].imm, pc + 1
+    elif (
+        i is not None
+        and nxt is not None
+        and i.code in (_MOV64_K, _MOV32_K)
+        and i.dst == 0
+        and (nxt.code == _EXIT or (nxt.code == _JA and tail and pc + 2 + nxt.off == end + 1))
+    ):
+        verdict, pc = i.imm, pc + 2
+    if verdict is None:
+        raise UnknownProgramShape(f"instruction {pc}: a block must end with r0 = verdict; exit")
+    if verdict not in (0, 1):
+        raise UnknownProgramShape(f"instruction {pc}: verdict {verdict} is neither 0 nor 1")
+    return verdict, pc
+
+
 def parse(code: bytes) -> DeviceProgram:
     """The rules of a runc/systemd-shaped program (raw or the kernel's xlated insns)."""
     insns = _decode(code)
     regs, pc = _prologue(insns)
+    tail = _tail(insns)
     rules: List[DevRule] = []
     while True:
         start = pc
         jumps: List[int] = []  # absolute targets of this block's tests
         f: Dict[str, int] = {}
-        while pc < len(insns) and insns[pc].code != _MOV64_K and insns[pc].code != _MOV32_K:
+        while pc < len(insns) and insns[pc].code not in (_MOV64_K, _MOV32_K, _JA):
             i = insns[pc]
             if i.code == _JNE_K and regs.get(i.dst) in ("type", "major", "minor"):
                 what = regs[i.dst]
@@ -170,16 +207,11 @@ def parse(code: bytes) -> DeviceProgram:
                 pc += 3
             else:
                 raise UnknownProgramShape(f"instruction {pc}: code {i.code:#04x} not expected")
-        if pc + 1 >= len(insns) or insns[pc].dst != 0 or insns[pc + 1].code != _EXIT:
-            raise UnknownProgramShape(f"instruction {pc}: a block must end with r0 = verdict; exit")
-        verdict = insns[pc].imm
-        if verdict not in (0, 1):
-            raise UnknownProgramShape(f"instruction {pc}: verdict {verdict} is neither 0 nor 1")
-        pc += 2
+        verdict, pc = _verdict(insns, pc, tail)
         if any(t != pc for t in jumps):
             raise UnknownProgramShape(f"block at {start}: a test does not jump to the next block")
-        if not f:  # no test: the default, which must end the program
-            if pc != len(insns):
+        if not f:  # no test: the default, which must end the program (bar systemd's tail)
+            if insns[pc:] != tail:
                 raise UnknownProgramShape(f"instruction {pc}: code after the default verdict")
             return DeviceProgram(tuple(rules), verdict == 1)
         kind = f.get("type")

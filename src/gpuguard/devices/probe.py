@@ -59,14 +59,17 @@ def interpret_errno(err: int) -> Optional[bool]:
     return None
 
 
-def _open_errno(node: bytes) -> bytes:
-    """In the child: the errno of opening ``node`` (0: opened, and closed at once)."""
-    err = 0
-    try:
-        os.close(os.open(node, OPEN_FLAGS))
-    except OSError as e:
-        err = e.errno or 0
-    return struct.pack("<i", err)
+def _open_errnos(nodes: Sequence[bytes]) -> bytes:
+    """In the child: the errno of opening each of ``nodes`` (0: opened, closed at once)."""
+    out = b""
+    for node in nodes:
+        err = 0
+        try:
+            os.close(os.open(node, OPEN_FLAGS))
+        except OSError as e:
+            err = e.errno or 0
+        out += struct.pack("<i", err)
+    return out
 
 
 def probe_open(node: Path, cgroup_dirs: Sequence[Path], *, timeout: float = 5.0) -> ProbeResult:
@@ -74,17 +77,30 @@ def probe_open(node: Path, cgroup_dirs: Sequence[Path], *, timeout: float = 5.0)
 
     Pass the container's v1 devices directory and/or its v2 directory (host paths under
     the root). Nothing is left behind: the child exits and leaves the cgroup with it."""
-    path = os.fsencode(node)
-    r = run_in_cgroups(cgroup_dirs, lambda: _open_errno(path), timeout=timeout)
+    return probe_open_all([node], cgroup_dirs, timeout=timeout)[0]
+
+
+def probe_open_all(
+    nodes: Sequence[Path], cgroup_dirs: Sequence[Path], *, timeout: float = 5.0
+) -> list[ProbeResult]:
+    """`probe_open` of each of ``nodes`` from one child: one fork per cgroup, not per node."""
+    paths = [os.fsencode(n) for n in nodes]
+    r = run_in_cgroups(cgroup_dirs, lambda: _open_errnos(paths), timeout=timeout)
     if r.status == cgroupchild.TIMEOUT:
-        return ProbeResult(str(node), -1, None, f"probe timed out after {timeout}s")
+        return [ProbeResult(str(n), -1, None, f"probe timed out after {timeout}s") for n in nodes]
     if r.status == cgroupchild.JOIN:
         why = os.strerror(r.errno) if r.errno else "unexpected error"
-        return ProbeResult(str(node), r.errno, None, f"could not join the cgroup: {why}")
-    if r.status != cgroupchild.DONE or len(r.data) != 4:
-        return ProbeResult(str(node), -1, None, f"probe failed: {r.text}")
-    (err,) = struct.unpack("<i", r.data)
-    return ProbeResult(str(node), err, interpret_errno(err), os.strerror(err) if err else "opened")
+        return [
+            ProbeResult(str(n), r.errno, None, f"could not join the cgroup: {why}") for n in nodes
+        ]
+    if r.status != cgroupchild.DONE or len(r.data) != 4 * len(nodes):
+        return [ProbeResult(str(n), -1, None, f"probe failed: {r.text}") for n in nodes]
+    out = []
+    for i, n in enumerate(nodes):
+        (err,) = struct.unpack_from("<i", r.data, 4 * i)
+        verdict = interpret_errno(err)
+        out.append(ProbeResult(str(n), err, verdict, os.strerror(err) if err else "opened"))
+    return out
 
 
 # --- bpf(2) through ctypes: enough for BPF_PROG_QUERY (and for tests to load a program)
@@ -118,8 +134,11 @@ def bpf_syscall(cmd: int, attr: ctypes.Array[ctypes.c_char]) -> int:
     return ret
 
 
-def query_device_programs(cgroup_dir: Path, max_progs: int = 64) -> tuple[int, ...]:
-    """Ids of the BPF device programs attached to a cgroup2 directory (not ancestors)."""
+def query_device_programs(
+    cgroup_dir: Path, max_progs: int = 64, *, query_flags: int = 0
+) -> tuple[int, ...]:
+    """Ids of the BPF device programs attached to a cgroup2 directory (not ancestors;
+    with BPF_F_QUERY_EFFECTIVE, every program the kernel runs for it, ancestors' too)."""
     ids = (ctypes.c_uint32 * max_progs)()
     fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -127,7 +146,15 @@ def query_device_programs(cgroup_dir: Path, max_progs: int = 64) -> tuple[int, .
         # union bpf_attr.query: target_fd, attach_type, query_flags, attach_flags,
         # prog_ids (u64 pointer), prog_cnt
         struct.pack_into(
-            "<IIIIQI", attr, 0, fd, BPF_CGROUP_DEVICE, 0, 0, ctypes.addressof(ids), max_progs
+            "<IIIIQI",
+            attr,
+            0,
+            fd,
+            BPF_CGROUP_DEVICE,
+            query_flags,
+            0,
+            ctypes.addressof(ids),
+            max_progs,
         )
         bpf_syscall(BPF_PROG_QUERY, attr)
         (count,) = struct.unpack_from("<I", attr, 24)

@@ -140,10 +140,15 @@ def replace_programs(
             os.close(fd)
         detached: List[int] = []
         for prog_id in before:
-            old = _prog_fd(prog_id)
+            try:  # systemd may have swapped its own program meanwhile: that one is gone
+                old = _prog_fd(prog_id)
+            except FileNotFoundError:
+                continue
             try:
                 _attach(BPF_PROG_DETACH, cg, old, 0)
                 detached.append(prog_id)
+            except FileNotFoundError:
+                pass
             finally:
                 os.close(old)
     finally:

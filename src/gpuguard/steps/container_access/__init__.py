@@ -28,6 +28,12 @@ from gpuguard.steps.container_access.actuate import (
     apply_device_allow,
     apply_program_replace,
 )
+from gpuguard.steps.container_access.inplace import (
+    FINDING_BACKOFF,
+    FINDING_UNEXPECTED,
+    Backoff,
+    hold_back,
+)
 from gpuguard.steps.container_access.observe import AccessObserver, AccessView, _numbers_of
 from gpuguard.steps.container_access.reconcile import (
     FINDING_CONFLICT,
@@ -50,7 +56,9 @@ if TYPE_CHECKING:
 
 NAME = CONTAINER_ACCESS
 # Lasting states gpuguard cannot end itself: journaled when they appear, change or clear.
-CONDITION_KINDS = frozenset({FINDING_MISSING, FINDING_STALE, FINDING_CONFLICT})
+CONDITION_KINDS = frozenset(
+    {FINDING_MISSING, FINDING_STALE, FINDING_CONFLICT, FINDING_UNEXPECTED, FINDING_BACKOFF}
+)
 POD_RESTART_WINDOW = 3600.0  # V2Remedy=restart-container: one restart per pod per hour
 SCOPE_IFACE = "org.freedesktop.systemd1.Scope"
 
@@ -104,11 +112,14 @@ class ContainerAccessStep:
         self.clock = clock
         self.pod_restarts: dict[str, float] = {}  # pod UID -> when we last stopped one
         self.conditions = Conditions()
+        self.backoff = Backoff()  # failed in-place replacements on v2 (inplace.py)
 
     async def __call__(self, svc: Services, ctx: PassContext) -> None:
         cfg = svc.config
         # What the fast path logged is not logged again by the full pass: once per pass.
-        logged = self._fast_repair(svc, ctx) if cfg.devices.regrant else frozenset()
+        logged, fast_units = frozenset[FindingId](), frozenset[str]()
+        if cfg.devices.regrant:
+            logged, fast_units = await self._fast_repair(svc, ctx)
         snapshot = ctx.host(svc)
         # The GPUs are needed to judge conflicts: without them every GPU node in a
         # container's /dev would be entitled (the start-up pass used to run before any
@@ -131,6 +142,8 @@ class ContainerAccessStep:
             plugin_containers=view.plugin_containers,
         )
         findings += unreadable_findings(view.containers, view.broken)
+        actions, held = hold_back(actions, view.programs, self.backoff.failures, self.clock())
+        findings += held
         # 1. the fast path: direct cgroup writes, before anything slower (logging the
         # findings is one journal message each: 4 per container after a reload)
         outcomes = []
@@ -156,7 +169,11 @@ class ContainerAccessStep:
         systemd = svc.systemd
         # DurableGrants=no: the direct writes only, no DeviceAllow= at all
         units = [
-            a for a in actions if isinstance(a, UnitDeviceAllow) and cfg.devices.durable_grants
+            a
+            for a in actions
+            if isinstance(a, UnitDeviceAllow)
+            and cfg.devices.durable_grants
+            and a.unit not in fast_units  # set moments ago; systemd may still apply it
         ]
         if cfg.devices.durable_grants and systemd is not None:
             await self._learn_durable(systemd, view, svc.root)
@@ -168,46 +185,67 @@ class ContainerAccessStep:
             }
             units += plan_durable(view, tuple(units), self.durable, links)
         outcomes += await asyncio.gather(*(self._unit(a, svc, systemd) for a in units))
+        self.backoff.keep_only({str(c.cgroup_v2) for c in view.containers if c.cgroup_v2})
         for a in actions:
             if isinstance(a, V2ProgramReplace):
-                outcomes.append(
-                    await asyncio.to_thread(apply_program_replace, a, svc.root, dry_run=svc.dry_run)
-                )
+                o = await asyncio.to_thread(apply_program_replace, a, svc.root, dry_run=svc.dry_run)
+                if not svc.dry_run:
+                    ok = o.status == "done"
+                    ids = view.programs.get(a.container_id)
+                    self.backoff.record(a.cgroup_dir, ids, ok, o.detail, self.clock())
+                outcomes.append(o)
             elif isinstance(a, (V2ReportOnly, RestartContainer)):
                 outcomes.append(await self._other(a, svc))
         for o in outcomes:
             svc.log.outcome(o)
         ctx.outcomes += outcomes
 
-    def _fast_repair(self, svc: Services, ctx: PassContext) -> frozenset[FindingId]:
-        """Right after a daemon-reload every millisecond counts: re-check the v1 GPU
-        containers the last pass knew and write their grants back before walking the
-        tree, and before building the report (800 findings cost more than 200 writes).
-        Inline on the loop, not in a thread: these are kernfs reads and writes of a few
-        hundred bytes each, ~15 ms for 200 containers, and nothing is more urgent."""
+    async def _fast_repair(
+        self, svc: Services, ctx: PassContext
+    ) -> tuple[frozenset[FindingId], frozenset[str]]:
+        """Right after a daemon-reload every millisecond counts: re-check the GPU
+        containers the last pass knew and restore their grants before walking the tree,
+        and before building the report (800 findings cost more than 200 writes): v1
+        grants written back, v2 scopes given their DeviceAllow= (systemd rebuilds the
+        program: the v2 repair). Inline on the loop, not in a thread: kernfs reads and
+        writes of a few hundred bytes, and a bpf(2) query per v2 container (each program
+        parsed once), ~15 ms for 200 containers, and nothing is more urgent.
+        Returns the findings it logged and the units it set DeviceAllow= on."""
         fast = self.observer.fast_view()
         written: dict[str, Outcome] = {}
+        # v2 scopes lacking a node get their DeviceAllow= here (durable grants on); other
+        # v2 containers wait for the full pass (in-place replacement, with its back-off).
+        scopes = svc.config.devices.durable_grants and svc.systemd is not None
+        denied_v2 = False
         for c in fast.containers:
             ent = fast.entitlements[c.key]
             denied = [n for n in ent.nodes if fast.access.get((c.container_id, n.numbers)) is False]
+            if denied and c.cgroup_v1_devices is None and c.unit is not None and scopes:
+                denied_v2 = True
             if not denied or c.cgroup_v1_devices is None:
                 continue
             action = v1_allow(c, c.cgroup_v1_devices, denied)
             written[c.container_id] = self._v1(action, svc)
-        if not written:
-            return frozenset()
+        if not written and not denied_v2:
+            return frozenset(), frozenset()
         # The report: the same audit as a full pass (findings with their causes).
-        findings, _ = audit(
+        findings, actions = audit(
             fast.containers, fast.entitlements, fast.access, device_rules=fast.rules
         )
+        units: list[UnitDeviceAllow] = []
+        if scopes:
+            v2 = {c.container_id for c in fast.containers if c.cgroup_v1_devices is None}
+            units = [a for a in actions if isinstance(a, UnitDeviceAllow) and a.container_id in v2]
+        done = await asyncio.gather(*(self._unit(a, svc, svc.systemd) for a in units))
         findings += unreadable_findings(fast.containers, fast.broken)
         for f in findings:
             svc.log.finding(f)
-        for o in written.values():
+        outcomes = [*written.values(), *done]
+        for o in outcomes:
             svc.log.outcome(o)
         ctx.findings += findings
-        ctx.outcomes += written.values()
-        return frozenset(finding_id(f) for f in findings)
+        ctx.outcomes += outcomes
+        return frozenset(finding_id(f) for f in findings), frozenset(a.unit for a in units)
 
     def _v1(self, a: CgroupV1Allow, svc: Services) -> Outcome:
         return apply_allow(a, dry_run=svc.dry_run)

@@ -98,13 +98,14 @@ def apply_program_replace(a: V2ProgramReplace, root: Root, *, dry_run: bool) -> 
     """V2Remedy=inplace: previous program + the lost nodes, checked by a probe of each
     node from inside the cgroup. Blocking (bpf(2), probe forks): call from a thread."""
     from gpuguard.actuate.bpf import BpfReplaceError, replace_device_program
-    from gpuguard.devices.probe import probe_open
+    from gpuguard.devices.probe import probe_open_all
 
     cg = Path(a.cgroup_dir)
     numbers = [(int(ma), int(mi)) for ma, mi in (n.split(":") for n in a.numbers)]
 
-    def verify() -> bool:
-        return all(probe_open(root.path(n), [cg]).verdict is True for n in a.nodes)
+    def verify() -> bool:  # the kernel's word on every node, from one child in the cgroup
+        res = probe_open_all([root.path(n) for n in a.nodes], [cg])
+        return all(r.verdict is True for r in res)
 
     try:
         r = replace_device_program(cg, numbers, verify, dry_run=dry_run)

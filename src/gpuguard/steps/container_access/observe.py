@@ -7,12 +7,13 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
+from gpuguard.devices.bpfread import ProgramCache, judge
 from gpuguard.devices.containers import ContainerCgroup
 from gpuguard.devices.entitlement import Entitlement, read_entitlement, unreadable_entitlement
 from gpuguard.devices.nodes import (
     list_nvidia_nodes,
 )
-from gpuguard.devices.probe import probe_open
+from gpuguard.devices.probe import probe_open_all, query_device_programs
 from gpuguard.devices.rules import DeviceRules, parse_devices_list
 from gpuguard.errors import GpuguardError
 from gpuguard.inventory import Inventory
@@ -39,6 +40,9 @@ class AccessView:
     broken: Mapping[str, str] = field(default_factory=dict)
     # device plugins' own containers: the plugin step judges their view of the nodes
     plugin_containers: frozenset[str] = frozenset()
+    # v2 containers without a scope: the device programs attached to their own cgroup
+    # (None: BPF_PROG_QUERY failed), for the in-place repair's checks (inplace.py)
+    programs: Mapping[str, Optional[tuple[int, ...]]] = field(default_factory=dict)
 
 
 class AccessObserver:
@@ -51,6 +55,38 @@ class AccessObserver:
         self._known_v1: tuple[tuple[ContainerCgroup, Entitlement], ...] = ()
         self._good: dict[str, str] = {}
         self._host_signature: tuple[tuple[str, str], ...] = ()
+        # The same for v2: the last pass's GPU containers judged by their device programs.
+        self._known_v2: tuple[tuple[ContainerCgroup, Entitlement], ...] = ()
+        self._programs = ProgramCache()
+        self._root: Optional[Root] = None
+
+    def _read_v2(
+        self,
+        root: Root,
+        pairs: Sequence[tuple[ContainerCgroup, Entitlement]],
+        access: dict[AccessKey, Optional[bool]],
+        programs: dict[str, Optional[tuple[int, ...]]],
+        *,
+        probe: bool = True,
+    ) -> None:
+        """v2 verdicts from the programs the kernel runs for each cgroup, parsed once
+        each (no fork); a probe, one fork per container, where a program cannot be read
+        or parsed (``probe=False``: left unknown, for the fast path on the loop)."""
+        for c, ent in pairs:
+            assert c.cgroup_v2 is not None
+            verdicts = judge(self._programs, c.cgroup_v2, [(n.major, n.minor) for n in ent.nodes])
+            if verdicts is not None:
+                for n in ent.nodes:
+                    access[(c.container_id, n.numbers)] = verdicts[(n.major, n.minor)]
+            elif probe:
+                res = probe_open_all([root.path(n.path) for n in ent.nodes], [c.cgroup_v2])
+                for n, r in zip(ent.nodes, res):
+                    access[(c.container_id, n.numbers)] = r.verdict
+            if c.unit is None and probe:
+                try:
+                    programs[c.container_id] = query_device_programs(c.cgroup_v2)
+                except OSError:
+                    programs[c.container_id] = None
 
     def _read_v1(
         self,
@@ -86,18 +122,23 @@ class AccessObserver:
                 self._good.pop(c.container_id, None)
 
     def fast_view(self) -> AccessView:
-        """The last pass's v1 GPU containers with their access as of now: no tree walk,
+        """The last pass's GPU containers with their access as of now: no tree walk,
         no /proc reads. A reload's wipe is repaired from this before anything else."""
         access: dict[AccessKey, Optional[bool]] = {}
         rules: dict[str, DeviceRules] = {}
         broken: dict[str, str] = {}
+        programs: dict[str, Optional[tuple[int, ...]]] = {}
         self._read_v1(self._known_v1, access, rules, broken)
+        if self._root is not None:
+            self._read_v2(self._root, self._known_v2, access, programs, probe=False)
+        known = self._known_v1 + self._known_v2
         return AccessView(
-            tuple(c for c, _ in self._known_v1),
-            {c.key: e for c, e in self._known_v1},
+            tuple(c for c, _ in known),
+            {c.key: e for c, e in known},
             access,
             rules,
             broken,
+            programs=programs,
         )
 
     def observe(
@@ -154,11 +195,11 @@ class AccessObserver:
         for c, _ent in v1:
             if c.container_id in broken:  # never granted anything, even durably
                 ents[c.key] = unreadable_entitlement(c, broken[c.container_id])
-        for c, ent in gpu:
-            if c.cgroup_v1_devices is None and c.cgroup_v2 is not None:
-                for n in ent.nodes:
-                    res = probe_open(root.path(n.path), [c.cgroup_v2])
-                    access[(c.container_id, n.numbers)] = res.verdict
+        v2 = tuple((c, e) for c, e in gpu if c.cgroup_v1_devices is None and c.cgroup_v2)
+        programs: dict[str, Optional[tuple[int, ...]]] = {}
+        self._read_v2(root, v2, access, programs)
+        self._programs.forget_unseen()
+        self._root, self._known_v2 = root, v2
         self._known_v1 = v1
         for stale_id in set(self._good) - {c.container_id for c, _ in v1}:
             del self._good[stale_id]
@@ -172,7 +213,13 @@ class AccessObserver:
                 if p.process is not None and p.process.container_id
             )
         return AccessView(
-            tuple(containers), ents, access, rules, broken=broken, plugin_containers=plugins
+            tuple(containers),
+            ents,
+            access,
+            rules,
+            broken=broken,
+            plugin_containers=plugins,
+            programs=programs,
         )
 
 

@@ -1,0 +1,140 @@
+"""Read the cgroup v2 device programs that bind a cgroup, and judge an open by them.
+
+The kernel runs every program in a cgroup's *effective* set (its own and each
+ancestor's, BPF_F_ALLOW_MULTI) on each device open; all must admit it. Loaded programs
+are immutable and their ids are not reused while they exist, so a program is read and
+parsed once (`ProgramCache`) and a cgroup's verdicts follow from the ids BPF_PROG_QUERY
+returns: two syscalls per container and no fork, where a probe open costs a process.
+
+Only programs of runc's/systemd's shape are judged (devices/bpfprog.parse); a program
+that cannot be read (no CAP_SYS_ADMIN) or is of another shape yields None, and the
+caller asks the kernel instead (devices/probe.py). Both the in-process verdict and the
+probe are held to the kernel's own answer by tests/integration/test_bpf_verdicts.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+from pathlib import Path
+from typing import Dict, Optional, Sequence, Tuple
+
+from gpuguard.devices.bpfprog import ACC_RW, DeviceProgram, UnknownProgramShape, parse
+from gpuguard.devices.probe import (
+    BPF_ATTR_SIZE,
+    BPF_PROG_TYPE_CGROUP_DEVICE,
+    bpf_syscall,
+    query_device_programs,
+)
+
+BPF_PROG_GET_FD_BY_ID = 13
+BPF_OBJ_GET_INFO_BY_FD = 15
+_INFO_SIZE = 64  # bpf_prog_info up to xlated_prog_insns (offset 32) and a little more
+
+
+class ProgramUnreadable(Exception):
+    """The kernel would not show a program's instructions; the message says why."""
+
+
+def fd_by_id(prog_id: int) -> int:
+    """BPF_PROG_GET_FD_BY_ID; the caller closes the fd."""
+    attr = ctypes.create_string_buffer(BPF_ATTR_SIZE)
+    struct.pack_into("<I", attr, 0, prog_id)
+    return bpf_syscall(BPF_PROG_GET_FD_BY_ID, attr)
+
+
+def prog_info(prog_fd: int, insns: int = 0, size: int = 0) -> Tuple[int, int]:
+    """(id, xlated length) of a device program; fills ``insns`` (an address) when given."""
+    info = ctypes.create_string_buffer(_INFO_SIZE)
+    struct.pack_into("<I", info, 20, size)  # xlated_prog_len
+    struct.pack_into("<Q", info, 32, insns)  # xlated_prog_insns
+    attr = ctypes.create_string_buffer(BPF_ATTR_SIZE)
+    struct.pack_into("<IIQ", attr, 0, prog_fd, _INFO_SIZE, ctypes.addressof(info))
+    bpf_syscall(BPF_OBJ_GET_INFO_BY_FD, attr)
+    (prog_type, prog_id) = struct.unpack_from("<II", info, 0)
+    if prog_type != BPF_PROG_TYPE_CGROUP_DEVICE:
+        raise ProgramUnreadable(f"program {prog_id} is of type {prog_type}, not a device program")
+    (length,) = struct.unpack_from("<I", info, 20)
+    return prog_id, length
+
+
+def read_program(prog_fd: int) -> bytes:
+    """The kernel's xlated instructions of a loaded program."""
+    _, length = prog_info(prog_fd)
+    if length == 0:
+        raise ProgramUnreadable("the kernel hides the program's instructions (needs CAP_SYS_ADMIN)")
+    buf = ctypes.create_string_buffer(length)
+    prog_info(prog_fd, ctypes.addressof(buf), length)
+    if not any(buf.raw):
+        raise ProgramUnreadable("the kernel hides the program's instructions (needs CAP_SYS_ADMIN)")
+    return buf.raw
+
+
+BPF_F_QUERY_EFFECTIVE = 1
+
+
+def effective_programs(cgroup_dir: Path) -> Tuple[int, ...]:
+    """Ids of every device program the kernel runs for an open from ``cgroup_dir``."""
+    return query_device_programs(cgroup_dir, query_flags=BPF_F_QUERY_EFFECTIVE)
+
+
+class ProgramCache:
+    """Parsed device programs by id: each read once while it stays attached somewhere."""
+
+    def __init__(self) -> None:
+        self._parsed: Dict[int, Optional[DeviceProgram]] = {}
+        self._seen: set[int] = set()
+        # by instructions too: after a daemon-reload systemd loads a new program per
+        # scope, mostly byte-identical (same DeviceAllow= lists), so most skip the parse
+        self._by_code: Dict[bytes, Optional[DeviceProgram]] = {}
+
+    def get(self, prog_id: int) -> Optional[DeviceProgram]:
+        """The program's rules; None when it cannot be read or has another shape."""
+        self._seen.add(prog_id)
+        if prog_id in self._parsed:
+            return self._parsed[prog_id]
+        prog: Optional[DeviceProgram] = None
+        try:
+            fd = fd_by_id(prog_id)
+        except OSError:
+            fd = -1  # gone or not permitted: unknown (a gone one is not cached below)
+        if fd >= 0:
+            try:
+                code = read_program(fd)
+                if code not in self._by_code:
+                    try:
+                        self._by_code[code] = parse(code)
+                    except UnknownProgramShape:
+                        self._by_code[code] = None
+                prog = self._by_code[code]
+            except (OSError, ProgramUnreadable):
+                prog = None
+            finally:
+                os.close(fd)
+            self._parsed[prog_id] = prog
+        return prog
+
+    def forget_unseen(self) -> None:
+        """Drop programs not asked for since the last call (detached, usually freed)."""
+        for gone in set(self._parsed) - self._seen:
+            del self._parsed[gone]
+        self._seen = set()
+        if len(self._by_code) > 4 * len(self._parsed) + 64:  # bounded: start afresh
+            self._by_code = {}
+
+
+def judge(
+    cache: ProgramCache, cgroup_dir: Path, nodes: Sequence[Tuple[int, int]]
+) -> Optional[Dict[Tuple[int, int], bool]]:
+    """Would a read/write open of each char node from ``cgroup_dir`` pass its device
+    programs? None when the programs cannot be listed, read or parsed (ask a probe)."""
+    try:
+        ids = effective_programs(cgroup_dir)
+    except OSError:
+        return None
+    progs = [cache.get(i) for i in ids]
+    known = [p for p in progs if p is not None]
+    if len(known) != len(progs):
+        return None
+    return {n: all(p.admits("c", n[0], n[1], ACC_RW) for p in known) for n in nodes}
