@@ -15,6 +15,7 @@ cached; a pass after a reload only re-reads devices.list.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from typing import TYPE_CHECKING, AbstractSet, Callable, Mapping, Optional
@@ -42,6 +43,7 @@ from gpuguard.steps.container_access.reconcile import (
     unreadable_findings,
     v1_allow,
 )
+from gpuguard.steps.container_access.settle import confirm, covered_denials, settle, unknown
 from gpuguard.steps.registry import CONTAINER_ACCESS
 
 if TYPE_CHECKING:
@@ -104,6 +106,7 @@ class ContainerAccessStep:
         self.clock = clock
         self.pod_restarts: dict[str, float] = {}  # pod UID -> when we last stopped one
         self.conditions = Conditions()
+        self.settle = settle  # how a covered denial waits for systemd's apply to end
 
     async def __call__(self, svc: Services, ctx: PassContext) -> None:
         cfg = svc.config
@@ -119,6 +122,8 @@ class ContainerAccessStep:
         )
         if view is None:
             return
+        # A node the scope's DeviceAllow= grants may be caught mid-apply: judged again.
+        view = await confirm(view, self.durable, svc.root, svc.systemd, svc.log, self.settle)
         if snapshot.dropped_entries[1]:
             svc.log.warning(snapshot.dropped_entries[1])
         findings, actions = audit(
@@ -186,6 +191,10 @@ class ContainerAccessStep:
         Inline on the loop, not in a thread: these are kernfs reads and writes of a few
         hundred bytes each, ~15 ms for 200 containers, and nothing is more urgent."""
         fast = self.observer.fast_view()
+        # Nodes the scope's DeviceAllow= grants wait for the full pass's settled re-read.
+        covered = covered_denials(fast.containers, fast.entitlements, fast.access, self.durable)
+        if covered:
+            fast = dataclasses.replace(fast, access=unknown(fast.access, covered))
         written: dict[str, Outcome] = {}
         for c in fast.containers:
             ent = fast.entitlements[c.key]
