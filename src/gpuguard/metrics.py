@@ -1,8 +1,9 @@
-"""The daemon's state as Prometheus metrics, with the standard client library.
+"""The daemon's state as Prometheus metrics.
 
-Built once in main and updated after every pass; the exposition (prometheus_client's
-own text format) goes to two places, both read by others so the daemon itself never
-listens on the network (its unit denies IP):
+Built once in main and updated after every pass; the exposition (Prometheus's text
+format, rendered by metrics_text.py, which says why without a client library) goes to
+two places, both read by others so the daemon itself never listens on the network (its
+unit denies IP):
 
 - /run/gpuguard/metrics.prom, served over HTTP by gpuguard-metrics.socket (off
   until an operator enables that socket; docs/metrics.md, docs/hardening.md);
@@ -10,8 +11,6 @@ listens on the network (its unit denies IP):
   (off while empty).
 
 Both are replaced atomically (actuate.files), so a scraper never sees half a file.
-python3-prometheus-client is a recommended dependency: without it the daemon runs
-and says once that there are no metrics.
 """
 
 from __future__ import annotations
@@ -39,9 +38,9 @@ class Metrics:
     node_exporter already has them, and a textfile must not repeat them)."""
 
     def __init__(self) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        from gpuguard.metrics_text import Counter, Gauge, Histogram, Registry
 
-        r = self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry = Registry()
         self.passes = Counter("gpuguard_passes", "Reconciliation passes run.", registry=r)
         self.pass_duration = Histogram(
             "gpuguard_pass_duration_seconds",
@@ -152,9 +151,7 @@ class Metrics:
                 self.condition.labels(c.type).set(1 if code == PROBLEM else 0)
 
     def exposition(self) -> bytes:
-        from prometheus_client import generate_latest
-
-        return generate_latest(self.registry)
+        return self.registry.render()
 
 
 class MetricsOutput:
@@ -208,18 +205,13 @@ class MetricsOutput:
         return new
 
 
-def make_output() -> Optional[MetricsOutput]:
-    """The daemon's metrics when python3-prometheus-client is installed, else None."""
-    metrics = make_metrics()
-    return MetricsOutput(metrics) if metrics is not None else None
+def make_output() -> MetricsOutput:
+    """The daemon's metrics and their files."""
+    return MetricsOutput(make_metrics())
 
 
-def make_metrics() -> Optional[Metrics]:
-    """Metrics when python3-prometheus-client is installed, else None."""
-    try:
-        return Metrics()
-    except ImportError:
-        return None
+def make_metrics() -> Metrics:
+    return Metrics()
 
 
 def export(data: bytes, paths: list[Path]) -> list[str]:

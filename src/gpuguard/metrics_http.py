@@ -55,8 +55,7 @@ def _handler(path: Path) -> type[BaseHTTPRequestHandler]:
                     body = f.read(MAX_BYTES)
             except OSError as e:
                 msg = (
-                    f"no metrics: cannot read {path} ({e.strerror}); is gpuguard.service "
-                    "running, with python3-prometheus-client installed?\n"
+                    f"no metrics: cannot read {path} ({e.strerror}); is gpuguard.service running?\n"
                 )
                 self._reply(503, msg.encode(), "text/plain")
                 return
@@ -100,8 +99,7 @@ def print_file(path: Path) -> int:
         sys.stdout.buffer.write(path.read_bytes())
     except OSError as e:
         raise BadInputError(
-            f"cannot read {path}: {e.strerror}; is gpuguard.service running, with "
-            "python3-prometheus-client installed?"
+            f"cannot read {path}: {e.strerror}; is gpuguard.service running?"
         ) from None
     return exitcodes.OK
 
