@@ -52,7 +52,9 @@ class FileView:
         return self.c.cgroup_v1_devices / "devices.list"  # type: ignore[operator]
 
     def _view(self) -> AccessView:
-        rules = parse_devices_list(self.devices_list.read_text())
+        # what devices.allow was given is admitted, as the kernel would
+        allowed = (self.devices_list.parent / "devices.allow").read_text().replace("rw", "rw\n")
+        rules = parse_devices_list(self.devices_list.read_text() + allowed)
         access = verdicts_from_rules(CID, GIVEN, rules)
         return AccessView((self.c,), {self.c.key: _ent(GIVEN)}, access, {CID: rules})
 

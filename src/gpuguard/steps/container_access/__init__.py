@@ -165,11 +165,12 @@ class ContainerAccessStep:
         ]
         if cfg.devices.durable_grants and systemd is not None:
             await self._learn_durable(systemd, view, svc.root)
+            planned = snapshot.planned.links  # a dry-run's: made, in the real run
             links = {
                 n.dev_char
                 for e in view.entitlements.values()
                 for n in e.nodes
-                if os.path.lexists(svc.root.path(n.dev_char))
+                if n.dev_char in planned or os.path.lexists(svc.root.path(n.dev_char))
             }
             units += plan_durable(view, tuple(units), self.durable, links)
         outcomes += await asyncio.gather(*(self._unit(a, svc, systemd) for a in units))
