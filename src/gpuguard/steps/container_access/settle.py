@@ -4,9 +4,9 @@ systemd (re-)applies a scope's device policy as "deny all, then each DeviceAllow
 entry": at a daemon-reload or reexec, and at every `runc update` of a systemd-driver
 container (the CPU manager's, every few seconds on a busy node), since runc re-sends
 the scope's properties. A read of devices.list (or a probe on cgroup v2) that lands in
-that window, measured at 0.02-1.4 ms here, sees a container without the nodes its
-scope's DeviceAllow= already grants. Reporting that as a loss would be a false report
-and re-granting it a needless write.
+that window (0.02-8.8 ms here, bench/bench_apply_window.py) sees a container without
+nodes its scope's DeviceAllow= already grants. Reporting that as a loss would be a false
+report, and re-granting them a needless write.
 
 So a denied node that gpuguard knows the scope's DeviceAllow= covers is judged again
 after the apply has settled: a short wait (for the runtime's own writes), then one
@@ -37,7 +37,9 @@ if TYPE_CHECKING:
     from gpuguard.steps.container_access.observe import AccessView
     from gpuguard.systemd import Systemd
 
-SETTLE_DELAY = 0.05  # seconds: 30x the longest window seen, still far below a user's retry
+# Seconds: above the longest window seen (8.8 ms, load average 11), for the runtime's own
+# writes; systemd's apply is awaited by the call that follows, however long it takes.
+SETTLE_DELAY = 0.05
 
 Settle = Callable[["Optional[Systemd]", str], Awaitable[None]]
 
