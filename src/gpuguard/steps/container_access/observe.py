@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 from gpuguard.devices.containers import ContainerCgroup
 from gpuguard.devices.entitlement import Entitlement, read_entitlement, unreadable_entitlement
 from gpuguard.devices.nodes import (
-    DeviceNode,
     list_nvidia_nodes,
 )
 from gpuguard.devices.probe import probe_open
@@ -160,7 +158,12 @@ class AccessObserver:
         for c, ent in gpu:
             if c.cgroup_v1_devices is None and c.cgroup_v2 is not None:
                 for n in ent.nodes:
-                    res = probe_open(_probe_path(root, c, n, snapshot), [c.cgroup_v2])
+                    if n.path in snapshot.planned.nodes:
+                        # a dry-run's node, not on the host: nothing to open (the
+                        # container's own node is a path it controls), so unknown
+                        access[(c.container_id, n.numbers)] = None
+                        continue
+                    res = probe_open(root.path(n.path), [c.cgroup_v2])
                     access[(c.container_id, n.numbers)] = res.verdict
         self._known_v1 = v1
         for stale_id in set(self._good) - {c.container_id for c, _ in v1}:
@@ -177,14 +180,6 @@ class AccessObserver:
         return AccessView(
             tuple(containers), ents, access, rules, broken=broken, plugin_containers=plugins
         )
-
-
-def _probe_path(root: Root, c: ContainerCgroup, n: DeviceNode, snapshot: HostSnapshot) -> Path:
-    """Where to open `n` from inside the cgroup: the host's node, or for a node a dry-run
-    only planned, the container's own (the cgroup judges the numbers, not the path)."""
-    if n.path in snapshot.planned.nodes and c.pids:
-        return root.path(f"/proc/{c.pids[0]}/root{n.path}")
-    return root.path(n.path)
 
 
 def _numbers_of(root: Root, path: str) -> Optional[str]:
