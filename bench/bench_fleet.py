@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Cost of the fleet view: `gpuguard npd` (what node-problem-detector runs every 30 s
-per condition), the status summary, and a metrics update + export after a pass.
+per condition), the status summary, a metrics update + export after a pass, and the
+rendering of the metrics for a scrape (gpuguard-metrics.service, at each GET /metrics).
 
 A status file like a busy node's: 200 GPU containers, the last container access check
 with 200 findings and 200 outcomes, the other steps clean. Prints p50/p95; asserts
@@ -141,6 +142,11 @@ def main() -> None:
             "metrics update + export (2 files)",
             timed(lambda: out.publish(doc["last_pass"], doc, Root(root), "/textfile"), args.runs),
         )
+        from gpuguard.metrics import render_file
+        from gpuguard.metrics_state import STATE_FILE
+
+        state = Root(root).path(STATE_FILE)
+        report("metrics rendered for a scrape", timed(lambda: render_file(state), args.runs))
 
 
 if __name__ == "__main__":
