@@ -4,6 +4,8 @@ the HTTP reply."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -14,6 +16,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import REPO
 from gpuguard import cli
 from gpuguard.metrics import render, render_file
 from gpuguard.metrics_http import CONTENT_TYPE, listen, make_server
@@ -266,3 +269,34 @@ def test_a_metrics_bug_is_logged_once_and_never_raised(tmp_path: Path) -> None:
     assert [e["kind"] for e in entries] == ["metrics-failed"]
     assert "metrics disabled: KeyError" in entries[0]["msg"]
     assert output.broken
+
+
+MISSING = """
+import sys
+sys.modules["prometheus_client"] = None  # as on a host without python3-prometheus-client
+from pathlib import Path
+from gpuguard.cli import main
+from gpuguard.metrics_state import MetricsOutput, MetricsState
+from gpuguard.paths import Root
+root = Path(sys.argv[1])
+errors = MetricsOutput(MetricsState()).publish({"number": 1}, {}, Root(root), "/textfile")
+print(*errors, sep="\\n")
+sys.exit(main(["metrics", "--root", str(root)]))
+"""
+
+
+def test_without_the_library_gpuguard_metrics_says_so_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "run/gpuguard").mkdir(parents=True)
+    (tmp_path / "textfile").mkdir()
+    p = subprocess.run(
+        [sys.executable, "-c", MISSING, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin"},
+        check=False,
+    )
+    assert p.returncode == 2, p.stderr
+    assert p.stderr == f"gpuguard: {MISSING_LIBRARY}\n"
+    textfile = tmp_path / "textfile" / TEXTFILE_NAME
+    assert p.stdout == f"cannot write metrics to {textfile}: {MISSING_LIBRARY}\n"
+    assert (tmp_path / STATE_FILE.lstrip("/")).exists() and not textfile.exists()
