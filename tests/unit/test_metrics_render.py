@@ -144,7 +144,7 @@ class Reference:
     def exposition(self) -> bytes:
         from prometheus_client import generate_latest
 
-        return bytes(generate_latest(self.registry))
+        return generate_latest(self.registry)
 
 
 def passes() -> list[tuple[dict[str, Any], dict[str, Any]]]:
