@@ -118,7 +118,6 @@ FAMILIES = (
     ),
 )
 _BY_NAME = {f.name: f for f in FAMILIES}
-(_HISTOGRAM,) = (f.name for f in FAMILIES if f.kind == HISTOGRAM)
 
 
 class MetricsState:
