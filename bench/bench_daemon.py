@@ -18,6 +18,7 @@ Needs root (it boots the test harness's namespace). Usage:
 
   sudo .venv/bin/python bench/bench_daemon.py            # 50 reloads, 60 s idle
   sudo .venv/bin/python bench/bench_daemon.py --quick    # 10 reloads, 10 s idle
+  sudo .venv/bin/python bench/bench_daemon.py --quick --textfile  # [Metrics] TextfileDirectory= set
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from integration.gpuguard_ns import (  # noqa: E402
 from integration.harness import SystemdNamespace  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
 START_P99_TARGET_MS = 300.0
 IDLE_CPU_TARGET_PCT = 0.1
 RSS_TARGET_MB = 40.0
@@ -159,6 +161,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--reloads", type=int, help="number of daemon-reloads (default 50)")
     ap.add_argument("--idle", type=float, help="idle measurement in seconds (default 60)")
     ap.add_argument("--json", type=Path, help="also write the raw figures to this file")
+    ap.add_argument(
+        "--textfile",
+        action="store_true",
+        help=f"set [Metrics] TextfileDirectory={TEXTFILE_DIR} (the daemon then renders)",
+    )
     args = ap.parse_args(argv)
     reloads = args.reloads or (10 if args.quick else 50)
     idle = args.idle or (10.0 if args.quick else 60.0)
@@ -169,7 +176,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpuguard-bench-") as tmp:
         ns = SystemdNamespace(Path(tmp) / "ns", units=gpuguard_units())
         with ns:
-            setup_node(ns, stale=False)
+            if args.textfile:
+                ns.path(TEXTFILE_DIR).mkdir(parents=True, exist_ok=True)
+            config = f"[Metrics]\nTextfileDirectory={TEXTFILE_DIR}\n" if args.textfile else ""
+            setup_node(ns, stale=False, config=config)
             t0 = time.monotonic()
             ns.systemctl("start", "gpuguard.service")  # Type=notify: returns at READY=1
             ready_ms = (time.monotonic() - t0) * 1000
@@ -180,6 +190,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"gpuguard daemon: host pid {pid}, {threads(pid)} thread(s)")
             print(f"start to READY=1: {ready_ms:.0f} ms (first pass {first['duration_ms']} ms)")
             print(f"RSS after start: {rss_start:.1f} MB  (target: < {RSS_TARGET_MB:.0f} MB)")
+            if args.textfile:
+                prom = ns.path(f"{TEXTFILE_DIR}/gpuguard.prom")
+                print(f"textfile: {prom.stat().st_size if prom.exists() else 'not'} bytes written")
 
             r = bench_reloads(ns, reloads, quiet=0.3)
             print(

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Cost of the fleet view: `gpuguard npd` (what node-problem-detector runs every 30 s
-per condition), the status summary, and a metrics update + export after a pass.
+per condition), the status summary, a metrics update + export after a pass, and the
+rendering of the metrics for a scrape (gpuguard-metrics.service, at each GET /metrics).
 
 A status file like a busy node's: 200 GPU containers, the last container access check
 with 200 findings and 200 outcomes, the other steps clean. Prints p50/p95; asserts
@@ -26,7 +27,7 @@ from typing import Any, Callable, List
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
-from gpuguard.metrics import make_output  # noqa: E402
+from gpuguard.metrics_state import make_output  # noqa: E402
 from gpuguard.npd import answer  # noqa: E402
 from gpuguard.paths import Root  # noqa: E402
 from gpuguard.summary import node_summary  # noqa: E402
@@ -137,13 +138,15 @@ def main() -> None:
         )
         report("status summary in-process", timed(lambda: node_summary(Root(root), []), args.runs))
         out = make_output()
-        if out is None:
-            print("metrics: python3-prometheus-client not installed")
-            return
         report(
             "metrics update + export (2 files)",
             timed(lambda: out.publish(doc["last_pass"], doc, Root(root), "/textfile"), args.runs),
         )
+        from gpuguard.metrics import render_file
+        from gpuguard.metrics_state import STATE_FILE
+
+        state = Root(root).path(STATE_FILE)
+        report("metrics rendered for a scrape", timed(lambda: render_file(state), args.runs))
 
 
 if __name__ == "__main__":

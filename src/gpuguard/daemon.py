@@ -23,7 +23,7 @@ from gpuguard.errors import ConfigError, GpuguardError
 from gpuguard.inventory import Inventory, load_inventory
 from gpuguard.ledger import Ledger
 from gpuguard.log import EventLog
-from gpuguard.metrics import MetricsOutput
+from gpuguard.metrics_state import MetricsOutput
 from gpuguard.notify import Notifier, watchdog_interval
 from gpuguard.passes import STATUS_FILE, PassContext, Step, Work
 from gpuguard.paths import Root

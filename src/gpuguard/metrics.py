@@ -1,238 +1,147 @@
-"""The daemon's state as Prometheus metrics, with the standard client library.
+"""The daemon's metrics (metrics.json, metrics_state.py) in Prometheus's text format,
+rendered with the standard client library.
 
-Built once in main and updated after every pass; the exposition (prometheus_client's
-own text format) goes to two places, both read by others so the daemon itself never
-listens on the network (its unit denies IP):
-
-- /run/gpuguard/metrics.prom, served over HTTP by gpuguard-metrics.socket (off
-  until an operator enables that socket; docs/metrics.md, docs/hardening.md);
-- `[Metrics] TextfileDirectory=`/gpuguard.prom for node_exporter's textfile collector
-  (off while empty).
-
-Both are replaced atomically (actuate.files), so a scraper never sees half a file.
-python3-prometheus-client is a recommended dependency: without it the daemon runs
-and says once that there are no metrics.
+A custom collector yields prometheus_client's Counter/Gauge/HistogramMetricFamily from
+the JSON into a registry of its own (no process/platform defaults: node_exporter
+already has them, and a textfile must not repeat them), and generate_latest() writes
+the text. Imported where the metrics are read (`gpuguard metrics [--serve]`), and by
+the daemon only when `[Metrics] TextfileDirectory=` asks it for the text file
+(metrics_state.py says why). Without python3-prometheus-client, importing this module
+raises ImportError and the callers say so (metrics_state.MISSING_LIBRARY).
 """
 
 from __future__ import annotations
 
-import platform
-from collections import Counter as Tally
+import json
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from gpuguard import __version__
-from gpuguard.log import EventLog
-from gpuguard.npd import CONDITIONS, DEFAULT_MAX_AGE, OK, PROBLEM, evaluate
-from gpuguard.paths import Root
-from gpuguard.steps.registry import CONTAINER_ACCESS, GPU_COUNT
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
 
-RUNTIME_FILE = "/run/gpuguard/metrics.prom"
-TEXTFILE_NAME = "gpuguard.prom"
-# From a 5 ms container re-grant to a pass that restarts kubelet (tens of seconds).
-PASS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-DENIED_KINDS = frozenset({"container-device-denied", "v2-report-only"})
+from gpuguard import safeio
+from gpuguard.errors import BadInputError
+from gpuguard.metrics_state import COUNTER, FAMILIES, FORMAT, GAUGE, STATE_MAX, Family
 
-
-class Metrics:
-    """Every gpuguard metric, in a registry of its own (no process/platform defaults:
-    node_exporter already has them, and a textfile must not repeat them)."""
-
-    def __init__(self) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-        r = self.registry = CollectorRegistry(auto_describe=True)
-        self.passes = Counter("gpuguard_passes", "Reconciliation passes run.", registry=r)
-        self.pass_duration = Histogram(
-            "gpuguard_pass_duration_seconds",
-            "Duration of a reconciliation pass.",
-            buckets=PASS_BUCKETS,
-            registry=r,
-        )
-        self.last_pass = Gauge(
-            "gpuguard_last_pass_timestamp_seconds",
-            "When the last pass ended (Unix time).",
-            registry=r,
-        )
-        self.findings = Counter(
-            "gpuguard_findings",
-            "Findings reported by passes, by kind and step (a state that persists is "
-            "counted again at each pass that sees it).",
-            ["kind", "step"],
-            registry=r,
-        )
-        self.open_findings = Gauge(
-            "gpuguard_open_findings",
-            "Findings in each step's latest result, by kind and step.",
-            ["kind", "step"],
-            registry=r,
-        )
-        self.actions = Counter(
-            "gpuguard_actions",
-            "Changes gpuguard planned, by kind and outcome (done, skipped, dry-run, "
-            "declined, failed).",
-            ["kind", "outcome"],
-            registry=r,
-        )
-        self.plugin_restarts = Counter(
-            "gpuguard_plugin_restarts",
-            "Device plugin restarts by outcome (done, failed, declined, dry-run).",
-            ["outcome"],
-            registry=r,
-        )
-        self.gpu_containers = Gauge(
-            "gpuguard_gpu_containers",
-            "GPU containers seen by the last container access check.",
-            registry=r,
-        )
-        self.gpu_containers_denied = Gauge(
-            "gpuguard_gpu_containers_without_access",
-            "GPU containers the last container access check found denied a device "
-            "they were given (before its repair).",
-            registry=r,
-        )
-        self.gpus = Gauge(
-            "gpuguard_gpus",
-            "GPUs counted at each layer (pci, nvml, kubelet) by the last GPU count check.",
-            ["layer"],
-            registry=r,
-        )
-        self.condition = Gauge(
-            "gpuguard_node_condition",
-            "1 while a node condition's problem is present, 0 while it is not; absent "
-            "while unknown (the same answer as `gpuguard npd`).",
-            ["condition"],
-            registry=r,
-        )
-        build = Gauge(
-            "gpuguard_build_info",
-            "gpuguard's version and the Python running it (always 1).",
-            ["version", "python"],
-            registry=r,
-        )
-        build.labels(__version__, platform.python_version()).set(1)
-
-    def observe_pass(self, last_pass: Mapping[str, Any], status: Mapping[str, Any]) -> None:
-        """Count one pass (the daemon's last_pass document) and refresh the gauges from
-        the status document (each step's latest result)."""
-        self.passes.inc()
-        self.pass_duration.observe(float(last_pass.get("duration_ms", 0.0)) / 1000.0)
-        self.last_pass.set(float(last_pass.get("ended", 0.0)))
-        for f in last_pass.get("findings", ()):
-            self.findings.labels(f["kind"], f["reconciler"]).inc()
-        for o in last_pass.get("outcomes", ()):
-            self.actions.labels(o["kind"], o["status"]).inc()
-            if o["kind"] == "restart-plugin":
-                self.plugin_restarts.labels(o["status"]).inc()
-        steps: Mapping[str, Any] = status.get("steps") or {}
-        self.open_findings.clear()
-        for name, st in steps.items():
-            for (kind, step), n in Tally((f["kind"], name) for f in st["findings"]).items():
-                self.open_findings.labels(kind, step).set(n)
-        access = steps.get(CONTAINER_ACCESS)
-        if access is not None and access.get("pass") == last_pass.get("number"):
-            gauges = access.get("gauges") or {}
-            if "gpu_containers" in gauges:
-                self.gpu_containers.set(gauges["gpu_containers"])
-            denied = {
-                f["fields"].get("CONTAINER_ID")
-                for f in access["findings"]
-                if f["kind"] in DENIED_KINDS
-            }
-            self.gpu_containers_denied.set(len(denied))
-        counts = (steps.get(GPU_COUNT) or {}).get("gauges") or {}
-        for layer in ("pci", "nvml", "kubelet"):
-            if counts.get(f"gpus_{layer}") is not None:
-                self.gpus.labels(layer).set(counts[f"gpus_{layer}"])
-        self.condition.clear()
-        now = float(last_pass.get("ended", 0.0))
-        for c in CONDITIONS:
-            code, _ = evaluate(c, {"steps": steps}, now, DEFAULT_MAX_AGE)
-            if code in (OK, PROBLEM):
-                self.condition.labels(c.type).set(1 if code == PROBLEM else 0)
-
-    def exposition(self) -> bytes:
-        from prometheus_client import generate_latest
-
-        return generate_latest(self.registry)
+go_float: Callable[[float], str] = floatToGoString  # how a Histogram spells its bounds
 
 
-class MetricsOutput:
-    """The daemon's side: count each pass, write the files, report an error once."""
+class MetricsFileError(BadInputError):
+    """metrics.json is missing, unreadable or not what the daemon writes."""
 
-    def __init__(self, metrics: Metrics) -> None:
-        self.metrics = metrics
-        self.errors: frozenset[str] = frozenset()
-        self.broken = False
 
-    def after_pass(
-        self,
-        last_pass: Mapping[str, Any],
-        status: Mapping[str, Any],
-        root: Root,
-        textfile_dir: Optional[str],
-        log: EventLog,
-    ) -> None:
-        """publish(), with its errors logged once; a bug here disables the metrics and is
-        logged, and never stops the daemon's repairs."""
-        if self.broken:
-            return
-        try:
-            errors = self.publish(last_pass, status, root, textfile_dir)
-        except Exception as e:
-            self.broken = True
-            log.event(
-                "metrics-failed",
-                f"metrics disabled: {type(e).__name__}: {e}",
-                level="error",
-                exc=e,
+def _number(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what} is not a number")
+    return float(value)
+
+
+def _labels(series: Mapping[str, Any], family: Family) -> list[str]:
+    labels = series.get("labels")
+    if (
+        not isinstance(labels, list)
+        or len(labels) != len(family.labels)
+        or not all(isinstance(v, str) for v in labels)
+    ):
+        raise ValueError(f"{family.name}: labels are not {len(family.labels)} strings")
+    return labels
+
+
+def _family(family: Family, series: Sequence[Mapping[str, Any]]) -> Metric:
+    if family.kind == COUNTER:
+        c = CounterMetricFamily(family.name, family.help, labels=family.labels)
+        for s in series:
+            created = s.get("created")
+            c.add_metric(
+                _labels(s, family),
+                _number(s.get("value"), f"{family.name} value"),
+                created=None if created is None else _number(created, f"{family.name} created"),
             )
-            return
-        for error in errors:
-            log.warning(error)
-
-    def publish(
-        self,
-        last_pass: Mapping[str, Any],
-        status: Mapping[str, Any],
-        root: Root,
-        textfile_dir: Optional[str],
-    ) -> list[str]:
-        """Update and write; the errors not reported by the previous call."""
-        self.metrics.observe_pass(last_pass, status)
-        paths = [root.path(RUNTIME_FILE)]
-        if textfile_dir:
-            paths.append(root.path(textfile_dir) / TEXTFILE_NAME)
-        errors = frozenset(export(self.metrics.exposition(), paths))
-        new, self.errors = sorted(errors - self.errors), errors
-        return new
-
-
-def make_output() -> Optional[MetricsOutput]:
-    """The daemon's metrics when python3-prometheus-client is installed, else None."""
-    metrics = make_metrics()
-    return MetricsOutput(metrics) if metrics is not None else None
+        return c
+    if family.kind == GAUGE:
+        g = GaugeMetricFamily(family.name, family.help, labels=family.labels)
+        for s in series:
+            g.add_metric(_labels(s, family), _number(s.get("value"), f"{family.name} value"))
+        return g
+    h = HistogramMetricFamily(family.name, family.help, labels=family.labels)
+    for s in series:
+        labels = _labels(s, family)
+        bounds = [_number(b, f"{family.name} bound") for b in s.get("bounds") or ()]
+        counts = [_number(n, f"{family.name} count") for n in s.get("counts") or ()]
+        if len(counts) != len(bounds) + 1 or bounds != sorted(bounds):
+            raise ValueError(f"{family.name}: bounds and counts do not match")
+        cumulative, buckets = 0.0, []
+        for bound, n in zip([*bounds, float("inf")], counts):
+            cumulative += n
+            buckets.append((go_float(bound), cumulative))
+        h.add_metric(labels, buckets, _number(s.get("sum"), f"{family.name} sum"))
+        if s.get("created") is not None:  # the family has no argument for it
+            created = _number(s["created"], f"{family.name} created")
+            h.add_sample(family.name + "_created", dict(zip(family.labels, labels)), created)
+    return h
 
 
-def make_metrics() -> Optional[Metrics]:
-    """Metrics when python3-prometheus-client is installed, else None."""
+def families(doc: Any) -> list[Metric]:
+    """Every family in FAMILIES' order, with the values in `doc` (ValueError if it is
+    not what metrics_state writes)."""
+    if not isinstance(doc, dict):
+        raise ValueError("not a JSON object")
+    if doc.get("format") != FORMAT:
+        raise ValueError(
+            f"format {doc.get('format')!r}, this gpuguard reads format {FORMAT} (restart "
+            "gpuguard.service and gpuguard-metrics.service after an upgrade)"
+        )
+    values = doc.get("families")
+    if not isinstance(values, dict):
+        raise ValueError("no families")
+    out = []
+    for f in FAMILIES:
+        series = values.get(f.name, [])
+        if not isinstance(series, list) or not all(isinstance(s, dict) for s in series):
+            raise ValueError(f"{f.name}: not a list of series")
+        out.append(_family(f, series))
+    return out
+
+
+class StateCollector:
+    """A prometheus_client collector for one metrics.json document (families built once,
+    so a bad document fails before registration). Not the library's Collector base
+    class: Ubuntu 22.04's prometheus_client 0.9 has none, and register() needs only
+    collect()."""
+
+    def __init__(self, doc: Any) -> None:
+        self.metrics = families(doc)
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.metrics
+
+
+def render(doc: Mapping[str, Any]) -> bytes:
+    """The text exposition (format 0.0.4) of a metrics.json document."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StateCollector(doc))  # type: ignore[arg-type]
+    return generate_latest(registry)
+
+
+def render_file(path: Path) -> bytes:
+    """render() of the file the daemon wrote; MetricsFileError, one line, otherwise."""
+    data, _st = safeio.read_bytes(
+        path,
+        what="metrics state",
+        max_bytes=STATE_MAX,
+        missing="does not exist — is gpuguard.service running?",
+        next_step="gpuguard.service writes it after every pass; restart it",
+    )
     try:
-        return Metrics()
-    except ImportError:
-        return None
-
-
-def export(data: bytes, paths: list[Path]) -> list[str]:
-    """Replace each file atomically; the errors, one line each (the caller logs them).
-
-    Into directories that must already exist (node_exporter's textfile directory belongs
-    to its package and often to its user): never created here, never made root-only."""
-    from gpuguard.actuate.files import atomic_replace
-
-    errors = []
-    for p in paths:
-        try:
-            atomic_replace(p, data, mode=0o644, uid=None, gid=None)
-        except OSError as e:
-            errors.append(f"cannot write metrics to {p}: {e.strerror}")
-    return errors
+        return render(json.loads(data))
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError included
+        raise MetricsFileError(
+            f"{path}: not gpuguard's metrics ({e}) — gpuguard.service rewrites it after its "
+            "next pass; restart it if this stays"
+        ) from None

@@ -1,10 +1,12 @@
 """`gpuguard metrics --serve`: the HTTP side of the metrics, outside the daemon.
 
-gpuguard.service denies IP, so the daemon never listens; it writes its exposition to
-/run/gpuguard/metrics.prom after every pass, and this small server (started by
-gpuguard-metrics.socket, which owns the address) returns that file on GET /metrics.
-It runs with no privilege and no network of its own (docs/hardening.md): it only
-accepts on the socket systemd passed it and reads one file.
+gpuguard.service denies IP, so the daemon never listens; it writes its metrics'
+values to /run/gpuguard/metrics.json after every pass, and this small server (started
+by gpuguard-metrics.socket, which owns the address) renders that file with
+prometheus_client (metrics.py) on every GET /metrics. It runs with no privilege and no
+network of its own (docs/hardening.md): it only accepts on the socket systemd passed it
+and reads one file. Whatever keeps it from rendering (no file yet, a corrupt one, no
+client library) is a 503 whose body says why in one line.
 """
 
 from __future__ import annotations
@@ -15,13 +17,15 @@ import socketserver
 import sys
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from gpuguard import exitcodes
 from gpuguard.errors import BadInputError, ConfigError, GpuguardError
+from gpuguard.metrics_state import MISSING_LIBRARY
+
+RenderFile = Callable[[Path], bytes]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # Prometheus text format 0.0.4
-MAX_BYTES = 16 * 1024 * 1024
 SD_LISTEN_FDS_START = 3
 
 
@@ -34,7 +38,18 @@ def systemd_socket() -> Optional[socket.socket]:
     return socket.socket(fileno=SD_LISTEN_FDS_START)
 
 
-def _handler(path: Path) -> type[BaseHTTPRequestHandler]:
+def load_render_file() -> Optional[RenderFile]:
+    """metrics.render_file, or None without prometheus_client."""
+    try:
+        from gpuguard.metrics import render_file
+    except ImportError as e:
+        if not (e.name or "").startswith("prometheus_client"):
+            raise
+        return None
+    return render_file
+
+
+def _handler(path: Path, render_file: Optional[RenderFile]) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "gpuguard-metrics"
 
@@ -50,15 +65,13 @@ def _handler(path: Path) -> type[BaseHTTPRequestHandler]:
             if self.path.split("?", 1)[0] not in ("/metrics", "/"):
                 self._reply(404, b"gpuguard serves /metrics only\n", "text/plain")
                 return
+            if render_file is None:
+                self._reply(503, f"no metrics: {MISSING_LIBRARY}\n".encode(), "text/plain")
+                return
             try:
-                with open(path, "rb") as f:
-                    body = f.read(MAX_BYTES)
-            except OSError as e:
-                msg = (
-                    f"no metrics: cannot read {path} ({e.strerror}); is gpuguard.service "
-                    "running, with python3-prometheus-client installed?\n"
-                )
-                self._reply(503, msg.encode(), "text/plain")
+                body = render_file(path)
+            except BadInputError as e:
+                self._reply(503, f"no metrics: {e.message}\n".encode(), "text/plain")
                 return
             self._reply(200, body, CONTENT_TYPE)
 
@@ -79,8 +92,8 @@ class _SocketServer(HTTPServer):
         self.socket = sock
 
 
-def make_server(sock: socket.socket, path: Path) -> HTTPServer:
-    return _SocketServer(sock, _handler(path))
+def make_server(sock: socket.socket, path: Path, render_file: Optional[RenderFile]) -> HTTPServer:
+    return _SocketServer(sock, _handler(path, render_file))
 
 
 def listen(address: str) -> socket.socket:
@@ -95,14 +108,11 @@ def listen(address: str) -> socket.socket:
 
 
 def print_file(path: Path) -> int:
-    """`gpuguard metrics`: the exposition the daemon wrote, on stdout."""
-    try:
-        sys.stdout.buffer.write(path.read_bytes())
-    except OSError as e:
-        raise BadInputError(
-            f"cannot read {path}: {e.strerror}; is gpuguard.service running, with "
-            "python3-prometheus-client installed?"
-        ) from None
+    """`gpuguard metrics`: the metrics the daemon wrote, rendered, on stdout."""
+    render_file = load_render_file()
+    if render_file is None:
+        raise GpuguardError(MISSING_LIBRARY, exit_code=exitcodes.USAGE)
+    sys.stdout.buffer.write(render_file(path))
     return exitcodes.OK
 
 
@@ -116,8 +126,11 @@ def serve(path: Path, address: Optional[str]) -> int:
         raise ConfigError(
             "no socket from systemd (start gpuguard-metrics.socket) and no --listen HOST:PORT"
         )
+    render_file = load_render_file()
+    if render_file is None:  # said once here (the journal); every scrape gets a 503
+        print(f"gpuguard: {MISSING_LIBRARY}; every scrape gets a 503", file=sys.stderr)
     try:
-        make_server(sock, path).serve_forever()
+        make_server(sock, path, render_file).serve_forever()
     except OSError as e:
         raise GpuguardError(f"metrics server stopped: {e}", exit_code=exitcodes.USAGE) from None
     return exitcodes.OK

@@ -17,7 +17,7 @@ from gpuguard.model import Finding, Outcome
 from gpuguard.passes import STATUS_FILE, PassContext, Work
 from gpuguard.paths import Root
 from gpuguard.snapshot import HostSnapshot
-from gpuguard.steps.registry import CHECK_ORDER, CHECKPOINT, STEPS, build_steps
+from gpuguard.steps.registry import CHECK_ORDER, CHECKPOINT, CONTAINER_ACCESS, STEPS, build_steps
 
 if TYPE_CHECKING:
     from gpuguard.devices.containers import ContainerCgroup
@@ -74,14 +74,21 @@ async def run_device_steps(
             if name in steps:
                 await steps[name](svc, ctx)
         # The daemon's immediate follow-up pass (links just made: durable grants now),
-        # once. Only systemd's DeviceAllow= depends on the links.
+        # once. Only systemd's DeviceAllow= depends on the links. A dry-run makes no
+        # link, so it runs that pass on the links it planned (snapshot.Planned): it
+        # prints the grants the real run makes then, each change once.
         again = {n for delay, names, _ in ctx.followups if delay == 0 for n in names}
+        if svc.dry_run and snapshot.planned.links:
+            again.add(CONTAINER_ACCESS)
         if svc.client is not None and again:
-            first = list(ctx.findings)
+            first, done = list(ctx.findings), len(ctx.outcomes)
             for name in CHECK_ORDER:
                 if name in steps and name in again:
                     await steps[name](svc, ctx)
             ctx.findings = first + [f for f in ctx.findings[len(first) :] if f not in first]
+            if svc.dry_run:  # what the first run planned is not planned twice
+                planned = {o.action for o in ctx.outcomes[:done]}
+                ctx.outcomes[done:] = [o for o in ctx.outcomes[done:] if o.action not in planned]
     finally:
         sd.disconnect()
     return ctx.findings, ctx.outcomes

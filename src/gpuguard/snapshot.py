@@ -15,19 +15,38 @@ is read before that write, whichever step asks first.
 Across passes, the repair records the entries it drops (checkpoint/dropped.py), and
 `pod_device_ids` is the checkpoint's entries plus those records: what the checkpoint
 said before gpuguard touched it.
+
+Within a dry-run, `planned` holds what an earlier step would have created and did not
+(device nodes, /dev/char links), so later steps plan against the host as the real run
+would leave it, and the dry-run prints what the real run then does (the durable
+DeviceAllow= entries that resolve through links made in the same run).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Mapping, Optional, Union
 
 from gpuguard.checkpoint import Loaded, dropped, load
 from gpuguard.devices.containers import ContainerCgroup, discover_containers
-from gpuguard.devices.nodes import NvidiaMajors, nvidia_majors, read_proc_devices
+from gpuguard.devices.nodes import DeviceNode, NvidiaMajors, nvidia_majors, read_proc_devices
 from gpuguard.errors import BadInputError
 from gpuguard.paths import DROPPED_ENTRIES_FILE, Root
+
+
+@dataclass
+class Planned:
+    """What a dry-run's earlier steps would have created on the host and did not. Empty
+    in a real run, whose changes are on the host itself."""
+
+    nodes: dict[str, DeviceNode] = field(default_factory=dict)  # path -> node
+    links: set[str] = field(default_factory=set)  # /dev/char/MAJ:MIN
+
+    def host_nodes(self, listed: tuple[DeviceNode, ...]) -> tuple[DeviceNode, ...]:
+        """The host's nodes as listed, plus those planned and not there yet."""
+        have = {n.path for n in listed}
+        return listed + tuple(n for p, n in sorted(self.nodes.items()) if p not in have)
 
 
 @dataclass(frozen=True)
@@ -35,6 +54,7 @@ class HostSnapshot:
     root: Root
     checkpoint_path: str
     dropped_path: str = DROPPED_ENTRIES_FILE
+    planned: Planned = field(default_factory=Planned, compare=False, hash=False)
 
     @cached_property
     def _checkpoint(self) -> Union[Loaded, BadInputError, None]:

@@ -1,6 +1,7 @@
 """Metrics end to end: the real daemon on a real systemd writes them, the repo's
-gpuguard-metrics.socket serves them, a real Prometheus scrapes the endpoint, a real
-node_exporter reads the textfile, and promtool accepts both.
+gpuguard-metrics.socket serves them (its sandboxed service renders them at each
+scrape), a real Prometheus scrapes the endpoint, a real node_exporter reads the
+textfile, and promtool accepts both.
 
 Everything runs inside the namespace's private network (loopback only), on ports the
 kernel picks there; Prometheus and node_exporter are children of the namespace,
@@ -81,10 +82,14 @@ def test_prometheus_scrapes_endpoint_and_node_exporter_textfile(systemd_ns, tmp_
     wait_for(lambda: status(ns).get("passes", 0) >= 1, what="first pass")
     ns.systemctl("start", "gpuguard-metrics.socket")
 
-    # what the daemon exported, as files: the same bytes in both places, promtool-clean
-    runtime = wait_for(lambda: ns.path("/run/gpuguard/metrics.prom").read_text(), what="metrics")
+    # what the daemon exported: its values as JSON, rendered by `gpuguard metrics`, and
+    # the textfile it rendered itself (TextfileDirectory= set); promtool-clean
+    state = wait_for(lambda: ns.path("/run/gpuguard/metrics.json").read_text(), what="metrics")
+    assert json.loads(state)["families"]["gpuguard_passes"][0]["value"] >= 1
+    runtime = ns.run([str(GPUGUARD), "metrics"], check=True).stdout
     textfile = ns.path(f"{TEXTFILE_DIR}/gpuguard.prom").read_text()
     assert "gpuguard_passes_total" in runtime and "gpuguard_build_info{" in textfile
+    assert "gpuguard_passes_created" in textfile  # prometheus_client's, not hand-made
     for text in (runtime, textfile):
         r = promtool(text)
         assert r.returncode == 0, r.stdout + r.stderr

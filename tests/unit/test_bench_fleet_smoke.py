@@ -25,5 +25,6 @@ def test_bench_fleet_prints_its_figures() -> None:
         r"gpuguard npd end to end \(new process\)",
         "status summary in-process",
         r"metrics update \+ export \(2 files\)",
+        "metrics rendered for a scrape",
     ):
         assert re.search(rf"^{name}: n=2 p50={NUM} ms p95={NUM} ms$", res.stdout, re.M), res.stdout

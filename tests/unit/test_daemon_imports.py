@@ -1,16 +1,22 @@
-"""`gpuguard daemon` leaves the optional backend it never uses unloaded (RSS at idle):
-dbus-next's GLib main loop, while everything it does use still loads, the Prometheus
-client included (blocking `ssl` too once cost every metric: its exposition imports it)."""
+"""`gpuguard daemon` leaves what it never uses unloaded (RSS at idle): dbus-next's GLib
+main loop, asyncio's TLS (`ssl`), OpenSSL's hashes where Python has its own, and, in its
+default configuration, prometheus_client (which would bring `ssl` back): the daemon
+writes its metrics' values as JSON and `gpuguard metrics` renders them. Everything it
+does use still loads and works: the metrics file, the hashes of MESSAGE_IDs and
+checkpoint digests, asyncio and dbus-next. With `[Metrics] TextfileDirectory=` set, the
+textfile is rendered in the daemon, by prometheus_client (`ssl` allowed back for it)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 from conftest import REPO
 
 PROBE = """
-import sys
+import json, sys
+from pathlib import Path
 from gpuguard.cli import daemon as cli
 cli._skip_unused_backends()
 import asyncio
@@ -18,21 +24,48 @@ import dbus_next
 from dbus_next.aio import MessageBus
 from gpuguard.daemon import Daemon
 from gpuguard.steps.registry import build_steps
+from gpuguard.metrics_state import STATE_FILE, MetricsOutput, MetricsState
+from gpuguard.paths import Root
 build_steps()
-import importlib.util
-from gpuguard.metrics import make_metrics
-have_client = importlib.util.find_spec("prometheus_client") is not None
-metrics = "ok" if (make_metrics() is not None) == have_client else "lost"
-loaded = [m for m in sys.modules if m.split(".")[0] in cli.UNUSED_IN_DAEMON
-          and sys.modules[m] is not None]
-print(",".join(loaded) or "none", asyncio.run(asyncio.sleep(0, "ran")), metrics)
+root = Root(Path(sys.argv[1]))
+def loaded():
+    names = cli.UNUSED_IN_DAEMON + ("prometheus_client",)
+    return [m for m in sys.modules if m.split(".")[0] in names and sys.modules[m] is not None]
+# the daemon's own wiring (cmd_daemon), the default configuration: no TextfileDirectory=
+out = MetricsOutput(MetricsState(), renderer=cli._load_renderer)
+assert out.publish({"number": 1, "duration_ms": 5.0}, {}, root, None) == []
+doc = json.loads(root.path(STATE_FILE).read_text())
+metrics = "ok" if doc["families"]["gpuguard_passes"][0]["value"] == 1.0 else "lost"
+from gpuguard.catalog import message_id
+from gpuguard.steps.checkpoint.reconcile import sha256
+import hashlib, uuid
+assert sha256(b"x") == "2d711642b726b04401627ca9fbac32f5c8530fb1903cc4db02258717921a4881"
+assert message_id("x") == uuid.uuid5(uuid.UUID("5b0f3c2e-8d7a-4c1e-9f55-6a1d2b3c4e5f"), "x").hex
+default = ",".join(loaded()) or "none"
+builtin = all(any(n in sys.builtin_module_names for n in ns) for ns in cli.BUILTIN_HASHES)
+openssl = sys.modules.get("_hashlib") is not None
+hashes = "builtin" if not openssl else ("openssl" if not builtin else "openssl-loaded")
+# TextfileDirectory= set (at start or by a reload): the textfile, by prometheus_client
+assert out.publish({"number": 2, "duration_ms": 5.0}, {}, root, "/textfile") == []
+import prometheus_client
+text = root.path("/textfile/gpuguard.prom").read_bytes()
+registry = prometheus_client.CollectorRegistry(auto_describe=False)
+registry.register(sys.modules["gpuguard.metrics"].StateCollector(json.loads(root.path(STATE_FILE).read_text())))
+textfile = "prometheus_client" if text == prometheus_client.generate_latest(registry) else "other"
+textfile += "+created" if b"gpuguard_passes_created" in text else ""
+print(default, asyncio.run(asyncio.sleep(0, "ran")), metrics, hashes, textfile,
+      "ssl" if sys.modules.get("ssl") is not None else "no-ssl")
 """
 
 
-def test_daemon_imports_leave_glib_unloaded_and_keep_metrics() -> None:
-    assert set(cli_unused()) == {"gi"}
+def test_daemon_default_imports_neither_prometheus_client_nor_ssl_and_the_textfile_does(
+    tmp_path: Path,
+) -> None:
+    assert set(cli_unused()) == {"gi", "ssl"}
+    (tmp_path / "run/gpuguard").mkdir(parents=True)
+    (tmp_path / "textfile").mkdir()
     p = subprocess.run(
-        [sys.executable, "-c", PROBE],
+        [sys.executable, "-c", PROBE, str(tmp_path)],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -40,7 +73,11 @@ def test_daemon_imports_leave_glib_unloaded_and_keep_metrics() -> None:
         check=False,
     )
     assert p.returncode == 0, p.stderr[-2000:]
-    assert p.stdout.split() == ["none", "ran", "ok"]
+    default, ran, metrics, hashes, textfile, ssl = p.stdout.split()
+    assert (default, ran, metrics) == ("none", "ran", "ok")
+    # OpenSSL's hashes stay only where Python has no sha1/sha256 of its own (RHEL).
+    assert hashes in ("builtin", "openssl")
+    assert (textfile, ssl) == ("prometheus_client+created", "ssl")
 
 
 def cli_unused() -> tuple[str, ...]:

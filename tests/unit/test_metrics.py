@@ -1,7 +1,11 @@
-"""metrics.py and metrics_http.py: what a pass turns into, the files, the HTTP reply."""
+"""metrics_state.py, metrics.py and metrics_http.py: what a pass turns into, the files,
+the HTTP reply."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -12,9 +16,18 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import REPO
 from gpuguard import cli
-from gpuguard.metrics import RUNTIME_FILE, TEXTFILE_NAME, Metrics, MetricsOutput
+from gpuguard.metrics import render, render_file
 from gpuguard.metrics_http import CONTENT_TYPE, listen, make_server
+from gpuguard.metrics_state import (
+    MISSING_LIBRARY,
+    STATE_FILE,
+    STATE_MAX,
+    TEXTFILE_NAME,
+    MetricsOutput,
+    MetricsState,
+)
 from gpuguard.paths import Root
 
 
@@ -89,11 +102,11 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def test_a_pass_becomes_counters_gauges_and_a_histogram() -> None:
-    m = Metrics()
+    m = MetricsState()
     last, status = a_pass()
     m.observe_pass(last, status)
     m.observe_pass(*a_pass(2))
-    s = samples(m.exposition().decode())
+    s = samples(render(m.to_json()).decode())
     assert s[("gpuguard_passes_total", ())] == 2
     assert s[("gpuguard_pass_duration_seconds_count", ())] == 2
     assert s[("gpuguard_pass_duration_seconds_bucket", (("le", "0.05"),))] == 2
@@ -119,66 +132,132 @@ def test_a_pass_becomes_counters_gauges_and_a_histogram() -> None:
     assert dict(build[1])["version"]
 
 
-def test_output_writes_both_files_and_reports_an_error_once(tmp_path: Path) -> None:
+def test_output_writes_the_state_and_the_textfile_and_reports_an_error_once(
+    tmp_path: Path,
+) -> None:
     (tmp_path / "run/gpuguard").mkdir(parents=True)
-    out = MetricsOutput(Metrics())
+    out = MetricsOutput(MetricsState())
     assert out.publish(*a_pass(), Root(tmp_path), "/textfile") == [
         f"cannot write metrics to {tmp_path}/textfile/{TEXTFILE_NAME}: No such file or directory"
     ]
     assert out.publish(*a_pass(2), Root(tmp_path), "/textfile") == []  # said once
     (tmp_path / "textfile").mkdir()
     assert out.publish(*a_pass(3), Root(tmp_path), "/textfile") == []
-    runtime = (tmp_path / RUNTIME_FILE.lstrip("/")).read_bytes()
-    assert runtime == (tmp_path / "textfile" / TEXTFILE_NAME).read_bytes()
-    assert b"gpuguard_passes_total 3.0" in runtime
+    state = tmp_path / STATE_FILE.lstrip("/")
+    textfile = tmp_path / "textfile" / TEXTFILE_NAME
+    doc = json.loads(state.read_bytes())
+    assert doc["format"] == 1 and doc["families"]["gpuguard_passes"][0]["value"] == 3.0
+    assert textfile.read_bytes() == render(doc)  # what gpuguard metrics serves, too
+    assert b"gpuguard_passes_total 3.0" in textfile.read_bytes()
     assert [p.name for p in (tmp_path / "textfile").iterdir()] == [TEXTFILE_NAME]  # no temp left
-    assert (tmp_path / "textfile" / TEXTFILE_NAME).stat().st_mode & 0o777 == 0o644
+    assert [p.name for p in state.parent.iterdir()] == ["metrics.json"]
+    for f in (state, textfile):
+        assert f.stat().st_mode & 0o777 == 0o644
 
 
-def test_http_serves_the_file_and_says_why_when_there_is_none(tmp_path: Path) -> None:
-    path = tmp_path / "metrics.prom"
-    server = make_server(listen("127.0.0.1:0"), path)
-    port = server.server_address[1]
-    t = threading.Thread(target=server.serve_forever, daemon=True)
-    t.start()
+def test_without_the_library_the_state_is_still_written_and_the_textfile_missing_said_once(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "run/gpuguard").mkdir(parents=True)
+    (tmp_path / "textfile").mkdir()
+    tries = []
+
+    def missing() -> Any:
+        tries.append(1)
+        raise ModuleNotFoundError("No module named 'prometheus_client'", name="prometheus_client")
+
+    out = MetricsOutput(MetricsState(), renderer=missing)
+    want = f"cannot write metrics to {tmp_path}/textfile/{TEXTFILE_NAME}: {MISSING_LIBRARY}"
+    assert out.publish(*a_pass(), Root(tmp_path), "/textfile") == [want]
+    assert out.publish(*a_pass(2), Root(tmp_path), "/textfile") == []
+    assert not (tmp_path / "textfile" / TEXTFILE_NAME).exists()
+    doc = json.loads((tmp_path / STATE_FILE.lstrip("/")).read_bytes())
+    assert doc["families"]["gpuguard_passes"][0]["value"] == 2.0
+    # without a textfile nothing needs the library, and nothing is said
+    assert out.publish(*a_pass(3), Root(tmp_path), None) == []
+    assert len(tries) == 2
+
+
+def _get(url: str) -> tuple[int, str, bytes]:
     try:
-        with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
-        assert e.value.code == 503 and b"is gpuguard.service running" in e.value.read()
-        path.write_bytes(b"gpuguard_passes_total 1.0\n")
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-            assert r.headers["Content-Type"] == CONTENT_TYPE
-            assert r.read() == b"gpuguard_passes_total 1.0\n"
-        with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/other", timeout=5)
-        assert e.value.code == 404
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.headers["Content-Type"], r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers["Content-Type"], e.read()
+
+
+def _serving(path: Path, render: Any) -> Any:
+    server = make_server(listen("127.0.0.1:0"), path, render)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_http_renders_the_state_and_says_why_when_it_cannot(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.json"
+    server = _serving(path, render_file)
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        code, _, body = _get(f"{url}/metrics")
+        assert code == 503 and body.count(b"\n") == 1
+        assert str(path).encode() in body and b"is gpuguard.service running" in body
+        state = MetricsState()
+        state.observe_pass(*a_pass())
+        path.write_text(json.dumps(state.to_json()))
+        code, ctype, body = _get(f"{url}/metrics")
+        assert (code, ctype) == (200, CONTENT_TYPE)
+        assert body == render(state.to_json())
+        assert b"gpuguard_passes_total 1.0" in body
+        path.write_text('{"format": 1, "fam')  # corrupt
+        code, _, body = _get(f"{url}/metrics")
+        assert code == 503 and body.count(b"\n") == 1 and b"not gpuguard's metrics" in body
+        with open(path, "r+b") as f:  # oversized
+            f.truncate(STATE_MAX + 1)
+        code, _, body = _get(f"{url}/metrics")
+        assert code == 503 and body.count(b"\n") == 1 and b"limit" in body
+        code, _, _ = _get(f"{url}/other")
+        assert code == 404
     finally:
         server.shutdown()
         server.server_close()
 
 
-def test_cli_metrics_prints_the_file_or_one_line(
+def test_http_without_the_library_answers_503_with_the_reason(tmp_path: Path) -> None:
+    server = _serving(tmp_path / "metrics.json", None)
+    try:
+        code, _, body = _get(f"http://127.0.0.1:{server.server_address[1]}/metrics")
+        assert (code, body) == (503, f"no metrics: {MISSING_LIBRARY}\n".encode())
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_cli_metrics_prints_the_rendered_state_or_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert cli.main(["metrics", "--root", str(tmp_path)]) == 3
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "metrics.prom" in err and "gpuguard.service" in err
-    f = tmp_path / RUNTIME_FILE.lstrip("/")
+    assert err.count("\n") == 1 and "metrics.json" in err and "gpuguard.service" in err
+    f = tmp_path / STATE_FILE.lstrip("/")
     f.parent.mkdir(parents=True)
-    f.write_text("gpuguard_passes_total 2.0\n")
+    state = MetricsState()
+    state.observe_pass(*a_pass())
+    f.write_text(json.dumps(state.to_json()))
     assert cli.main(["metrics", "--root", str(tmp_path)]) == 0
-    assert capsys.readouterr().out == "gpuguard_passes_total 2.0\n"
+    assert capsys.readouterr().out == render(state.to_json()).decode()
+    f.write_text("[]")
+    assert cli.main(["metrics", "--root", str(tmp_path)]) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a JSON object" in err and "Traceback" not in err
     assert cli.main(["metrics", "--serve", "--root", str(tmp_path)]) == 2
     assert "gpuguard-metrics.socket" in capsys.readouterr().err
 
 
 def test_a_metrics_bug_is_logged_once_and_never_raised(tmp_path: Path) -> None:
     import io
-    import json
 
     from gpuguard.log import EventLog
 
-    class Broken(Metrics):
+    class Broken(MetricsState):
         def observe_pass(self, last_pass: Any, status: Any) -> None:
             raise KeyError("kind")
 
@@ -190,3 +269,34 @@ def test_a_metrics_bug_is_logged_once_and_never_raised(tmp_path: Path) -> None:
     assert [e["kind"] for e in entries] == ["metrics-failed"]
     assert "metrics disabled: KeyError" in entries[0]["msg"]
     assert output.broken
+
+
+MISSING = """
+import sys
+sys.modules["prometheus_client"] = None  # as on a host without python3-prometheus-client
+from pathlib import Path
+from gpuguard.cli import main
+from gpuguard.metrics_state import MetricsOutput, MetricsState
+from gpuguard.paths import Root
+root = Path(sys.argv[1])
+errors = MetricsOutput(MetricsState()).publish({"number": 1}, {}, Root(root), "/textfile")
+print(*errors, sep="\\n")
+sys.exit(main(["metrics", "--root", str(root)]))
+"""
+
+
+def test_without_the_library_gpuguard_metrics_says_so_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "run/gpuguard").mkdir(parents=True)
+    (tmp_path / "textfile").mkdir()
+    p = subprocess.run(
+        [sys.executable, "-c", MISSING, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin"},
+        check=False,
+    )
+    assert p.returncode == 2, p.stderr
+    assert p.stderr == f"gpuguard: {MISSING_LIBRARY}\n"
+    textfile = tmp_path / "textfile" / TEXTFILE_NAME
+    assert p.stdout == f"cannot write metrics to {textfile}: {MISSING_LIBRARY}\n"
+    assert (tmp_path / STATE_FILE.lstrip("/")).exists() and not textfile.exists()

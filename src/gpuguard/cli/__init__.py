@@ -255,10 +255,10 @@ def cmd_npd(args: argparse.Namespace) -> int:
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
-    from gpuguard.metrics import RUNTIME_FILE
     from gpuguard.metrics_http import print_file, serve
+    from gpuguard.metrics_state import STATE_FILE
 
-    path = _root(args).path(RUNTIME_FILE)
+    path = _root(args).path(STATE_FILE)
     return serve(path, args.listen) if args.serve else print_file(path)
 
 

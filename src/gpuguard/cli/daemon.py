@@ -4,21 +4,44 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from gpuguard.cli.args import _config, _log, _opt, _root
 from gpuguard.errors import GpuguardError
 
+if TYPE_CHECKING:
+    from gpuguard.metrics_state import Render
+
 # Optional backends the daemon's libraries load when they are installed and the daemon
-# never uses: dbus-next's GLib main loop (PyGObject, ~4 MB resident) next to the asyncio
-# one it uses. Marked absent before the first import, dbus-next takes the ImportError
-# path it has for hosts without PyGObject. (`ssl` must stay: prometheus_client's
-# exposition module imports it unconditionally, and without it there are no metrics.)
-UNUSED_IN_DAEMON = ("gi",)
+# never uses (RSS at idle, bench/README.md): dbus-next's GLib main loop (PyGObject, ~4 MB
+# resident) next to the asyncio one it uses, and asyncio's TLS support (`ssl`, libssl,
+# ~2 MB: the daemon speaks TLS to nobody). Marked absent before the first import, each
+# library takes the ImportError path it has for hosts without them. prometheus_client
+# needs `ssl` (its exposition module imports it): _load_renderer() lets it load for the
+# one configuration that renders in the daemon (metrics_state.py).
+UNUSED_IN_DAEMON = ("gi", "ssl")
+# OpenSSL's hashes (libcrypto, ~3 MB) where Python has its own sha1 and sha256 built in:
+# hashlib then uses those (MESSAGE_IDs, checkpoint digests: 5.6 ms per MB instead of 1.0).
+# RHEL's Python builds none of them in, so there hashlib keeps OpenSSL.
+BUILTIN_HASHES = (("_sha1",), ("_sha2", "_sha256"))
 
 
 def _skip_unused_backends() -> None:
     for name in UNUSED_IN_DAEMON:
         sys.modules.setdefault(name, None)  # type: ignore[arg-type]
+    if "hashlib" not in sys.modules and all(
+        any(n in sys.builtin_module_names for n in names) for names in BUILTIN_HASHES
+    ):
+        sys.modules.setdefault("_hashlib", None)  # type: ignore[arg-type]
+
+
+def _load_renderer() -> Render:
+    """metrics.render for `[Metrics] TextfileDirectory=`, `ssl` allowed back first."""
+    if "ssl" in sys.modules and sys.modules["ssl"] is None:
+        del sys.modules["ssl"]
+    from gpuguard.metrics_state import load_renderer
+
+    return load_renderer()
 
 
 def cmd_daemon(args: argparse.Namespace) -> int:
@@ -26,7 +49,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     import asyncio
 
     from gpuguard.daemon import Daemon
-    from gpuguard.metrics import make_output
+    from gpuguard.metrics_state import MetricsOutput, MetricsState
     from gpuguard.notify import Notifier
     from gpuguard.sources import build_sources
     from gpuguard.steps.registry import build_steps
@@ -54,6 +77,6 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         steps=build_steps(),  # steps/registry.py: every step, in STEP_ORDER, which says why
         sources=build_sources(root, cfg, log, bus, udev=not args.no_udev),
         dry_run=args.dry_run,
-        metrics=make_output(),
+        metrics=MetricsOutput(MetricsState(), renderer=_load_renderer),
     )
     return asyncio.run(daemon.run())

@@ -308,7 +308,9 @@ class MetricsConfig:
         "",
         "Write gpuguard.prom (Prometheus metrics) here after every pass, atomically, for "
         "node_exporter's textfile collector (its default directory is "
-        "/var/lib/prometheus/node-exporter, which gpuguard.service may write); empty: off.",
+        "/var/lib/prometheus/node-exporter, which gpuguard.service may write); empty: off. "
+        "The daemon then renders the file itself, with python3-prometheus-client, which "
+        "costs it about 6.5 MB of resident memory.",
     )
 
 

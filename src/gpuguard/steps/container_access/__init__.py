@@ -15,6 +15,7 @@ cached; a pass after a reload only re-reads devices.list.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from typing import TYPE_CHECKING, AbstractSet, Callable, Mapping, Optional
@@ -48,6 +49,7 @@ from gpuguard.steps.container_access.reconcile import (
     unreadable_findings,
     v1_allow,
 )
+from gpuguard.steps.container_access.settle import confirm, covered_denials, settle, unknown
 from gpuguard.steps.registry import CONTAINER_ACCESS
 
 if TYPE_CHECKING:
@@ -113,6 +115,7 @@ class ContainerAccessStep:
         self.pod_restarts: dict[str, float] = {}  # pod UID -> when we last stopped one
         self.conditions = Conditions()
         self.backoff = Backoff()  # failed in-place replacements on v2 (inplace.py)
+        self.settle = settle  # how a covered denial waits for systemd's apply to end
 
     async def __call__(self, svc: Services, ctx: PassContext) -> None:
         cfg = svc.config
@@ -130,6 +133,8 @@ class ContainerAccessStep:
         )
         if view is None:
             return
+        # A node the scope's DeviceAllow= grants may be caught mid-apply: judged again.
+        view = await confirm(view, self.durable, svc.root, svc.systemd, svc.log, self.settle)
         if snapshot.dropped_entries[1]:
             svc.log.warning(snapshot.dropped_entries[1])
         findings, actions = audit(
@@ -177,11 +182,12 @@ class ContainerAccessStep:
         ]
         if cfg.devices.durable_grants and systemd is not None:
             await self._learn_durable(systemd, view, svc.root)
+            planned = snapshot.planned.links  # a dry-run's: made, in the real run
             links = {
                 n.dev_char
                 for e in view.entitlements.values()
                 for n in e.nodes
-                if os.path.lexists(svc.root.path(n.dev_char))
+                if n.dev_char in planned or os.path.lexists(svc.root.path(n.dev_char))
             }
             units += plan_durable(view, tuple(units), self.durable, links)
         outcomes += await asyncio.gather(*(self._unit(a, svc, systemd) for a in units))
@@ -212,6 +218,10 @@ class ContainerAccessStep:
         parsed once), ~15 ms for 200 containers, and nothing is more urgent.
         Returns the findings it logged and the units it set DeviceAllow= on."""
         fast = self.observer.fast_view()
+        # Nodes the scope's DeviceAllow= grants wait for the full pass's settled re-read.
+        covered = covered_denials(fast.containers, fast.entitlements, fast.access, self.durable)
+        if covered:
+            fast = dataclasses.replace(fast, access=unknown(fast.access, covered))
         written: dict[str, Outcome] = {}
         # v2 scopes lacking a node get their DeviceAllow= here (durable grants on); other
         # v2 containers wait for the full pass (in-place replacement, with its back-off).

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Container, Mapping, Optional, Sequence
 
 from gpuguard.devices.bpfread import ProgramCache, judge
 from gpuguard.devices.containers import ContainerCgroup
@@ -68,10 +68,13 @@ class AccessObserver:
         programs: dict[str, Optional[tuple[int, ...]]],
         *,
         probe: bool = True,
+        planned: Container[str] = (),
     ) -> None:
         """v2 verdicts from the programs the kernel runs for each cgroup, parsed once
         each (no fork); a probe, one fork per container, where a program cannot be read
-        or parsed (``probe=False``: left unknown, for the fast path on the loop)."""
+        or parsed (``probe=False``: left unknown, for the fast path on the loop).
+        ``planned``: nodes a dry-run only planned, not on the host: a probe has nothing
+        to open there (the container's own node is a path it controls), so unknown."""
         for c, ent in pairs:
             assert c.cgroup_v2 is not None
             verdicts = judge(self._programs, c.cgroup_v2, [(n.major, n.minor) for n in ent.nodes])
@@ -79,9 +82,13 @@ class AccessObserver:
                 for n in ent.nodes:
                     access[(c.container_id, n.numbers)] = verdicts[(n.major, n.minor)]
             elif probe:
-                res = probe_open_all([root.path(n.path) for n in ent.nodes], [c.cgroup_v2])
-                for n, r in zip(ent.nodes, res):
+                real = [n for n in ent.nodes if n.path not in planned]
+                res = probe_open_all([root.path(n.path) for n in real], [c.cgroup_v2])
+                for n, r in zip(real, res):
                     access[(c.container_id, n.numbers)] = r.verdict
+                for n in ent.nodes:
+                    if n.path in planned:
+                        access[(c.container_id, n.numbers)] = None
             if c.unit is None and probe:
                 try:
                     programs[c.container_id] = query_device_programs(c.cgroup_v2)
@@ -155,7 +162,8 @@ class AccessObserver:
             return None  # driver not loaded: no GPU node can be granted
         containers = snapshot.containers()
         gpus = inventory.gpus if inventory is not None else ()
-        host_nodes = list_nvidia_nodes(root, majors)
+        # a dry-run's planned nodes count as made: the real run judges after making them
+        host_nodes = snapshot.planned.host_nodes(list_nvidia_nodes(root, majors))
         signature = tuple(sorted((n.path, n.numbers) for n in host_nodes))
         if signature != self._host_signature:
             # Entitlements are judged against the host's nodes (a node made or removed
@@ -197,7 +205,7 @@ class AccessObserver:
                 ents[c.key] = unreadable_entitlement(c, broken[c.container_id])
         v2 = tuple((c, e) for c, e in gpu if c.cgroup_v1_devices is None and c.cgroup_v2)
         programs: dict[str, Optional[tuple[int, ...]]] = {}
-        self._read_v2(root, v2, access, programs)
+        self._read_v2(root, v2, access, programs, planned=snapshot.planned.nodes)
         self._programs.forget_unseen()
         self._root, self._known_v2 = root, v2
         self._known_v1 = v1

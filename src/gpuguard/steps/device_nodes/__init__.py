@@ -26,6 +26,7 @@ from gpuguard.steps.registry import CONTAINER_ACCESS
 
 if TYPE_CHECKING:
     from gpuguard.passes import PassContext, Services
+    from gpuguard.snapshot import Planned
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,19 @@ def apply_all(actuator: DeviceNodeActuator, actions: Sequence[Action]) -> list[O
     return [actuator.apply(a) for a in ordered]
 
 
+def _plan_for_later_steps(planned: Planned, view: NodesView, outcomes: Sequence[Outcome]) -> None:
+    """A dry-run's nodes and links, for the later steps of the same run to plan with."""
+    expected = {n.path: n for n in view.expected}
+    for o in outcomes:
+        if o.status != "dry-run":
+            continue
+        a = o.action
+        if isinstance(a, device_nodes.CreateDeviceNode) and a.path in expected:
+            planned.nodes[a.path] = expected[a.path]
+        elif isinstance(a, device_nodes.CreateCharLink):
+            planned.links.add(a.link)
+
+
 class DeviceNodesStep:
     async def __call__(self, svc: Services, ctx: PassContext) -> None:
         inventory = await ctx.device_inventory()
@@ -91,6 +105,7 @@ class DeviceNodesStep:
             )
             outcomes = await asyncio.to_thread(apply_all, actuator, actions)
             ctx.outcomes += outcomes
+            _plan_for_later_steps(host.planned, view, outcomes)
             if any(o.status == "done" and o.action.kind == "char-link-created" for o in outcomes):
                 # durable DeviceAllow= grants resolve through the links just made
                 ctx.recheck(0.0, frozenset({CONTAINER_ACCESS}), "device links created")

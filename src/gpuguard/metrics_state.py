@@ -1,0 +1,328 @@
+"""The daemon's side of the metrics: their values, kept without a client library, and
+the files written after every pass.
+
+The daemon counts passes, findings and actions here and writes the values after every
+pass, atomically (actuate.files), as JSON to /run/gpuguard/metrics.json (FORMAT below).
+What turns them into Prometheus's text format is metrics.py, with prometheus_client,
+run where the metrics are read: `gpuguard metrics [--serve]` (gpuguard-metrics.socket;
+the daemon itself never listens, its unit denies IP). Importing prometheus_client would
+cost the daemon ~4 MB of resident memory and load `ssl` (its exposition module imports
+it unconditionally), so the daemon imports it only when an operator sets
+`[Metrics] TextfileDirectory=`: node_exporter's textfile collector needs the text file
+itself, rewritten on every pass (docs/metrics.md gives the figure).
+
+FAMILIES is the one list of metric names, types, help texts and labels; the values
+follow prometheus_client's rules (a labelled series appears at its first use, a counter
+remembers when it was created, an unlabelled one starts at 0 with the daemon), so the
+rendered text is what the library's own Counter/Gauge/Histogram gave
+(tests/unit/test_metrics_render.py).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from collections import Counter as Tally
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
+
+from gpuguard import __version__
+from gpuguard.log import EventLog
+from gpuguard.npd import CONDITIONS, DEFAULT_MAX_AGE, OK, PROBLEM, evaluate
+from gpuguard.paths import Root
+from gpuguard.steps.registry import CONTAINER_ACCESS, GPU_COUNT
+
+STATE_FILE = "/run/gpuguard/metrics.json"
+FORMAT = 1  # metrics.json's layout; a reader refuses another
+STATE_MAX = 4 * 1024 * 1024  # a busy node's is a few KB
+TEXTFILE_NAME = "gpuguard.prom"
+# From a 5 ms container re-grant to a pass that restarts kubelet (tens of seconds).
+PASS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+DENIED_KINDS = frozenset({"container-device-denied", "v2-report-only"})
+MISSING_LIBRARY = (
+    "python3-prometheus-client is not installed, so gpuguard cannot render its metrics "
+    "in Prometheus's format — install it (python3-prometheus_client on RHEL)"
+)
+
+COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+Key = tuple[str, ...]
+Render = Callable[[Mapping[str, Any]], bytes]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # a counter's without `_total`, as prometheus_client names it
+    kind: str
+    help: str
+    labels: tuple[str, ...] = ()
+
+
+FAMILIES = (
+    Family("gpuguard_passes", COUNTER, "Reconciliation passes run."),
+    Family("gpuguard_pass_duration_seconds", HISTOGRAM, "Duration of a reconciliation pass."),
+    Family("gpuguard_last_pass_timestamp_seconds", GAUGE, "When the last pass ended (Unix time)."),
+    Family(
+        "gpuguard_findings",
+        COUNTER,
+        "Findings reported by passes, by kind and step (a state that persists is "
+        "counted again at each pass that sees it).",
+        ("kind", "step"),
+    ),
+    Family(
+        "gpuguard_open_findings",
+        GAUGE,
+        "Findings in each step's latest result, by kind and step.",
+        ("kind", "step"),
+    ),
+    Family(
+        "gpuguard_actions",
+        COUNTER,
+        "Changes gpuguard planned, by kind and outcome (done, skipped, dry-run, declined, failed).",
+        ("kind", "outcome"),
+    ),
+    Family(
+        "gpuguard_plugin_restarts",
+        COUNTER,
+        "Device plugin restarts by outcome (done, failed, declined, dry-run).",
+        ("outcome",),
+    ),
+    Family(
+        "gpuguard_gpu_containers", GAUGE, "GPU containers seen by the last container access check."
+    ),
+    Family(
+        "gpuguard_gpu_containers_without_access",
+        GAUGE,
+        "GPU containers the last container access check found denied a device "
+        "they were given (before its repair).",
+    ),
+    Family(
+        "gpuguard_gpus",
+        GAUGE,
+        "GPUs counted at each layer (pci, nvml, kubelet) by the last GPU count check.",
+        ("layer",),
+    ),
+    Family(
+        "gpuguard_node_condition",
+        GAUGE,
+        "1 while a node condition's problem is present, 0 while it is not; absent "
+        "while unknown (the same answer as `gpuguard npd`).",
+        ("condition",),
+    ),
+    Family(
+        "gpuguard_build_info",
+        GAUGE,
+        "gpuguard's version and the Python running it (always 1).",
+        ("version", "python"),
+    ),
+)
+_BY_NAME = {f.name: f for f in FAMILIES}
+
+
+class MetricsState:
+    """Every metric's values, updated by observe_pass() and written by to_json()."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        start = clock()
+        self.values: dict[str, dict[Key, float]] = {f.name: {} for f in FAMILIES}
+        self.created: dict[str, dict[Key, float]] = {f.name: {} for f in FAMILIES}
+        for f in FAMILIES:
+            if not f.labels and f.kind != HISTOGRAM:
+                self.values[f.name][()] = 0.0
+                if f.kind == COUNTER:
+                    self.created[f.name][()] = start
+        self.bucket_counts = [0] * (len(PASS_BUCKETS) + 1)  # the last: above 60 s (+Inf)
+        self.duration_sum = 0.0
+        self.duration_created = start
+        self.set("gpuguard_build_info", 1, __version__, platform.python_version())
+
+    def _series(self, name: str, labels: Key) -> dict[Key, float]:
+        family = _BY_NAME[name]
+        if len(labels) != len(family.labels):
+            raise ValueError(f"{name}: labels {family.labels}, got {labels}")
+        series = self.values[name]
+        if labels not in series:
+            series[labels] = 0.0
+            if family.kind == COUNTER:
+                self.created[name][labels] = self.clock()
+        return series
+
+    def inc(self, name: str, *labels: str) -> None:
+        self._series(name, labels)[labels] += 1.0
+
+    def set(self, name: str, value: float, *labels: str) -> None:
+        self._series(name, labels)[labels] = float(value)
+
+    def clear(self, name: str) -> None:
+        """Drop every labelled series (a label set that no longer applies disappears)."""
+        self.values[name].clear()
+        self.created[name].clear()
+
+    def observe_duration(self, seconds: float) -> None:
+        self.duration_sum += seconds
+        for i, bound in enumerate(PASS_BUCKETS):
+            if seconds <= bound:
+                self.bucket_counts[i] += 1
+                return
+        self.bucket_counts[-1] += 1
+
+    def observe_pass(self, last_pass: Mapping[str, Any], status: Mapping[str, Any]) -> None:
+        """Count one pass (the daemon's last_pass document) and refresh the gauges from
+        the status document (each step's latest result)."""
+        self.inc("gpuguard_passes")
+        self.observe_duration(float(last_pass.get("duration_ms", 0.0)) / 1000.0)
+        self.set("gpuguard_last_pass_timestamp_seconds", float(last_pass.get("ended", 0.0)))
+        for f in last_pass.get("findings", ()):
+            self.inc("gpuguard_findings", f["kind"], f["reconciler"])
+        for o in last_pass.get("outcomes", ()):
+            self.inc("gpuguard_actions", o["kind"], o["status"])
+            if o["kind"] == "restart-plugin":
+                self.inc("gpuguard_plugin_restarts", o["status"])
+        steps: Mapping[str, Any] = status.get("steps") or {}
+        self.clear("gpuguard_open_findings")
+        for name, st in steps.items():
+            for (kind, step), n in Tally((f["kind"], name) for f in st["findings"]).items():
+                self.set("gpuguard_open_findings", n, kind, step)
+        access = steps.get(CONTAINER_ACCESS)
+        if access is not None and access.get("pass") == last_pass.get("number"):
+            gauges = access.get("gauges") or {}
+            if "gpu_containers" in gauges:
+                self.set("gpuguard_gpu_containers", gauges["gpu_containers"])
+            denied = {
+                f["fields"].get("CONTAINER_ID")
+                for f in access["findings"]
+                if f["kind"] in DENIED_KINDS
+            }
+            self.set("gpuguard_gpu_containers_without_access", len(denied))
+        counts = (steps.get(GPU_COUNT) or {}).get("gauges") or {}
+        for layer in ("pci", "nvml", "kubelet"):
+            if counts.get(f"gpus_{layer}") is not None:
+                self.set("gpuguard_gpus", counts[f"gpus_{layer}"], layer)
+        self.clear("gpuguard_node_condition")
+        now = float(last_pass.get("ended", 0.0))
+        for c in CONDITIONS:
+            code, _ = evaluate(c, {"steps": steps}, now, DEFAULT_MAX_AGE)
+            if code in (OK, PROBLEM):
+                self.set("gpuguard_node_condition", 1 if code == PROBLEM else 0, c.type)
+
+    def to_json(self) -> dict[str, Any]:
+        """metrics.json: per family, its series in the order they appeared; a counter's
+        with `created` (Unix time), the histogram's with its bounds (+Inf implied)."""
+        families: dict[str, list[dict[str, Any]]] = {}
+        for f in FAMILIES:
+            if f.kind == HISTOGRAM:
+                families[f.name] = [
+                    {
+                        "labels": [],
+                        "bounds": list(PASS_BUCKETS),
+                        "counts": list(self.bucket_counts),
+                        "sum": self.duration_sum,
+                        "created": self.duration_created,
+                    }
+                ]
+                continue
+            created = self.created[f.name]
+            families[f.name] = [
+                {"labels": list(k), "value": v, **({"created": created[k]} if k in created else {})}
+                for k, v in self.values[f.name].items()
+            ]
+        return {"format": FORMAT, "families": families}
+
+
+def load_renderer() -> Render:
+    """metrics.render (ImportError without prometheus_client)."""
+    from gpuguard.metrics import render
+
+    return render
+
+
+class MetricsOutput:
+    """The daemon's side: count each pass, write the files, report an error once."""
+
+    def __init__(self, state: MetricsState, renderer: Callable[[], Render] = load_renderer):
+        self.state = state
+        self.load_renderer = renderer
+        self.render: Optional[Render] = None
+        self.errors: frozenset[str] = frozenset()
+        self.broken = False
+
+    def after_pass(
+        self,
+        last_pass: Mapping[str, Any],
+        status: Mapping[str, Any],
+        root: Root,
+        textfile_dir: Optional[str],
+        log: EventLog,
+    ) -> None:
+        """publish(), with its errors logged once; a bug here disables the metrics and is
+        logged, and never stops the daemon's repairs."""
+        if self.broken:
+            return
+        try:
+            errors = self.publish(last_pass, status, root, textfile_dir)
+        except Exception as e:
+            self.broken = True
+            log.event(
+                "metrics-failed",
+                f"metrics disabled: {type(e).__name__}: {e}",
+                level="error",
+                exc=e,
+            )
+            return
+        for error in errors:
+            log.warning(error)
+
+    def publish(
+        self,
+        last_pass: Mapping[str, Any],
+        status: Mapping[str, Any],
+        root: Root,
+        textfile_dir: Optional[str],
+    ) -> list[str]:
+        """Update and write; the errors not reported by the previous call."""
+        self.state.observe_pass(last_pass, status)
+        doc = self.state.to_json()
+        data = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        errors = export(data, [root.path(STATE_FILE)])
+        if textfile_dir:
+            textfile = root.path(textfile_dir) / TEXTFILE_NAME
+            render = self._renderer()
+            if render is None:
+                errors.append(f"cannot write metrics to {textfile}: {MISSING_LIBRARY}")
+            else:
+                errors += export(render(doc), [textfile])
+        new, self.errors = sorted(frozenset(errors) - self.errors), frozenset(errors)
+        return new
+
+    def _renderer(self) -> Optional[Render]:
+        """The renderer, imported at its first use; None while the library is missing."""
+        if self.render is None:
+            try:
+                self.render = self.load_renderer()
+            except ImportError as e:
+                if not (e.name or "").startswith("prometheus_client"):
+                    raise
+        return self.render
+
+
+def make_output() -> MetricsOutput:
+    """The daemon's metrics and their files."""
+    return MetricsOutput(MetricsState())
+
+
+def export(data: bytes, paths: list[Path]) -> list[str]:
+    """Replace each file atomically; the errors, one line each (the caller logs them).
+
+    Into directories that must already exist (node_exporter's textfile directory belongs
+    to its package and often to its user): never created here, never made root-only."""
+    from gpuguard.actuate.files import atomic_replace
+
+    errors = []
+    for p in paths:
+        try:
+            atomic_replace(p, data, mode=0o644, uid=None, gid=None)
+        except OSError as e:
+            errors.append(f"cannot write metrics to {p}: {e.strerror}")
+    return errors

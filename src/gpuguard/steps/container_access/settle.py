@@ -1,0 +1,145 @@
+"""A denial is a loss only once systemd's apply has settled.
+
+systemd (re-)applies a scope's device policy as "deny all, then each DeviceAllow=
+entry": at a daemon-reload or reexec, and at every `runc update` of a systemd-driver
+container (the CPU manager's, every few seconds on a busy node), since runc re-sends
+the scope's properties. A read of devices.list (or a probe on cgroup v2) that lands in
+that window (0.02-8.8 ms here, bench/bench_apply_window.py) sees a container without
+nodes its scope's DeviceAllow= already grants. Reporting that as a loss would be a false
+report, and re-granting them a needless write.
+
+So a denied node that gpuguard knows the scope's DeviceAllow= covers is judged again
+after the apply has settled: a short wait (for the runtime's own writes), then one
+call answered by systemd (single-threaded, it answers only between two applies), then
+one re-read. What is still denied then is a real loss (e.g. an entry systemd could not
+resolve) and is reported and repaired as before; what is admitted again is logged at
+debug level only. Nodes the scope does not cover are never delayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from typing import TYPE_CHECKING, AbstractSet, Awaitable, Callable, Mapping, Optional, Sequence
+
+from gpuguard.devices.probe import probe_open
+from gpuguard.devices.rules import DeviceRules, parse_devices_list
+from gpuguard.safeio import CGROUP_MAX, UnsafeFileError, read_kernel_text
+from gpuguard.steps.container_access.reconcile import AccessKey, verdicts_from_rules
+
+if TYPE_CHECKING:
+    from gpuguard.devices.containers import ContainerCgroup
+    from gpuguard.devices.entitlement import Entitlement
+    from gpuguard.log import EventLog
+    from gpuguard.paths import Root
+    from gpuguard.steps.container_access.observe import AccessView
+    from gpuguard.systemd import Systemd
+
+# Seconds: above the longest window seen (8.8 ms, load average 11), for the runtime's own
+# writes; systemd's apply is awaited by the call that follows, however long it takes.
+SETTLE_DELAY = 0.05
+
+Settle = Callable[["Optional[Systemd]", str], Awaitable[None]]
+
+
+def covered_denials(
+    containers: Sequence[ContainerCgroup],
+    entitlements: Mapping[tuple[str, str], Entitlement],
+    access: Mapping[AccessKey, Optional[bool]],
+    durable: Mapping[str, AbstractSet[str]],
+) -> frozenset[AccessKey]:
+    """(container_id, numbers) denied although the container's scope's DeviceAllow=
+    (as gpuguard knows it: `durable`, unit -> numbers) grants them."""
+    out = set()
+    for c in containers:
+        ent = entitlements.get(c.key)
+        if c.unit is None or ent is None:
+            continue
+        granted = durable.get(c.unit, ())
+        for n in ent.nodes:
+            key = (c.container_id, n.numbers)
+            if access.get(key) is False and n.numbers in granted:
+                out.add(key)
+    return frozenset(out)
+
+
+def unknown(
+    access: Mapping[AccessKey, Optional[bool]], keys: AbstractSet[AccessKey]
+) -> dict[AccessKey, Optional[bool]]:
+    """`access` with `keys` judged unknown (nothing is reported or done on unknown)."""
+    return {k: (None if k in keys else v) for k, v in access.items()}
+
+
+async def settle(sd: Optional[Systemd], unit: str) -> None:
+    """Wait until an apply in progress has ended: the runtime's writes, then systemd's."""
+    from gpuguard.systemd import SystemdError
+
+    await asyncio.sleep(SETTLE_DELAY)
+    if sd is not None:
+        # The bus gone, or the unit with it: the re-read decides all the same.
+        with contextlib.suppress(SystemdError):
+            await sd.unit_path(unit)  # answered only once systemd is between two applies
+
+
+def reread(
+    root: Root, pairs: Sequence[tuple[ContainerCgroup, Entitlement]]
+) -> tuple[dict[AccessKey, Optional[bool]], dict[str, DeviceRules]]:
+    """Each container's verdicts read afresh (blocking: call from a thread). A container
+    that went away or reads badly now is unknown: nothing is done for it this pass."""
+    access: dict[AccessKey, Optional[bool]] = {}
+    rules: dict[str, DeviceRules] = {}
+    for c, ent in pairs:
+        if c.cgroup_v1_devices is not None:
+            r = _rules(c)
+            if r is None:
+                access.update({(c.container_id, n.numbers): None for n in ent.nodes})
+                continue
+            rules[c.container_id] = r
+            access.update(verdicts_from_rules(c.container_id, ent.nodes, r))
+        elif c.cgroup_v2 is not None:
+            for n in ent.nodes:
+                res = probe_open(root.path(n.path), [c.cgroup_v2])
+                access[(c.container_id, n.numbers)] = res.verdict
+    return access, rules
+
+
+def _rules(c: ContainerCgroup) -> Optional[DeviceRules]:
+    assert c.cgroup_v1_devices is not None
+    path = c.cgroup_v1_devices / "devices.list"
+    try:
+        text = read_kernel_text(path, what="devices.list", max_bytes=CGROUP_MAX)
+        return parse_devices_list(text) if text is not None else None
+    except (UnsafeFileError, ValueError):
+        return None
+
+
+async def confirm(
+    view: AccessView,
+    durable: Mapping[str, AbstractSet[str]],
+    root: Root,
+    sd: Optional[Systemd],
+    log: EventLog,
+    wait: Settle = settle,
+) -> AccessView:
+    """`view` with every covered denial judged again after the apply has settled."""
+    keys = covered_denials(view.containers, view.entitlements, view.access, durable)
+    if not keys:
+        return view
+    ids = {cid for cid, _ in keys}
+    pairs = [(c, view.entitlements[c.key]) for c in view.containers if c.container_id in ids]
+    t0 = time.monotonic()
+    await wait(sd, next(c.unit for c, _ in pairs if c.unit is not None))
+    fresh, rules = await asyncio.to_thread(reread, root, pairs)
+    waited = (time.monotonic() - t0) * 1000
+    for cid, numbers in sorted(keys):
+        if fresh.get((cid, numbers)) is True:
+            log.debug(
+                f"container {cid[:12]}: {numbers} was denied while systemd re-applied its "
+                f"scope's device policy and is admitted again {waited:.0f} ms later: not a loss"
+            )
+    stale = {(c.container_id, n.numbers) for c, ent in pairs for n in ent.nodes}
+    access = {k: v for k, v in view.access.items() if k not in stale}
+    access.update(fresh)
+    return dataclasses.replace(view, access=access, rules={**view.rules, **rules})

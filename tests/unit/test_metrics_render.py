@@ -1,0 +1,245 @@
+"""The rendered metrics are what prometheus_client's own Counter/Gauge/Histogram gave
+before the daemon kept its values without the library: byte for byte, `_created` series
+included, for the same passes. `Reference` below is gpuguard's former Metrics class,
+unchanged but for its name; it is the oracle, not code the project runs."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from collections import Counter as Tally
+from typing import Any, Mapping
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpuguard import __version__
+from gpuguard.metrics import render
+from gpuguard.metrics_state import DENIED_KINDS, PASS_BUCKETS, MetricsState
+from gpuguard.npd import CONDITIONS, DEFAULT_MAX_AGE, OK, PROBLEM, evaluate
+from gpuguard.steps.registry import CONTAINER_ACCESS, GPU_COUNT
+from unit.test_metrics import DENIED, a_pass, outcome
+
+T0 = 1_700_000_000.25
+
+
+class Reference:
+    """Every gpuguard metric, in a registry of its own (no process/platform defaults:
+    node_exporter already has them, and a textfile must not repeat them)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.passes = Counter("gpuguard_passes", "Reconciliation passes run.", registry=r)
+        self.pass_duration = Histogram(
+            "gpuguard_pass_duration_seconds",
+            "Duration of a reconciliation pass.",
+            buckets=PASS_BUCKETS,
+            registry=r,
+        )
+        self.last_pass = Gauge(
+            "gpuguard_last_pass_timestamp_seconds",
+            "When the last pass ended (Unix time).",
+            registry=r,
+        )
+        self.findings = Counter(
+            "gpuguard_findings",
+            "Findings reported by passes, by kind and step (a state that persists is "
+            "counted again at each pass that sees it).",
+            ["kind", "step"],
+            registry=r,
+        )
+        self.open_findings = Gauge(
+            "gpuguard_open_findings",
+            "Findings in each step's latest result, by kind and step.",
+            ["kind", "step"],
+            registry=r,
+        )
+        self.actions = Counter(
+            "gpuguard_actions",
+            "Changes gpuguard planned, by kind and outcome (done, skipped, dry-run, "
+            "declined, failed).",
+            ["kind", "outcome"],
+            registry=r,
+        )
+        self.plugin_restarts = Counter(
+            "gpuguard_plugin_restarts",
+            "Device plugin restarts by outcome (done, failed, declined, dry-run).",
+            ["outcome"],
+            registry=r,
+        )
+        self.gpu_containers = Gauge(
+            "gpuguard_gpu_containers",
+            "GPU containers seen by the last container access check.",
+            registry=r,
+        )
+        self.gpu_containers_denied = Gauge(
+            "gpuguard_gpu_containers_without_access",
+            "GPU containers the last container access check found denied a device "
+            "they were given (before its repair).",
+            registry=r,
+        )
+        self.gpus = Gauge(
+            "gpuguard_gpus",
+            "GPUs counted at each layer (pci, nvml, kubelet) by the last GPU count check.",
+            ["layer"],
+            registry=r,
+        )
+        self.condition = Gauge(
+            "gpuguard_node_condition",
+            "1 while a node condition's problem is present, 0 while it is not; absent "
+            "while unknown (the same answer as `gpuguard npd`).",
+            ["condition"],
+            registry=r,
+        )
+        build = Gauge(
+            "gpuguard_build_info",
+            "gpuguard's version and the Python running it (always 1).",
+            ["version", "python"],
+            registry=r,
+        )
+        build.labels(__version__, platform.python_version()).set(1)
+
+    def observe_pass(self, last_pass: Mapping[str, Any], status: Mapping[str, Any]) -> None:
+        """Count one pass (the daemon's last_pass document) and refresh the gauges from
+        the status document (each step's latest result)."""
+        self.passes.inc()
+        self.pass_duration.observe(float(last_pass.get("duration_ms", 0.0)) / 1000.0)
+        self.last_pass.set(float(last_pass.get("ended", 0.0)))
+        for f in last_pass.get("findings", ()):
+            self.findings.labels(f["kind"], f["reconciler"]).inc()
+        for o in last_pass.get("outcomes", ()):
+            self.actions.labels(o["kind"], o["status"]).inc()
+            if o["kind"] == "restart-plugin":
+                self.plugin_restarts.labels(o["status"]).inc()
+        steps: Mapping[str, Any] = status.get("steps") or {}
+        self.open_findings.clear()
+        for name, st in steps.items():
+            for (kind, step), n in Tally((f["kind"], name) for f in st["findings"]).items():
+                self.open_findings.labels(kind, step).set(n)
+        access = steps.get(CONTAINER_ACCESS)
+        if access is not None and access.get("pass") == last_pass.get("number"):
+            gauges = access.get("gauges") or {}
+            if "gpu_containers" in gauges:
+                self.gpu_containers.set(gauges["gpu_containers"])
+            denied = {
+                f["fields"].get("CONTAINER_ID")
+                for f in access["findings"]
+                if f["kind"] in DENIED_KINDS
+            }
+            self.gpu_containers_denied.set(len(denied))
+        counts = (steps.get(GPU_COUNT) or {}).get("gauges") or {}
+        for layer in ("pci", "nvml", "kubelet"):
+            if counts.get(f"gpus_{layer}") is not None:
+                self.gpus.labels(layer).set(counts[f"gpus_{layer}"])
+        self.condition.clear()
+        now = float(last_pass.get("ended", 0.0))
+        for c in CONDITIONS:
+            code, _ = evaluate(c, {"steps": steps}, now, DEFAULT_MAX_AGE)
+            if code in (OK, PROBLEM):
+                self.condition.labels(c.type).set(1 if code == PROBLEM else 0)
+
+    def exposition(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+def passes() -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Passes that use every family: findings and actions, one with label values that
+    need escaping, durations in and beyond the buckets, a step gone from the status."""
+    first = a_pass(1)
+    odd = dict(DENIED, kind='a"b\\c\nd')
+    second_last, second_status = a_pass(2)
+    second_last = {
+        **second_last,
+        "duration_ms": 75_000.0,
+        "findings": [odd],
+        "outcomes": [outcome("restart-plugin", "failed"), outcome('x"y', "done")],
+    }
+    second_status["steps"]["container_access"]["findings"] = [odd, DENIED]
+    third_last, third_status = a_pass(3)
+    third_last = {**third_last, "duration_ms": 5.0, "findings": [], "outcomes": []}
+    del third_status["steps"]["gpu_count"]
+    return [first, (second_last, second_status), (third_last, third_status)]
+
+
+@pytest.fixture
+def frozen_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(time, "time", lambda: T0)
+
+
+@pytest.mark.usefixtures("frozen_time")
+def test_the_rendered_text_is_what_the_librarys_own_metrics_gave() -> None:
+    reference, state = Reference(), MetricsState(clock=lambda: T0)
+    assert render(state.to_json()) == reference.exposition()  # before any pass
+    for last, status in passes():
+        reference.observe_pass(last, status)
+        state.observe_pass(last, status)
+        # through the file's JSON, as gpuguard metrics reads it
+        doc = json.loads(json.dumps(state.to_json(), allow_nan=False))
+        assert render(doc) == reference.exposition()
+    text = render(doc).decode()
+    assert "gpuguard_passes_created 1.70000000025e+09" in text
+    assert 'gpuguard_pass_duration_seconds_bucket{le="+Inf"} 3.0' in text
+    assert 'kind="a\\"b\\\\c\\nd"' in text
+    names = {f.name for f in text_string_to_metric_families(text)}
+    assert {"gpuguard_passes", "gpuguard_pass_duration_seconds", "gpuguard_gpus"} <= names
+
+
+@pytest.mark.parametrize(
+    ("doc", "reason"),
+    [
+        ([], "not a JSON object"),
+        ({"format": 2, "families": {}}, "format 2, this gpuguard reads format 1"),
+        ({"format": 1}, "no families"),
+        ({"format": 1, "families": {"gpuguard_passes": {}}}, "not a list of series"),
+        (
+            {"format": 1, "families": {"gpuguard_passes": [{"labels": [], "value": "1"}]}},
+            "gpuguard_passes value is not a number",
+        ),
+        (
+            {"format": 1, "families": {"gpuguard_gpus": [{"labels": [], "value": 1}]}},
+            "gpuguard_gpus: labels are not 1 strings",
+        ),
+        (
+            {
+                "format": 1,
+                "families": {
+                    "gpuguard_pass_duration_seconds": [
+                        {"labels": [], "bounds": [1, 2], "counts": [1], "sum": 0}
+                    ]
+                },
+            },
+            "bounds and counts do not match",
+        ),
+    ],
+)
+def test_a_document_the_daemon_did_not_write_is_refused_with_the_reason(
+    doc: Any, reason: str
+) -> None:
+    with pytest.raises(ValueError, match=reason.replace("\\", "\\\\")):
+        render(doc)
+
+
+def test_the_state_keeps_the_buckets_and_the_created_times_it_is_given() -> None:
+    clock = iter([10.0, 20.0, 30.0]).__next__
+    state = MetricsState(clock=clock)  # 10: the daemon's start
+    state.inc("gpuguard_actions", "cgroup-v1-allow", "done")  # 20
+    state.inc("gpuguard_actions", "cgroup-v1-allow", "done")  # no new series
+    state.inc("gpuguard_findings", "k", "s")  # 30
+    for seconds in (0.001, 0.005, 0.0051, 61.0):
+        state.observe_duration(seconds)
+    families = state.to_json()["families"]
+    assert families["gpuguard_passes"] == [{"labels": [], "value": 0.0, "created": 10.0}]
+    assert families["gpuguard_actions"] == [
+        {"labels": ["cgroup-v1-allow", "done"], "value": 2.0, "created": 20.0}
+    ]
+    assert families["gpuguard_findings"][0]["created"] == 30.0
+    (hist,) = families["gpuguard_pass_duration_seconds"]
+    assert hist["bounds"] == list(PASS_BUCKETS)
+    assert hist["counts"] == [2, 1] + [0] * (len(PASS_BUCKETS) - 2) + [1]
+    with pytest.raises(ValueError, match="labels"):
+        state.inc("gpuguard_actions", "only-one")
