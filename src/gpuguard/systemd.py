@@ -25,7 +25,9 @@ MANAGER_PATH = "/org/freedesktop/systemd1"
 MANAGER = "org.freedesktop.systemd1.Manager"
 UNIT = "org.freedesktop.systemd1.Unit"
 PROPS = "org.freedesktop.DBus.Properties"
-MANAGER_SIGNALS = ("Reloading", "StartupFinished", "UnitNew", "JobRemoved")
+# Not UnitNew: a reload brings one per unit, each parsed before the Reloading(false)
+# behind it; a new container scope is seen at its start job's JobRemoved instead.
+MANAGER_SIGNALS = ("Reloading", "StartupFinished", "JobRemoved")
 
 
 class SystemdError(Exception):

@@ -6,8 +6,11 @@ Per pass: find GPU containers, read what their cgroup admits, and
 2. then make grants durable: a runtime DeviceAllow=/dev/char/MAJ:MIN on the
    container's systemd scope, so the next daemon-reload/reexec re-applies them
    instead of wiping them. This is also done for containers whose access is still
-   intact, as soon as they are seen (a new scope's UnitNew marks this step), so a
-   reload never wipes them in the first place.
+   intact, as soon as they are seen, so a reload never wipes them in the first place.
+   A new scope does not wait for a pass: `on_new_scope` grants it on its own
+   (newscope.py), and the pass leaves the scopes queued there alone.
+After a daemon-reload, `on_reload` re-grants the last pass's v1 GPU containers at once,
+inline on the loop, before the pass that follows (or the one running) goes on.
 Entitlements (what a container was given) are read once per container process and
 cached; a pass after a reload only re-reads devices.list.
 """
@@ -17,17 +20,20 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import TYPE_CHECKING, AbstractSet, Callable, Mapping, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, AbstractSet, Callable, Mapping, Optional, Sequence
 
 from gpuguard.actuate.containers import ContainerStopper
 from gpuguard.conditions import Conditions, FindingId, finding_id, log_findings
-from gpuguard.model import Action, Outcome
+from gpuguard.devices.nodes import GpuLike
+from gpuguard.model import Action, Finding, Outcome
 from gpuguard.paths import Root
 from gpuguard.steps.container_access.actuate import (
     apply_allow,
     apply_device_allow,
     apply_program_replace,
 )
+from gpuguard.steps.container_access.newscope import NewScopes
 from gpuguard.steps.container_access.observe import AccessObserver, AccessView, _numbers_of
 from gpuguard.steps.container_access.reconcile import (
     FINDING_CONFLICT,
@@ -92,6 +98,27 @@ def plan_durable(
     return tuple(out)
 
 
+@dataclass(frozen=True)
+class ReloadRepair:
+    """What `on_reload` did, for the status file: the signal's arrival, the first and
+    the last direct write (monotonic seconds), and how many containers it re-granted."""
+
+    signal: float
+    first_write: Optional[float]
+    last_write: Optional[float]
+    containers: int
+    checked: int
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "signal": self.signal,
+            "first_write": self.first_write,
+            "last_write": self.last_write,
+            "containers": self.containers,
+            "checked": self.checked,
+        }
+
+
 class ContainerAccessStep:
     def __init__(
         self,
@@ -104,11 +131,55 @@ class ContainerAccessStep:
         self.clock = clock
         self.pod_restarts: dict[str, float] = {}  # pod UID -> when we last stopped one
         self.conditions = Conditions()
+        # Done between passes (a reload, a new scope) and journaled then: the next pass
+        # adds them to its result (status file, metrics) without journaling them again.
+        self._carried: list[Outcome] = []
+        self._carried_findings: list[Finding] = []
+        self._carried_ids: set[FindingId] = set()
+        self.last_reload: Optional[ReloadRepair] = None
+        self.scopes = NewScopes(
+            plan_durable, self._learn_unit, self._unit, self.durable, self._carried.append
+        )
+
+    def on_reload(self, svc: Services, signal: float) -> None:
+        """systemd ended a daemon-reload/reexec (`signal`: when that arrived): re-grant
+        the last pass's v1 GPU containers now, before anything else runs on the loop."""
+        if not svc.config.devices.regrant:
+            return
+        fast = self.observer.fast_view(remember=False)
+        written = self._regrant(fast, svc)
+        times = [t for t, _ in written.values()]
+        self.last_reload = ReloadRepair(
+            signal,
+            min(times, default=None),
+            max(times, default=None),
+            len(written),
+            len(fast.containers),
+        )
+        if written:
+            outcomes = {cid: o for cid, (_t, o) in written.items()}
+            findings = self._report(fast, outcomes, svc)
+            self._carried += outcomes.values()
+            self._carried_findings += findings
+            self._carried_ids.update(finding_id(f) for f in findings)
+
+    def on_new_scope(
+        self, svc: Services, unit: str, gpus: Sequence[GpuLike], again: Callable[[str], None]
+    ) -> None:
+        """A container scope started: its durable grant on its own (newscope.py)."""
+        self.scopes.announce(svc, unit, gpus, again)
 
     async def __call__(self, svc: Services, ctx: PassContext) -> None:
         cfg = svc.config
+        ctx.outcomes += self._carried
+        ctx.findings += self._carried_findings
+        carried_ids = frozenset(self._carried_ids)
+        self._carried.clear()
+        self._carried_findings.clear()
+        self._carried_ids.clear()
         # What the fast path logged is not logged again by the full pass: once per pass.
         logged = self._fast_repair(svc, ctx) if cfg.devices.regrant else frozenset()
+        logged |= carried_ids
         snapshot = ctx.host(svc)
         # The GPUs are needed to judge conflicts: without them every GPU node in a
         # container's /dev would be entitled (the start-up pass used to run before any
@@ -167,6 +238,9 @@ class ContainerAccessStep:
                 if os.path.lexists(svc.root.path(n.dev_char))
             }
             units += plan_durable(view, tuple(units), self.durable, links)
+            # New scopes the fast path is handling get their grant there, once.
+            busy = self.scopes.busy()
+            units = [a for a in units if a.unit not in busy]
         outcomes += await asyncio.gather(*(self._unit(a, svc, systemd) for a in units))
         for a in actions:
             if isinstance(a, V2ProgramReplace):
@@ -184,19 +258,36 @@ class ContainerAccessStep:
         containers the last pass knew and write their grants back before walking the
         tree, and before building the report (800 findings cost more than 200 writes).
         Inline on the loop, not in a thread: these are kernfs reads and writes of a few
-        hundred bytes each, ~15 ms for 200 containers, and nothing is more urgent."""
+        hundred bytes each, ~15 ms for 200 containers, and nothing is more urgent.
+        (`on_reload` does the same as soon as systemd's signal arrives; this catches
+        what was wiped since, e.g. by a reload whose end the bus never delivered.)"""
         fast = self.observer.fast_view()
-        written: dict[str, Outcome] = {}
+        written = {cid: o for cid, (_t, o) in self._regrant(fast, svc).items()}
+        if not written:
+            return frozenset()
+        findings = self._report(fast, written, svc)
+        ctx.findings += findings
+        ctx.outcomes += written.values()
+        return frozenset(finding_id(f) for f in findings)
+
+    def _regrant(self, fast: AccessView, svc: Services) -> dict[str, tuple[float, Outcome]]:
+        """The direct writes for every denied entitled node of `fast`, each with when it
+        was written; nothing is journaled yet (that is slower than the writes)."""
+        written: dict[str, tuple[float, Outcome]] = {}
         for c in fast.containers:
             ent = fast.entitlements[c.key]
             denied = [n for n in ent.nodes if fast.access.get((c.container_id, n.numbers)) is False]
             if not denied or c.cgroup_v1_devices is None:
                 continue
             action = v1_allow(c, c.cgroup_v1_devices, denied)
-            written[c.container_id] = self._v1(action, svc)
-        if not written:
-            return frozenset()
-        # The report: the same audit as a full pass (findings with their causes).
+            written[c.container_id] = (time.monotonic(), self._v1(action, svc))
+        return written
+
+    def _report(
+        self, fast: AccessView, written: Mapping[str, Outcome], svc: Services
+    ) -> tuple[Finding, ...]:
+        """The journal after the writes: the same audit as a full pass (findings with
+        their causes), then one entry per write."""
         findings, _ = audit(
             fast.containers, fast.entitlements, fast.access, device_rules=fast.rules
         )
@@ -205,9 +296,7 @@ class ContainerAccessStep:
             svc.log.finding(f)
         for o in written.values():
             svc.log.outcome(o)
-        ctx.findings += findings
-        ctx.outcomes += written.values()
-        return frozenset(finding_id(f) for f in findings)
+        return findings
 
     def _v1(self, a: CgroupV1Allow, svc: Services) -> Outcome:
         return apply_allow(a, dry_run=svc.dry_run)
@@ -251,29 +340,33 @@ class ContainerAccessStep:
 
     async def _learn_durable(self, sd: Systemd, view: AccessView, root: Root) -> None:
         """Ask systemd once per scope what its DeviceAllow= already holds."""
-        from gpuguard.systemd import PROPS, SystemdError
-
+        busy = self.scopes.busy()
         todo = [
             c.unit
             for c in view.containers
             if c.unit is not None
             and c.unit not in self.durable
+            and c.unit not in busy
             and view.entitlements.get(c.key) is not None
             and view.entitlements[c.key].is_gpu_container
         ]
         live_units = {c.unit for c in view.containers if c.unit}
-        for gone in set(self.durable) - live_units:
+        for gone in set(self.durable) - live_units - busy:
             del self.durable[gone]
 
-        async def learn(unit: str) -> None:
-            try:
-                path = await sd.unit_path(unit)
-                (v,) = await sd.call(
-                    "Get", "ss", [SCOPE_IFACE, "DeviceAllow"], path=path, interface=PROPS
-                )
-            except SystemdError:
-                return
-            numbers = {_numbers_of(root, dev) for dev, _perm in v.value}
-            self.durable[unit] = {n for n in numbers if n}
+        await asyncio.gather(*(self._learn_unit(sd, u, root) for u in todo))
 
-        await asyncio.gather(*(learn(u) for u in todo))
+    async def _learn_unit(self, sd: Systemd, unit: str, root: Root) -> None:
+        """Add what the scope's DeviceAllow= holds to what we know of it (added, never
+        replaced: a grant made meanwhile by the new-scope path must not be forgotten)."""
+        from gpuguard.systemd import PROPS, SystemdError
+
+        try:
+            path = await sd.unit_path(unit)
+            (v,) = await sd.call(
+                "Get", "ss", [SCOPE_IFACE, "DeviceAllow"], path=path, interface=PROPS
+            )
+        except SystemdError:
+            return
+        numbers = {_numbers_of(root, dev) for dev, _perm in v.value}
+        self.durable.setdefault(unit, set()).update(n for n in numbers if n)

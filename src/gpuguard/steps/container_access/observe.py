@@ -58,7 +58,9 @@ class AccessObserver:
         access: dict[AccessKey, Optional[bool]],
         rules: dict[str, DeviceRules],
         broken: dict[str, str],
+        remember: bool = True,
     ) -> None:
+        parsed: dict[str, DeviceRules] = {}  # a reload leaves many identical lists
         for c, ent in pairs:
             assert c.cgroup_v1_devices is not None
             path = c.cgroup_v1_devices / "devices.list"
@@ -72,29 +74,36 @@ class AccessObserver:
             if self._good.get(c.container_id) == text:  # unchanged since it was fine
                 access.update({(c.container_id, n.numbers): True for n in ent.nodes})
                 continue
-            try:
-                r = parse_devices_list(text)
-            except ValueError as e:  # not what the kernel writes: this container only
-                broken[c.container_id] = f"{path}: {e}; check what wrote this file"
-                continue
+            r = parsed.get(text)
+            if r is None:
+                try:
+                    r = parsed[text] = parse_devices_list(text)
+                except ValueError as e:  # not what the kernel writes: this container only
+                    broken[c.container_id] = f"{path}: {e}; check what wrote this file"
+                    continue
             rules[c.container_id] = r
             verdicts = verdicts_from_rules(c.container_id, ent.nodes, r)
             access.update(verdicts)
+            if not remember:
+                continue
             if all(verdicts.values()):
                 self._good[c.container_id] = text
             else:
                 self._good.pop(c.container_id, None)
 
-    def fast_view(self) -> AccessView:
+    def fast_view(self, remember: bool = True) -> AccessView:
         """The last pass's v1 GPU containers with their access as of now: no tree walk,
-        no /proc reads. A reload's wipe is repaired from this before anything else."""
+        no /proc reads. A reload's wipe is repaired from this before anything else.
+        `remember=False` outside a pass: a pass's observe() may be running in its
+        thread, and only that thread updates what was last seen intact."""
         access: dict[AccessKey, Optional[bool]] = {}
         rules: dict[str, DeviceRules] = {}
         broken: dict[str, str] = {}
-        self._read_v1(self._known_v1, access, rules, broken)
+        known = self._known_v1  # one reference: observe() replaces it, never changes it
+        self._read_v1(known, access, rules, broken, remember)
         return AccessView(
-            tuple(c for c, _ in self._known_v1),
-            {c.key: e for c, e in self._known_v1},
+            tuple(c for c, _ in known),
+            {c.key: e for c, e in known},
             access,
             rules,
             broken,
