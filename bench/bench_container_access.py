@@ -44,7 +44,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Dict, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
@@ -166,12 +166,90 @@ def part_b(ns: SystemdNamespace, ctrs: Sequence[Container], reloads: int) -> Non
     print(f"    real losses (re-granted by gpuguard): {lost}   (target 0)")
 
 
+class BareClient:
+    """A D-Bus client of its own (a thread, its own loop) that notes when systemd's
+    Reloading(false) reaches it; subscribed to Reloading only, or also to UnitNew as
+    gpuguard was before it stopped listening to UnitNew. Same monotonic clock as the
+    daemon's figures (one kernel)."""
+
+    def __init__(self, address: str, *, unit_new: bool) -> None:
+        import asyncio
+        import threading
+
+        self.address, self.unit_new = address, unit_new
+        self.times: List[float] = []
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        threading.Thread(target=self._run, args=(ready,), daemon=True).start()
+        if not ready.wait(10):
+            raise RuntimeError("bare D-Bus client did not connect")
+
+    def _run(self, ready: Any) -> None:
+        self.loop.run_until_complete(self._connect())
+        ready.set()
+        self.loop.run_forever()
+
+    async def _connect(self) -> None:
+        from dbus_next import BusType, Message
+        from dbus_next.aio import MessageBus
+
+        bus = await MessageBus(bus_address=self.address, bus_type=BusType.SYSTEM).connect()
+        members = ["Reloading", "UnitNew"] if self.unit_new else ["Reloading"]
+        for m in members:
+            rule = (
+                "type='signal',sender='org.freedesktop.systemd1',"
+                f"interface='org.freedesktop.systemd1.Manager',member='{m}'"
+            )
+            await bus.call(
+                Message(
+                    destination="org.freedesktop.DBus",
+                    path="/org/freedesktop/DBus",
+                    interface="org.freedesktop.DBus",
+                    member="AddMatch",
+                    signature="s",
+                    body=[rule],
+                )
+            )
+        await bus.call(
+            Message(
+                destination="org.freedesktop.systemd1",
+                path="/org/freedesktop/systemd1",
+                interface="org.freedesktop.systemd1.Manager",
+                member="Subscribe",
+            )
+        )
+
+        def on(msg: Any) -> None:
+            if msg.member == "Reloading" and msg.body == [False]:
+                self.times.append(time.monotonic())
+
+        bus.add_message_handler(on)
+
+    def after(self, n: int, timeout: float = 2.0) -> Optional[float]:
+        """The arrival of the (n+1)th Reloading(false), waiting for it up to `timeout`."""
+        deadline = time.monotonic() + timeout
+        while len(self.times) <= n and time.monotonic() < deadline:
+            time.sleep(0.002)
+        return self.times[n] if len(self.times) > n else None
+
+
 def part_c(ns: SystemdNamespace, ctrs: Sequence[Container], reloads: int) -> None:
     v1_0 = len(events(ns, "cgroup-v1-allow"))
     units_0 = len(events(ns, "unit-device-allow"))
     restored_ms, pass_end_ms, pass_ms, wiped = [], [], [], 0
+    bare, bare_un = (
+        BareClient(ns.bus_address, unit_new=False),
+        BareClient(ns.bus_address, unit_new=True),
+    )
+    steps: Dict[str, List[float]] = {}  # breakdown: ms after systemctl returned
+
+    def note(what: str, t: Optional[float], t_ret: float) -> None:
+        if t is not None:
+            steps.setdefault(what, []).append((t - t_ret) * 1000)
+
     for _ in range(reloads):
         n = passes(ns)
+        seen, seen_un = len(bare.times), len(bare_un.times)
         ns.systemctl("daemon-reload")
         t_ret, w_ret = time.monotonic(), time.time()
         pending = [c for c in ctrs if not has_gpu(ns, c)]
@@ -182,16 +260,30 @@ def part_c(ns: SystemdNamespace, ctrs: Sequence[Container], reloads: int) -> Non
         deadline = time.monotonic() + 5
         while passes(ns) <= n and time.monotonic() < deadline:
             time.sleep(0.005)
-        last = status(ns).get("last_pass", {})
+        doc = status(ns)
+        last = doc.get("last_pass", {})
         if last.get("number", 0) > n:
             pass_end_ms.append((last["ended"] - w_ret) * 1000)
             pass_ms.append(float(last["duration_ms"]))
+            note("repair pass started", last["started"] - w_ret + t_ret, t_ret)
+        note("Reloading(false) at a bare client (Reloading only)", bare.after(seen), t_ret)
+        note("Reloading(false) at a bare client (+ UnitNew)", bare_un.after(seen_un), t_ret)
+        fast = doc.get("fast_paths", {}).get("reload", {})
+        for key, what in (
+            ("signal", "Reloading(false) at gpuguard"),
+            ("first_write", "gpuguard's first write"),
+            ("last_write", "gpuguard's last write"),
+        ):
+            note(what, fast.get(key), t_ret)
         settle(ns, quiet=0.3)
     print(f"(c) fast path only (DurableGrants=no), {len(ctrs)} new scopes, {reloads} reloads")
     print(f"    containers wiped right after the reload returned: {wiped / reloads:.0f} per reload")
     print(f"    reload returned -> every container restored: {fmt(restored_ms)}")
     print(f"    reload returned -> repair pass ended:        {fmt(pass_end_ms)}")
     print(f"    repair pass duration:                        {fmt(pass_ms)}")
+    print("    breakdown, ms after `systemctl daemon-reload` returned (negative: before):")
+    for what, values in steps.items():
+        print(f"      {what:52s} {fmt(values)}")
     print(
         f"    target p99 < {FAST_P99_TARGET_MS:.0f} ms; direct re-grants: "
         f"{len(events(ns, 'cgroup-v1-allow')) - v1_0}, DeviceAllow= set: "

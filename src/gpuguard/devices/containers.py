@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -315,6 +315,21 @@ def _container(root: Root, by: dict[str, _Found], skip_pause: bool) -> Optional[
         pids=pids,
         problem=problem,
     )
+
+
+def with_fresh_pids(c: ContainerCgroup) -> Optional[ContainerCgroup]:
+    """`c` with its cgroup.procs read again (a scope waiting for its process); None when
+    its cgroup is gone."""
+    d = c.cgroup_v2 if c.cgroup_v2 is not None else c.cgroup_v1_devices
+    if d is None or not d.is_dir():
+        return None
+    try:
+        pids = read_pids(c.cgroup_v2) if c.cgroup_v2 is not None else ()
+        if not pids and c.cgroup_v1_devices is not None:
+            pids = read_pids(c.cgroup_v1_devices)
+    except UnsafeFileError as e:
+        return replace(c, pids=(), problem=e.message)
+    return replace(c, pids=pids)
 
 
 def find_scope(

@@ -34,7 +34,7 @@ from dbus_next import Message
 from gpuguard.devices.cgroupnames import ANY_CONTAINER_SCOPE
 from gpuguard.log import EventLog
 from gpuguard.steps.registry import ALL_STEPS, CHECKPOINT, CONTAINER_ACCESS, DEVICE_PLUGIN
-from gpuguard.systemd import MANAGER, PROPS, UNIT, Systemd, SystemdError
+from gpuguard.systemd import MANAGER, PROPS, UNIT, Systemd, SystemdError, unit_object_path
 
 Mark = Callable[[frozenset[str], str, bool], None]
 Announce = Callable[[str], None]
@@ -43,18 +43,7 @@ ALL = ALL_STEPS
 ON_RUNTIME_START = frozenset({CONTAINER_ACCESS, DEVICE_PLUGIN})
 ON_KUBELET_START = frozenset({CHECKPOINT, CONTAINER_ACCESS, DEVICE_PLUGIN})
 ON_SCOPE_NEW = frozenset({CONTAINER_ACCESS})
-
-
-def unit_object_path(unit: str) -> str:
-    """systemd's bus path for a unit: bytes outside [A-Za-z0-9] become _xx."""
-    out = []
-    for i, b in enumerate(unit.encode()):
-        c = chr(b)
-        if c.isascii() and (c.isalpha() or (c.isdigit() and i > 0)):
-            out.append(c)
-        else:
-            out.append(f"_{b:02x}")
-    return "/org/freedesktop/systemd1/unit/" + "".join(out)
+__all__ = ["SystemdSource", "unit_object_path"]  # the path's home is gpuguard.systemd
 
 
 class SystemdSource:

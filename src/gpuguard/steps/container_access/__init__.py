@@ -137,9 +137,7 @@ class ContainerAccessStep:
         self._carried_findings: list[Finding] = []
         self._carried_ids: set[FindingId] = set()
         self.last_reload: Optional[ReloadRepair] = None
-        self.scopes = NewScopes(
-            plan_durable, self._learn_unit, self._unit, self.durable, self._carried.append
-        )
+        self.scopes = NewScopes(plan_durable, self._unit, self.durable, self._carried.append)
 
     def on_reload(self, svc: Services, signal: float) -> None:
         """systemd ended a daemon-reload/reexec (`signal`: when that arrived): re-grant
@@ -359,12 +357,15 @@ class ContainerAccessStep:
     async def _learn_unit(self, sd: Systemd, unit: str, root: Root) -> None:
         """Add what the scope's DeviceAllow= holds to what we know of it (added, never
         replaced: a grant made meanwhile by the new-scope path must not be forgotten)."""
-        from gpuguard.systemd import PROPS, SystemdError
+        from gpuguard.systemd import PROPS, SystemdError, unit_object_path
 
         try:
-            path = await sd.unit_path(unit)
             (v,) = await sd.call(
-                "Get", "ss", [SCOPE_IFACE, "DeviceAllow"], path=path, interface=PROPS
+                "Get",
+                "ss",
+                [SCOPE_IFACE, "DeviceAllow"],
+                path=unit_object_path(unit),
+                interface=PROPS,
             )
         except SystemdError:
             return

@@ -21,7 +21,13 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AbstractSet, Awaitable, Callable, Mapping, Optional, Sequence
 
-from gpuguard.devices.containers import CgroupLayout, detect_layout, find_scope
+from gpuguard.devices.containers import (
+    CgroupLayout,
+    ContainerCgroup,
+    detect_layout,
+    find_scope,
+    with_fresh_pids,
+)
 from gpuguard.devices.entitlement import own_dev_pending, read_entitlement
 from gpuguard.devices.nodes import GpuLike, list_nvidia_nodes, nvidia_majors, read_proc_devices
 from gpuguard.errors import GpuguardError
@@ -35,14 +41,16 @@ if TYPE_CHECKING:
     from gpuguard.passes import Services
     from gpuguard.systemd import Systemd
 
-CONCURRENCY = 8  # scopes handled at once: each is a thread read and two D-Bus calls
+# Scopes handled at once: each is a thread read and one D-Bus call, and systemd answers
+# one call at a time, so a few dozen keep it busy without queueing more than half of
+# MaxInFlight's default (64) on the bus.
+CONCURRENCY = 32
 GIVE_UP_AFTER = 10.0  # seconds; a container created but not started by then: the pass
 
 Plan = Callable[
     [AccessView, tuple[UnitDeviceAllow, ...], Mapping[str, AbstractSet[str]], AbstractSet[str]],
     tuple[UnitDeviceAllow, ...],
 ]
-Learn = Callable[["Systemd", str, Root], Awaitable[None]]
 Grant = Callable[[UnitDeviceAllow, "Services", Optional["Systemd"]], Awaitable[Outcome]]
 Again = Callable[[str], None]  # asks for a full container access pass, with the reason
 # The reason of the backstop pass after a new scope, "systemd: ..." like the source's
@@ -58,6 +66,7 @@ class NewScope:
     pending: str = ""
     skip: str = ""
     gone: bool = False  # no such container (a stop job's end, or the sandbox)
+    container: Optional[ContainerCgroup] = None  # where it was found: not searched again
     view: Optional[AccessView] = None
     links: frozenset[str] = frozenset()
 
@@ -96,16 +105,18 @@ def read_new_scope(
     layout: CgroupLayout,
     gpus: Sequence[GpuLike],
     pod_ids: PodDeviceIds,
+    known: Optional[ContainerCgroup] = None,
 ) -> NewScope:
-    """One scope's container and entitlement (blocking: /proc and cgroupfs reads)."""
-    c = find_scope(root, unit, layout)
+    """One scope's container and entitlement (blocking: /proc and cgroupfs reads);
+    `known`: where an earlier try found it, so a retry reads its cgroup.procs only."""
+    c = find_scope(root, unit, layout) if known is None else with_fresh_pids(known)
     if c is None:
         return NewScope(skip="no container cgroup: gone, or the pod's sandbox", gone=True)
     if c.problem:
         return NewScope(skip=c.problem)  # the pass reports it
     why = own_dev_pending(root, c)
     if why:
-        return NewScope(pending=why)
+        return NewScope(pending=why, container=c)
     majors = nvidia_majors(read_proc_devices(root))
     if majors.nvidia is None:
         return NewScope(skip="NVIDIA driver not loaded")
@@ -115,7 +126,7 @@ def read_new_scope(
     except GpuguardError as e:
         return NewScope(skip=e.message)  # the pass reports it
     if not ent.readable:
-        return NewScope(pending="; ".join(ent.notes))
+        return NewScope(pending="; ".join(ent.notes), container=c)
     if not ent.is_gpu_container:
         return NewScope(skip="not a GPU container")
     links = frozenset(n.dev_char for n in ent.nodes if os.path.lexists(root.path(n.dev_char)))
@@ -129,7 +140,6 @@ class NewScopes:
     def __init__(
         self,
         plan: Plan,
-        learn: Learn,
         grant: Grant,
         durable: Mapping[str, AbstractSet[str]],
         carry: Callable[[Outcome], None],
@@ -137,7 +147,7 @@ class NewScopes:
         concurrency: int = CONCURRENCY,
         give_up_after: float = GIVE_UP_AFTER,
     ) -> None:
-        self.plan, self.learn, self.grant = plan, learn, grant
+        self.plan, self.grant = plan, grant
         self.durable = durable
         self.carry = carry
         self.queue = ScopeQueue(
@@ -152,6 +162,7 @@ class NewScopes:
         self._again: Again = lambda why: None
         self._layout: Optional[CgroupLayout] = None
         self._pod_ids: Optional[PodDeviceIds] = None
+        self._found: dict[str, ContainerCgroup] = {}  # scopes waiting for their process
         self.granted = 0
 
     def announce(self, svc: Services, unit: str, gpus: Sequence[GpuLike], again: Again) -> None:
@@ -183,17 +194,30 @@ class NewScopes:
         if self._layout is None:
             self._layout = await asyncio.to_thread(detect_layout, svc.root)
         found = await asyncio.to_thread(
-            read_new_scope, svc.root, unit, self._layout, self._gpus, self._pod_ids
+            read_new_scope,
+            svc.root,
+            unit,
+            self._layout,
+            self._gpus,
+            self._pod_ids,
+            self._found.get(unit),
         )
         if found.pending:
             svc.log.debug(f"new scope {unit}: not ready yet: {found.pending}")
+            if found.container is not None:
+                self._found[unit] = found.container
             return False
+        self._found.pop(unit, None)
         if found.view is None:
             svc.log.debug(f"new scope {unit}: nothing to grant: {found.skip}")
             if not found.gone:
                 self._again(BACKSTOP.format(unit))
             return True
-        await self.learn(sd, unit, svc.root)
+        # No Get of DeviceAllow= first (the pass asks it, once per scope it has not seen):
+        # a new scope's DeviceAllow= is the runtime's, which lacks the nodes the legacy
+        # hook grants, and where the runtime listed them, setting them again changes
+        # nothing. One call per scope: systemd, busy starting the burst's scopes, answers
+        # one call at a time.
         for action in self.plan(found.view, (), self.durable, found.links):
             outcome = await self.grant(action, svc, sd)
             svc.log.outcome(outcome)
@@ -203,11 +227,13 @@ class NewScopes:
         return True
 
     def _give_up(self, unit: str, why: str) -> None:
+        self._found.pop(unit, None)
         if self._svc is not None:
             self._svc.log.debug(f"new scope {unit}: left to the full pass: {why}")
         self._again(BACKSTOP.format(unit) + f" ({why})")
 
     def _failed(self, unit: str, e: BaseException) -> None:
+        self._found.pop(unit, None)
         if self._svc is not None:
             self._svc.log.warning(
                 f"new scope {unit}: fast path failed ({type(e).__name__}: {e}); "

@@ -24,7 +24,9 @@ Handler = Callable[[str], Awaitable[bool]]
 GiveUp = Callable[[str, str], None]  # (key, why): left to the full pass
 Failed = Callable[[str, BaseException], None]
 
-RETRY_DELAYS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.25)  # then 0.25 s until give-up
+# A retry is a few reads of one scope's files: cheap enough to look every 50 ms, so a
+# container is granted within 50 ms of being ready (a runtime takes 0.1-1 s to get there).
+RETRY_DELAYS = (0.005, 0.01, 0.02, 0.05)  # then every 50 ms until give-up
 
 
 class ScopeQueue:
