@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, AbstractSet, Callable, Mapping, Optional, Sequ
 from gpuguard.actuate.containers import ContainerStopper
 from gpuguard.conditions import Conditions, FindingId, finding_id, log_findings
 from gpuguard.devices.nodes import GpuLike
+from gpuguard.devices.rules import DeviceRules
 from gpuguard.model import Action, Finding, Outcome
 from gpuguard.paths import Root
 from gpuguard.steps.container_access.actuate import (
@@ -39,6 +40,7 @@ from gpuguard.steps.container_access.reconcile import (
     FINDING_CONFLICT,
     FINDING_MISSING,
     FINDING_STALE,
+    AccessKey,
     CgroupV1Allow,
     RestartContainer,
     UnitDeviceAllow,
@@ -144,8 +146,22 @@ class ContainerAccessStep:
         the last pass's v1 GPU containers now, before anything else runs on the loop."""
         if not svc.config.devices.regrant:
             return
-        fast = self.observer.fast_view(remember=False)
-        written = self._regrant(fast, svc)
+        # One container at a time, read then written: the first is restored at once,
+        # not after all are read.
+        known = self.observer.known_v1
+        written: dict[str, tuple[float, Outcome]] = {}
+        access: dict[AccessKey, Optional[bool]] = {}
+        rules: dict[str, DeviceRules] = {}
+        broken: dict[str, str] = {}
+        for pair in known:
+            one = self.observer.fast_view(remember=False, pairs=(pair,))
+            written.update(self._regrant(one, svc))
+            access.update(one.access)
+            rules.update(one.rules)
+            broken.update(one.broken)
+        fast = AccessView(
+            tuple(c for c, _ in known), {c.key: e for c, e in known}, access, rules, broken
+        )
         times = [t for t, _ in written.values()]
         self.last_reload = ReloadRepair(
             signal,

@@ -51,6 +51,14 @@ class AccessObserver:
         self._known_v1: tuple[tuple[ContainerCgroup, Entitlement], ...] = ()
         self._good: dict[str, str] = {}
         self._host_signature: tuple[tuple[str, str], ...] = ()
+        # devices.list text -> its rules (single dict operations: safe from both the
+        # pass's thread and the loop's reload fast path)
+        self._parsed: dict[str, DeviceRules] = {}
+
+    @property
+    def known_v1(self) -> tuple[tuple[ContainerCgroup, Entitlement], ...]:
+        """The last pass's v1 GPU containers with their entitlements."""
+        return self._known_v1
 
     def _read_v1(
         self,
@@ -60,7 +68,9 @@ class AccessObserver:
         broken: dict[str, str],
         remember: bool = True,
     ) -> None:
-        parsed: dict[str, DeviceRules] = {}  # a reload leaves many identical lists
+        parsed = self._parsed  # a reload leaves many identical lists: each parsed once
+        if len(parsed) > 256:
+            parsed.clear()
         for c, ent in pairs:
             assert c.cgroup_v1_devices is not None
             path = c.cgroup_v1_devices / "devices.list"
@@ -91,7 +101,11 @@ class AccessObserver:
             else:
                 self._good.pop(c.container_id, None)
 
-    def fast_view(self, remember: bool = True) -> AccessView:
+    def fast_view(
+        self,
+        remember: bool = True,
+        pairs: Optional[Sequence[tuple[ContainerCgroup, Entitlement]]] = None,
+    ) -> AccessView:
         """The last pass's v1 GPU containers with their access as of now: no tree walk,
         no /proc reads. A reload's wipe is repaired from this before anything else.
         `remember=False` outside a pass: a pass's observe() may be running in its
@@ -99,7 +113,8 @@ class AccessObserver:
         access: dict[AccessKey, Optional[bool]] = {}
         rules: dict[str, DeviceRules] = {}
         broken: dict[str, str] = {}
-        known = self._known_v1  # one reference: observe() replaces it, never changes it
+        # one reference: observe() replaces it, never changes it; `pairs`: some of them
+        known = self._known_v1 if pairs is None else tuple(pairs)
         self._read_v1(known, access, rules, broken, remember)
         return AccessView(
             tuple(c for c, _ in known),
