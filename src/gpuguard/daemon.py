@@ -390,6 +390,7 @@ class Daemon:
     def _write_status(self) -> None:
         from gpuguard.actuate.files import write_new
 
+        fast_status = getattr(self.steps.get(CONTAINER_ACCESS), "fast_status", None)
         doc = {
             "pid": os.getpid(),
             "started": self.started_wall,
@@ -398,7 +399,7 @@ class Daemon:
             "dry_run": self.dry_run,
             "first_pass": self.first_pass,
             "last_pass": self.last_pass,
-            "fast_paths": self._fast_status(),
+            "fast_paths": fast_status() if fast_status is not None else {},
             **self.ledger.to_json(),
         }
         path = self.root.path(STATUS_FILE)
@@ -413,23 +414,6 @@ class Daemon:
             self.metrics.after_pass(
                 self.last_pass, doc, self.root, self.config.metrics.textfile_directory, self.log
             )
-
-    def _fast_status(self) -> dict[str, Any]:
-        """The fast paths' last figures (monotonic seconds): what bench/ reads."""
-        step = self.steps.get(CONTAINER_ACCESS)
-        out: dict[str, Any] = {}
-        reload = getattr(step, "last_reload", None)
-        if reload is not None:
-            out["reload"] = reload.to_json()
-        scopes = getattr(step, "scopes", None)
-        if scopes is not None:
-            out["new_scopes"] = {
-                "handled": scopes.queue.handled,
-                "granted": scopes.granted,
-                "waiting": len(scopes.busy()),
-                "peak_in_flight": scopes.queue.peak_running,
-            }
-        return out
 
 
 def _config_inventory(config: Config) -> Optional[Path]:

@@ -177,6 +177,13 @@ class ContainerAccessStep:
             self._carried_findings += findings
             self._carried_ids.update(finding_id(f) for f in findings)
 
+    def fast_status(self) -> dict[str, object]:
+        """The fast paths' last figures, for the status file (and bench/)."""
+        out: dict[str, object] = {"new_scopes": self.scopes.status()}
+        if self.last_reload is not None:
+            out["reload"] = self.last_reload.to_json()
+        return out
+
     def on_new_scope(
         self, svc: Services, unit: str, gpus: Sequence[GpuLike], again: Callable[[str], None]
     ) -> None:

@@ -176,6 +176,15 @@ class NewScopes:
         self._svc, self._gpus, self._again = svc, gpus, again
         self.queue.add(unit)
 
+    def status(self) -> dict[str, int]:
+        q = self.queue
+        return {
+            "handled": q.handled,
+            "granted": self.granted,
+            "waiting": len(q.busy()),
+            "peak_in_flight": q.peak_running,
+        }
+
     def busy(self) -> frozenset[str]:
         """Scopes this path is handling: the pass leaves their durable grant to it."""
         return self.queue.busy()
