@@ -137,6 +137,12 @@ def part_a(ns: SystemdNamespace, ctrs: Sequence[Container]) -> None:
     print(f"    start -> durable DeviceAllow=: {fmt(lat)}")
     print(f"    containers without a durable grant after 120 s: {len(units) - len(granted)}")
     settle(ns)
+    fast = status(ns).get("fast_paths", {}).get("new_scopes", {})
+    if fast:  # the daemon's own view, from systemd's announcement (the last 256 grants)
+        print(f"    daemon's fast path: {fast.get('granted')} granted, at most "
+              f"{fast.get('peak_in_flight')} at once; after the announcement, p50/p99 ms: "
+              f"first try {fast.get('first_try_ms')}, ready {fast.get('ready_ms')}, "
+              f"granted {fast.get('granted_ms')}")  # fmt: skip
 
 
 def part_b(ns: SystemdNamespace, ctrs: Sequence[Container], reloads: int) -> None:

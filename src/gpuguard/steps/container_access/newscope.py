@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AbstractSet, Awaitable, Callable, Mapping, Optional, Sequence
 
@@ -163,6 +165,10 @@ class NewScopes:
         self._layout: Optional[CgroupLayout] = None
         self._pod_ids: Optional[PodDeviceIds] = None
         self._found: dict[str, ContainerCgroup] = {}  # scopes waiting for their process
+        self._announced: dict[str, float] = {}
+        self._first_try: dict[str, float] = {}
+        # (first try, ready, granted) in ms after the announcement, of the last grants
+        self._timings: deque[tuple[float, float, float]] = deque(maxlen=256)
         self.granted = 0
 
     def announce(self, svc: Services, unit: str, gpus: Sequence[GpuLike], again: Again) -> None:
@@ -174,16 +180,24 @@ class NewScopes:
             again(BACKSTOP.format(unit))  # DurableGrants=no: the pass alone, as before
             return
         self._svc, self._gpus, self._again = svc, gpus, again
-        self.queue.add(unit)
+        if self.queue.add(unit):
+            self._announced[unit] = time.monotonic()
 
-    def status(self) -> dict[str, int]:
+    def status(self) -> dict[str, object]:
+        """Counts, and where a grant's time went (p50, p99 in ms after systemd announced
+        the scope): to its first try (the queue), to a ready read, to the grant."""
         q = self.queue
-        return {
+        out: dict[str, object] = {
             "handled": q.handled,
             "granted": self.granted,
             "waiting": len(q.busy()),
             "peak_in_flight": q.peak_running,
         }
+        for i, name in enumerate(("first_try_ms", "ready_ms", "granted_ms")):
+            values = sorted(t[i] for t in self._timings)
+            if values:
+                out[name] = [values[len(values) // 2], values[(len(values) * 99 - 1) // 100]]
+        return out
 
     def busy(self) -> frozenset[str]:
         """Scopes this path is handling: the pass leaves their durable grant to it."""
@@ -193,13 +207,18 @@ class NewScopes:
         svc = self._svc
         assert svc is not None
         cfg = svc.config
-        if not (cfg.devices.regrant and cfg.devices.durable_grants):
-            return True  # switched off by a SIGHUP since it was queued
         sd = svc.systemd
-        if sd is None:
-            return True  # bus down: the full pass after the reconnection sees it
+        if not (cfg.devices.regrant and cfg.devices.durable_grants) or sd is None:
+            # switched off by a SIGHUP since it was queued, or the bus is down (the full
+            # pass after the reconnection sees it)
+            self._forget(unit)
+            return True
         if self._pod_ids is None or self._pod_ids.checkpoint_path != cfg.kubelet.checkpoint_path:
             self._pod_ids = PodDeviceIds(cfg.kubelet.checkpoint_path)
+        now = time.monotonic()
+        announced = self._announced.get(unit, now)
+        self._announced[unit] = announced
+        first_try = self._first_try.setdefault(unit, now)
         if self._layout is None:
             self._layout = await asyncio.to_thread(detect_layout, svc.root)
         found = await asyncio.to_thread(
@@ -217,6 +236,9 @@ class NewScopes:
                 self._found[unit] = found.container
             return False
         self._found.pop(unit, None)
+        ready = time.monotonic()
+        self._announced.pop(unit, None)
+        self._first_try.pop(unit, None)
         if found.view is None:
             svc.log.debug(f"new scope {unit}: nothing to grant: {found.skip}")
             if not found.gone:
@@ -232,17 +254,23 @@ class NewScopes:
             svc.log.outcome(outcome)
             self.carry(outcome)
             self.granted += outcome.status == "done"
+            ms = [(t - announced) * 1000 for t in (first_try, ready, time.monotonic())]
+            self._timings.append((ms[0], ms[1], ms[2]))
         self._again(BACKSTOP.format(unit))
         return True
 
+    def _forget(self, unit: str) -> None:
+        for d in (self._found, self._announced, self._first_try):
+            d.pop(unit, None)
+
     def _give_up(self, unit: str, why: str) -> None:
-        self._found.pop(unit, None)
+        self._forget(unit)
         if self._svc is not None:
             self._svc.log.debug(f"new scope {unit}: left to the full pass: {why}")
         self._again(BACKSTOP.format(unit) + f" ({why})")
 
     def _failed(self, unit: str, e: BaseException) -> None:
-        self._found.pop(unit, None)
+        self._forget(unit)
         if self._svc is not None:
             self._svc.log.warning(
                 f"new scope {unit}: fast path failed ({type(e).__name__}: {e}); "
