@@ -57,11 +57,14 @@ def test_fresh_pids_and_a_gone_scope(tmp_path: Path) -> None:
     c = find_scope(Root(tmp_path), UNIT, V1)
     assert c is not None and c.pids == ()
     (d / "cgroup.procs").write_text("42\n")
-    again = with_fresh_pids(c)
+    again = with_fresh_pids(Root(tmp_path), c)
     assert again is not None and again.pids == (42,)
+    _process(tmp_path, 42, "pause", own_dev=True)  # the pod's sandbox, not a container
+    assert with_fresh_pids(Root(tmp_path), c) is None
+    (d / "cgroup.procs").write_text("43\n")
     (d / "cgroup.procs").unlink()
     d.rmdir()
-    assert with_fresh_pids(c) is None
+    assert with_fresh_pids(Root(tmp_path), c) is None
 
 
 @pytest.mark.parametrize(

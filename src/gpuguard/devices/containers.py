@@ -317,9 +317,9 @@ def _container(root: Root, by: dict[str, _Found], skip_pause: bool) -> Optional[
     )
 
 
-def with_fresh_pids(c: ContainerCgroup) -> Optional[ContainerCgroup]:
+def with_fresh_pids(root: Root, c: ContainerCgroup) -> Optional[ContainerCgroup]:
     """`c` with its cgroup.procs read again (a scope waiting for its process); None when
-    its cgroup is gone."""
+    its cgroup is gone or its process turns out to be the pod's sandbox."""
     d = c.cgroup_v2 if c.cgroup_v2 is not None else c.cgroup_v1_devices
     if d is None or not d.is_dir():
         return None
@@ -329,7 +329,7 @@ def with_fresh_pids(c: ContainerCgroup) -> Optional[ContainerCgroup]:
             pids = read_pids(c.cgroup_v1_devices)
     except UnsafeFileError as e:
         return replace(c, pids=(), problem=e.message)
-    return replace(c, pids=pids)
+    return None if _is_pause(root, pids) else replace(c, pids=pids)
 
 
 def find_scope(

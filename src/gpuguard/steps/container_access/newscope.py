@@ -111,7 +111,7 @@ def read_new_scope(
 ) -> NewScope:
     """One scope's container and entitlement (blocking: /proc and cgroupfs reads);
     `known`: where an earlier try found it, so a retry reads its cgroup.procs only."""
-    c = find_scope(root, unit, layout) if known is None else with_fresh_pids(known)
+    c = find_scope(root, unit, layout) if known is None else with_fresh_pids(root, known)
     if c is None:
         return NewScope(skip="no container cgroup: gone, or the pod's sandbox", gone=True)
     if c.problem:

@@ -79,15 +79,6 @@ class ScopeQueue:
     def idle(self) -> bool:
         return not self._first_seen
 
-    def stop(self) -> None:
-        for timer in self._timers.values():
-            timer.cancel()
-        for task in self._tasks:
-            task.cancel()
-        self._timers.clear()
-        self._ready.clear()
-        self._first_seen.clear()
-
     def _start_more(self) -> None:
         while self._ready and self._running < self.concurrency:
             key = self._ready.popleft()
