@@ -8,7 +8,8 @@ hook does). The daemon runs from the repo's unit. Prints figures, asserts nothin
 
   (a) start -> durable grant: from a scope's start (systemd's "Started" journal entry)
       to gpuguard's unit-device-allow journal entry for it (same journal, same clock),
-      with N containers started about 16 at a time.
+      with N containers started about 16 at a time; then the daemon's own view of its
+      new-scope fast path (status file: first try, ready, granted after the announcement).
   (b) N containers x --reloads daemon-reloads, durable grants in place: how many
       container-reloads found a container without its GPU rule right after
       ``systemctl daemon-reload`` returned (target 0). A miss that comes back by
@@ -19,7 +20,9 @@ hook does). The daemon runs from the repo's unit. Prints figures, asserts nothin
       from ``systemctl daemon-reload`` returning to every container's access restored
       (all N devices.list polled back to back), and to the end of the repair pass
       (last_pass.ended in /run/gpuguard/status.json), p50/p99 over --fast-reloads
-      reloads. Target p99 < 50 ms.
+      reloads. Target p99 < 50 ms. Then where the time goes: systemd's Reloading(false)
+      at two bare D-Bus client processes (Reloading only; also UnitNew), at gpuguard,
+      gpuguard's first and last write, the repair pass's start.
   (d) one full audit pass with nothing to repair (SIGHUP-triggered, all reconcilers):
       last_pass.duration_ms / N. Target < 2 ms per container.
 
