@@ -98,3 +98,30 @@ def test_a_gone_scope_is_nothing_to_do(tmp_path: Path) -> None:
     _scope(tmp_path, (42,), unit=f"cri-containerd-{'d' * 64}.scope")
     got = read_new_scope(Root(tmp_path), UNIT, V1, (), PodDeviceIds("/nonexistent"))
     assert got.gone and got.view is None and not got.pending
+
+
+def test_durable_grants_off_leaves_new_scopes_to_the_pass() -> None:
+    """DurableGrants=no: nothing is queued (no D-Bus call); the pass is asked for at once,
+    as a new scope always did."""
+    import dataclasses
+
+    from gpuguard.config import Config
+    from gpuguard.log import EventLog
+    from gpuguard.steps.container_access import ContainerAccessStep
+
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, devices=dataclasses.replace(cfg.devices, durable_grants=False))
+
+    class Svc:
+        root = Root(Path("/nonexistent"))
+        config = cfg
+        log = EventLog(level="error")
+        dry_run = False
+        bus_address = ""
+        systemd = None
+
+    asked: list[str] = []
+    step = ContainerAccessStep()
+    step.on_new_scope(Svc(), UNIT, (), asked.append)  # type: ignore[arg-type]
+    assert asked == [f"systemd: new container scope {UNIT}"]
+    assert step.scopes.busy() == frozenset() and step.scopes.queue.handled == 0
