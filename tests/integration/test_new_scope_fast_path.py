@@ -147,3 +147,49 @@ def test_dry_run_sets_nothing(systemd_ns, tmp_path, layout) -> None:  # type: ig
     assert {e["GPUGUARD_STATUS"] for v in _grants(ns).values() for e in v} == {"dry-run"}
     for c in ctrs:
         assert "/dev/char/195:" not in _device_allow(ns, c)
+
+
+def test_real_runc_container_gets_its_grant_from_the_fast_path(
+    systemd_ns, tmp_path, layout
+) -> None:  # type: ignore[no-untyped-def]
+    """Real containerd 1.6 + runc 1.1 with the systemd driver: the scope's first process
+    is `runc init` (host /dev, runc's environment); the grant waits for the container and
+    holds its own GPU only."""
+    from conftest import require_tool
+    from integration.harness.runc_env import REQUIRED_TOOLS, Containerd, make_containers, prepare
+
+    require_tool(*REQUIRED_TOOLS)
+    units = gpuguard_units()
+    units["gpuguard.service.d/60-fake-driver.conf"] = (
+        "[Service]\nBindReadOnlyPaths=/run/fake/devices:/proc/devices\n"
+    )
+    ctr_units, ctr_binds = prepare(tmp_path / "ctr")
+    units.update(ctr_units)
+    devices = fake_proc_devices(tmp_path / "devices")
+    ns = systemd_ns(
+        layout=layout,
+        units=units,
+        binds=ctr_binds,
+        ro_binds={"/run/fake/devices": devices, "/proc/devices": devices},
+    )
+    ns.path("/etc/gpuguard").mkdir(parents=True, exist_ok=True)
+    (ns.path("/etc/gpuguard") / "inventory.json").write_text(json.dumps(gpu_inventory(2)))
+    _configure(ns, HELD)
+    cd = Containerd(ns)
+    cd.start()
+    assert ns.systemctl("start", "gpuguard.service").returncode == 0
+    settle(ns)
+    assert ns.path("/dev/nvidia1").exists()  # the node's GPUs: both
+    before = passes(ns)
+    ctrs = make_containers(2, systemd=True)
+    for c in ctrs:
+        cd.run(c)  # hook_grant: granted behind runc's back, as the legacy NVIDIA hook does
+    wait_for(lambda: len(_grants(ns)) == len(ctrs), timeout=30, what="a grant for each")
+    assert passes(ns) == before, "a pass ran: the grants must be the fast path's"
+    for c in ctrs:
+        (entry,) = _grants(ns)[c.container_id]
+        assert entry["GPUGUARD_STATUS"] == "done"
+        allow = ns.unit_property(c.unit, "DeviceAllow")
+        assert f"/dev/char/195:{c.gpus[0]} rw" in allow, allow
+        assert f"/dev/char/195:{1 - c.gpus[0]}" not in allow, "a GPU it was not given"
+    cd.remove_all()
