@@ -196,7 +196,8 @@ class NewScopes:
         for i, name in enumerate(("first_try_ms", "ready_ms", "granted_ms")):
             values = sorted(t[i] for t in self._timings)
             if values:
-                out[name] = [values[len(values) // 2], values[(len(values) * 99 - 1) // 100]]
+                p50, p99 = values[len(values) // 2], values[(len(values) * 99 - 1) // 100]
+                out[name] = [round(p50, 1), round(p99, 1)]
         return out
 
     def busy(self) -> frozenset[str]:
