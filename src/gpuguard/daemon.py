@@ -28,7 +28,7 @@ from gpuguard.notify import Notifier, watchdog_interval
 from gpuguard.passes import STATUS_FILE, PassContext, Step, Work
 from gpuguard.paths import Root
 from gpuguard.sources import Sources
-from gpuguard.steps.registry import STEP_ORDER, check_names
+from gpuguard.steps.registry import CONTAINER_ACCESS, STEP_ORDER, check_names
 from gpuguard.systemd import Systemd, bus_address_for
 
 PASS_STUCK_AFTER = 300.0  # a pass this old stops the watchdog pings: systemd restarts us
@@ -80,7 +80,9 @@ class Daemon:
         self.sources = sources
         self.sd_source = sources.systemd if sources is not None else None
         if sources is not None:
-            sources.sink.connect(self.mark, self.coalescer.hold)
+            sources.sink.connect(
+                self.mark, self.coalescer.hold, self.on_reloaded, self.on_scope_started
+            )
         self.udev: Any = None
 
     @property
@@ -92,6 +94,40 @@ class Daemon:
         """Every mark, the sources' and the follow-ups': steps by their registry names."""
         check_names(names, self.step_order, f"mark ({why})")
         self.coalescer.mark(names, why, urgent)
+
+    # -- fast paths: work that must not wait for the quiet period or a running pass --
+
+    def on_reloaded(self, signal: float) -> None:
+        """systemd ended a daemon-reload/reexec: each step's reload fast path, inline on
+        the loop, now (the pass that repairs the rest is marked next, urgently)."""
+        for step in self.steps.values():
+            fast = getattr(step, "on_reload", None)
+            if fast is None:
+                continue
+            try:
+                fast(self, signal)
+            except Exception as e:  # the pass that follows retries: never the loop down
+                self.log.event(
+                    "reconciler-crashed",
+                    f"reload fast path raised {type(e).__name__}: {e}",
+                    level="error",
+                    exc=e,
+                )
+
+    def on_scope_started(self, unit: str) -> None:
+        """A container scope's job ended: its step handles that scope on its own, and
+        asks for a pass when it is done (or marks one at once when it has no fast path)."""
+        step = self.steps.get(CONTAINER_ACCESS)
+        fast = getattr(step, "on_new_scope", None)
+
+        def again(why: str) -> None:
+            self.mark(frozenset({CONTAINER_ACCESS}), why, False)
+
+        if fast is None:
+            again(f"systemd: new container scope {unit}")
+            return
+        gpus = self.inventory.gpus if self.inventory is not None else ()
+        fast(self, unit, gpus, again)
 
     def _make_coalescer(self) -> Coalescer:
         d = self.config.daemon
@@ -354,6 +390,7 @@ class Daemon:
     def _write_status(self) -> None:
         from gpuguard.actuate.files import write_new
 
+        fast_status = getattr(self.steps.get(CONTAINER_ACCESS), "fast_status", None)
         doc = {
             "pid": os.getpid(),
             "started": self.started_wall,
@@ -362,6 +399,7 @@ class Daemon:
             "dry_run": self.dry_run,
             "first_pass": self.first_pass,
             "last_pass": self.last_pass,
+            "fast_paths": fast_status() if fast_status is not None else {},
             **self.ledger.to_json(),
         }
         path = self.root.path(STATUS_FILE)

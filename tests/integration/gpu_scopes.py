@@ -113,8 +113,17 @@ def dev_binds(tmp: Path, containers: Sequence[Container]) -> Dict[str, Path]:
     }
 
 
+GO_DIR = "/run/ctr-go"  # the container's process binds its /dev once its file is here
+
+
 def start(ns: SystemdNamespace, c: Container, *, hook_grant: bool = True) -> None:
-    """Start the container's scope; grant its nodes like the legacy NVIDIA hook does."""
+    """Start the container's scope; grant its nodes like the legacy NVIDIA hook does.
+
+    In runc's order: the scope first (its process still on the host's /dev, as `runc
+    init` is), the hook's grant next, the container's own /dev last; returns once the
+    process has it. (Granting after the container runs would race with gpuguard's
+    new-scope grant: on v2 both replace the scope's device program.)"""
+    name = c.container_id[:12]
     ns.popen(
         [
             "systemd-run",
@@ -132,13 +141,20 @@ def start(ns: SystemdNamespace, c: Container, *, hook_grant: bool = True) -> Non
             "private",
             "sh",
             "-c",
-            f"mount --bind /run/ctrdev/{c.container_id[:12]} /dev && exec sleep 3000",
+            f"while [ ! -e {GO_DIR}/{name} ]; do sleep 0.01; done; "
+            f"mount --bind /run/ctrdev/{name} /dev && exec sleep 3000",
         ]
     )
     procs = c.cgroup(ns) / "cgroup.procs"
-    wait_for(lambda: procs.exists() and procs.read_text().strip(), what=f"{c.unit} running")
+    pid = wait_for(lambda: procs.exists() and procs.read_text().split(), what=f"{c.unit} running")
     if hook_grant:
         c.hook_grant(ns)
+    go = ns.path(GO_DIR)
+    go.mkdir(exist_ok=True)
+    (go / name).touch()
+    # cgroup.procs read from here names host PIDs; a plain file "null" in its own /dev
+    own_null = Path(f"/proc/{pid[0]}/root/dev/null")
+    wait_for(own_null.is_file, what=f"{c.unit} on its own /dev")
 
 
 def containers(n: int, gpus_per_node: int = 2) -> List[Container]:

@@ -26,6 +26,10 @@ FIGURES = (
     "reload returned -> every container restored: p50",
     "reload returned -> repair pass ended:        p50",
     "repair pass duration:",
+    "Reloading(false) at a bare client (Reloading only)",
+    "Reloading(false) at a bare client (+ UnitNew)",
+    "gpuguard's last write",
+    "daemon's fast path: 5 granted",
     "reconciler crashes: ",
 )
 

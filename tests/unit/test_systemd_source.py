@@ -142,10 +142,16 @@ def test_restart_detected_from_active_state_transitions() -> None:
     assert "checkpoint" not in rec.marks[1][0]
 
 
+def _job_removed(unit: str, result: str = "done") -> Message:
+    return _sig("JobRemoved", [7, "/org/freedesktop/systemd1/job/7", unit, result], sig="uoss")
+
+
 def test_new_container_scope_marks_container_access() -> None:
+    """Without a fast path to announce it to, a scope's job end marks the step."""
     src, rec = _source()
-    src._handle(_sig("UnitNew", ["cri-containerd-" + "a" * 64 + ".scope", "/p"], sig="so"))
-    src._handle(_sig("UnitNew", ["session-3.scope", "/p"], sig="so"))
+    src._handle(_job_removed("cri-containerd-" + "a" * 64 + ".scope"))
+    src._handle(_job_removed("session-3.scope"))
+    src._handle(_job_removed("cri-containerd-" + "b" * 64 + ".scope", "failed"))
     assert rec.marks == [
         (
             frozenset({"container_access"}),
@@ -153,6 +159,39 @@ def test_new_container_scope_marks_container_access() -> None:
             False,
         )
     ]
+
+
+def test_new_container_scope_is_announced_not_marked() -> None:
+    """With the daemon's fast path connected, the scope goes there (which asks for the
+    backstop pass itself); a reload's end is announced before the urgent mark."""
+    rec = Recorder()
+    order: list[str] = []
+    src = SystemdSource(
+        lambda: None,  # type: ignore[arg-type,return-value]
+        lambda r, why, urgent: order.append("mark"),
+        rec.holds.append,
+        EventLog(level="error"),
+        clock=lambda: rec.now,
+        reloaded=lambda when: order.append(f"reloaded {when}"),
+        scope_started=lambda unit: order.append(f"scope {unit}"),
+    )
+    unit = "cri-containerd-" + "a" * 64 + ".scope"
+    src._handle(_job_removed(unit))
+    src._handle(_sig("Reloading", [True], sig="b"))
+    src._handle(_job_removed(unit))  # inside a reload: units in flux, not a start
+    src._handle(_sig("Reloading", [False], sig="b"))
+    assert order == [f"scope {unit}", "reloaded 100.0", "mark"]
+
+
+def test_unit_new_is_not_listened_to() -> None:
+    """A reload brings a UnitNew per unit, all parsed before its Reloading(false): the
+    client no longer asks for them."""
+    from gpuguard.systemd import MANAGER_SIGNALS
+
+    assert "UnitNew" not in MANAGER_SIGNALS and "JobRemoved" in MANAGER_SIGNALS
+    src, rec = _source()
+    src._handle(_sig("UnitNew", ["cri-containerd-" + "a" * 64 + ".scope", "/p"], sig="so"))
+    assert rec.marks == []
 
 
 def test_malformed_signal_is_ignored() -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -283,31 +283,81 @@ def discover_containers(
             found.setdefault((f.pod_uid, f.container_id), {})[which] = f
     out: list[ContainerCgroup] = []
     for key in sorted(found):
-        by = found[key]
-        first = by.get("v1") or by["v2"]
-        v1 = by["v1"].path if "v1" in by else None
-        v2 = by["v2"].path if "v2" in by else None
-        problem = ""
-        try:
-            pids = read_pids(v2) if v2 is not None else ()
-            if not pids and v1 is not None:
-                pids = read_pids(v1)
-        except UnsafeFileError as e:
-            pids, problem = (), e.message
-        if skip_pause and _is_pause(root, pids):
-            log.debug("skipping %s/%s: pod sandbox (pause)", key[0], key[1])
-            continue
-        out.append(
-            ContainerCgroup(
-                pod_uid=first.pod_uid,
-                container_id=first.container_id,
-                runtime=first.runtime,
-                driver=first.driver,
-                cgroup_v1_devices=v1,
-                cgroup_v2=v2,
-                unit=first.unit,
-                pids=pids,
-                problem=problem,
-            )
-        )
+        c = _container(root, found[key], skip_pause)
+        if c is not None:
+            out.append(c)
     return tuple(out)
+
+
+def _container(root: Root, by: dict[str, _Found], skip_pause: bool) -> Optional[ContainerCgroup]:
+    """One container from what the walk found of it in each hierarchy; None: the sandbox."""
+    first = by.get("v1") or by["v2"]
+    v1 = by["v1"].path if "v1" in by else None
+    v2 = by["v2"].path if "v2" in by else None
+    problem = ""
+    try:
+        pids = read_pids(v2) if v2 is not None else ()
+        if not pids and v1 is not None:
+            pids = read_pids(v1)
+    except UnsafeFileError as e:
+        pids, problem = (), e.message
+    if skip_pause and _is_pause(root, pids):
+        log.debug("skipping %s/%s: pod sandbox (pause)", first.pod_uid, first.container_id)
+        return None
+    return ContainerCgroup(
+        pod_uid=first.pod_uid,
+        container_id=first.container_id,
+        runtime=first.runtime,
+        driver=first.driver,
+        cgroup_v1_devices=v1,
+        cgroup_v2=v2,
+        unit=first.unit,
+        pids=pids,
+        problem=problem,
+    )
+
+
+def with_fresh_pids(root: Root, c: ContainerCgroup) -> Optional[ContainerCgroup]:
+    """`c` with its cgroup.procs read again (a scope waiting for its process); None when
+    its cgroup is gone or its process turns out to be the pod's sandbox."""
+    d = c.cgroup_v2 if c.cgroup_v2 is not None else c.cgroup_v1_devices
+    if d is None or not d.is_dir():
+        return None
+    try:
+        pids = read_pids(c.cgroup_v2) if c.cgroup_v2 is not None else ()
+        if not pids and c.cgroup_v1_devices is not None:
+            pids = read_pids(c.cgroup_v1_devices)
+    except UnsafeFileError as e:
+        return replace(c, pids=(), problem=e.message)
+    return None if _is_pause(root, pids) else replace(c, pids=pids)
+
+
+def find_scope(
+    root: Root,
+    unit: str,
+    layout: Optional[CgroupLayout] = None,
+    *,
+    cgroup_root: str = "/",
+) -> Optional[ContainerCgroup]:
+    """The container of one systemd scope (``cri-containerd-<id>.scope``), found by
+    looking for it in each pod slice rather than walking every container: a new scope's
+    fast path must not cost a walk of the whole tree. None: no such cgroup (not started
+    yet, or gone), not a container scope, or the pod's sandbox."""
+    m = SYSTEMD_CONTAINER.match(unit)
+    if m is None:
+        return None
+    layout = layout or detect_layout(root)
+    sub = cgroup_root.strip("/")
+    by: dict[str, _Found] = {}
+    for which, mount in (("v1", layout.v1_devices), ("v2", layout.v2)):
+        if mount is None:
+            continue
+        kubepods = (
+            root.path(mount) / sub / KUBEPODS_SLICE if sub else root.path(mount) / KUBEPODS_SLICE
+        )
+        for uid, pod in _systemd_pods(kubepods) if kubepods.is_dir() else ():
+            path = pod / unit
+            if path.is_dir():
+                by[which] = _Found(uid, m.group(2), RUNTIME[m.group(1)], "systemd", unit, path)
+                break
+    return _container(root, by, skip_pause=True) if by else None

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 from dataclasses import dataclass
 from typing import AbstractSet, Mapping, Optional, Sequence
 
@@ -233,6 +234,40 @@ def read_entitlement(
             checkpoint.get(container.pod_uid),
         )
     return unreadable_entitlement(container, "no live process to read its /dev from")
+
+
+# What a container's process is called while the runtime still prepares it (before the
+# exec of its command): runc and youki name their init stages, crun keeps its own name.
+RUNTIME_INIT_PREFIXES = ("runc:", "youki:")
+RUNTIME_INIT_NAMES = ("crun",)
+
+
+def own_dev_pending(root: Root, container: ContainerCgroup) -> str:
+    """Why the container's own /dev cannot be judged yet ("" once it can).
+
+    A new scope holds the runtime's init before it holds the container: runc's systemd
+    driver starts the scope with `runc init` in it, which still sees the host's /dev
+    until it has switched to the container's root (after the hooks, the legacy NVIDIA
+    hook among them, have added the GPU nodes), and still has runc's environment until
+    it execs the command. Judging then would read the host's GPUs as the container's."""
+    if not container.pids:
+        return "no process in its cgroup yet"
+    pid = container.pids[0]
+    try:
+        comm, _st = read_bytes(root.path(f"/proc/{pid}/comm"), what="comm", max_bytes=64)
+    except UnsafeFileError:
+        return f"process {pid} is gone"
+    name = comm.decode(errors="replace").strip()
+    if name.startswith(RUNTIME_INIT_PREFIXES) or name in RUNTIME_INIT_NAMES:
+        return f"process {pid} is still the runtime's init ({name})"
+    try:
+        own = os.stat(root.path(f"/proc/{pid}/root/dev"))
+        host = os.stat(root.path("/dev"))
+    except OSError as e:
+        return f"/proc/{pid}/root/dev: {e.strerror}"
+    if (own.st_dev, own.st_ino) == (host.st_dev, host.st_ino):
+        return f"process {pid} still sees the host's /dev"
+    return ""
 
 
 def unreadable_entitlement(container: ContainerCgroup, why: str) -> Entitlement:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Callable, Optional
 
+from gpuguard.steps.registry import CONTAINER_ACCESS
+
 if TYPE_CHECKING:
     from gpuguard.config import Config
     from gpuguard.log import EventLog
@@ -28,9 +30,18 @@ class MarkSink:
     def __init__(self) -> None:
         self._mark: Optional[Mark] = None
         self._hold: Optional[Hold] = None
+        self._reloaded: Optional[Callable[[float], None]] = None
+        self._scope_started: Optional[Callable[[str], None]] = None
 
-    def connect(self, mark: Mark, hold: Hold) -> None:
+    def connect(
+        self,
+        mark: Mark,
+        hold: Hold,
+        reloaded: Optional[Callable[[float], None]] = None,
+        scope_started: Optional[Callable[[str], None]] = None,
+    ) -> None:
         self._mark, self._hold = mark, hold
+        self._reloaded, self._scope_started = reloaded, scope_started
 
     def mark(self, names: frozenset[str], why: str, urgent: bool) -> None:
         if self._mark is None:
@@ -41,6 +52,18 @@ class MarkSink:
         if self._hold is None:
             raise RuntimeError("a source held passes before the daemon connected")
         self._hold(on)
+
+    def reloaded(self, when: float) -> None:
+        """systemd ended a reload (`when`: monotonic): the daemon's fast path, at once."""
+        if self._reloaded is not None:
+            self._reloaded(when)
+
+    def scope_started(self, unit: str) -> None:
+        """A container scope's job ended: the daemon handles that scope on its own."""
+        if self._scope_started is not None:
+            self._scope_started(unit)
+        else:
+            self.mark(frozenset({CONTAINER_ACCESS}), f"systemd: new container scope {unit}", False)
 
 
 class Sources:
@@ -97,6 +120,8 @@ def build_sources(
         log,
         kubelet_units=config.systemd.kubelet_units,
         runtime_units=config.systemd.runtime_units,
+        reloaded=sink.reloaded,
+        scope_started=sink.scope_started,
     )
     timer = AuditTimer(sink.mark, config.daemon.audit_interval)
     sources = Sources(sink, systemd, timer, make_udev if udev else None,

@@ -3,15 +3,22 @@
 Only marks work. What each signal means:
 - Reloading(true) ... Reloading(false): a daemon-reload (also the two halves of a
   daemon-reexec). Units are in flux in between, so the coalescer is held, and the
-  end marks everything urgently: this is when device cgroups were rewritten.
+  end marks everything urgently: this is when device cgroups were rewritten. The end
+  is also announced at once (`reloaded`), so the known GPU containers are re-granted
+  before the quiet period, or a pass already running, delays them.
 - NameOwnerChanged of org.freedesktop.systemd1 from one unique name to another: a
   reexec. It arrives inside its Reloading pair; outside one it marks on its own.
 - StartupFinished: boot is complete.
 - PropertiesChanged of a watched unit whose ActiveState becomes "active" from
   anything else: a (re)start. A reload re-sends properties of every unit; those
   keep ActiveState "active" and are ignored, so a reload is one pass, not many.
-- UnitNew of a container scope (cri-containerd-/crio-/docker-*.scope): a new
-  container whose device grant can be made durable before any reload.
+- JobRemoved of a container scope's job (cri-containerd-/crio-/docker-*.scope, result
+  "done"): a new container whose device grant can be made durable before any reload,
+  announced on its own (`scope_started`; the end of a stop job is announced too: the
+  step finds it gone). Not UnitNew: systemd sends a UnitNew for every unit on every
+  reload (hundreds on a busy node), all parsed before the Reloading(false) behind
+  them, while a reload starts no job; and at UnitNew the scope may not even have its
+  cgroup yet, while at its start job's end it holds the runtime's process.
 The connection is re-made with back-off when the bus goes away (dbus restart), and
 a full pass follows every reconnection.
 """
@@ -27,26 +34,16 @@ from dbus_next import Message
 from gpuguard.devices.cgroupnames import ANY_CONTAINER_SCOPE
 from gpuguard.log import EventLog
 from gpuguard.steps.registry import ALL_STEPS, CHECKPOINT, CONTAINER_ACCESS, DEVICE_PLUGIN
-from gpuguard.systemd import MANAGER, PROPS, UNIT, Systemd, SystemdError
+from gpuguard.systemd import MANAGER, PROPS, UNIT, Systemd, SystemdError, unit_object_path
 
 Mark = Callable[[frozenset[str], str, bool], None]
+Announce = Callable[[str], None]
 
 ALL = ALL_STEPS
 ON_RUNTIME_START = frozenset({CONTAINER_ACCESS, DEVICE_PLUGIN})
 ON_KUBELET_START = frozenset({CHECKPOINT, CONTAINER_ACCESS, DEVICE_PLUGIN})
 ON_SCOPE_NEW = frozenset({CONTAINER_ACCESS})
-
-
-def unit_object_path(unit: str) -> str:
-    """systemd's bus path for a unit: bytes outside [A-Za-z0-9] become _xx."""
-    out = []
-    for i, b in enumerate(unit.encode()):
-        c = chr(b)
-        if c.isascii() and (c.isalpha() or (c.isdigit() and i > 0)):
-            out.append(c)
-        else:
-            out.append(f"_{b:02x}")
-    return "/org/freedesktop/systemd1/unit/" + "".join(out)
+__all__ = ["SystemdSource", "unit_object_path"]  # the path's home is gpuguard.systemd
 
 
 class SystemdSource:
@@ -60,10 +57,15 @@ class SystemdSource:
         kubelet_units: Iterable[str] = ("kubelet.service",),
         runtime_units: Iterable[str] = ("containerd.service", "crio.service", "docker.service"),
         clock: Callable[[], float] = time.monotonic,
+        reloaded: Optional[Callable[[float], None]] = None,
+        scope_started: Optional[Announce] = None,
     ) -> None:
         self.make_client = make_client
         self.mark = mark
         self.hold = hold
+        # The fast paths (the daemon's): None marks the container access step instead.
+        self.reloaded = reloaded
+        self.scope_started = scope_started
         self.log = log
         self.clock = clock
         self.client: Optional[Systemd] = None
@@ -159,13 +161,18 @@ class SystemdSource:
                 self.hold(self._reloading)
                 if not active:
                     self._reload_ended = self.clock()
+                    if self.reloaded is not None:  # before anything else
+                        self.reloaded(self._reload_ended)
                     self.mark(ALL, "systemd: daemon-reload/reexec finished", True)
             elif member == "StartupFinished":
                 self.mark(ALL, "systemd: startup finished", False)
-            elif member == "UnitNew" and not self._reloading:
-                unit = str(msg.body[0])
-                if ANY_CONTAINER_SCOPE.match(unit):
-                    self.mark(ON_SCOPE_NEW, f"systemd: new container scope {unit}", False)
+            elif member == "JobRemoved" and not self._reloading:
+                _id, _job, unit, result = msg.body
+                if result == "done" and ANY_CONTAINER_SCOPE.match(str(unit)):
+                    if self.scope_started is not None:
+                        self.scope_started(str(unit))
+                    else:
+                        self.mark(ON_SCOPE_NEW, f"systemd: new container scope {unit}", False)
         elif (
             member == "NameOwnerChanged" and msg.body and msg.body[0] == "org.freedesktop.systemd1"
         ):

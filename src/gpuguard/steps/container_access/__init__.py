@@ -6,8 +6,11 @@ Per pass: find GPU containers, read what their cgroup admits, and
 2. then make grants durable: a runtime DeviceAllow=/dev/char/MAJ:MIN on the
    container's systemd scope, so the next daemon-reload/reexec re-applies them
    instead of wiping them. This is also done for containers whose access is still
-   intact, as soon as they are seen (a new scope's UnitNew marks this step), so a
-   reload never wipes them in the first place.
+   intact, as soon as they are seen, so a reload never wipes them in the first place.
+   A new scope does not wait for a pass: `on_new_scope` grants it on its own
+   (newscope.py), and the pass leaves the scopes queued there alone.
+After a daemon-reload, `on_reload` re-grants the last pass's v1 GPU containers at once,
+inline on the loop, before the pass that follows (or the one running) goes on.
 Entitlements (what a container was given) are read once per container process and
 cached; a pass after a reload only re-reads devices.list.
 """
@@ -18,11 +21,14 @@ import asyncio
 import dataclasses
 import os
 import time
-from typing import TYPE_CHECKING, AbstractSet, Callable, Mapping, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, AbstractSet, Callable, Mapping, Optional, Sequence
 
 from gpuguard.actuate.containers import ContainerStopper
 from gpuguard.conditions import Conditions, FindingId, finding_id, log_findings
-from gpuguard.model import Action, Outcome
+from gpuguard.devices.nodes import GpuLike
+from gpuguard.devices.rules import DeviceRules
+from gpuguard.model import Action, Finding, Outcome
 from gpuguard.paths import Root
 from gpuguard.steps.container_access.actuate import (
     apply_allow,
@@ -35,11 +41,13 @@ from gpuguard.steps.container_access.inplace import (
     Backoff,
     hold_back,
 )
+from gpuguard.steps.container_access.newscope import NewScopes
 from gpuguard.steps.container_access.observe import AccessObserver, AccessView, _numbers_of
 from gpuguard.steps.container_access.reconcile import (
     FINDING_CONFLICT,
     FINDING_MISSING,
     FINDING_STALE,
+    AccessKey,
     CgroupV1Allow,
     RestartContainer,
     UnitDeviceAllow,
@@ -102,6 +110,27 @@ def plan_durable(
     return tuple(out)
 
 
+@dataclass(frozen=True)
+class ReloadRepair:
+    """What `on_reload` did, for the status file: the signal's arrival, the first and
+    the last direct write (monotonic seconds), and how many containers it re-granted."""
+
+    signal: float
+    first_write: Optional[float]
+    last_write: Optional[float]
+    containers: int
+    checked: int
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "signal": self.signal,
+            "first_write": self.first_write,
+            "last_write": self.last_write,
+            "containers": self.containers,
+            "checked": self.checked,
+        }
+
+
 class ContainerAccessStep:
     def __init__(
         self,
@@ -116,13 +145,76 @@ class ContainerAccessStep:
         self.conditions = Conditions()
         self.backoff = Backoff()  # failed in-place replacements on v2 (inplace.py)
         self.settle = settle  # how a covered denial waits for systemd's apply to end
+        # Done between passes (a reload, a new scope) and journaled then: the next pass
+        # adds them to its result (status file, metrics) without journaling them again.
+        self._carried: list[Outcome] = []
+        self._carried_findings: list[Finding] = []
+        self._carried_ids: set[FindingId] = set()
+        self.last_reload: Optional[ReloadRepair] = None
+        self.scopes = NewScopes(plan_durable, self._unit, self.durable, self._carried.append)
+
+    def on_reload(self, svc: Services, signal: float) -> None:
+        """systemd ended a daemon-reload/reexec (`signal`: when that arrived): re-grant
+        the last pass's v1 GPU containers now, before anything else runs on the loop."""
+        if not svc.config.devices.regrant:
+            return
+        # One container at a time, read then written: the first is restored at once,
+        # not after all are read.
+        known = self.observer.known_v1
+        written: dict[str, tuple[float, Outcome]] = {}
+        access: dict[AccessKey, Optional[bool]] = {}
+        rules: dict[str, DeviceRules] = {}
+        broken: dict[str, str] = {}
+        for pair in known:
+            one = self._settled(self.observer.fast_view(remember=False, pairs=(pair,)))
+            written.update(self._regrant(one, svc))
+            access.update(one.access)
+            rules.update(one.rules)
+            broken.update(one.broken)
+        fast = AccessView(
+            tuple(c for c, _ in known), {c.key: e for c, e in known}, access, rules, broken
+        )
+        times = [t for t, _ in written.values()]
+        self.last_reload = ReloadRepair(
+            signal,
+            min(times, default=None),
+            max(times, default=None),
+            len(written),
+            len(fast.containers),
+        )
+        if written:
+            outcomes = {cid: o for cid, (_t, o) in written.items()}
+            findings = self._report(fast, list(outcomes.values()), svc)
+            self._carried += outcomes.values()
+            self._carried_findings += findings
+            self._carried_ids.update(finding_id(f) for f in findings)
+
+    def fast_status(self) -> dict[str, object]:
+        """The fast paths' last figures, for the status file (and bench/)."""
+        out: dict[str, object] = {"new_scopes": self.scopes.status()}
+        if self.last_reload is not None:
+            out["reload"] = self.last_reload.to_json()
+        return out
+
+    def on_new_scope(
+        self, svc: Services, unit: str, gpus: Sequence[GpuLike], again: Callable[[str], None]
+    ) -> None:
+        """A container scope started: its durable grant on its own (newscope.py)."""
+        self.scopes.announce(svc, unit, gpus, again)
 
     async def __call__(self, svc: Services, ctx: PassContext) -> None:
         cfg = svc.config
+        ctx.outcomes += self._carried
+        ctx.findings += self._carried_findings
+        carried_ids = frozenset(self._carried_ids)
+        self._carried.clear()
+        self._carried_findings.clear()
+        self._carried_ids.clear()
         # What the fast path logged is not logged again by the full pass: once per pass.
         logged, fast_units = frozenset[FindingId](), frozenset[str]()
         if cfg.devices.regrant:
             logged, fast_units = await self._fast_repair(svc, ctx)
+        logged |= carried_ids
         snapshot = ctx.host(svc)
         # The GPUs are needed to judge conflicts: without them every GPU node in a
         # container's /dev would be entitled (the start-up pass used to run before any
@@ -190,6 +282,9 @@ class ContainerAccessStep:
                 if n.dev_char in planned or os.path.lexists(svc.root.path(n.dev_char))
             }
             units += plan_durable(view, tuple(units), self.durable, links)
+            # New scopes the fast path is handling get their grant there, once.
+            busy = self.scopes.busy()
+            units = [a for a in units if a.unit not in busy]
         outcomes += await asyncio.gather(*(self._unit(a, svc, systemd) for a in units))
         self.backoff.keep_only({str(c.cgroup_v2) for c in view.containers if c.cgroup_v2})
         for a in actions:
@@ -216,46 +311,73 @@ class ContainerAccessStep:
         program: the v2 repair). Inline on the loop, not in a thread: kernfs reads and
         writes of a few hundred bytes, and a bpf(2) query per v2 container (each program
         parsed once), ~15 ms for 200 containers, and nothing is more urgent.
+        (`on_reload` does the v1 part as soon as systemd's signal arrives; this catches
+        what was wiped since, e.g. by a reload whose end the bus never delivered.)
         Returns the findings it logged and the units it set DeviceAllow= on."""
-        fast = self.observer.fast_view()
-        # Nodes the scope's DeviceAllow= grants wait for the full pass's settled re-read.
-        covered = covered_denials(fast.containers, fast.entitlements, fast.access, self.durable)
-        if covered:
-            fast = dataclasses.replace(fast, access=unknown(fast.access, covered))
-        written: dict[str, Outcome] = {}
+        fast = self._settled(self.observer.fast_view())
+        written = {cid: o for cid, (_t, o) in self._regrant(fast, svc).items()}
         # v2 scopes lacking a node get their DeviceAllow= here (durable grants on); other
         # v2 containers wait for the full pass (in-place replacement, with its back-off).
         scopes = svc.config.devices.durable_grants and svc.systemd is not None
-        denied_v2 = False
-        for c in fast.containers:
-            ent = fast.entitlements[c.key]
-            denied = [n for n in ent.nodes if fast.access.get((c.container_id, n.numbers)) is False]
-            if denied and c.cgroup_v1_devices is None and c.unit is not None and scopes:
-                denied_v2 = True
-            if not denied or c.cgroup_v1_devices is None:
-                continue
-            action = v1_allow(c, c.cgroup_v1_devices, denied)
-            written[c.container_id] = self._v1(action, svc)
+        denied_v2 = scopes and any(
+            c.cgroup_v1_devices is None
+            and c.unit is not None
+            and any(
+                fast.access.get((c.container_id, n.numbers)) is False
+                for n in fast.entitlements[c.key].nodes
+            )
+            for c in fast.containers
+        )
         if not written and not denied_v2:
             return frozenset(), frozenset()
-        # The report: the same audit as a full pass (findings with their causes).
-        findings, actions = audit(
-            fast.containers, fast.entitlements, fast.access, device_rules=fast.rules
-        )
+        _, actions = audit(fast.containers, fast.entitlements, fast.access, device_rules=fast.rules)
         units: list[UnitDeviceAllow] = []
         if scopes:
             v2 = {c.container_id for c in fast.containers if c.cgroup_v1_devices is None}
             units = [a for a in actions if isinstance(a, UnitDeviceAllow) and a.container_id in v2]
         done = await asyncio.gather(*(self._unit(a, svc, svc.systemd) for a in units))
-        findings += unreadable_findings(fast.containers, fast.broken)
-        for f in findings:
-            svc.log.finding(f)
         outcomes = [*written.values(), *done]
-        for o in outcomes:
-            svc.log.outcome(o)
+        findings = self._report(fast, outcomes, svc)
         ctx.findings += findings
         ctx.outcomes += outcomes
         return frozenset(finding_id(f) for f in findings), frozenset(a.unit for a in units)
+
+    def _settled(self, fast: AccessView) -> AccessView:
+        """`fast` with the denials the scope's DeviceAllow= already covers judged
+        unknown: they wait for the full pass's settled re-read (settle.py), since a read
+        inside systemd's deny-all-then-allow apply is no loss."""
+        covered = covered_denials(fast.containers, fast.entitlements, fast.access, self.durable)
+        if not covered:
+            return fast
+        return dataclasses.replace(fast, access=unknown(fast.access, covered))
+
+    def _regrant(self, fast: AccessView, svc: Services) -> dict[str, tuple[float, Outcome]]:
+        """The direct v1 writes for every denied entitled node of `fast`, each with when
+        it was written; nothing is journaled yet (that is slower than the writes)."""
+        written: dict[str, tuple[float, Outcome]] = {}
+        for c in fast.containers:
+            ent = fast.entitlements[c.key]
+            denied = [n for n in ent.nodes if fast.access.get((c.container_id, n.numbers)) is False]
+            if not denied or c.cgroup_v1_devices is None:
+                continue
+            action = v1_allow(c, c.cgroup_v1_devices, denied)
+            written[c.container_id] = (time.monotonic(), self._v1(action, svc))
+        return written
+
+    def _report(
+        self, fast: AccessView, outcomes: Sequence[Outcome], svc: Services
+    ) -> tuple[Finding, ...]:
+        """The journal after the writes: the same audit as a full pass (findings with
+        their causes), then one entry per change."""
+        findings, _ = audit(
+            fast.containers, fast.entitlements, fast.access, device_rules=fast.rules
+        )
+        findings += unreadable_findings(fast.containers, fast.broken)
+        for f in findings:
+            svc.log.finding(f)
+        for o in outcomes:
+            svc.log.outcome(o)
+        return findings
 
     def _v1(self, a: CgroupV1Allow, svc: Services) -> Outcome:
         return apply_allow(a, dry_run=svc.dry_run)
@@ -299,29 +421,36 @@ class ContainerAccessStep:
 
     async def _learn_durable(self, sd: Systemd, view: AccessView, root: Root) -> None:
         """Ask systemd once per scope what its DeviceAllow= already holds."""
-        from gpuguard.systemd import PROPS, SystemdError
-
+        busy = self.scopes.busy()
         todo = [
             c.unit
             for c in view.containers
             if c.unit is not None
             and c.unit not in self.durable
+            and c.unit not in busy
             and view.entitlements.get(c.key) is not None
             and view.entitlements[c.key].is_gpu_container
         ]
         live_units = {c.unit for c in view.containers if c.unit}
-        for gone in set(self.durable) - live_units:
+        for gone in set(self.durable) - live_units - busy:
             del self.durable[gone]
 
-        async def learn(unit: str) -> None:
-            try:
-                path = await sd.unit_path(unit)
-                (v,) = await sd.call(
-                    "Get", "ss", [SCOPE_IFACE, "DeviceAllow"], path=path, interface=PROPS
-                )
-            except SystemdError:
-                return
-            numbers = {_numbers_of(root, dev) for dev, _perm in v.value}
-            self.durable[unit] = {n for n in numbers if n}
+        await asyncio.gather(*(self._learn_unit(sd, u, root) for u in todo))
 
-        await asyncio.gather(*(learn(u) for u in todo))
+    async def _learn_unit(self, sd: Systemd, unit: str, root: Root) -> None:
+        """Add what the scope's DeviceAllow= holds to what we know of it (added, never
+        replaced: a grant made meanwhile by the new-scope path must not be forgotten)."""
+        from gpuguard.systemd import PROPS, SystemdError, unit_object_path
+
+        try:
+            (v,) = await sd.call(
+                "Get",
+                "ss",
+                [SCOPE_IFACE, "DeviceAllow"],
+                path=unit_object_path(unit),
+                interface=PROPS,
+            )
+        except SystemdError:
+            return
+        numbers = {_numbers_of(root, dev) for dev, _perm in v.value}
+        self.durable.setdefault(unit, set()).update(n for n in numbers if n)

@@ -59,6 +59,9 @@ class AccessObserver:
         self._known_v2: tuple[tuple[ContainerCgroup, Entitlement], ...] = ()
         self._programs = ProgramCache()
         self._root: Optional[Root] = None
+        # devices.list text -> its rules (single dict operations: safe from both the
+        # pass's thread and the loop's reload fast path)
+        self._parsed: dict[str, DeviceRules] = {}
 
     def _read_v2(
         self,
@@ -95,13 +98,22 @@ class AccessObserver:
                 except OSError:
                     programs[c.container_id] = None
 
+    @property
+    def known_v1(self) -> tuple[tuple[ContainerCgroup, Entitlement], ...]:
+        """The last pass's v1 GPU containers with their entitlements."""
+        return self._known_v1
+
     def _read_v1(
         self,
         pairs: Sequence[tuple[ContainerCgroup, Entitlement]],
         access: dict[AccessKey, Optional[bool]],
         rules: dict[str, DeviceRules],
         broken: dict[str, str],
+        remember: bool = True,
     ) -> None:
+        parsed = self._parsed  # a reload leaves many identical lists: each parsed once
+        if len(parsed) > 256:
+            parsed.clear()
         for c, ent in pairs:
             assert c.cgroup_v1_devices is not None
             path = c.cgroup_v1_devices / "devices.list"
@@ -115,30 +127,44 @@ class AccessObserver:
             if self._good.get(c.container_id) == text:  # unchanged since it was fine
                 access.update({(c.container_id, n.numbers): True for n in ent.nodes})
                 continue
-            try:
-                r = parse_devices_list(text)
-            except ValueError as e:  # not what the kernel writes: this container only
-                broken[c.container_id] = f"{path}: {e}; check what wrote this file"
-                continue
+            r = parsed.get(text)
+            if r is None:
+                try:
+                    r = parsed[text] = parse_devices_list(text)
+                except ValueError as e:  # not what the kernel writes: this container only
+                    broken[c.container_id] = f"{path}: {e}; check what wrote this file"
+                    continue
             rules[c.container_id] = r
             verdicts = verdicts_from_rules(c.container_id, ent.nodes, r)
             access.update(verdicts)
+            if not remember:
+                continue
             if all(verdicts.values()):
                 self._good[c.container_id] = text
             else:
                 self._good.pop(c.container_id, None)
 
-    def fast_view(self) -> AccessView:
+    def fast_view(
+        self,
+        remember: bool = True,
+        pairs: Optional[Sequence[tuple[ContainerCgroup, Entitlement]]] = None,
+    ) -> AccessView:
         """The last pass's GPU containers with their access as of now: no tree walk,
-        no /proc reads. A reload's wipe is repaired from this before anything else."""
+        no /proc reads. A reload's wipe is repaired from this before anything else.
+        `remember=False` outside a pass: a pass's observe() may be running in its
+        thread, and only that thread updates what was last seen intact. `pairs`: some
+        of the last pass's v1 containers only."""
         access: dict[AccessKey, Optional[bool]] = {}
         rules: dict[str, DeviceRules] = {}
         broken: dict[str, str] = {}
         programs: dict[str, Optional[tuple[int, ...]]] = {}
-        self._read_v1(self._known_v1, access, rules, broken)
-        if self._root is not None:
-            self._read_v2(self._root, self._known_v2, access, programs, probe=False)
-        known = self._known_v1 + self._known_v2
+        # one reference: observe() replaces it, never changes it
+        v1 = self._known_v1 if pairs is None else tuple(pairs)
+        self._read_v1(v1, access, rules, broken, remember)
+        v2 = self._known_v2 if pairs is None else ()
+        if self._root is not None and v2:
+            self._read_v2(self._root, v2, access, programs, probe=False)
+        known = v1 + v2
         return AccessView(
             tuple(c for c, _ in known),
             {c.key: e for c, e in known},
