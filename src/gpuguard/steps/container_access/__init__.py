@@ -21,8 +21,7 @@ import asyncio
 import dataclasses
 import os
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, AbstractSet, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from gpuguard.actuate.containers import ContainerStopper
 from gpuguard.conditions import Conditions, FindingId, finding_id, log_findings
@@ -35,6 +34,7 @@ from gpuguard.steps.container_access.actuate import (
     apply_device_allow,
     apply_program_replace,
 )
+from gpuguard.steps.container_access.durable import ReloadRepair, plan_durable
 from gpuguard.steps.container_access.inplace import (
     FINDING_BACKOFF,
     FINDING_UNEXPECTED,
@@ -71,64 +71,6 @@ CONDITION_KINDS = frozenset(
 )
 POD_RESTART_WINDOW = 3600.0  # V2Remedy=restart-container: one restart per pod per hour
 SCOPE_IFACE = "org.freedesktop.systemd1.Scope"
-
-
-def plan_durable(
-    view: AccessView,
-    planned: tuple[Action, ...],
-    durable: Mapping[str, AbstractSet[str]],
-    links: AbstractSet[str],
-) -> tuple[UnitDeviceAllow, ...]:
-    """DeviceAllow= for GPU containers whose scope does not carry their grant yet.
-
-    `durable`: unit -> device numbers its DeviceAllow= already has (only units we
-    know); `links`: the /dev/char paths that exist (systemd resolves through them).
-    """
-    already = {a.unit: set(a.numbers) for a in planned if isinstance(a, UnitDeviceAllow)}
-    out: list[UnitDeviceAllow] = []
-    for c in view.containers:
-        ent = view.entitlements.get(c.key)
-        if c.unit is None or ent is None or not ent.readable or not ent.is_gpu_container:
-            continue
-        have = set(durable.get(c.unit, ())) | already.get(c.unit, set())
-        todo = [n for n in ent.nodes if n.numbers not in have and n.dev_char in links]
-        if not todo:
-            continue
-        out.append(
-            UnitDeviceAllow(
-                reconciler=NAME,
-                reason="make the grant durable before any daemon-reload can wipe it",
-                target=c.unit,
-                unit=c.unit,
-                devices=tuple((n.dev_char, "rw") for n in todo),
-                pod_uid=c.pod_uid,
-                container_id=c.container_id,
-                nodes=tuple(n.path for n in todo),
-                numbers=tuple(n.numbers for n in todo),
-            )
-        )
-    return tuple(out)
-
-
-@dataclass(frozen=True)
-class ReloadRepair:
-    """What `on_reload` did, for the status file: the signal's arrival, the first and
-    the last direct write (monotonic seconds), and how many containers it re-granted."""
-
-    signal: float
-    first_write: Optional[float]
-    last_write: Optional[float]
-    containers: int
-    checked: int
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "signal": self.signal,
-            "first_write": self.first_write,
-            "last_write": self.last_write,
-            "containers": self.containers,
-            "checked": self.checked,
-        }
 
 
 class ContainerAccessStep:
