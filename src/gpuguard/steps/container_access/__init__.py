@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from gpuguard.actuate.containers import ContainerStopper
 from gpuguard.conditions import Conditions, FindingId, finding_id, log_findings
+from gpuguard.devices.bpfread import ProgramCache
 from gpuguard.devices.nodes import GpuLike
 from gpuguard.devices.rules import DeviceRules
 from gpuguard.model import Action, Finding, Outcome
@@ -34,6 +35,7 @@ from gpuguard.steps.container_access.actuate import (
     apply_device_allow,
     apply_program_replace,
 )
+from gpuguard.steps.container_access.bridge import Bridges
 from gpuguard.steps.container_access.durable import ReloadRepair, plan_durable
 from gpuguard.steps.container_access.inplace import (
     FINDING_BACKOFF,
@@ -94,10 +96,13 @@ class ContainerAccessStep:
         self._carried_ids: set[FindingId] = set()
         self.last_reload: Optional[ReloadRepair] = None
         self.scopes = NewScopes(plan_durable, self._unit, self.durable, self._carried.append)
+        self.bridges = Bridges(self.backoff, clock)  # v2: access back before DeviceAllow=
+        self._programs = ProgramCache()  # read on the loop (the pass's thread has its own)
 
     def on_reload(self, svc: Services, signal: float) -> None:
         """systemd ended a daemon-reload/reexec (`signal`: when that arrived): re-grant
-        the last pass's v1 GPU containers now, before anything else runs on the loop."""
+        the last pass's v1 GPU containers now, before anything else runs on the loop, and
+        bridge its v2 scopes that lost a node (their DeviceAllow= follows in the pass)."""
         if not svc.config.devices.regrant:
             return
         # One container at a time, read then written: the first is restored at once,
@@ -113,6 +118,16 @@ class ContainerAccessStep:
             access.update(one.access)
             rules.update(one.rules)
             broken.update(one.broken)
+        scopes = svc.config.devices.durable_grants and svc.systemd is not None
+        v2 = self.observer.known_v2_scopes if scopes else ()
+        for pair in v2:
+            one = self._settled(
+                self.observer.fast_view(remember=False, pairs=(pair,), cache=self._programs)
+            )
+            written.update(self.bridges.attach(one, svc, self._programs))
+            access.update(one.access)
+        self._programs.forget_unseen()
+        known = (*known, *v2)
         fast = AccessView(
             tuple(c for c, _ in known), {c.key: e for c, e in known}, access, rules, broken
         )
@@ -227,7 +242,16 @@ class ContainerAccessStep:
             # New scopes the fast path is handling get their grant there, once.
             busy = self.scopes.busy()
             units = [a for a in units if a.unit not in busy]
-        outcomes += await asyncio.gather(*(self._unit(a, svc, systemd) for a in units))
+            # bridges left attached, then a bridge for each scope about to be repaired
+            outcomes += self.bridges.stale(view, svc)
+            repairing = {a.unit for a in units}
+            denied = dataclasses.replace(
+                view, containers=tuple(c for c in view.containers if c.unit in repairing)
+            )
+            outcomes += [o for _t, o in self.bridges.attach(denied, svc, self._programs).values()]
+        outcomes += await self.bridges.grant_then_detach(
+            units, lambda a: self._unit(a, svc, systemd), svc
+        )
         self.backoff.keep_only({str(c.cgroup_v2) for c in view.containers if c.cgroup_v2})
         for a in actions:
             if isinstance(a, V2ProgramReplace):
@@ -270,15 +294,23 @@ class ContainerAccessStep:
             )
             for c in fast.containers
         )
-        if not written and not denied_v2:
+        if not written and not denied_v2 and not self.bridges.pending:
             return frozenset(), frozenset()
         _, actions = audit(fast.containers, fast.entitlements, fast.access, device_rules=fast.rules)
         units: list[UnitDeviceAllow] = []
+        bridged: list[Outcome] = []
         if scopes:
             v2 = {c.container_id for c in fast.containers if c.cgroup_v1_devices is None}
             units = [a for a in actions if isinstance(a, UnitDeviceAllow) and a.container_id in v2]
-        done = await asyncio.gather(*(self._unit(a, svc, svc.systemd) for a in units))
-        outcomes = [*written.values(), *done]
+            # first the bridges (access back in ms), then DeviceAllow= for them and for
+            # the bridges made on the reload's signal
+            bridged = [o for _t, o in self.bridges.attach(fast, svc, self._programs).values()]
+            planned = {a.unit for a in units}
+            units += [a for u, (_b, a) in self.bridges.pending.items() if u not in planned]
+        done = await self.bridges.grant_then_detach(
+            units, lambda a: self._unit(a, svc, svc.systemd), svc
+        )
+        outcomes = [*written.values(), *bridged, *done]
         findings = self._report(fast, outcomes, svc)
         ctx.findings += findings
         ctx.outcomes += outcomes
@@ -287,8 +319,10 @@ class ContainerAccessStep:
     def _settled(self, fast: AccessView) -> AccessView:
         """`fast` with the denials the scope's DeviceAllow= already covers judged
         unknown: they wait for the full pass's settled re-read (settle.py), since a read
-        inside systemd's deny-all-then-allow apply is no loss."""
+        inside systemd's deny-all-then-allow apply is no loss. On v2 systemd swaps whole
+        programs (no such window): a node its own program denies is lost (bridge.py)."""
         covered = covered_denials(fast.containers, fast.entitlements, fast.access, self.durable)
+        covered -= fast.systemd_denies
         if not covered:
             return fast
         return dataclasses.replace(fast, access=unknown(fast.access, covered))
