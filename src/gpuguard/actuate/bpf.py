@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import struct
 from dataclasses import dataclass
@@ -82,11 +83,12 @@ class Replacement:
         return f"program {self.old_id} replaced by {new}: {self.program.describe()}"
 
 
-def load_program(code: bytes, name: bytes = b"gpuguard") -> int:
-    """BPF_PROG_LOAD; returns the program fd (the caller closes it)."""
+def load_program(code: bytes, name: bytes = b"gpuguard", *, log_level: int = 0) -> int:
+    """BPF_PROG_LOAD; returns the program fd (the caller closes it). The verifier's log
+    is asked for only to explain a failure (it makes a load ~4x slower: 4 ms here)."""
     insns = ctypes.create_string_buffer(code, len(code))
     lic = ctypes.create_string_buffer(b"GPL")
-    log = ctypes.create_string_buffer(16384)
+    log = ctypes.create_string_buffer(16384 if log_level else 1)
     attr = ctypes.create_string_buffer(BPF_ATTR_SIZE)
     # prog_type, insn_cnt, insns, license, log_level, log_size, log_buf
     struct.pack_into(
@@ -97,16 +99,41 @@ def load_program(code: bytes, name: bytes = b"gpuguard") -> int:
         len(code) // 8,
         ctypes.addressof(insns),
         ctypes.addressof(lic),
-        1,
-        len(log),
-        ctypes.addressof(log),
+        log_level,
+        len(log) if log_level else 0,
+        ctypes.addressof(log) if log_level else 0,
     )
     struct.pack_into("16s", attr, 48, name[:15])  # prog_name, NUL-terminated
     try:
         return bpf_syscall(BPF_PROG_LOAD, attr)
     except OSError as e:
+        if not log_level:
+            return load_program(code, name, log_level=1)  # again, for the verifier's word
         verifier = log.value.decode(errors="replace").strip().splitlines()[-1:] or [""]
         raise BpfReplaceError(f"BPF_PROG_LOAD failed: {e.strerror} {verifier[0]}".strip()) from None
+
+
+class LoadedPrograms:
+    """Bridge programs loaded once and attached to every cgroup that needs the same
+    one (after a reload most scopes lose the same nodes from the same rules): a load
+    costs ~1 ms, an attach ~10 us. Keeps a few fds open, the oldest closed first."""
+
+    def __init__(self, keep: int = 16) -> None:
+        self._fds: dict[bytes, int] = {}
+        self._keep = keep
+
+    def fd(self, code: bytes, name: str) -> int:
+        """A new fd of the loaded program (the caller closes it)."""
+        key = name.encode() + b"\0" + code
+        if key not in self._fds:
+            if len(self._fds) >= self._keep:
+                os.close(self._fds.pop(next(iter(self._fds))))
+            self._fds[key] = load_program(code, name.encode())
+        return os.dup(self._fds[key])
+
+    def close(self) -> None:
+        while self._fds:
+            os.close(self._fds.popitem()[1])
 
 
 def _attach(cmd: int, cgroup_fd: int, prog_fd: int, flags: int) -> None:
@@ -178,10 +205,12 @@ def _swap(
     new: DeviceProgram,
     verify: Callable[[], bool],
     name: str = "gpuguard",
+    loaded: Optional[LoadedPrograms] = None,
 ) -> int:
     where = f"{cgroup_dir}: "
     try:
-        new_fd = load_program(build(new), name.encode())
+        code = build(new)
+        new_fd = loaded.fd(code, name) if loaded else load_program(code, name.encode())
     except BpfReplaceError as e:
         raise BpfReplaceError(f"{where}{e}; the old program stays") from None
     try:
@@ -231,6 +260,12 @@ class _Attached:
     program: Optional[DeviceProgram]  # None: unreadable or of another shape
 
 
+@functools.lru_cache(maxsize=64)
+def _parsed(code: bytes) -> DeviceProgram:
+    """After a reload most scopes hold byte-identical programs: each parsed once."""
+    return parse(code)
+
+
 def _attached(cgroup_dir: Path) -> List[_Attached]:
     """The programs attached to the cgroup itself, each opened (the caller closes)."""
     where = f"{cgroup_dir}: "
@@ -245,7 +280,7 @@ def _attached(cgroup_dir: Path) -> List[_Attached]:
             out.append(_Attached(i, fd, "", None))
             prog: Optional[DeviceProgram] = None
             with contextlib.suppress(UnknownProgramShape, ProgramUnreadable):
-                prog = parse(read_program(fd))
+                prog = _parsed(read_program(fd))
             out[-1] = _Attached(i, fd, prog_name(fd), prog)
     except OSError as e:
         for a in out:
@@ -260,6 +295,7 @@ def attach_bridge(
     verify: Callable[[], bool],
     *,
     dry_run: bool,
+    loaded: Optional[LoadedPrograms] = None,
 ) -> Replacement:
     """Replace systemd's program on ``cgroup_dir``, the one that denies ``nodes``, by a
     bridge admitting its rules plus read/write on ``nodes``. Raises BpfReplaceError
@@ -294,7 +330,7 @@ def attach_bridge(
         new = grant_nodes(old.program, nodes)
         if dry_run:
             return Replacement(str(cgroup_dir), old.prog_id, 0, new)
-        new_id = _swap(cgroup_dir, old.fd, new, verify, BRIDGE_NAME)
+        new_id = _swap(cgroup_dir, old.fd, new, verify, BRIDGE_NAME, loaded)
         return Replacement(str(cgroup_dir), old.prog_id, new_id, new)
     finally:
         for p in progs:

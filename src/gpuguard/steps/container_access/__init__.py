@@ -127,6 +127,7 @@ class ContainerAccessStep:
             written.update(self.bridges.attach(one, svc, self._programs))
             access.update(one.access)
         self._programs.forget_unseen()
+        self.bridges.release()
         known = (*known, *v2)
         fast = AccessView(
             tuple(c for c, _ in known), {c.key: e for c, e in known}, access, rules, broken
@@ -249,6 +250,7 @@ class ContainerAccessStep:
                 view, containers=tuple(c for c in view.containers if c.unit in repairing)
             )
             outcomes += [o for _t, o in self.bridges.attach(denied, svc, self._programs).values()]
+        self.bridges.release()
         outcomes += await self.bridges.grant_then_detach(
             units, lambda a: self._unit(a, svc, systemd), svc
         )
@@ -307,6 +309,7 @@ class ContainerAccessStep:
             bridged = [o for _t, o in self.bridges.attach(fast, svc, self._programs).values()]
             planned = {a.unit for a in units}
             units += [a for u, (_b, a) in self.bridges.pending.items() if u not in planned]
+            self.bridges.release()
         done = await self.bridges.grant_then_detach(
             units, lambda a: self._unit(a, svc, svc.systemd), svc
         )

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Awaitable, Callable, Mapping, Optional, Sequence
 
+from gpuguard.actuate.bpf import LoadedPrograms
 from gpuguard.devices.bpfprog import ACC_RW
 from gpuguard.devices.bpfread import ProgramCache, judge
 from gpuguard.model import Outcome
@@ -153,7 +154,9 @@ def _numbers(a: BridgeAttach) -> list[tuple[int, int]]:
     return [(int(ma), int(mi)) for ma, mi in (n.split(":") for n in a.numbers)]
 
 
-def attach(a: BridgeAttach, cache: ProgramCache, *, dry_run: bool) -> Outcome:
+def attach(
+    a: BridgeAttach, cache: ProgramCache, loaded: LoadedPrograms, *, dry_run: bool
+) -> Outcome:
     """The bridge's swap, verified by the kernel's programs read back (no fork: this
     runs inline on the loop right after a reload). Failure: nothing changed."""
     from gpuguard.actuate.bpf import BpfReplaceError, attach_bridge
@@ -166,7 +169,7 @@ def attach(a: BridgeAttach, cache: ProgramCache, *, dry_run: bool) -> Outcome:
         return verdicts is not None and all(verdicts.values())
 
     try:
-        r = attach_bridge(cg, nodes, verify, dry_run=dry_run)
+        r = attach_bridge(cg, nodes, verify, dry_run=dry_run, loaded=loaded)
     except BpfReplaceError as e:
         return Outcome(a, "failed", f"{e}; DeviceAllow= alone repairs it")
     except OSError as e:
@@ -216,6 +219,11 @@ class Bridges:
         # (inplace.py's back-off): never a bridge, detach, bridge again loop.
         self.backoff = backoff
         self.clock = clock
+        self.loaded = LoadedPrograms()  # the same bridge program for many scopes
+
+    def release(self) -> None:
+        """Close the programs loaded for this burst (attached ones stay attached)."""
+        self.loaded.close()
 
     def attach(
         self, view: AccessView, svc: Services, cache: ProgramCache
@@ -224,7 +232,7 @@ class Bridges:
         each was made and how it went, by container."""
         out: dict[str, tuple[float, Outcome]] = {}
         for b, allow in plan_bridges(view, self.backoff.failures, self.clock()):
-            o = attach(b, cache, dry_run=svc.dry_run)
+            o = attach(b, cache, self.loaded, dry_run=svc.dry_run)
             out[b.container_id] = (time.monotonic(), o)
             if o.status in ("done", "dry-run"):
                 self.pending[b.unit] = (b, allow)
