@@ -387,6 +387,10 @@ def part_c(ns: SystemdNamespace, acc: Access, ctrs: Sequence[Container], reloads
             ("last_write", "gpuguard's last write"),
         ):
             note(what, fast.get(key), t_ret)
+        if fast.get("containers") is not None:
+            steps.setdefault("containers repaired on the signal (count, not ms)", []).append(
+                float(fast["containers"])
+            )
         if fast.get("signal") is not None:
             note(
                 "from the signal at gpuguard: its last write",

@@ -248,24 +248,20 @@ KINDS: dict[str, KindDoc] = {
     "v2-bridge-attach": KindDoc(
         "gpuguard bridged a container's lost GPU nodes until systemd applies its grant",
         "cgroup v2, systemd scope: systemd's device program (sd_devices) denied nodes the "
-        "container was given. gpuguard replaced it in place by a bridge (a program named "
-        "gpuguard_bridge) admitting systemd's rules plus exactly those nodes, attached "
-        "before systemd's was detached and verified, so access is back within "
-        "milliseconds; the scope's DeviceAllow= (unit-device-allow) follows, and the "
-        "bridge is detached once systemd's new program is attached (v2-bridge-detach). "
-        "Every attached program must admit an open, so the bridge never grants more than "
-        "the container had plus its entitlement. On failure nothing changed and "
-        "DeviceAllow= alone repairs it; the entry says why (a frozen cgroup, programs that "
-        "are not systemd's, the in-place back-off).",
+        "container was given. gpuguard replaced it in place by a bridge (gpuguard_bridge: "
+        "systemd's rules plus exactly those nodes, attached before systemd's was detached, "
+        "verified): access is back within milliseconds. The scope's DeviceAllow= follows "
+        "(unit-device-allow), then the bridge is detached (v2-bridge-detach). All attached "
+        "programs must admit an open, so a bridge never grants more than the container had "
+        "plus its entitlement. On failure nothing changed and DeviceAllow= alone repairs it.",
     ),
     "v2-bridge-detach": KindDoc(
         "gpuguard detached its bridge from a container's cgroup",
         "systemd's own program is attached again next to gpuguard's bridge (after the "
-        "DeviceAllow= gpuguard set, or after a reload for a bridge left from an earlier "
-        "repair), so the bridge was detached: the container's devices are admitted by "
-        "systemd's program and its runtime's, as before the loss. The entry says whether "
-        "systemd's program admits the bridged nodes; if not, the next pass reports the "
-        "denial and repairs it.",
+        "DeviceAllow= gpuguard set, or a reload for a bridge left from before), so the "
+        "bridge was detached: systemd's program and the runtime's admit the devices, as "
+        "before the loss. If systemd's program still denies a node, the entry says so and "
+        "the next pass reports and repairs it.",
     ),
     "restart-container": KindDoc(
         "gpuguard stopped a container to restore its GPU access",

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import os
 import time
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from gpuguard.actuate.containers import ContainerStopper
 from gpuguard.conditions import Conditions, FindingId, finding_id, log_findings
-from gpuguard.devices.bpfread import ProgramCache
 from gpuguard.devices.nodes import GpuLike
 from gpuguard.devices.rules import DeviceRules
 from gpuguard.model import Action, Finding, Outcome
@@ -63,6 +63,8 @@ from gpuguard.steps.container_access.settle import confirm, covered_denials, set
 from gpuguard.steps.registry import CONTAINER_ACCESS
 
 if TYPE_CHECKING:
+    from gpuguard.devices.containers import ContainerCgroup
+    from gpuguard.devices.entitlement import Entitlement
     from gpuguard.passes import PassContext, Services
     from gpuguard.systemd import Systemd
 
@@ -96,8 +98,9 @@ class ContainerAccessStep:
         self._carried_ids: set[FindingId] = set()
         self.last_reload: Optional[ReloadRepair] = None
         self.scopes = NewScopes(plan_durable, self._unit, self.durable, self._carried.append)
-        self.bridges = Bridges(self.backoff, clock)  # v2: access back before DeviceAllow=
-        self._programs = ProgramCache()  # read on the loop (the pass's thread has its own)
+        # v2 scopes: access back before their DeviceAllow= (bridge.py)
+        self.bridges = Bridges(self.backoff, clock, self._look, self._unit, self._carried.append)
+        self._followup: Optional[asyncio.Future[None]] = None  # after a reload's bridges
 
     def on_reload(self, svc: Services, signal: float) -> None:
         """systemd ended a daemon-reload/reexec (`signal`: when that arrived): re-grant
@@ -120,14 +123,13 @@ class ContainerAccessStep:
             broken.update(one.broken)
         scopes = svc.config.devices.durable_grants and svc.systemd is not None
         v2 = self.observer.known_v2_scopes if scopes else ()
-        for pair in v2:
-            one = self._settled(
-                self.observer.fast_view(remember=False, pairs=(pair,), cache=self._programs)
-            )
-            written.update(self.bridges.attach(one, svc, self._programs))
-            access.update(one.access)
-        self._programs.forget_unseen()
-        self.bridges.release()
+        bridged, v2_access = self.bridges.sweep(v2, svc)
+        written.update(bridged)
+        access.update(v2_access)
+        if v2:  # their DeviceAllow= now, and a second look at the others (bridge.py)
+            rest = [p for p in v2 if p[0].container_id not in written]
+            report = functools.partial(self._late_findings, svc=svc)
+            self._followup = asyncio.ensure_future(self.bridges.follow_up(svc, rest, report))
         known = (*known, *v2)
         fast = AccessView(
             tuple(c for c, _ in known), {c.key: e for c, e in known}, access, rules, broken
@@ -241,7 +243,7 @@ class ContainerAccessStep:
             }
             units += plan_durable(view, tuple(units), self.durable, links)
             # New scopes the fast path is handling get their grant there, once.
-            busy = self.scopes.busy()
+            busy = self.scopes.busy() | self.bridges.in_flight  # a reload's follow-up too
             units = [a for a in units if a.unit not in busy]
             # bridges left attached, then a bridge for each scope about to be repaired
             outcomes += self.bridges.stale(view, svc)
@@ -249,11 +251,10 @@ class ContainerAccessStep:
             denied = dataclasses.replace(
                 view, containers=tuple(c for c in view.containers if c.unit in repairing)
             )
-            outcomes += [o for _t, o in self.bridges.attach(denied, svc, self._programs).values()]
+            outcomes += [o for _t, o in self.bridges.attach(denied, svc).values()]
         self.bridges.release()
-        outcomes += await self.bridges.grant_then_detach(
-            units, lambda a: self._unit(a, svc, systemd), svc
-        )
+        claimed = self.bridges.claim({a.unit for a in units})
+        outcomes += await self.bridges.grant_then_detach(units, svc, claimed)
         self.backoff.keep_only({str(c.cgroup_v2) for c in view.containers if c.cgroup_v2})
         for a in actions:
             if isinstance(a, V2ProgramReplace):
@@ -306,13 +307,11 @@ class ContainerAccessStep:
             units = [a for a in actions if isinstance(a, UnitDeviceAllow) and a.container_id in v2]
             # first the bridges (access back in ms), then DeviceAllow= for them and for
             # the bridges made on the reload's signal
-            bridged = [o for _t, o in self.bridges.attach(fast, svc, self._programs).values()]
+            bridged = [o for _t, o in self.bridges.attach(fast, svc).values()]
             planned = {a.unit for a in units}
             units += [a for u, (_b, a) in self.bridges.pending.items() if u not in planned]
             self.bridges.release()
-        done = await self.bridges.grant_then_detach(
-            units, lambda a: self._unit(a, svc, svc.systemd), svc
-        )
+        done = await self.bridges.grant_then_detach(units, svc, self.bridges.claim())
         outcomes = [*written.values(), *bridged, *done]
         findings = self._report(fast, outcomes, svc)
         ctx.findings += findings
@@ -329,6 +328,14 @@ class ContainerAccessStep:
         if not covered:
             return fast
         return dataclasses.replace(fast, access=unknown(fast.access, covered))
+
+    def _look(self, pair: tuple[ContainerCgroup, Entitlement]) -> AccessView:
+        """One known container's access as of now, outside a pass (a reload's sweep)."""
+        view = self.observer.fast_view(remember=False, pairs=(pair,), cache=self.bridges.cache)
+        return self._settled(view)
+
+    def _late_findings(self, view: AccessView, svc: Services) -> None:
+        self._carried_findings.extend(self._report(view, (), svc))
 
     def _regrant(self, fast: AccessView, svc: Services) -> dict[str, tuple[float, Outcome]]:
         """The direct v1 writes for every denied entitled node of `fast`, each with when

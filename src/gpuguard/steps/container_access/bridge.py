@@ -51,14 +51,21 @@ from gpuguard.steps.container_access.inplace import Failure
 from gpuguard.steps.container_access.observe import AccessView
 from gpuguard.steps.container_access.reconcile import (
     RECONCILER,
+    AccessKey,
     ContainerDeviceAction,
     UnitDeviceAllow,
 )
 
 if TYPE_CHECKING:
+    from gpuguard.devices.containers import ContainerCgroup
+    from gpuguard.devices.entitlement import Entitlement
     from gpuguard.passes import Services
     from gpuguard.steps.container_access.inplace import Backoff
+    from gpuguard.systemd import Systemd
 
+Pair = tuple["ContainerCgroup", "Entitlement"]  # a known container and what it was given
+Written = tuple[float, Outcome]  # when a bridge was made, and how it went
+Grant = Callable[[UnitDeviceAllow, "Services", "Optional[Systemd]"], Awaitable[Outcome]]
 ACTION_ATTACH = "v2-bridge-attach"
 ACTION_DETACH = "v2-bridge-detach"
 # Waiting for systemd's program after its DeviceAllow= call returned: one more reply
@@ -213,8 +220,20 @@ def detach(a: BridgeDetach, *, dry_run: bool) -> Optional[tuple[Outcome, bool]]:
 class Bridges:
     """Bridges attached whose DeviceAllow= gpuguard has not set yet, by unit."""
 
-    def __init__(self, backoff: Backoff, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        backoff: Backoff,
+        clock: Callable[[], float],
+        look: Callable[[Pair], AccessView],
+        grant: Grant,
+        carry: Callable[[Outcome], None],
+    ) -> None:
         self.pending: dict[str, tuple[BridgeAttach, UnitDeviceAllow]] = {}
+        self.look = look  # a known container's access now, outside a pass
+        self.grant = grant  # the step's DeviceAllow= (the same journal entry)
+        self.carry = carry  # done between passes: into the next pass's result
+        self.cache = ProgramCache()  # programs read on the loop (a pass's thread has its own)
+        self.in_flight: set[str] = set()  # units whose DeviceAllow= is being set here
         # A failed bridge, or one whose DeviceAllow= did not take, holds the cgroup back
         # (inplace.py's back-off): never a bridge, detach, bridge again loop.
         self.backoff = backoff
@@ -225,14 +244,12 @@ class Bridges:
         """Close the programs loaded for this burst (attached ones stay attached)."""
         self.loaded.close()
 
-    def attach(
-        self, view: AccessView, svc: Services, cache: ProgramCache
-    ) -> dict[str, tuple[float, Outcome]]:
+    def attach(self, view: AccessView, svc: Services) -> dict[str, tuple[float, Outcome]]:
         """A bridge for each v2 scope of `view` that denies entitled nodes, inline; when
         each was made and how it went, by container."""
         out: dict[str, tuple[float, Outcome]] = {}
         for b, allow in plan_bridges(view, self.backoff.failures, self.clock()):
-            o = attach(b, cache, self.loaded, dry_run=svc.dry_run)
+            o = attach(b, self.cache, self.loaded, dry_run=svc.dry_run)
             out[b.container_id] = (time.monotonic(), o)
             if o.status in ("done", "dry-run"):
                 self.pending[b.unit] = (b, allow)
@@ -240,9 +257,49 @@ class Bridges:
                 self.backoff.record(b.cgroup_dir, None, False, o.detail, self.clock())
         return out
 
-    def take(self, unit: str) -> Optional[BridgeAttach]:
-        got = self.pending.pop(unit, None)
-        return got[0] if got is not None else None
+    def claim(self, units: Optional[set[str]] = None) -> dict[str, BridgeAttach]:
+        """The pending bridges of `units` (all: None), now the caller's to follow up."""
+        mine = [u for u in self.pending if units is None or u in units]
+        return {u: self.pending.pop(u)[0] for u in mine}
+
+    def sweep(
+        self, pairs: Sequence[Pair], svc: Services
+    ) -> tuple[dict[str, Written], dict[AccessKey, Optional[bool]]]:
+        """A reload's bridges, one known scope after another (`look`: its access now)."""
+        out: dict[str, Written] = {}
+        access: dict[AccessKey, Optional[bool]] = {}
+        for pair in pairs:
+            view = self.look(pair)
+            out.update(self.attach(view, svc))
+            access.update(view.access)
+        self.cache.forget_unseen()
+        self.release()
+        return out, access
+
+    async def follow_up(
+        self, svc: Services, rest: Sequence[Pair], report: Callable[[AccessView], None]
+    ) -> None:
+        """After a reload's bridges: their DeviceAllow= at once (not after the pass's
+        other steps), and once systemd has answered one call (its re-apply went on
+        meanwhile) a second sweep of the scopes (`rest`) whose loss it had not applied
+        yet; `report` journals the findings of what that one bridged."""
+        from gpuguard.systemd import SystemdError
+
+        units = [a for _b, a in self.pending.values()]
+        first = asyncio.ensure_future(self.grant_then_detach(units, svc, self.claim()))
+        if svc.systemd is not None and rest:
+            with contextlib.suppress(SystemdError):
+                await svc.systemd.unit_path(rest[0][0].unit or "")
+        bridged, access = self.sweep(rest, svc)
+        got = [(c, e) for c, e in rest if c.container_id in bridged]
+        if got:
+            report(AccessView(tuple(c for c, _ in got), {c.key: e for c, e in got}, access, {}))
+        late = [o for _t, o in bridged.values()]
+        units = [a for _b, a in self.pending.values()]
+        done = await self.grant_then_detach(units, svc, self.claim())
+        for o in [*late, *await first, *done]:
+            svc.log.outcome(o)
+            self.carry(o)
 
     async def detach_after(self, b: BridgeAttach, svc: Services) -> Optional[Outcome]:
         """Once systemd's program (from the DeviceAllow= just set) is attached, detach
@@ -292,15 +349,23 @@ class Bridges:
     async def grant_then_detach(
         self,
         units: Sequence[UnitDeviceAllow],
-        grant: Callable[[UnitDeviceAllow], Awaitable[Outcome]],
         svc: Services,
+        bridges: Mapping[str, BridgeAttach],
     ) -> list[Outcome]:
-        """Each DeviceAllow= (`grant`), then the detach of its unit's bridge, if any. A
-        bridge whose DeviceAllow= failed stays until systemd's program is back."""
+        """Each DeviceAllow= (`grant`), then the detach of its unit's bridge (claimed:
+        `bridges`), if any. A bridge whose DeviceAllow= failed stays until systemd's
+        program is back."""
 
         async def one(a: UnitDeviceAllow) -> list[Outcome]:
-            o = await grant(a)
-            b = self.take(a.unit)
+            self.in_flight.add(a.unit)
+            try:
+                return await grant(a)
+            finally:
+                self.in_flight.discard(a.unit)
+
+        async def grant(a: UnitDeviceAllow) -> list[Outcome]:
+            o = await self.grant(a, svc, svc.systemd)
+            b = bridges.get(a.unit)
             if b is None or o.status not in ("done", "dry-run"):
                 return [o]
             d = await self.detach_after(b, svc)
