@@ -45,6 +45,7 @@ Needs root. Usage:
 from __future__ import annotations
 
 import argparse
+import collections
 import errno
 import hashlib
 import json
@@ -406,6 +407,10 @@ def part_c(ns: SystemdNamespace, acc: Access, ctrs: Sequence[Container], reloads
     print(f"    reload returned -> every container restored: {fmt(restored_ms)}")
     print(f"    reload returned -> repair pass ended:        {fmt(pass_end_ms)}")
     print(f"    repair pass duration:                        {fmt(pass_ms)}")
+    if ns.layout == "v2":
+        made = collections.Counter(e["GPUGUARD_STATUS"] for e in events(ns, "v2-bridge-attach"))
+        gone = collections.Counter(e["GPUGUARD_STATUS"] for e in events(ns, "v2-bridge-detach"))
+        print(f"    v2 bridges (all parts): attached {dict(made)}, detached {dict(gone)}")
     bare.stop()
     bare_un.stop()
     print("    breakdown, ms after `systemctl daemon-reload` returned (negative: before):")

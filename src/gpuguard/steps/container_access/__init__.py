@@ -123,13 +123,15 @@ class ContainerAccessStep:
             broken.update(one.broken)
         scopes = svc.config.devices.durable_grants and svc.systemd is not None
         v2 = self.observer.known_v2_scopes if scopes else ()
-        bridged, v2_access = self.bridges.sweep(v2, svc)
+        bridged, v2_access = self.bridges.sweep(v2, svc, record=False)
         written.update(bridged)
         access.update(v2_access)
         if v2:  # their DeviceAllow= now, and a second look at the others (bridge.py)
             rest = [p for p in v2 if p[0].container_id not in written]
+            failed = {cid for cid, (_t, o) in written.items() if o.status == "failed"}
+            retry = [p for p in v2 if p[0].container_id in failed]
             report = functools.partial(self._late_findings, svc=svc)
-            self._followup = asyncio.ensure_future(self.bridges.follow_up(svc, rest, report))
+            self._followup = asyncio.ensure_future(self.bridges.follow_up(svc, rest, retry, report))
         known = (*known, *v2)
         fast = AccessView(
             tuple(c for c, _ in known), {c.key: e for c, e in known}, access, rules, broken

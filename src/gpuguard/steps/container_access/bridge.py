@@ -244,16 +244,19 @@ class Bridges:
         """Close the programs loaded for this burst (attached ones stay attached)."""
         self.loaded.close()
 
-    def attach(self, view: AccessView, svc: Services) -> dict[str, tuple[float, Outcome]]:
+    def attach(
+        self, view: AccessView, svc: Services, *, record: bool = True
+    ) -> dict[str, tuple[float, Outcome]]:
         """A bridge for each v2 scope of `view` that denies entitled nodes, inline; when
-        each was made and how it went, by container."""
+        each was made and how it went, by container. `record=False`: a failure is not
+        held back (on the reload's signal systemd may be swapping programs still)."""
         out: dict[str, tuple[float, Outcome]] = {}
         for b, allow in plan_bridges(view, self.backoff.failures, self.clock()):
             o = attach(b, self.cache, self.loaded, dry_run=svc.dry_run)
             out[b.container_id] = (time.monotonic(), o)
             if o.status in ("done", "dry-run"):
                 self.pending[b.unit] = (b, allow)
-            elif o.status == "failed":
+            elif o.status == "failed" and record:
                 self.backoff.record(b.cgroup_dir, None, False, o.detail, self.clock())
         return out
 
@@ -263,41 +266,43 @@ class Bridges:
         return {u: self.pending.pop(u)[0] for u in mine}
 
     def sweep(
-        self, pairs: Sequence[Pair], svc: Services
+        self, pairs: Sequence[Pair], svc: Services, *, record: bool = True
     ) -> tuple[dict[str, Written], dict[AccessKey, Optional[bool]]]:
         """A reload's bridges, one known scope after another (`look`: its access now)."""
         out: dict[str, Written] = {}
         access: dict[AccessKey, Optional[bool]] = {}
         for pair in pairs:
             view = self.look(pair)
-            out.update(self.attach(view, svc))
+            out.update(self.attach(view, svc, record=record))
             access.update(view.access)
         self.cache.forget_unseen()
         self.release()
         return out, access
 
     async def follow_up(
-        self, svc: Services, rest: Sequence[Pair], report: Callable[[AccessView], None]
+        self,
+        svc: Services,
+        rest: Sequence[Pair],
+        retry: Sequence[Pair],
+        report: Callable[[AccessView], None],
     ) -> None:
-        """After a reload's bridges: their DeviceAllow= at once (not after the pass's
-        other steps), and once systemd has answered one call (its re-apply went on
-        meanwhile) a second sweep of the scopes (`rest`) whose loss it had not applied
-        yet; `report` journals the findings of what that one bridged."""
+        """After a reload's first bridges: once systemd has answered one call (before
+        any DeviceAllow= queues behind it: its re-apply went on meanwhile), a second
+        sweep of the scopes whose loss it had not applied yet (`rest`; `report` journals
+        what it finds) and of those whose bridge failed then (`retry`), then every
+        bridge's DeviceAllow= at once (not after the pass's other steps)."""
         from gpuguard.systemd import SystemdError
 
-        units = [a for _b, a in self.pending.values()]
-        first = asyncio.ensure_future(self.grant_then_detach(units, svc, self.claim()))
-        if svc.systemd is not None and rest:
+        if svc.systemd is not None and (rest or retry):
             with contextlib.suppress(SystemdError):
-                await svc.systemd.unit_path(rest[0][0].unit or "")
-        bridged, access = self.sweep(rest, svc)
+                await svc.systemd.unit_path((rest or retry)[0][0].unit or "")
+        bridged, access = self.sweep([*rest, *retry], svc)
         got = [(c, e) for c, e in rest if c.container_id in bridged]
         if got:
             report(AccessView(tuple(c for c, _ in got), {c.key: e for c, e in got}, access, {}))
-        late = [o for _t, o in bridged.values()]
         units = [a for _b, a in self.pending.values()]
         done = await self.grant_then_detach(units, svc, self.claim())
-        for o in [*late, *await first, *done]:
+        for o in [*(o for _t, o in bridged.values()), *done]:
             svc.log.outcome(o)
             self.carry(o)
 
