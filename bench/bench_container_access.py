@@ -411,6 +411,13 @@ def part_c(ns: SystemdNamespace, acc: Access, ctrs: Sequence[Container], reloads
         made = collections.Counter(e["GPUGUARD_STATUS"] for e in events(ns, "v2-bridge-attach"))
         gone = collections.Counter(e["GPUGUARD_STATUS"] for e in events(ns, "v2-bridge-detach"))
         print(f"    v2 bridges (all parts): attached {dict(made)}, detached {dict(gone)}")
+        why = collections.Counter(
+            e["MESSAGE"].split("[failed: ", 1)[-1].split(".scope: ", 1)[-1][:100]
+            for e in events(ns, "v2-bridge-attach")
+            if e["GPUGUARD_STATUS"] == "failed"
+        )
+        for reason, n in why.most_common(3):
+            print(f"      failed {n}x: ...{reason}")
     bare.stop()
     bare_un.stop()
     print("    breakdown, ms after `systemctl daemon-reload` returned (negative: before):")
