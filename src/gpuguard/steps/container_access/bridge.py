@@ -69,9 +69,14 @@ Grant = Callable[[UnitDeviceAllow, "Services", "Optional[Systemd]"], Awaitable[O
 ACTION_ATTACH = "v2-bridge-attach"
 ACTION_DETACH = "v2-bridge-detach"
 # Waiting for systemd's program after its DeviceAllow= call returned: one more reply
-# from systemd (it applies before it answers the next call), then short sleeps.
-DETACH_TRIES = 20
-DETACH_SLEEP = 0.05
+# from systemd, then sleeps doubling from 10 ms (about 5 s in all: after a reload
+# systemd answers hundreds of calls before it applies them); the next pass does the rest.
+DETACH_TRIES = 10
+DETACH_SLEEP = 0.01
+# After a reload that lost something: more looks at the scopes systemd may not have
+# re-applied yet (it does not re-apply them all before it answers the next call).
+LOOKS = 4
+LOOK_SLEEP = 0.03
 
 
 @dataclass(frozen=True)
@@ -293,22 +298,33 @@ class Bridges:
         bridge's DeviceAllow= at once (not after the pass's other steps)."""
         from gpuguard.systemd import SystemdError
 
-        if svc.systemd is not None and (rest or retry):
-            with contextlib.suppress(SystemdError):
-                await svc.systemd.unit_path((rest or retry)[0][0].unit or "")
-        bridged, access = self.sweep([*rest, *retry], svc)
-        got = [(c, e) for c, e in rest if c.container_id in bridged]
-        if got:
-            report(AccessView(tuple(c for c, _ in got), {c.key: e for c, e in got}, access, {}))
-        units = [a for _b, a in self.pending.values()]
-        done = await self.grant_then_detach(units, svc, self.claim())
-        for o in [*(o for _t, o in bridged.values()), *done]:
+        grants: list[asyncio.Future[list[Outcome]]] = []
+        made: list[Outcome] = []
+        todo, lost = [*rest, *retry], bool(self.pending)
+        for _look in range(LOOKS):
+            if svc.systemd is not None and todo:
+                with contextlib.suppress(SystemdError):
+                    await svc.systemd.unit_path(todo[0][0].unit or "")
+            bridged, access = self.sweep(todo, svc)
+            got = [(c, e) for c, e in todo if c.container_id in bridged]
+            if got:
+                report(AccessView(tuple(c for c, _ in got), {c.key: e for c, e in got}, access, {}))
+            made += [o for _t, o in bridged.values()]
+            units = [a for _b, a in self.pending.values()]
+            grants.append(asyncio.ensure_future(self.grant_then_detach(units, svc, self.claim())))
+            lost = lost or bool(bridged)
+            todo = [p for p in todo if p[0].container_id not in bridged]
+            if not todo or not lost:  # nothing lost on this reload: no more looks
+                break
+            await asyncio.sleep(LOOK_SLEEP)
+        done = [o for g in grants for o in await g]
+        for o in [*made, *done]:
             svc.log.outcome(o)
             self.carry(o)
 
     async def detach_after(self, b: BridgeAttach, svc: Services) -> Optional[Outcome]:
         """Once systemd's program (from the DeviceAllow= just set) is attached, detach
-        the bridge; left to the next pass if it does not come within about a second."""
+        the bridge; left to the next pass if it does not come within a few seconds."""
         from gpuguard.systemd import SystemdError
 
         a = detach_of(b, "systemd applied the scope's DeviceAllow=: its program is attached")
@@ -325,7 +341,7 @@ class Bridges:
                 with contextlib.suppress(SystemdError):
                     await svc.systemd.unit_path(b.unit)  # answered once it has applied
             else:
-                await asyncio.sleep(DETACH_SLEEP)
+                await asyncio.sleep(DETACH_SLEEP * 2 ** (i - 1))
         return None
 
     def stale(self, view: AccessView, svc: Services) -> list[Outcome]:
