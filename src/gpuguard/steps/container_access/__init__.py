@@ -105,7 +105,7 @@ class ContainerAccessStep:
     def on_reload(self, svc: Services, signal: float) -> None:
         """systemd ended a daemon-reload/reexec (`signal`: when that arrived): re-grant
         the last pass's v1 GPU containers now, before anything else runs on the loop, and
-        bridge its v2 scopes that lost a node (their DeviceAllow= follows in the pass)."""
+        bridge its v2 scopes that lost a node (a task sets their DeviceAllow= next)."""
         if not svc.config.devices.regrant:
             return
         # One container at a time, read then written: the first is restored at once,
@@ -126,7 +126,7 @@ class ContainerAccessStep:
         bridged, v2_access = self.bridges.sweep(v2, svc, record=False)
         written.update(bridged)
         access.update(v2_access)
-        if v2:  # their DeviceAllow= now, and a second look at the others (bridge.py)
+        if v2:  # more looks at the others, then DeviceAllow= for each bridge (bridge.py)
             rest = [p for p in v2 if p[0].container_id not in written]
             failed = {cid for cid, (_t, o) in written.items() if o.status == "failed"}
             retry = [p for p in v2 if p[0].container_id in failed]
