@@ -320,6 +320,8 @@ def attach_bridge(
             )
 
         denying = [p for p in progs if not admits(p)]
+        if not denying:
+            raise BpfReplaceError(f"{where}no attached program denies the nodes now ({listed})")
         if len(denying) != 1 or denying[0].name != SYSTEMD_NAME or denying[0].program is None:
             raise BpfReplaceError(
                 f"{where}the programs that deny the nodes are not systemd's alone ({listed}): "
