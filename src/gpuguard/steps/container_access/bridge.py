@@ -291,6 +291,24 @@ class Bridges:
         retry: Sequence[Pair],
         report: Callable[[AccessView], None],
     ) -> None:
+        """`_follow_up`, journaled as a crash if it raises (a task: nobody awaits it)."""
+        try:
+            await self._follow_up(svc, rest, retry, report)
+        except Exception as e:  # the pass that follows repairs what is left
+            svc.log.event(
+                "reconciler-crashed",
+                f"reload bridge follow-up raised {type(e).__name__}: {e}",
+                level="error",
+                exc=e,
+            )
+
+    async def _follow_up(
+        self,
+        svc: Services,
+        rest: Sequence[Pair],
+        retry: Sequence[Pair],
+        report: Callable[[AccessView], None],
+    ) -> None:
         """After a reload's first bridges: once systemd has answered one call (before
         any DeviceAllow= queues behind it: its re-apply went on meanwhile), a second
         sweep of the scopes whose loss it had not applied yet (`rest`; `report` journals
