@@ -45,6 +45,7 @@ Needs root. Usage:
 from __future__ import annotations
 
 import argparse
+import collections
 import errno
 import hashlib
 import json
@@ -387,6 +388,10 @@ def part_c(ns: SystemdNamespace, acc: Access, ctrs: Sequence[Container], reloads
             ("last_write", "gpuguard's last write"),
         ):
             note(what, fast.get(key), t_ret)
+        if fast.get("containers") is not None:
+            steps.setdefault("containers repaired on the signal (count, not ms)", []).append(
+                float(fast["containers"])
+            )
         if fast.get("signal") is not None:
             note(
                 "from the signal at gpuguard: its last write",
@@ -402,6 +407,17 @@ def part_c(ns: SystemdNamespace, acc: Access, ctrs: Sequence[Container], reloads
     print(f"    reload returned -> every container restored: {fmt(restored_ms)}")
     print(f"    reload returned -> repair pass ended:        {fmt(pass_end_ms)}")
     print(f"    repair pass duration:                        {fmt(pass_ms)}")
+    if ns.layout == "v2":
+        made = collections.Counter(e["GPUGUARD_STATUS"] for e in events(ns, "v2-bridge-attach"))
+        gone = collections.Counter(e["GPUGUARD_STATUS"] for e in events(ns, "v2-bridge-detach"))
+        print(f"    v2 bridges (all parts): attached {dict(made)}, detached {dict(gone)}")
+        why = collections.Counter(
+            e["MESSAGE"].split("[failed: ", 1)[-1].split(".scope: ", 1)[-1][:100]
+            for e in events(ns, "v2-bridge-attach")
+            if e["GPUGUARD_STATUS"] == "failed"
+        )
+        for reason, n in why.most_common(3):
+            print(f"      failed {n}x: ...{reason}")
     bare.stop()
     bare_un.stop()
     print("    breakdown, ms after `systemctl daemon-reload` returned (negative: before):")

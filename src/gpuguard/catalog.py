@@ -245,6 +245,24 @@ KINDS: dict[str, KindDoc] = {
         "the old one was detached, verified by a probe). On failure the old program stays "
         "and the entry says why.",
     ),
+    "v2-bridge-attach": KindDoc(
+        "gpuguard bridged a container's lost GPU nodes until systemd applies its grant",
+        "cgroup v2, systemd scope: systemd's device program (sd_devices) denied nodes the "
+        "container was given. gpuguard replaced it in place by a bridge (gpuguard_bridge: "
+        "systemd's rules plus exactly those nodes, attached before systemd's was detached, "
+        "verified): access is back within milliseconds. The scope's DeviceAllow= follows "
+        "(unit-device-allow), then the bridge is detached (v2-bridge-detach). All attached "
+        "programs must admit an open, so a bridge never grants more than the container had "
+        "plus its entitlement. On failure nothing changed and DeviceAllow= alone repairs it.",
+    ),
+    "v2-bridge-detach": KindDoc(
+        "gpuguard detached its bridge from a container's cgroup",
+        "systemd's own program is attached again next to gpuguard's bridge (after the "
+        "DeviceAllow= gpuguard set, or a reload for a bridge left from before), so the "
+        "bridge was detached: systemd's program and the runtime's admit the devices, as "
+        "before the loss. If systemd's program still denies a node, the entry says so and "
+        "the next pass reports and repairs it.",
+    ),
     "restart-container": KindDoc(
         "gpuguard stopped a container to restore its GPU access",
         "V2Remedy=restart-container: kubelet recreates it with a fresh device policy.",

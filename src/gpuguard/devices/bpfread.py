@@ -18,7 +18,7 @@ import ctypes
 import os
 import struct
 from pathlib import Path
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from gpuguard.devices.bpfprog import ACC_RW, DeviceProgram, UnknownProgramShape, parse
 from gpuguard.devices.probe import (
@@ -28,9 +28,11 @@ from gpuguard.devices.probe import (
     query_device_programs,
 )
 
+BRIDGE_NAME = "gpuguard_bridge"  # gpuguard's bridges (steps/container_access/bridge.py)
+SYSTEMD_NAME = "sd_devices"  # the program systemd builds from a unit's DeviceAllow=
 BPF_PROG_GET_FD_BY_ID = 13
 BPF_OBJ_GET_INFO_BY_FD = 15
-_INFO_SIZE = 64  # bpf_prog_info up to xlated_prog_insns (offset 32) and a little more
+_INFO_SIZE = 80  # bpf_prog_info up to its name (offset 64, 16 bytes)
 
 
 class ProgramUnreadable(Exception):
@@ -59,6 +61,15 @@ def prog_info(prog_fd: int, insns: int = 0, size: int = 0) -> Tuple[int, int]:
     return prog_id, length
 
 
+def prog_name(prog_fd: int) -> str:
+    """The name a program was loaded with (systemd's: ``sd_devices``)."""
+    info = ctypes.create_string_buffer(_INFO_SIZE)
+    attr = ctypes.create_string_buffer(BPF_ATTR_SIZE)
+    struct.pack_into("<IIQ", attr, 0, prog_fd, _INFO_SIZE, ctypes.addressof(info))
+    bpf_syscall(BPF_OBJ_GET_INFO_BY_FD, attr)
+    return info.raw[64:80].split(b"\0", 1)[0].decode("ascii", "replace")
+
+
 def read_program(prog_fd: int) -> bytes:
     """The kernel's xlated instructions of a loaded program."""
     _, length = prog_info(prog_fd)
@@ -84,6 +95,7 @@ class ProgramCache:
 
     def __init__(self) -> None:
         self._parsed: Dict[int, Optional[DeviceProgram]] = {}
+        self._names: Dict[int, str] = {}  # by id, for gpuguard's own bridges (bridge.py)
         self._seen: set[int] = set()
         # by instructions too: after a daemon-reload systemd loads a new program per
         # scope, mostly byte-identical (same DeviceAllow= lists), so most skip the parse
@@ -101,6 +113,7 @@ class ProgramCache:
             fd = -1  # gone or not permitted: unknown (a gone one is not cached below)
         if fd >= 0:
             try:
+                self._names[prog_id] = prog_name(fd)
                 code = read_program(fd)
                 if code not in self._by_code:
                     try:
@@ -115,24 +128,35 @@ class ProgramCache:
             self._parsed[prog_id] = prog
         return prog
 
+    def name(self, prog_id: int) -> str:
+        """The name of a program read by `get` ("" when unknown)."""
+        return self._names.get(prog_id, "")
+
     def forget_unseen(self) -> None:
         """Drop programs not asked for since the last call (detached, usually freed)."""
         for gone in set(self._parsed) - self._seen:
             del self._parsed[gone]
+            self._names.pop(gone, None)
         self._seen = set()
         if len(self._by_code) > 4 * len(self._parsed) + 64:  # bounded: start afresh
             self._by_code = {}
 
 
 def judge(
-    cache: ProgramCache, cgroup_dir: Path, nodes: Sequence[Tuple[int, int]]
+    cache: ProgramCache,
+    cgroup_dir: Path,
+    nodes: Sequence[Tuple[int, int]],
+    ids_out: Optional[List[int]] = None,
 ) -> Optional[Dict[Tuple[int, int], bool]]:
     """Would a read/write open of each char node from ``cgroup_dir`` pass its device
-    programs? None when the programs cannot be listed, read or parsed (ask a probe)."""
+    programs? None when the programs cannot be listed, read or parsed (ask a probe).
+    ``ids_out`` receives the effective programs' ids."""
     try:
         ids = effective_programs(cgroup_dir)
     except OSError:
         return None
+    if ids_out is not None:
+        ids_out.extend(ids)
     progs = [cache.get(i) for i in ids]
     known = [p for p in progs if p is not None]
     if len(known) != len(progs):

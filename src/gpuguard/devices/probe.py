@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import platform
 import struct
@@ -116,13 +117,20 @@ BPF_ATTR_SIZE = 128  # large enough for the commands used here; the rest stays z
 _BPF_NR = {"x86_64": 321, "aarch64": 280, "ppc64le": 361, "s390x": 351}
 
 
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL:
+    """Loaded once: a CDLL per call cost more than the bpf(2) calls themselves."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return libc
+
+
 def bpf_syscall(cmd: int, attr: ctypes.Array[ctypes.c_char]) -> int:
     """Raw bpf(2). Returns the result; raises OSError with the errno on failure."""
     nr = _BPF_NR.get(platform.machine())
     if nr is None:
         raise OSError(errno.ENOSYS, f"bpf(2) number unknown on {platform.machine()}")
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
+    libc = _libc()
     ret = int(
         libc.syscall(
             ctypes.c_long(nr), ctypes.c_int(cmd), ctypes.byref(attr), ctypes.c_uint(len(attr))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import os
 import time
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
@@ -34,6 +35,7 @@ from gpuguard.steps.container_access.actuate import (
     apply_device_allow,
     apply_program_replace,
 )
+from gpuguard.steps.container_access.bridge import Bridges
 from gpuguard.steps.container_access.durable import ReloadRepair, plan_durable
 from gpuguard.steps.container_access.inplace import (
     FINDING_BACKOFF,
@@ -61,6 +63,8 @@ from gpuguard.steps.container_access.settle import confirm, covered_denials, set
 from gpuguard.steps.registry import CONTAINER_ACCESS
 
 if TYPE_CHECKING:
+    from gpuguard.devices.containers import ContainerCgroup
+    from gpuguard.devices.entitlement import Entitlement
     from gpuguard.passes import PassContext, Services
     from gpuguard.systemd import Systemd
 
@@ -94,10 +98,14 @@ class ContainerAccessStep:
         self._carried_ids: set[FindingId] = set()
         self.last_reload: Optional[ReloadRepair] = None
         self.scopes = NewScopes(plan_durable, self._unit, self.durable, self._carried.append)
+        # v2 scopes: access back before their DeviceAllow= (bridge.py)
+        self.bridges = Bridges(self.backoff, clock, self._look, self._unit, self._carried.append)
+        self._followup: Optional[asyncio.Future[None]] = None  # after a reload's bridges
 
     def on_reload(self, svc: Services, signal: float) -> None:
         """systemd ended a daemon-reload/reexec (`signal`: when that arrived): re-grant
-        the last pass's v1 GPU containers now, before anything else runs on the loop."""
+        the last pass's v1 GPU containers now, before anything else runs on the loop, and
+        bridge its v2 scopes that lost a node (a task sets their DeviceAllow= next)."""
         if not svc.config.devices.regrant:
             return
         # One container at a time, read then written: the first is restored at once,
@@ -113,6 +121,18 @@ class ContainerAccessStep:
             access.update(one.access)
             rules.update(one.rules)
             broken.update(one.broken)
+        scopes = svc.config.devices.durable_grants and svc.systemd is not None
+        v2 = self.observer.known_v2_scopes if scopes else ()
+        bridged, v2_access = self.bridges.sweep(v2, svc, record=False)
+        written.update(bridged)
+        access.update(v2_access)
+        if v2:  # more looks at the others, then DeviceAllow= for each bridge (bridge.py)
+            rest = [p for p in v2 if p[0].container_id not in written]
+            failed = {cid for cid, (_t, o) in written.items() if o.status == "failed"}
+            retry = [p for p in v2 if p[0].container_id in failed]
+            report = functools.partial(self._late_findings, svc=svc)
+            self._followup = asyncio.ensure_future(self.bridges.follow_up(svc, rest, retry, report))
+        known = (*known, *v2)
         fast = AccessView(
             tuple(c for c, _ in known), {c.key: e for c, e in known}, access, rules, broken
         )
@@ -225,9 +245,18 @@ class ContainerAccessStep:
             }
             units += plan_durable(view, tuple(units), self.durable, links)
             # New scopes the fast path is handling get their grant there, once.
-            busy = self.scopes.busy()
+            busy = self.scopes.busy() | self.bridges.in_flight  # a reload's follow-up too
             units = [a for a in units if a.unit not in busy]
-        outcomes += await asyncio.gather(*(self._unit(a, svc, systemd) for a in units))
+            # bridges left attached, then a bridge for each scope about to be repaired
+            outcomes += self.bridges.stale(view, svc)
+            repairing = {a.unit for a in units}
+            denied = dataclasses.replace(
+                view, containers=tuple(c for c in view.containers if c.unit in repairing)
+            )
+            outcomes += [o for _t, o in self.bridges.attach(denied, svc).values()]
+        self.bridges.release()
+        claimed = self.bridges.claim({a.unit for a in units})
+        outcomes += await self.bridges.grant_then_detach(units, svc, claimed)
         self.backoff.keep_only({str(c.cgroup_v2) for c in view.containers if c.cgroup_v2})
         for a in actions:
             if isinstance(a, V2ProgramReplace):
@@ -270,15 +299,22 @@ class ContainerAccessStep:
             )
             for c in fast.containers
         )
-        if not written and not denied_v2:
+        if not written and not denied_v2 and not self.bridges.pending:
             return frozenset(), frozenset()
         _, actions = audit(fast.containers, fast.entitlements, fast.access, device_rules=fast.rules)
         units: list[UnitDeviceAllow] = []
+        bridged: list[Outcome] = []
         if scopes:
             v2 = {c.container_id for c in fast.containers if c.cgroup_v1_devices is None}
             units = [a for a in actions if isinstance(a, UnitDeviceAllow) and a.container_id in v2]
-        done = await asyncio.gather(*(self._unit(a, svc, svc.systemd) for a in units))
-        outcomes = [*written.values(), *done]
+            # first the bridges (access back in ms), then DeviceAllow= for them and for
+            # the bridges made on the reload's signal
+            bridged = [o for _t, o in self.bridges.attach(fast, svc).values()]
+            planned = {a.unit for a in units}
+            units += [a for u, (_b, a) in self.bridges.pending.items() if u not in planned]
+            self.bridges.release()
+        done = await self.bridges.grant_then_detach(units, svc, self.bridges.claim())
+        outcomes = [*written.values(), *bridged, *done]
         findings = self._report(fast, outcomes, svc)
         ctx.findings += findings
         ctx.outcomes += outcomes
@@ -287,11 +323,21 @@ class ContainerAccessStep:
     def _settled(self, fast: AccessView) -> AccessView:
         """`fast` with the denials the scope's DeviceAllow= already covers judged
         unknown: they wait for the full pass's settled re-read (settle.py), since a read
-        inside systemd's deny-all-then-allow apply is no loss."""
+        inside systemd's deny-all-then-allow apply is no loss. On v2 systemd swaps whole
+        programs (no such window): a node its own program denies is lost (bridge.py)."""
         covered = covered_denials(fast.containers, fast.entitlements, fast.access, self.durable)
+        covered -= fast.systemd_denies
         if not covered:
             return fast
         return dataclasses.replace(fast, access=unknown(fast.access, covered))
+
+    def _look(self, pair: tuple[ContainerCgroup, Entitlement]) -> AccessView:
+        """One known container's access as of now, outside a pass (a reload's sweep)."""
+        view = self.observer.fast_view(remember=False, pairs=(pair,), cache=self.bridges.cache)
+        return self._settled(view)
+
+    def _late_findings(self, view: AccessView, svc: Services) -> None:
+        self._carried_findings.extend(self._report(view, (), svc))
 
     def _regrant(self, fast: AccessView, svc: Services) -> dict[str, tuple[float, Outcome]]:
         """The direct v1 writes for every denied entitled node of `fast`, each with when

@@ -7,7 +7,8 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Container, Mapping, Optional, Sequence
 
-from gpuguard.devices.bpfread import ProgramCache, judge
+from gpuguard.devices.bpfprog import ACC_RW
+from gpuguard.devices.bpfread import BRIDGE_NAME, SYSTEMD_NAME, ProgramCache, judge
 from gpuguard.devices.containers import ContainerCgroup
 from gpuguard.devices.entitlement import Entitlement, read_entitlement, unreadable_entitlement
 from gpuguard.devices.nodes import (
@@ -43,6 +44,10 @@ class AccessView:
     # v2 containers without a scope: the device programs attached to their own cgroup
     # (None: BPF_PROG_QUERY failed), for the in-place repair's checks (inplace.py)
     programs: Mapping[str, Optional[tuple[int, ...]]] = field(default_factory=dict)
+    # v2 containers with a bridge of gpuguard's among their programs (bridge.py), and
+    # the v2 (container, node) pairs that a program of systemd's itself denies
+    bridged: frozenset[str] = frozenset()
+    systemd_denies: frozenset[AccessKey] = frozenset()
 
 
 class AccessObserver:
@@ -72,15 +77,30 @@ class AccessObserver:
         *,
         probe: bool = True,
         planned: Container[str] = (),
+        bridged: Optional[set[str]] = None,
+        cache: Optional[ProgramCache] = None,
+        sd_denies: Optional[set[AccessKey]] = None,
     ) -> None:
         """v2 verdicts from the programs the kernel runs for each cgroup, parsed once
         each (no fork); a probe, one fork per container, where a program cannot be read
         or parsed (``probe=False``: left unknown, for the fast path on the loop).
         ``planned``: nodes a dry-run only planned, not on the host: a probe has nothing
-        to open there (the container's own node is a path it controls), so unknown."""
+        to open there (the container's own node is a path it controls), so unknown.
+        ``bridged``: receives the containers with a bridge of gpuguard's attached;
+        ``sd_denies``: the (container, node) pairs a program of systemd's denies."""
+        programs_cache = self._programs if cache is None else cache
         for c, ent in pairs:
             assert c.cgroup_v2 is not None
-            verdicts = judge(self._programs, c.cgroup_v2, [(n.major, n.minor) for n in ent.nodes])
+            ids: list[int] = []
+            nodes = [(n.major, n.minor) for n in ent.nodes]
+            verdicts = judge(programs_cache, c.cgroup_v2, nodes, ids)
+            if bridged is not None and any(programs_cache.name(i) == BRIDGE_NAME for i in ids):
+                bridged.add(c.container_id)
+            if sd_denies is not None and verdicts is not None:
+                sd = [programs_cache.get(i) for i in ids if programs_cache.name(i) == SYSTEMD_NAME]
+                for n in ent.nodes:
+                    if any(p and not p.admits("c", n.major, n.minor, ACC_RW) for p in sd):
+                        sd_denies.add((c.container_id, n.numbers))
             if verdicts is not None:
                 for n in ent.nodes:
                     access[(c.container_id, n.numbers)] = verdicts[(n.major, n.minor)]
@@ -102,6 +122,11 @@ class AccessObserver:
     def known_v1(self) -> tuple[tuple[ContainerCgroup, Entitlement], ...]:
         """The last pass's v1 GPU containers with their entitlements."""
         return self._known_v1
+
+    @property
+    def known_v2_scopes(self) -> tuple[tuple[ContainerCgroup, Entitlement], ...]:
+        """The last pass's v2 GPU containers in a systemd scope."""
+        return tuple(p for p in self._known_v2 if p[0].unit is not None)
 
     def _read_v1(
         self,
@@ -148,22 +173,29 @@ class AccessObserver:
         self,
         remember: bool = True,
         pairs: Optional[Sequence[tuple[ContainerCgroup, Entitlement]]] = None,
+        cache: Optional[ProgramCache] = None,
     ) -> AccessView:
         """The last pass's GPU containers with their access as of now: no tree walk,
         no /proc reads. A reload's wipe is repaired from this before anything else.
         `remember=False` outside a pass: a pass's observe() may be running in its
         thread, and only that thread updates what was last seen intact. `pairs`: some
-        of the last pass's v1 containers only."""
+        of the last pass's containers only; `cache`: the programs read outside a pass."""
         access: dict[AccessKey, Optional[bool]] = {}
         rules: dict[str, DeviceRules] = {}
         broken: dict[str, str] = {}
         programs: dict[str, Optional[tuple[int, ...]]] = {}
+        sd_denies: set[AccessKey] = set()
         # one reference: observe() replaces it, never changes it
-        v1 = self._known_v1 if pairs is None else tuple(pairs)
+        v1 = self._known_v1
+        v2 = self._known_v2
+        if pairs is not None:
+            v1 = tuple(p for p in pairs if p[0].cgroup_v1_devices is not None)
+            v2 = tuple(p for p in pairs if p[0].cgroup_v1_devices is None)
         self._read_v1(v1, access, rules, broken, remember)
-        v2 = self._known_v2 if pairs is None else ()
         if self._root is not None and v2:
-            self._read_v2(self._root, v2, access, programs, probe=False)
+            self._read_v2(
+                self._root, v2, access, programs, probe=False, cache=cache, sd_denies=sd_denies
+            )
         known = v1 + v2
         return AccessView(
             tuple(c for c, _ in known),
@@ -172,6 +204,7 @@ class AccessObserver:
             rules,
             broken,
             programs=programs,
+            systemd_denies=frozenset(sd_denies),
         )
 
     def observe(
@@ -231,7 +264,8 @@ class AccessObserver:
                 ents[c.key] = unreadable_entitlement(c, broken[c.container_id])
         v2 = tuple((c, e) for c, e in gpu if c.cgroup_v1_devices is None and c.cgroup_v2)
         programs: dict[str, Optional[tuple[int, ...]]] = {}
-        self._read_v2(root, v2, access, programs, planned=snapshot.planned.nodes)
+        bridged: set[str] = set()
+        self._read_v2(root, v2, access, programs, planned=snapshot.planned.nodes, bridged=bridged)
         self._programs.forget_unseen()
         self._root, self._known_v2 = root, v2
         self._known_v1 = v1
@@ -254,6 +288,7 @@ class AccessObserver:
             broken=broken,
             plugin_containers=plugins,
             programs=programs,
+            bridged=frozenset(bridged),
         )
 
 

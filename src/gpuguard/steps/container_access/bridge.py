@@ -1,0 +1,414 @@
+"""A bridge on cgroup v2: access back within milliseconds, until systemd applies the
+DeviceAllow= that repairs a scope durably.
+
+On a systemd scope the v2 repair is a runtime DeviceAllow=: systemd rebuilds the
+scope's device program from it. Right after a daemon-reload systemd answers those calls
+one at a time behind its re-apply work (200 containers: over a second). v1 is fast
+because a direct devices.allow write restores access before any D-Bus call; the v2
+equivalent is a *bridge*: systemd's denying program (``sd_devices``) is replaced in
+place by one admitting its rules plus exactly the lost entitled nodes (the same swap as
+V2Remedy=inplace: attached with BPF_F_ALLOW_MULTI, the old one detached only after,
+verified by the kernel's programs read back), then DeviceAllow= is set as before, and
+once systemd's new program is attached the bridge is detached.
+
+Why it is safe:
+- With several programs attached the kernel admits an open only if every one admits
+  it. A bridge admits systemd's previous rules plus the lost entitled nodes, and the
+  other programs (the runtime's) still judge next to it: the container gains nothing
+  beyond what it had plus its entitlement.
+- Once any program of systemd's is attached next to the bridge again, the bridge can
+  only restrict (all must admit), so detaching it never removes access systemd grants;
+  what then admits the container is systemd's program and the runtime's, as designed.
+  Until then the bridge stands in for systemd's program and stays: detaching it with no
+  program of systemd's attached would leave the runtime's alone, which may be broader.
+- A bridge left attached (gpuguard stopped in between, DeviceAllow= failing) can only
+  deny a device granted later: the next pass sees that denial (the usual
+  container-device-denied) and removes the bridge as soon as systemd's program is there
+  (at the latest after the next reload). gpuguard knows its bridges by the name it loads
+  them with (``gpuguard_bridge``), so this holds across its own restarts.
+- No bridge (DeviceAllow= alone, as without one) for a frozen cgroup, when the programs
+  that deny are not systemd's alone or more than one other program is attached, when
+  the in-place back-off holds the cgroup (inplace.py; a failed bridge is recorded
+  there too), under DurableGrants=no (nothing would follow it) or without a bus.
+
+`plan_bridges` is pure; `Bridges` keeps the bridges whose DeviceAllow= is still to come.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Awaitable, Callable, Mapping, Optional, Sequence
+
+from gpuguard.actuate.bpf import LoadedPrograms
+from gpuguard.devices.bpfprog import ACC_RW
+from gpuguard.devices.bpfread import ProgramCache, judge
+from gpuguard.model import Outcome
+from gpuguard.steps.container_access.inplace import Failure
+from gpuguard.steps.container_access.observe import AccessView
+from gpuguard.steps.container_access.reconcile import (
+    RECONCILER,
+    AccessKey,
+    ContainerDeviceAction,
+    UnitDeviceAllow,
+)
+
+if TYPE_CHECKING:
+    from gpuguard.devices.containers import ContainerCgroup
+    from gpuguard.devices.entitlement import Entitlement
+    from gpuguard.passes import Services
+    from gpuguard.steps.container_access.inplace import Backoff
+    from gpuguard.systemd import Systemd
+
+Pair = tuple["ContainerCgroup", "Entitlement"]  # a known container and what it was given
+Written = tuple[float, Outcome]  # when a bridge was made, and how it went
+Grant = Callable[[UnitDeviceAllow, "Services", "Optional[Systemd]"], Awaitable[Outcome]]
+ACTION_ATTACH = "v2-bridge-attach"
+ACTION_DETACH = "v2-bridge-detach"
+# Waiting for systemd's program after its DeviceAllow= call returned: one more reply
+# from systemd, then sleeps doubling from 10 ms (about 5 s in all: after a reload
+# systemd answers hundreds of calls before it applies them); the next pass does the rest.
+DETACH_TRIES = 10
+DETACH_SLEEP = 0.01
+# After a reload that lost something: more looks at the scopes systemd may not have
+# re-applied yet (it does not re-apply them all before it answers the next call).
+LOOKS = 4
+LOOK_SLEEP = 0.03
+
+
+@dataclass(frozen=True)
+class BridgeAttach(ContainerDeviceAction):
+    cgroup_dir: str = ""
+    unit: str = ""
+
+    @property
+    def kind(self) -> str:
+        return ACTION_ATTACH
+
+    def fields(self) -> Mapping[str, str]:
+        return {
+            **super().fields(),
+            "CGROUP": self.cgroup_dir,
+            "UNIT": self.unit,
+            "CGROUP_LAYOUT": "v2",
+            "DEVICE_MECHANISM": "scope-device-allow",
+        }
+
+
+@dataclass(frozen=True)
+class BridgeDetach(BridgeAttach):
+    @property
+    def kind(self) -> str:
+        return ACTION_DETACH
+
+
+def plan_bridges(
+    view: AccessView, failures: Mapping[str, Failure], now: float
+) -> tuple[tuple[BridgeAttach, UnitDeviceAllow], ...]:
+    """A bridge, and the DeviceAllow= that follows it, for each v2 scope in `view` whose
+    cgroup denies entitled nodes (verdicts False; unknown ones wait for the pass)."""
+    out = []
+    for c in view.containers:
+        ent = view.entitlements.get(c.key)
+        if c.unit is None or c.cgroup_v2 is None or c.cgroup_v1_devices is not None:
+            continue
+        if ent is None or not ent.readable or c.container_id in view.broken:
+            continue
+        denied = [n for n in ent.nodes if view.access.get((c.container_id, n.numbers)) is False]
+        f = failures.get(str(c.cgroup_v2))
+        if not denied or (f is not None and now < f.at + f.wait):
+            continue
+        what = ", ".join(n.path for n in denied)
+        common = dict(
+            reconciler=RECONCILER,
+            pod_uid=c.pod_uid,
+            container_id=c.container_id,
+            nodes=tuple(n.path for n in denied),
+            numbers=tuple(n.numbers for n in denied),
+        )
+        bridge = BridgeAttach(
+            reason=f"{what} denied on the scope's cgroup v2: stand in for systemd's program "
+            "until the DeviceAllow= that follows is applied",
+            target=str(c.cgroup_v2),
+            cgroup_dir=str(c.cgroup_v2),
+            unit=c.unit,
+            **common,  # type: ignore[arg-type]
+        )
+        allow = UnitDeviceAllow(
+            reason=f"re-grant {what} given to the container and denied by its cgroup",
+            target=c.unit,
+            unit=c.unit,
+            devices=tuple((n.dev_char, "rw") for n in denied),
+            **common,  # type: ignore[arg-type]
+        )
+        out.append((bridge, allow))
+    return tuple(out)
+
+
+def detach_of(a: BridgeAttach, reason: str) -> BridgeDetach:
+    return BridgeDetach(
+        reconciler=a.reconciler,
+        reason=reason,
+        target=a.target,
+        cgroup_dir=a.cgroup_dir,
+        unit=a.unit,
+        pod_uid=a.pod_uid,
+        container_id=a.container_id,
+        nodes=a.nodes,
+        numbers=a.numbers,
+    )
+
+
+def _numbers(a: BridgeAttach) -> list[tuple[int, int]]:
+    return [(int(ma), int(mi)) for ma, mi in (n.split(":") for n in a.numbers)]
+
+
+def attach(
+    a: BridgeAttach, cache: ProgramCache, loaded: LoadedPrograms, *, dry_run: bool
+) -> Outcome:
+    """The bridge's swap, verified by the kernel's programs read back (no fork: this
+    runs inline on the loop right after a reload). Failure: nothing changed."""
+    from gpuguard.actuate.bpf import BpfReplaceError, attach_bridge
+
+    cg = Path(a.cgroup_dir)
+    nodes = _numbers(a)
+
+    def verify() -> bool:
+        verdicts = judge(cache, cg, nodes)
+        return verdicts is not None and all(verdicts.values())
+
+    try:
+        r = attach_bridge(cg, nodes, verify, dry_run=dry_run, loaded=loaded)
+    except BpfReplaceError as e:
+        return Outcome(a, "failed", f"{e}; DeviceAllow= alone repairs it")
+    except OSError as e:
+        return Outcome(a, "failed", f"{cg}: {e.strerror}; DeviceAllow= alone repairs it")
+    return Outcome(a, "dry-run" if dry_run else "done", r.describe())
+
+
+def detach(a: BridgeDetach, *, dry_run: bool) -> Optional[tuple[Outcome, bool]]:
+    """Detach the cgroup's bridges if systemd's program is attached again; None while
+    none is (the bridge stays, standing in for it) or when no bridge is there. With the
+    outcome: whether systemd's program admits the bridged nodes."""
+    from gpuguard.actuate.bpf import BpfReplaceError, detach_bridges
+
+    try:
+        d = detach_bridges(Path(a.cgroup_dir), dry_run=dry_run)
+    except BpfReplaceError as e:
+        return Outcome(a, "failed", str(e)), False
+    except OSError as e:
+        return Outcome(a, "failed", f"{a.cgroup_dir}: {e.strerror}; the bridge stays"), False
+    if not d.bridges:
+        return None
+    still = [
+        n
+        for n, (ma, mi) in zip(a.numbers, _numbers(a))
+        if not all(p.admits("c", ma, mi, ACC_RW) for p in d.systemd)
+    ]
+    ids = ", ".join(map(str, d.bridges))
+    if dry_run:
+        return Outcome(a, "dry-run", f"would detach bridge {ids}"), True
+    if still:
+        return Outcome(
+            a,
+            "done",
+            f"bridge {ids} detached; systemd's program denies {', '.join(still)} "
+            "(its DeviceAllow= did not take: reported by the next pass, which sets "
+            "DeviceAllow= again, with no bridge during the back-off)",
+        ), False
+    return Outcome(a, "done", f"bridge {ids} detached; systemd's program admits the nodes"), True
+
+
+class Bridges:
+    """Bridges attached whose DeviceAllow= gpuguard has not set yet, by unit."""
+
+    def __init__(
+        self,
+        backoff: Backoff,
+        clock: Callable[[], float],
+        look: Callable[[Pair], AccessView],
+        grant: Grant,
+        carry: Callable[[Outcome], None],
+    ) -> None:
+        self.pending: dict[str, tuple[BridgeAttach, UnitDeviceAllow]] = {}
+        self.look = look  # a known container's access now, outside a pass
+        self.grant = grant  # the step's DeviceAllow= (the same journal entry)
+        self.carry = carry  # done between passes: into the next pass's result
+        self.cache = ProgramCache()  # programs read on the loop (a pass's thread has its own)
+        self.in_flight: set[str] = set()  # units whose DeviceAllow= is being set here
+        # A failed bridge, or one whose DeviceAllow= did not take, holds the cgroup back
+        # (inplace.py's back-off): never a bridge, detach, bridge again loop.
+        self.backoff = backoff
+        self.clock = clock
+        self.loaded = LoadedPrograms()  # the same bridge program for many scopes
+
+    def release(self) -> None:
+        """Close the programs loaded for this burst (attached ones stay attached)."""
+        self.loaded.close()
+
+    def attach(
+        self, view: AccessView, svc: Services, *, record: bool = True
+    ) -> dict[str, tuple[float, Outcome]]:
+        """A bridge for each v2 scope of `view` that denies entitled nodes, inline; when
+        each was made and how it went, by container. `record=False`: a failure is not
+        held back (on the reload's signal systemd may be swapping programs still)."""
+        out: dict[str, tuple[float, Outcome]] = {}
+        for b, allow in plan_bridges(view, self.backoff.failures, self.clock()):
+            o = attach(b, self.cache, self.loaded, dry_run=svc.dry_run)
+            out[b.container_id] = (time.monotonic(), o)
+            if o.status in ("done", "dry-run"):
+                self.pending[b.unit] = (b, allow)
+            elif o.status == "failed" and record:
+                self.backoff.record(b.cgroup_dir, None, False, o.detail, self.clock())
+        return out
+
+    def claim(self, units: Optional[set[str]] = None) -> dict[str, BridgeAttach]:
+        """The pending bridges of `units` (all: None), now the caller's to follow up."""
+        mine = [u for u in self.pending if units is None or u in units]
+        return {u: self.pending.pop(u)[0] for u in mine}
+
+    def sweep(
+        self, pairs: Sequence[Pair], svc: Services, *, record: bool = True
+    ) -> tuple[dict[str, Written], dict[AccessKey, Optional[bool]]]:
+        """A reload's bridges, one known scope after another (`look`: its access now)."""
+        out: dict[str, Written] = {}
+        access: dict[AccessKey, Optional[bool]] = {}
+        for pair in pairs:
+            view = self.look(pair)
+            out.update(self.attach(view, svc, record=record))
+            access.update(view.access)
+        self.cache.forget_unseen()
+        self.release()
+        return out, access
+
+    async def follow_up(
+        self,
+        svc: Services,
+        rest: Sequence[Pair],
+        retry: Sequence[Pair],
+        report: Callable[[AccessView], None],
+    ) -> None:
+        """`_follow_up`, journaled as a crash if it raises (a task: nobody awaits it)."""
+        try:
+            await self._follow_up(svc, rest, retry, report)
+        except Exception as e:  # the pass that follows repairs what is left
+            svc.log.event(
+                "reconciler-crashed",
+                f"reload bridge follow-up raised {type(e).__name__}: {e}",
+                level="error",
+                exc=e,
+            )
+
+    async def _follow_up(
+        self,
+        svc: Services,
+        rest: Sequence[Pair],
+        retry: Sequence[Pair],
+        report: Callable[[AccessView], None],
+    ) -> None:
+        """After a reload's first bridges: once systemd has answered one call (before
+        any DeviceAllow= queues behind it: its re-apply went on meanwhile), a second
+        sweep of the scopes whose loss it had not applied yet (`rest`; `report` journals
+        what it finds) and of those whose bridge failed then (`retry`), then every
+        bridge's DeviceAllow= at once (not after the pass's other steps)."""
+        from gpuguard.systemd import SystemdError
+
+        grants: list[asyncio.Future[list[Outcome]]] = []
+        made: list[Outcome] = []
+        todo, lost = [*rest, *retry], bool(self.pending)
+        for _look in range(LOOKS):
+            if svc.systemd is not None and todo:
+                with contextlib.suppress(SystemdError):
+                    await svc.systemd.unit_path(todo[0][0].unit or "")
+            bridged, access = self.sweep(todo, svc)
+            got = [(c, e) for c, e in todo if c.container_id in bridged]
+            if got:
+                report(AccessView(tuple(c for c, _ in got), {c.key: e for c, e in got}, access, {}))
+            made += [o for _t, o in bridged.values()]
+            units = [a for _b, a in self.pending.values()]
+            grants.append(asyncio.ensure_future(self.grant_then_detach(units, svc, self.claim())))
+            lost = lost or bool(bridged)
+            todo = [p for p in todo if p[0].container_id not in bridged]
+            if not todo or not lost:  # nothing lost on this reload: no more looks
+                break
+            await asyncio.sleep(LOOK_SLEEP)
+        done = [o for g in grants for o in await g]
+        for o in [*made, *done]:
+            svc.log.outcome(o)
+            self.carry(o)
+
+    async def detach_after(self, b: BridgeAttach, svc: Services) -> Optional[Outcome]:
+        """Once systemd's program (from the DeviceAllow= just set) is attached, detach
+        the bridge; left to the next pass if it does not come within a few seconds."""
+        from gpuguard.systemd import SystemdError
+
+        a = detach_of(b, "systemd applied the scope's DeviceAllow=: its program is attached")
+        if svc.dry_run:
+            return Outcome(a, "dry-run", "would detach the bridge once systemd's program is there")
+        for i in range(DETACH_TRIES):
+            got = detach(a, dry_run=svc.dry_run)
+            if got is not None:
+                o, admitted = got
+                if not admitted:
+                    self.backoff.record(b.cgroup_dir, None, False, o.detail, self.clock())
+                return o
+            if i == 0 and svc.systemd is not None:
+                with contextlib.suppress(SystemdError):
+                    await svc.systemd.unit_path(b.unit)  # answered once it has applied
+            else:
+                await asyncio.sleep(DETACH_SLEEP * 2 ** (i - 1))
+        return None
+
+    def stale(self, view: AccessView, svc: Services) -> list[Outcome]:
+        """Bridges found attached (left by an earlier run, or whose DeviceAllow= failed)
+        and not waiting for one: detached where systemd's program is attached again."""
+        out = []
+        for c in view.containers:
+            if c.container_id not in view.bridged or c.unit in self.pending:
+                continue
+            assert c.cgroup_v2 is not None
+            a = BridgeDetach(
+                reconciler=RECONCILER,
+                reason="a bridge of gpuguard's left attached (an earlier repair) and "
+                "systemd's program is attached again",
+                target=str(c.cgroup_v2),
+                cgroup_dir=str(c.cgroup_v2),
+                unit=c.unit or "",
+                pod_uid=c.pod_uid,
+                container_id=c.container_id,
+            )
+            got = detach(a, dry_run=svc.dry_run)
+            if got is not None:
+                out.append(got[0])
+        return out
+
+    async def grant_then_detach(
+        self,
+        units: Sequence[UnitDeviceAllow],
+        svc: Services,
+        bridges: Mapping[str, BridgeAttach],
+    ) -> list[Outcome]:
+        """Each DeviceAllow= (`grant`), then the detach of its unit's bridge (claimed:
+        `bridges`), if any. A bridge whose DeviceAllow= failed stays until systemd's
+        program is back."""
+
+        async def one(a: UnitDeviceAllow) -> list[Outcome]:
+            self.in_flight.add(a.unit)
+            try:
+                return await grant(a)
+            finally:
+                self.in_flight.discard(a.unit)
+
+        async def grant(a: UnitDeviceAllow) -> list[Outcome]:
+            o = await self.grant(a, svc, svc.systemd)
+            b = bridges.get(a.unit)
+            if b is None or o.status not in ("done", "dry-run"):
+                return [o]
+            d = await self.detach_after(b, svc)
+            return [o] if d is None else [o, d]
+
+        done = await asyncio.gather(*(one(a) for a in units))
+        return [o for pair in done for o in pair]
