@@ -65,8 +65,10 @@ def test_not_yet_durable_scope_is_bridged_then_durable_and_the_bridge_gone(  # t
     ns.systemctl("daemon-reload")  # systemd attaches its program without the GPU
     wait_for(lambda: events(ns, "v2-bridge-detach"), what="the bridge detached", timeout=20)
     settle(ns)
-    # made on systemd's end-of-reload signal, before the pass (status: the fast path)
-    assert status(ns)["fast_paths"]["reload"]["containers"] == 1
+    # made by the reload's fast path: on systemd's end-of-reload signal, or by one of the
+    # looks after it when systemd had not applied the scope's loss yet at the signal
+    reload = status(ns)["fast_paths"]["reload"]
+    assert reload["checked"] >= 1 and reload["containers"] in (0, 1), reload
     (attach,) = events(ns, "v2-bridge-attach")
     assert attach["UNIT"] == mine.unit and attach["GPUGUARD_STATUS"] == "done"
     assert "195:0" in attach["DEVICE_NUMBERS"].split(",")

@@ -12,7 +12,8 @@ from gpuguard.config import Config
 from gpuguard.log import EventLog
 from gpuguard.oneshot import OneShotServices
 from gpuguard.paths import Root
-from gpuguard.steps.container_access import POD_RESTART_WINDOW, ContainerAccessStep
+from gpuguard.steps.container_access import ContainerAccessStep
+from gpuguard.steps.container_access.actuate import POD_RESTART_WINDOW
 from gpuguard.steps.container_access.reconcile import RestartContainer
 
 

@@ -29,11 +29,11 @@ from gpuguard.conditions import Conditions, FindingId, finding_id, log_findings
 from gpuguard.devices.nodes import GpuLike
 from gpuguard.devices.rules import DeviceRules
 from gpuguard.model import Action, Finding, Outcome
-from gpuguard.paths import Root
 from gpuguard.steps.container_access.actuate import (
     apply_allow,
     apply_device_allow,
     apply_program_replace,
+    decline_or_restart,
 )
 from gpuguard.steps.container_access.bridge import Bridges
 from gpuguard.steps.container_access.durable import ReloadRepair, plan_durable
@@ -44,7 +44,7 @@ from gpuguard.steps.container_access.inplace import (
     hold_back,
 )
 from gpuguard.steps.container_access.newscope import NewScopes
-from gpuguard.steps.container_access.observe import AccessObserver, AccessView, _numbers_of
+from gpuguard.steps.container_access.observe import AccessObserver, AccessView, learn_durable
 from gpuguard.steps.container_access.reconcile import (
     FINDING_CONFLICT,
     FINDING_MISSING,
@@ -73,8 +73,6 @@ NAME = CONTAINER_ACCESS
 CONDITION_KINDS = frozenset(
     {FINDING_MISSING, FINDING_STALE, FINDING_CONFLICT, FINDING_UNEXPECTED, FINDING_BACKOFF}
 )
-POD_RESTART_WINDOW = 3600.0  # V2Remedy=restart-container: one restart per pod per hour
-SCOPE_IFACE = "org.freedesktop.systemd1.Scope"
 
 
 class ContainerAccessStep:
@@ -235,7 +233,7 @@ class ContainerAccessStep:
             and a.unit not in fast_units  # set moments ago; systemd may still apply it
         ]
         if cfg.devices.durable_grants and systemd is not None:
-            await self._learn_durable(systemd, view, svc.root)
+            await learn_durable(systemd, view, svc.root, self.durable, self.scopes.busy())
             planned = snapshot.planned.links  # a dry-run's: made, in the real run
             links = {
                 n.dev_char
@@ -377,68 +375,6 @@ class ContainerAccessStep:
         return outcome
 
     async def _other(self, a: Action, svc: Services) -> Outcome:
-        if isinstance(a, V2ReportOnly):
-            return Outcome(
-                a,
-                "declined",
-                "cgroup v2 without a systemd scope and V2Remedy=report: runc's device program "
-                "is left as it is; recreate the container (V2Remedy=inplace or "
-                "restart-container does it)",
-            )
-        assert isinstance(a, RestartContainer)
-        # Never a restart loop: kubelet recreates the container, and if the new one is
-        # denied too, stopping it again would be a loop. One restart per pod per window.
-        now = self.clock()
-        last = self.pod_restarts.get(a.pod_uid)
-        if last is not None and now - last < POD_RESTART_WINDOW:
-            return Outcome(
-                a,
-                "declined",
-                f"pod {a.pod_uid} was already restarted {now - last:.0f}s ago (at most one "
-                f"restart per pod per {POD_RESTART_WINDOW / 60:.0f} min); recreate it by hand",
-            )
-        if svc.dry_run:
-            return Outcome(a, "dry-run", "would stop the container through the CRI")
-        self.pod_restarts[a.pod_uid] = now
         rt = svc.config.runtime
         stopper = self.stopper or ContainerStopper(crictl=rt.crictl, cri_endpoint=rt.cri_endpoint)
-        res = await stopper.stop(a.container_id)
-        if not res.ok:
-            return Outcome(a, "failed", res.detail[:200])
-        return Outcome(a, "done", f"stopped ({res.detail}); kubelet recreates it")
-
-    async def _learn_durable(self, sd: Systemd, view: AccessView, root: Root) -> None:
-        """Ask systemd once per scope what its DeviceAllow= already holds."""
-        busy = self.scopes.busy()
-        todo = [
-            c.unit
-            for c in view.containers
-            if c.unit is not None
-            and c.unit not in self.durable
-            and c.unit not in busy
-            and view.entitlements.get(c.key) is not None
-            and view.entitlements[c.key].is_gpu_container
-        ]
-        live_units = {c.unit for c in view.containers if c.unit}
-        for gone in set(self.durable) - live_units - busy:
-            del self.durable[gone]
-
-        await asyncio.gather(*(self._learn_unit(sd, u, root) for u in todo))
-
-    async def _learn_unit(self, sd: Systemd, unit: str, root: Root) -> None:
-        """Add what the scope's DeviceAllow= holds to what we know of it (added, never
-        replaced: a grant made meanwhile by the new-scope path must not be forgotten)."""
-        from gpuguard.systemd import PROPS, SystemdError, unit_object_path
-
-        try:
-            (v,) = await sd.call(
-                "Get",
-                "ss",
-                [SCOPE_IFACE, "DeviceAllow"],
-                path=unit_object_path(unit),
-                interface=PROPS,
-            )
-        except SystemdError:
-            return
-        numbers = {_numbers_of(root, dev) for dev, _perm in v.value}
-        self.durable.setdefault(unit, set()).update(n for n in numbers if n)
+        return await decline_or_restart(a, self.pod_restarts, self.clock(), stopper, svc.dry_run)

@@ -19,6 +19,8 @@ from gpuguard.errors import GpuguardError
 from gpuguard.model import Outcome
 
 if TYPE_CHECKING:
+    from gpuguard.actuate.containers import ContainerStopper
+    from gpuguard.model import Action
     from gpuguard.paths import Root
     from gpuguard.steps.container_access.reconcile import (
         CgroupV1Allow,
@@ -114,3 +116,46 @@ def apply_program_replace(a: V2ProgramReplace, root: Root, *, dry_run: bool) -> 
     except OSError as e:  # the old program is attached until the detach, which is last
         return Outcome(a, "failed", f"{cg}: {e.strerror}; the old program stays")
     return Outcome(a, "dry-run" if dry_run else "done", r.describe())
+
+
+POD_RESTART_WINDOW = 3600.0  # V2Remedy=restart-container: one restart per pod per hour
+
+
+async def decline_or_restart(
+    a: Action,
+    pod_restarts: dict[str, float],
+    now: float,
+    stopper: ContainerStopper,
+    dry_run: bool,
+) -> Outcome:
+    """A v2 container without a scope: V2Remedy=report declines; restart-container stops
+    it through the CRI, at most once per pod per POD_RESTART_WINDOW (`pod_restarts`:
+    pod UID -> when we last stopped one of its containers)."""
+    from gpuguard.steps.container_access.reconcile import RestartContainer, V2ReportOnly
+
+    if isinstance(a, V2ReportOnly):
+        return Outcome(
+            a,
+            "declined",
+            "cgroup v2 without a systemd scope and V2Remedy=report: runc's device program "
+            "is left as it is; recreate the container (V2Remedy=inplace or "
+            "restart-container does it)",
+        )
+    assert isinstance(a, RestartContainer)
+    # Never a restart loop: kubelet recreates the container, and if the new one is
+    # denied too, stopping it again would be a loop. One restart per pod per window.
+    last = pod_restarts.get(a.pod_uid)
+    if last is not None and now - last < POD_RESTART_WINDOW:
+        return Outcome(
+            a,
+            "declined",
+            f"pod {a.pod_uid} was already restarted {now - last:.0f}s ago (at most one "
+            f"restart per pod per {POD_RESTART_WINDOW / 60:.0f} min); recreate it by hand",
+        )
+    if dry_run:
+        return Outcome(a, "dry-run", "would stop the container through the CRI")
+    pod_restarts[a.pod_uid] = now
+    res = await stopper.stop(a.container_id)
+    if not res.ok:
+        return Outcome(a, "failed", res.detail[:200])
+    return Outcome(a, "done", f"stopped ({res.detail}); kubelet recreates it")

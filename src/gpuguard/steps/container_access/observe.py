@@ -3,9 +3,10 @@ its cgroup admits (a worker thread runs this), and the grants systemd already ke
 
 from __future__ import annotations
 
+import asyncio
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Container, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, AbstractSet, Container, Mapping, Optional, Sequence
 
 from gpuguard.devices.bpfprog import ACC_RW
 from gpuguard.devices.bpfread import BRIDGE_NAME, SYSTEMD_NAME, ProgramCache, judge
@@ -28,6 +29,9 @@ from gpuguard.steps.device_plugin.observe import discover_plugins
 
 if TYPE_CHECKING:
     from gpuguard.snapshot import HostSnapshot
+    from gpuguard.systemd import Systemd
+
+SCOPE_IFACE = "org.freedesktop.systemd1.Scope"
 
 
 @dataclass(frozen=True)
@@ -305,3 +309,47 @@ def _numbers_of(root: Root, path: str) -> Optional[str]:
     except OSError:
         return None
     return f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
+
+
+async def learn_durable(
+    sd: Systemd,
+    view: AccessView,
+    root: Root,
+    durable: dict[str, set[str]],
+    busy: AbstractSet[str],
+) -> None:
+    """Ask systemd once per scope what its DeviceAllow= already holds, into `durable`
+    (unit -> device numbers); forget the units that are gone. `busy`: scopes the
+    new-scope path is handling (it records their grants itself)."""
+    todo = [
+        c.unit
+        for c in view.containers
+        if c.unit is not None
+        and c.unit not in durable
+        and c.unit not in busy
+        and view.entitlements.get(c.key) is not None
+        and view.entitlements[c.key].is_gpu_container
+    ]
+    live_units = {c.unit for c in view.containers if c.unit}
+    for gone in set(durable) - live_units - set(busy):
+        del durable[gone]
+    await asyncio.gather(*(_learn_unit(sd, u, root, durable) for u in todo))
+
+
+async def _learn_unit(sd: Systemd, unit: str, root: Root, durable: dict[str, set[str]]) -> None:
+    """Add what the scope's DeviceAllow= holds to what we know of it (added, never
+    replaced: a grant made meanwhile by the new-scope path must not be forgotten)."""
+    from gpuguard.systemd import PROPS, SystemdError, unit_object_path
+
+    try:
+        (v,) = await sd.call(
+            "Get",
+            "ss",
+            [SCOPE_IFACE, "DeviceAllow"],
+            path=unit_object_path(unit),
+            interface=PROPS,
+        )
+    except SystemdError:
+        return
+    numbers = {_numbers_of(root, dev) for dev, _perm in v.value}
+    durable.setdefault(unit, set()).update(n for n in numbers if n)
