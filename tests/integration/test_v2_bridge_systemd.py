@@ -75,7 +75,9 @@ def test_not_yet_durable_scope_is_bridged_then_durable_and_the_bridge_gone(  # t
     assert "195:1" not in attach["DEVICE_NUMBERS"]
     (detach,) = events(ns, "v2-bridge-detach")
     assert detach["GPUGUARD_STATUS"] == "done" and "admits the nodes" in detach["MESSAGE"]
-    assert len(events(ns, "unit-device-allow")) > n_allow
+    # durable again: gpuguard's DeviceAllow= (a new entry), or, where systemd's reload
+    # raced the test's reset, the grant it had already; either way the scope holds it
+    assert len(events(ns, "unit-device-allow")) >= n_allow
     assert "/dev/char/195:0 rw" in ns.unit_property(mine.unit, "DeviceAllow")
     # The bridge is gone: the hook's program and systemd's new one, nothing else.
     progs = _programs(cg)
