@@ -299,7 +299,9 @@ class ContainerAccessStep:
         )
         if not written and not denied_v2 and not self.bridges.pending:
             return frozenset(), frozenset()
-        _, actions = audit(fast.containers, fast.entitlements, fast.access, device_rules=fast.rules)
+        audited, actions = audit(
+            fast.containers, fast.entitlements, fast.access, device_rules=fast.rules
+        )
         units: list[UnitDeviceAllow] = []
         bridged: list[Outcome] = []
         if scopes:
@@ -313,7 +315,7 @@ class ContainerAccessStep:
             self.bridges.release()
         done = await self.bridges.grant_then_detach(units, svc, self.bridges.claim())
         outcomes = [*written.values(), *bridged, *done]
-        findings = self._report(fast, outcomes, svc)
+        findings = self._report(fast, outcomes, svc, audited)
         ctx.findings += findings
         ctx.outcomes += outcomes
         return frozenset(finding_id(f) for f in findings), frozenset(a.unit for a in units)
@@ -351,13 +353,20 @@ class ContainerAccessStep:
         return written
 
     def _report(
-        self, fast: AccessView, outcomes: Sequence[Outcome], svc: Services
+        self,
+        fast: AccessView,
+        outcomes: Sequence[Outcome],
+        svc: Services,
+        audited: Optional[tuple[Finding, ...]] = None,
     ) -> tuple[Finding, ...]:
         """The journal after the writes: the same audit as a full pass (findings with
-        their causes), then one entry per change."""
-        findings, _ = audit(
-            fast.containers, fast.entitlements, fast.access, device_rules=fast.rules
-        )
+        their causes; `audited`: that audit's findings when the caller has them), then
+        one entry per change."""
+        findings = audited
+        if findings is None:
+            findings, _ = audit(
+                fast.containers, fast.entitlements, fast.access, device_rules=fast.rules
+            )
         findings += unreadable_findings(fast.containers, fast.broken)
         for f in findings:
             svc.log.finding(f)
