@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -177,3 +179,46 @@ def test_read_entitlement(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
         {},
     )
     assert not gone.readable and gone.nodes == ()
+
+
+@pytest.mark.parametrize(
+    ("comm", "on_host_dev", "why"),
+    [
+        ("runc:[2:INIT]", False, "still the runtime's init"),
+        ("crun", False, "still the runtime's init"),
+        ("sh", True, "still sees the host's /dev"),
+        (None, True, "still sees the host's /dev"),  # comm unreadable: /dev decides
+    ],
+)
+def test_never_judged_from_the_runtimes_init_or_the_hosts_dev(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    comm: Optional[str],
+    on_host_dev: bool,
+    why: str,
+) -> None:
+    """The host's /dev holds every GPU: a process still on it (runc init before it
+    switches roots, keeping its PID after the exec) must give the container nothing,
+    and a later process of the container that has its own /dev decides."""
+    monkeypatch.setattr(nodes, "_stat", fake_stat)
+    make_node(tmp_path / "dev/nvidia0", 195, 0)
+    make_node(tmp_path / "dev/nvidia1", 195, 1)
+    make_node(tmp_path / "dev/nvidiactl", 195, 255)
+    proc = tmp_path / "proc/42"
+    proc.mkdir(parents=True)
+    if comm is not None:
+        (proc / "comm").write_text(comm + "\n")
+    if on_host_dev:
+        (proc / "root").symlink_to(tmp_path)
+    else:
+        make_node(proc / "root/dev/nvidia1", 195, 1)
+    c = ContainerCgroup("uid", "cid", "containerd", "systemd", None, None, None, (42,))
+    e = read_entitlement(Root(tmp_path), c, HOST, MAJORS, GPUS, {})
+    assert not e.readable and e.nodes == () and not e.is_gpu_container
+    assert why in e.notes[0], e
+    # the container's own process, next to it, is what it is judged by
+    make_node(tmp_path / "proc/43/root/dev/nvidia1", 195, 1)
+    make_node(tmp_path / "proc/43/root/dev/nvidiactl", 195, 255)
+    both = dataclasses.replace(c, pids=(42, 43))
+    e = read_entitlement(Root(tmp_path), both, HOST, MAJORS, GPUS, {})
+    assert [n.path for n in e.nodes] == ["/dev/nvidia1", "/dev/nvidiactl"]

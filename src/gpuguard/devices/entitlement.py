@@ -207,10 +207,17 @@ def read_entitlement(
     gpus: Sequence[GpuLike],
     checkpoint: Mapping[str, AbstractSet[str]],
 ) -> Entitlement:
-    """Read the container's /dev and environ through its first live process."""
+    """Read the container's /dev and environ through its first live process that is the
+    container already (not the runtime's init, not on the host's /dev: see
+    `process_pending`); nothing is given while none is."""
+    pending = ""
     for pid in container.pids:
         dev = f"/proc/{pid}/root/dev"
         if not root.path(dev).is_dir():
+            continue
+        why = process_pending(root, pid, name_required=False)
+        if why:
+            pending = why
             continue
         # A FIFO or link where environ should be raises UnsafeFileError naming it: the
         # caller charges it to this container only.
@@ -233,6 +240,8 @@ def read_entitlement(
             parse_visible_devices(env.get(ENV_NAME)),
             checkpoint.get(container.pod_uid),
         )
+    if pending:  # judged by a later pass, once the container runs (never cached)
+        return unreadable_entitlement(container, f"not judged yet: {pending}")
     return unreadable_entitlement(container, "no live process to read its /dev from")
 
 
@@ -243,28 +252,42 @@ RUNTIME_INIT_NAMES = ("crun",)
 
 
 def own_dev_pending(root: Root, container: ContainerCgroup) -> str:
-    """Why the container's own /dev cannot be judged yet ("" once it can).
+    """Why the container's own /dev cannot be judged yet ("" once it can): its first
+    process (`process_pending`), or none yet."""
+    if not container.pids:
+        return "no process in its cgroup yet"
+    return process_pending(root, container.pids[0], name_required=True)
+
+
+def process_pending(root: Root, pid: int, *, name_required: bool) -> str:
+    """Why `pid` does not show what its container was given yet ("" once it does).
 
     A new scope holds the runtime's init before it holds the container: runc's systemd
     driver starts the scope with `runc init` in it, which still sees the host's /dev
     until it has switched to the container's root (after the hooks, the legacy NVIDIA
     hook among them, have added the GPU nodes), and still has runc's environment until
-    it execs the command. Judging then would read the host's GPUs as the container's."""
-    if not container.pids:
-        return "no process in its cgroup yet"
-    pid = container.pids[0]
+    it execs the command. Judging then would read the host's GPUs as the container's,
+    and the PID stays the container's after the exec. A process whose /dev is the
+    host's for good (a hostPath /dev) is never judged either: its /dev says nothing of
+    what it was given. `name_required`: an unreadable comm means the process is gone
+    (else the /dev check alone decides)."""
     try:
         comm, _st = read_bytes(root.path(f"/proc/{pid}/comm"), what="comm", max_bytes=64)
     except UnsafeFileError:
-        return f"process {pid} is gone"
+        if name_required:
+            return f"process {pid} is gone"
+        comm = b""
     name = comm.decode(errors="replace").strip()
     if name.startswith(RUNTIME_INIT_PREFIXES) or name in RUNTIME_INIT_NAMES:
         return f"process {pid} is still the runtime's init ({name})"
     try:
         own = os.stat(root.path(f"/proc/{pid}/root/dev"))
-        host = os.stat(root.path("/dev"))
     except OSError as e:
         return f"/proc/{pid}/root/dev: {e.strerror}"
+    try:
+        host = os.stat(root.path("/dev"))
+    except OSError:  # no host /dev to mistake for the container's
+        return ""
     if (own.st_dev, own.st_ino) == (host.st_dev, host.st_ino):
         return f"process {pid} still sees the host's /dev"
     return ""
