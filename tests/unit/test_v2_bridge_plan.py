@@ -56,6 +56,20 @@ def test_the_back_off_holds_a_bridge_until_it_ends() -> None:
     assert plan_bridges(view, b.failures, 100.0 + 2 * BASE) == ()
 
 
+def test_a_failed_bridge_is_tried_again_once_the_cgroups_programs_change() -> None:
+    """Held while the kernel runs the same programs for the cgroup as when it failed;
+    systemd's next program (a reload, a DeviceAllow=) ends the hold at once: one try per
+    change, never a loop."""
+    view = _view({GPU0.numbers: False})
+    cg = str(view.containers[0].cgroup_v2)
+    b = Backoff()
+    b.record(cg, (7, 8), False, "the programs that deny are not systemd's alone", 100.0)
+    same = dataclasses.replace(view, effective={CID: (7, 8)})
+    assert plan_bridges(same, b.failures, 101.0) == ()
+    changed = dataclasses.replace(view, effective={CID: (7, 9)})
+    assert len(plan_bridges(changed, b.failures, 101.0)) == 1
+
+
 def test_a_denial_systemds_own_program_makes_is_not_taken_for_mid_apply() -> None:
     step = ContainerAccessStep()
     view = _view({GPU0.numbers: False})

@@ -17,6 +17,8 @@ admits the previous program's set plus exactly those nodes. Pure code: no syscal
 
 from __future__ import annotations
 
+import functools
+
 import struct
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -270,8 +272,10 @@ def _block(r: DevRule) -> bytes:
     return b"".join(out)
 
 
+@functools.lru_cache(maxsize=64)
 def build(prog: DeviceProgram) -> bytes:
-    """Instructions of ``prog`` in runc's/systemd's shape (``parse(build(p)) == p``)."""
+    """Instructions of ``prog`` in runc's/systemd's shape (``parse(build(p)) == p``).
+    Cached: after a reload most scopes are bridged with the same program."""
     if any((r.kind, r.major, r.minor, r.access) == (None,) * 4 for r in prog.rules):
         raise ValueError("a rule that tests nothing can only be the default verdict")
     return (

@@ -125,9 +125,14 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
+@functools.lru_cache(maxsize=1)
+def _bpf_nr() -> Optional[int]:
+    return _BPF_NR.get(platform.machine())  # asked once: a bridge makes ~14 calls
+
+
 def bpf_syscall(cmd: int, attr: ctypes.Array[ctypes.c_char]) -> int:
     """Raw bpf(2). Returns the result; raises OSError with the errno on failure."""
-    nr = _BPF_NR.get(platform.machine())
+    nr = _bpf_nr()
     if nr is None:
         raise OSError(errno.ENOSYS, f"bpf(2) number unknown on {platform.machine()}")
     libc = _libc()

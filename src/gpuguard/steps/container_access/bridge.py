@@ -29,7 +29,9 @@ Why it is safe:
 - No bridge (DeviceAllow= alone, as without one) for a frozen cgroup, when the programs
   that deny are not systemd's alone or more than one other program is attached, when
   the in-place back-off holds the cgroup (inplace.py; a failed bridge is recorded
-  there too), under DurableGrants=no (nothing would follow it) or without a bus.
+  there too, with the programs the kernel ran for the cgroup then: it is tried again
+  once they change, e.g. systemd's next program after a reload, never in a loop), under
+  DurableGrants=no (nothing would follow it) or without a bus.
 
 `plan_bridges` is pure; `Bridges` keeps the bridges whose DeviceAllow= is still to come.
 """
@@ -119,7 +121,7 @@ def plan_bridges(
             continue
         denied = [n for n in ent.nodes if view.access.get((c.container_id, n.numbers)) is False]
         f = failures.get(str(c.cgroup_v2))
-        if not denied or (f is not None and now < f.at + f.wait):
+        if not denied or (f is not None and f.holds(view.effective.get(c.container_id), now)):
             continue
         what = ", ".join(n.path for n in denied)
         common = dict(
@@ -160,6 +162,18 @@ def detach_of(a: BridgeAttach, reason: str) -> BridgeDetach:
         nodes=a.nodes,
         numbers=a.numbers,
     )
+
+
+def programs_now(a: BridgeAttach) -> Optional[tuple[int, ...]]:
+    """The programs the kernel runs for the bridge's cgroup now (None: unreadable): a
+    failed bridge is tried again only once these change (systemd's next program, after
+    a reload or a DeviceAllow=) or after the back-off."""
+    from gpuguard.devices.bpfread import effective_programs
+
+    try:
+        return effective_programs(Path(a.cgroup_dir))
+    except OSError:
+        return None
 
 
 def _numbers(a: BridgeAttach) -> list[tuple[int, int]]:
@@ -262,7 +276,7 @@ class Bridges:
             if o.status in ("done", "dry-run"):
                 self.pending[b.unit] = (b, allow)
             elif o.status == "failed" and record:
-                self.backoff.record(b.cgroup_dir, None, False, o.detail, self.clock())
+                self.backoff.record(b.cgroup_dir, programs_now(b), False, o.detail, self.clock())
         return out
 
     def claim(self, units: Optional[set[str]] = None) -> dict[str, BridgeAttach]:
@@ -353,7 +367,8 @@ class Bridges:
             if got is not None:
                 o, admitted = got
                 if not admitted:
-                    self.backoff.record(b.cgroup_dir, None, False, o.detail, self.clock())
+                    now = self.clock()
+                    self.backoff.record(b.cgroup_dir, programs_now(b), False, o.detail, now)
                 return o
             if i == 0 and svc.systemd is not None:
                 with contextlib.suppress(SystemdError):

@@ -52,6 +52,9 @@ class AccessView:
     # the v2 (container, node) pairs that a program of systemd's itself denies
     bridged: frozenset[str] = frozenset()
     systemd_denies: frozenset[AccessKey] = frozenset()
+    # v2 containers: the ids of every device program the kernel runs for their cgroup
+    # (a failed bridge waits until these change: bridge.py)
+    effective: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 class AccessObserver:
@@ -84,6 +87,7 @@ class AccessObserver:
         bridged: Optional[set[str]] = None,
         cache: Optional[ProgramCache] = None,
         sd_denies: Optional[set[AccessKey]] = None,
+        effective: Optional[dict[str, tuple[int, ...]]] = None,
     ) -> None:
         """v2 verdicts from the programs the kernel runs for each cgroup, parsed once
         each (no fork); a probe, one fork per container, where a program cannot be read
@@ -98,6 +102,8 @@ class AccessObserver:
             ids: list[int] = []
             nodes = [(n.major, n.minor) for n in ent.nodes]
             verdicts = judge(programs_cache, c.cgroup_v2, nodes, ids)
+            if effective is not None:
+                effective[c.container_id] = tuple(ids)
             if bridged is not None and any(programs_cache.name(i) == BRIDGE_NAME for i in ids):
                 bridged.add(c.container_id)
             if sd_denies is not None and verdicts is not None:
@@ -189,6 +195,7 @@ class AccessObserver:
         broken: dict[str, str] = {}
         programs: dict[str, Optional[tuple[int, ...]]] = {}
         sd_denies: set[AccessKey] = set()
+        effective: dict[str, tuple[int, ...]] = {}
         # one reference: observe() replaces it, never changes it
         v1 = self._known_v1
         v2 = self._known_v2
@@ -198,7 +205,14 @@ class AccessObserver:
         self._read_v1(v1, access, rules, broken, remember)
         if self._root is not None and v2:
             self._read_v2(
-                self._root, v2, access, programs, probe=False, cache=cache, sd_denies=sd_denies
+                self._root,
+                v2,
+                access,
+                programs,
+                probe=False,
+                cache=cache,
+                sd_denies=sd_denies,
+                effective=effective,
             )
         known = v1 + v2
         return AccessView(
@@ -209,6 +223,7 @@ class AccessObserver:
             broken,
             programs=programs,
             systemd_denies=frozenset(sd_denies),
+            effective=effective,
         )
 
     def observe(
@@ -269,7 +284,16 @@ class AccessObserver:
         v2 = tuple((c, e) for c, e in gpu if c.cgroup_v1_devices is None and c.cgroup_v2)
         programs: dict[str, Optional[tuple[int, ...]]] = {}
         bridged: set[str] = set()
-        self._read_v2(root, v2, access, programs, planned=snapshot.planned.nodes, bridged=bridged)
+        effective: dict[str, tuple[int, ...]] = {}
+        self._read_v2(
+            root,
+            v2,
+            access,
+            programs,
+            planned=snapshot.planned.nodes,
+            bridged=bridged,
+            effective=effective,
+        )
         self._programs.forget_unseen()
         self._root, self._known_v2 = root, v2
         self._known_v1 = v1
@@ -293,6 +317,7 @@ class AccessObserver:
             plugin_containers=plugins,
             programs=programs,
             bridged=frozenset(bridged),
+            effective=effective,
         )
 
 
