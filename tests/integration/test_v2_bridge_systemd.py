@@ -15,11 +15,10 @@ from __future__ import annotations
 import pytest
 
 from gpuguard.devices.bpfread import BRIDGE_NAME, SYSTEMD_NAME
-from integration.gpu_scopes import NODES, containers, has, start
-from integration.gpuguard_ns import events, settle, status, wait_for
+from integration.gpu_scopes import NODES, boot_node, containers, has, start
+from integration.gpuguard_ns import events, settle, start_gpuguard, status, wait_for
 from integration.harness import systemd_ns as systemd_ns
 from integration.harness.bpfdev import programs
-from integration.test_container_access_systemd import _boot
 
 pytestmark = pytest.mark.root
 
@@ -28,9 +27,8 @@ def test_not_yet_durable_scope_is_bridged_then_durable_and_the_bridge_gone(  # t
     systemd_ns, tmp_path
 ) -> None:
     mine, other = containers(2)  # GPU 0 and GPU 1
-    ns = _boot(systemd_ns, tmp_path, [mine, other], "v2")
-    assert ns.systemctl("start", "gpuguard.service").returncode == 0
-    settle(ns)
+    ns = boot_node(systemd_ns, tmp_path, [mine, other], layout="v2")
+    start_gpuguard(ns)
     start(ns, mine)
     start(ns, other)
     wait_for(
