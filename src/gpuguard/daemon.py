@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from gpuguard.coalescer import Coalescer
-from gpuguard.conditions import Conditions
 from gpuguard.config import Config, load_config
 from gpuguard.errors import ConfigError, GpuguardError
-from gpuguard.inventory import Inventory, load_inventory
+from gpuguard.inventory import Inventory
+from gpuguard.inventory_reader import InventoryReader
 from gpuguard.ledger import Ledger
 from gpuguard.log import EventLog
 from gpuguard.metrics_state import MetricsOutput
@@ -58,17 +58,13 @@ class Daemon:
         self.config_path = config_path
         self.log = log
         self.notifier = notifier
-        # --inventory on the command line wins; otherwise [Inventory] File= (or NVML),
-        # re-read on SIGHUP like the rest of the configuration.
-        self.cli_inventory = inventory_path
-        self.inventory_path = inventory_path or _config_inventory(config)
+        self.inventory_reader = InventoryReader(log, config, inventory_path)  # each pass's GPUs
         self.bus_address = bus_address or bus_address_for(root.prefix)
         self.dry_run = dry_run or config.daemon.dry_run
         self.step_order = tuple(step_order)
         self.steps = {name: steps[name] for name in self.step_order if name in steps}
         self.passes = 0
         self.started_wall = time.time()
-        self.conditions = Conditions()  # daemon-wide states, reported on change only
         self.last_pass: dict[str, Any] = {}
         self.first_pass: dict[str, Any] = {}
         self.ledger = Ledger()  # each step's latest result and the last hour's changes
@@ -208,7 +204,7 @@ class Daemon:
         self.config = new
         for warning in new.warnings:
             self.log.warning(warning)  # a deprecated key, still read
-        self.inventory_path = self.cli_inventory or _config_inventory(new)
+        self.inventory_reader.reconfigure(new)
         self.dry_run = new.daemon.dry_run
         self.log.set_level(new.daemon.log_level)
         c, d = self.coalescer, new.daemon
@@ -232,7 +228,7 @@ class Daemon:
     async def _run_pass(self, work: Work) -> None:
         started_wall, t0 = time.time(), time.monotonic()
         self.passes += 1
-        ctx = PassContext(work, self._inventory, previous_inventory=self.inventory)
+        ctx = PassContext(work, self.inventory_reader.read, previous_inventory=self.inventory)
         steps_ms: dict[str, float] = {}
         for name, step in self.steps.items():  # in step_order: it matters
             if name not in work.reconcilers:
@@ -319,42 +315,6 @@ class Daemon:
         del self._followups[key]
         self.mark(key[0], key[1], False)
 
-    async def _inventory(self) -> Optional[Inventory]:
-        try:
-            inventory = await asyncio.wait_for(
-                asyncio.to_thread(load_inventory, self.inventory_path), timeout=30
-            )
-        except GpuguardError as e:
-            self._inventory_state(f"GPU inventory unavailable: {e.message}")
-        except asyncio.TimeoutError:
-            self._inventory_state("GPU inventory unavailable: NVML did not answer in 30s")
-        else:
-            self._inventory_state(None)
-            return inventory
-        return None
-
-    def _inventory_state(self, problem: Optional[str]) -> None:
-        """Once when the inventory becomes unavailable (or why changes), once when it is
-        back: not on every pass of a node whose driver is missing for hours."""
-        t = self.conditions.set("inventory", ("inventory",), problem)
-        if t is None:
-            return
-        if problem is not None:
-            self.log.event(
-                "inventory-unavailable",
-                f"{problem}; passes go on without GPU identities, and this is not "
-                "repeated until it changes",
-                level="warning",
-                fields={"GPUGUARD_PROBLEM": problem},
-            )
-        elif t.previous is not None:
-            self.log.event(
-                "inventory-available",
-                "GPU inventory available again",
-                level="notice",
-                fields={"GPUGUARD_PROBLEM": t.previous},
-            )
-
     async def _run_hooks(self, work: Work, ctx: PassContext) -> None:
         from gpuguard.hooks import plan_hooks, run_hooks
 
@@ -414,7 +374,3 @@ class Daemon:
             self.metrics.after_pass(
                 self.last_pass, doc, self.root, self.config.metrics.textfile_directory, self.log
             )
-
-
-def _config_inventory(config: Config) -> Optional[Path]:
-    return Path(config.inventory.file) if config.inventory.file else None

@@ -9,30 +9,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from gpuguard.devices.probe import probe_open
-from integration.gpu_scopes import Container, dev_binds, fake_proc_devices
-from integration.gpuguard_ns import gpuguard_units, setup_node
+from integration.gpu_scopes import Container, node_ro_binds, node_units
+from integration.gpuguard_ns import setup_node
 from integration.harness import SystemdNamespace
 
 SERVICE = "gpuguard.service"
-FAKE_DRIVER = {
-    # No NVIDIA driver here: only its registration in /proc/devices is simulated (the
-    # unit gets a fresh /proc, so a drop-in binds it).
-    "gpuguard.service.d/60-fake-driver.conf": (
-        "[Service]\nBindReadOnlyPaths=/run/fake/devices:/proc/devices\n"
-    ),
-}
-
-
-def node_units(extra: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
-    return {**gpuguard_units(), **FAKE_DRIVER, **(extra or {})}
-
-
-def node_ro_binds(tmp: Path, ctrs: Sequence[Container]) -> Dict[str, Path]:
-    devices = fake_proc_devices(tmp / "devices")
-    return {"/run/fake/devices": devices, "/proc/devices": devices, **dev_binds(tmp, ctrs)}
 
 
 def boot_gpu_node(

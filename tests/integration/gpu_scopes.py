@@ -12,15 +12,16 @@ EPERM vs ENXIO) on v2, where the policy is a BPF program.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import stat
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from gpuguard.devices.probe import probe_open
-from integration.gpuguard_ns import wait_for
+from integration.gpuguard_ns import gpuguard_units, wait_for
 from integration.harness import SystemdNamespace
 from integration.harness.bpfdev import DEFAULT_RULES, replace_programs
 
@@ -111,6 +112,53 @@ def dev_binds(tmp: Path, containers: Sequence[Container]) -> Dict[str, Path]:
         )
         for c in containers
     }
+
+
+FAKE_DRIVER = {
+    # No NVIDIA driver here: only its registration in /proc/devices is simulated (the
+    # unit gets a fresh /proc, so a drop-in binds it).
+    "gpuguard.service.d/60-fake-driver.conf": (
+        "[Service]\nBindReadOnlyPaths=/run/fake/devices:/proc/devices\n"
+    ),
+}
+
+
+def node_units(extra: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    return {**gpuguard_units(), **FAKE_DRIVER, **(extra or {})}
+
+
+def node_ro_binds(tmp: Path, ctrs: Sequence[Container]) -> Dict[str, Path]:
+    devices = fake_proc_devices(tmp / "devices")
+    return {"/run/fake/devices": devices, "/proc/devices": devices, **dev_binds(tmp, ctrs)}
+
+
+def write_config(ns: SystemdNamespace, config: str = "") -> None:
+    """gpuguard.conf: the inventory file standing in for NVML, then ``config``."""
+    conf = "[Inventory]\nFile=/etc/gpuguard/inventory.json\n" + config
+    (ns.path("/etc/gpuguard") / "gpuguard.conf").write_text(conf)
+
+
+def boot_node(
+    factory: Callable[..., SystemdNamespace],
+    tmp: Path,
+    ctrs: Sequence[Container] = (),
+    *,
+    layout: str = "v1",
+    config: str = "",
+    units: Optional[Mapping[str, str]] = None,
+    binds: Optional[Mapping[str, Path]] = None,
+) -> SystemdNamespace:
+    """A GPU node booted on ``layout``: gpuguard's units (plus ``units``), the driver's
+    registration, each container's /dev, an inventory of two GPUs (minors 0 and 1) and
+    the configuration (:func:`write_config`). gpuguard itself is not started."""
+    ns = factory(
+        layout=layout, units=node_units(units), binds=binds, ro_binds=node_ro_binds(tmp, ctrs)
+    )
+    etc = ns.path("/etc/gpuguard")
+    etc.mkdir(parents=True, exist_ok=True)
+    (etc / "inventory.json").write_text(json.dumps(gpu_inventory(2)))
+    write_config(ns, config)
+    return ns
 
 
 GO_DIR = "/run/ctr-go"  # the container's process binds its /dev once its file is here

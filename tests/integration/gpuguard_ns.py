@@ -125,6 +125,12 @@ def settle(ns: SystemdNamespace, quiet: float = 0.6, timeout: float = 15.0) -> i
     raise AssertionError("gpuguard never went quiet")
 
 
+def start_gpuguard(ns: SystemdNamespace) -> int:
+    """Start the daemon and wait until its passes have settled; return the pass count."""
+    assert ns.systemctl("start", "gpuguard.service").returncode == 0
+    return settle(ns)
+
+
 def events(ns: SystemdNamespace, kind: Optional[str] = None) -> List[Mapping[str, Any]]:
     out = [e for e in ns.journal("gpuguard.service") if "GPUGUARD_KIND" in e]
     return [e for e in out if kind is None or e["GPUGUARD_KIND"] == kind]

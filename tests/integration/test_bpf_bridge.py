@@ -19,28 +19,19 @@ program = denied, ENXIO = admitted.
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuguard.actuate.bpf import (
-    BPF_F_ALLOW_MULTI,
-    BPF_PROG_DETACH,
-    BpfReplaceError,
-    _attach,
-    _fd_by_id,
-    attach_bridge,
-    detach_bridges,
-    load_program,
-)
+from gpuguard.actuate.bpf import BpfReplaceError, attach_bridge, detach_bridges
 from gpuguard.devices.bpfprog import ACC_RW, DeviceProgram, DevRule, build, grant_nodes
-from gpuguard.devices.bpfread import BRIDGE_NAME, prog_name
-from gpuguard.devices.probe import BPF_PROG_ATTACH, probe_open, query_device_programs
-from integration.test_bpf_inplace import EXAMPLES, NODES, RUNC
+from gpuguard.devices.bpfread import BRIDGE_NAME
+from gpuguard.devices.probe import query_device_programs
+from integration.harness.bpfdev import attach, detach_all, names, verdicts
+from integration.test_bpf_inplace import KERNEL_EXAMPLES, NODES, RUNC, rule_lists
 from integration.test_bpf_inplace import cgroup as cgroup
 from integration.test_bpf_inplace import nodes as nodes
 
@@ -50,72 +41,19 @@ Nodes = dict[tuple[int, int], Path]
 SD = DeviceProgram((DevRule(True, "c", 1, 3, ACC_RW),), False)  # DeviceAllow=/dev/null rw
 
 
-def _attach_prog(cg: Path, prog: DeviceProgram, name: bytes) -> int:
-    before = set(query_device_programs(cg))
-    fd = load_program(build(prog), name)
-    cgfd = os.open(cg, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        _attach(BPF_PROG_ATTACH, cgfd, fd, BPF_F_ALLOW_MULTI)
-    finally:
-        os.close(cgfd)
-        os.close(fd)
-    (new,) = set(query_device_programs(cg)) - before
-    return new
-
-
-def _detach_all(cg: Path) -> None:
-    for pid in query_device_programs(cg):
-        fd, cgfd = _fd_by_id(pid), os.open(cg, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            _attach(BPF_PROG_DETACH, cgfd, fd, 0)
-        finally:
-            os.close(fd)
-            os.close(cgfd)
-
-
-def _names(cg: Path) -> list[str]:
-    out = []
-    for pid in query_device_programs(cg):
-        fd = _fd_by_id(pid)
-        try:
-            out.append(prog_name(fd))
-        finally:
-            os.close(fd)
-    return sorted(out)
-
-
-def _verdicts(cg: Path, nodes: Nodes) -> dict[tuple[int, int], Optional[bool]]:
-    return {n: probe_open(p, [cg], timeout=2).verdict for n, p in nodes.items()}
-
-
 @pytest.fixture
 def cleanup(cgroup: Path) -> Iterator[Path]:
     try:
         yield cgroup
     finally:
         with contextlib.suppress(OSError):
-            _detach_all(cgroup)
+            detach_all(cgroup)
 
 
-rules = st.lists(
-    st.builds(
-        DevRule,
-        st.booleans(),
-        st.sampled_from(["c", None]),
-        st.sampled_from([195, 510, 1, None]),
-        st.sampled_from([0, 1, 255, 3, None]),
-        st.sampled_from([None, ACC_RW, 2, 7]),
-    ).filter(lambda r: (r.kind, r.major, r.minor, r.access) != (None,) * 4),
-    max_size=4,
-)
+rules = rule_lists(4)
 
 
-@settings(
-    max_examples=EXAMPLES,
-    derandomize=True,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
+@KERNEL_EXAMPLES
 @given(
     rules,
     st.booleans(),
@@ -135,15 +73,15 @@ def test_bridge_then_systemd_admits_no_more_than_before_plus_lost(
     case: str,
 ) -> None:
     cg = cleanup
-    _detach_all(cg)  # the previous example's programs
+    detach_all(cg)  # the previous example's programs
     runtime = DeviceProgram(tuple(runtime_rules), runtime_default)
     sd = DeviceProgram(tuple(sd_rules), sd_default)
     if case == "hook grants":  # the usual loss: the hook's program admits, systemd's not
         runtime = grant_nodes(runtime, lost)
         sd = DeviceProgram((DevRule(False, "c", *lost[0]), *sd.rules), sd.default_allow)
-    rt_id = _attach_prog(cg, runtime, b"legacy_hook")
-    _attach_prog(cg, sd, b"sd_devices")
-    before = _verdicts(cg, nodes)
+    rt_id = attach(cg, build(runtime), b"legacy_hook")
+    attach(cg, build(sd), b"sd_devices")
+    before = verdicts(cg, nodes)
     programs = sorted(query_device_programs(cg))
 
     def admits(p: DeviceProgram, n: tuple[int, int]) -> bool:
@@ -154,19 +92,19 @@ def test_bridge_then_systemd_admits_no_more_than_before_plus_lost(
         with pytest.raises(BpfReplaceError, match=r"no bridge|no attached program denies"):
             attach_bridge(cg, lost, lambda: True, dry_run=False)
         assert sorted(query_device_programs(cg)) == programs
-        assert _verdicts(cg, nodes) == before
+        assert verdicts(cg, nodes) == before
         return
     attach_bridge(cg, lost, lambda: True, dry_run=False)
-    bridged = _verdicts(cg, nodes)
-    assert BRIDGE_NAME in _names(cg) and "sd_devices" not in _names(cg)
+    bridged = verdicts(cg, nodes)
+    assert BRIDGE_NAME in names(cg) and "sd_devices" not in names(cg)
     for n in NODES:  # the kernel's word: before plus the lost nodes, at most
         assert bridged[n] == (before[n] or (n in lost)), (n, before[n], bridged[n])
     # systemd applies the DeviceAllow= gpuguard set: its rules plus the lost nodes
-    _attach_prog(cg, grant_nodes(sd, lost), b"sd_devices")
+    attach(cg, build(grant_nodes(sd, lost)), b"sd_devices")
     d = detach_bridges(cg, dry_run=False)
     assert len(d.bridges) == 1 and d.waiting == ()
-    assert _names(cg) == ["legacy_hook", "sd_devices"] and rt_id in query_device_programs(cg)
-    after = _verdicts(cg, nodes)
+    assert names(cg) == ["legacy_hook", "sd_devices"] and rt_id in query_device_programs(cg)
+    after = verdicts(cg, nodes)
     for n in NODES:
         expect = admits(runtime, n) and (admits(sd, n) or n in lost)
         assert after[n] == expect, (n, after[n])
@@ -176,38 +114,38 @@ def test_bridge_then_systemd_admits_no_more_than_before_plus_lost(
 def test_dry_run_changes_nothing_then_bridge_and_detach(cleanup: Path, nodes: Nodes) -> None:
     cg = cleanup
     hook = grant_nodes(RUNC, [(195, 0), (195, 255)])
-    _attach_prog(cg, hook, b"legacy_hook")
-    _attach_prog(cg, SD, b"sd_devices")
-    before = _verdicts(cg, nodes)
+    attach(cg, build(hook), b"legacy_hook")
+    attach(cg, build(SD), b"sd_devices")
+    before = verdicts(cg, nodes)
     assert before[(195, 0)] is False and before[(1, 3)] is True
     ids = sorted(query_device_programs(cg))
     dry = attach_bridge(cg, [(195, 0)], lambda: True, dry_run=True)
     assert dry.new_id == 0 and sorted(query_device_programs(cg)) == ids
-    assert _verdicts(cg, nodes) == before
+    assert verdicts(cg, nodes) == before
     r = attach_bridge(cg, [(195, 0)], lambda: True, dry_run=False)
     assert r.program.describe() == "allow c 195:0 rw; allow c 1:3 rw; else deny"
-    assert _verdicts(cg, nodes) == {**before, (195, 0): True}
+    assert verdicts(cg, nodes) == {**before, (195, 0): True}
     # no program of systemd's attached: the bridge stands in for it and stays
     d = detach_bridges(cg, dry_run=False)
     assert d.bridges == () and d.waiting == (r.new_id,)
-    assert _verdicts(cg, nodes)[(195, 0)] is True
+    assert verdicts(cg, nodes)[(195, 0)] is True
 
 
 def test_no_bridge_for_three_programs_a_frozen_cgroup_or_a_foreign_denial(
     cleanup: Path, nodes: Nodes
 ) -> None:
     cg = cleanup
-    _attach_prog(cg, RUNC, b"runc_like")  # denies 195:0 and is not systemd's
-    before = _verdicts(cg, nodes)
+    attach(cg, build(RUNC), b"runc_like")  # denies 195:0 and is not systemd's
+    before = verdicts(cg, nodes)
     with pytest.raises(BpfReplaceError, match="not systemd's alone"):
         attach_bridge(cg, [(195, 0)], lambda: True, dry_run=False)
-    _attach_prog(cg, SD, b"sd_devices")
-    _attach_prog(cg, grant_nodes(RUNC, [(195, 0)]), b"legacy_hook")
+    attach(cg, build(SD), b"sd_devices")
+    attach(cg, build(grant_nodes(RUNC, [(195, 0)])), b"legacy_hook")
     with pytest.raises(BpfReplaceError, match="3 device programs attached"):
         attach_bridge(cg, [(195, 0)], lambda: True, dry_run=False)
-    _detach_all(cg)
-    _attach_prog(cg, grant_nodes(RUNC, [(195, 0)]), b"legacy_hook")
-    _attach_prog(cg, SD, b"sd_devices")
+    detach_all(cg)
+    attach(cg, build(grant_nodes(RUNC, [(195, 0)])), b"legacy_hook")
+    attach(cg, build(SD), b"sd_devices")
     ids = sorted(query_device_programs(cg))
     (cg / "cgroup.freeze").write_text("1")
     try:
@@ -216,16 +154,16 @@ def test_no_bridge_for_three_programs_a_frozen_cgroup_or_a_foreign_denial(
     finally:
         (cg / "cgroup.freeze").write_text("0")
     assert sorted(query_device_programs(cg)) == ids
-    assert _verdicts(cg, nodes)[(195, 0)] is False and before[(195, 0)] is False
+    assert verdicts(cg, nodes)[(195, 0)] is False and before[(195, 0)] is False
 
 
 def test_a_bridge_that_does_not_verify_is_rolled_back(cleanup: Path, nodes: Nodes) -> None:
     cg = cleanup
-    _attach_prog(cg, grant_nodes(RUNC, [(195, 0)]), b"legacy_hook")
-    _attach_prog(cg, SD, b"sd_devices")
+    attach(cg, build(grant_nodes(RUNC, [(195, 0)])), b"legacy_hook")
+    attach(cg, build(SD), b"sd_devices")
     ids = sorted(query_device_programs(cg))
-    before = _verdicts(cg, nodes)
+    before = verdicts(cg, nodes)
     with pytest.raises(BpfReplaceError, match="old program is back"):
         attach_bridge(cg, [(195, 0)], lambda: False, dry_run=False)
     assert sorted(query_device_programs(cg)) == ids
-    assert _verdicts(cg, nodes) == before
+    assert verdicts(cg, nodes) == before

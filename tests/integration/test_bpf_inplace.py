@@ -21,31 +21,25 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-import struct
 import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import require_root, require_tool
-from gpuguard.actuate.bpf import (
-    BPF_F_ALLOW_MULTI,
-    BpfReplaceError,
-    _attach,
-    load_program,
-    replace_device_program,
-)
+from gpuguard.actuate.bpf import BpfReplaceError, replace_device_program
 from gpuguard.devices.bpfprog import ACC_RW, DeviceProgram, DevRule, build
-from gpuguard.devices.probe import BPF_PROG_ATTACH, probe_open, query_device_programs
+from gpuguard.devices.probe import probe_open, query_device_programs
 from gpuguard.paths import Root
 from gpuguard.steps.container_access.actuate import apply_program_replace
 from gpuguard.steps.container_access.reconcile import V2ProgramReplace
+from integration.harness.bpfdev import OTHER_SHAPE, attach, detach_all, verdicts
 
 pytestmark = pytest.mark.root
 
@@ -56,6 +50,28 @@ RUNC = DeviceProgram(
     False,
 )
 EXAMPLES = int(os.environ.get("GPUGUARD_PROPERTY_EXAMPLES", "15"))
+#: the kernel's verdicts over hypothesis' programs: bounded, the same examples every run
+KERNEL_EXAMPLES = settings(
+    max_examples=EXAMPLES,
+    derandomize=True,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+
+
+def rule_lists(max_size: int) -> st.SearchStrategy[list[DevRule]]:
+    """Random rules of runc's and systemd's shape (a wildcard in any field)."""
+    return st.lists(
+        st.builds(
+            DevRule,
+            st.booleans(),
+            st.sampled_from(["c", None]),
+            st.sampled_from([195, 510, 1, None]),
+            st.sampled_from([0, 1, 255, 3, None]),
+            st.sampled_from([None, ACC_RW, 2, 7]),
+        ).filter(lambda r: (r.kind, r.major, r.minor, r.access) != (None,) * 4),
+        max_size=max_size,
+    )
 
 
 @pytest.fixture
@@ -88,25 +104,6 @@ def nodes(tmp_path: Path) -> dict[tuple[int, int], Path]:
     return out
 
 
-def _attach_prog(cg: Path, code: bytes) -> int:
-    """Attach like runc (ALLOW_MULTI); returns the program id."""
-    fd = load_program(code, b"runc_like")
-    cgfd = os.open(cg, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        _attach(BPF_PROG_ATTACH, cgfd, fd, BPF_F_ALLOW_MULTI)
-    finally:
-        os.close(cgfd)
-        os.close(fd)
-    (pid,) = query_device_programs(cg)
-    return pid
-
-
-def _verdicts(
-    cg: Path, nodes: dict[tuple[int, int], Path]
-) -> dict[tuple[int, int], Optional[bool]]:
-    return {n: probe_open(p, [cg], timeout=2).verdict for n, p in nodes.items()}
-
-
 def _verify(
     cg: Path, nodes: dict[tuple[int, int], Path], lost: list[tuple[int, int]]
 ) -> Callable[[], bool]:
@@ -114,42 +111,27 @@ def _verify(
 
 
 def test_lost_node_admitted_in_place(cgroup: Path, nodes: dict[tuple[int, int], Path]) -> None:
-    old = _attach_prog(cgroup, build(RUNC))
-    before = _verdicts(cgroup, nodes)
+    old = attach(cgroup, build(RUNC))
+    before = verdicts(cgroup, nodes)
     assert before[(195, 0)] is False and before[(1, 3)] is True
 
     dry = replace_device_program(cgroup, [(195, 0)], _verify(cgroup, nodes, []), dry_run=True)
     assert (dry.new_id, query_device_programs(cgroup)) == (0, (old,))
     assert dry.program.describe().startswith("allow c 195:0 rw; allow c 1:3 rwm")
-    assert _verdicts(cgroup, nodes) == before
+    assert verdicts(cgroup, nodes) == before
 
     r = replace_device_program(
         cgroup, [(195, 0)], _verify(cgroup, nodes, [(195, 0)]), dry_run=False
     )
     assert query_device_programs(cgroup) == (r.new_id,) and r.new_id != old
-    assert _verdicts(cgroup, nodes) == {**before, (195, 0): True}
+    assert verdicts(cgroup, nodes) == {**before, (195, 0): True}
     p = probe_open(nodes[(195, 0)], [cgroup])
     assert p.errno == 6  # ENXIO: past the program, no driver
 
 
-@settings(
-    max_examples=EXAMPLES,
-    derandomize=True,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
+@KERNEL_EXAMPLES
 @given(
-    st.lists(
-        st.builds(
-            DevRule,
-            st.booleans(),
-            st.sampled_from(["c", None]),
-            st.sampled_from([195, 510, 1, None]),
-            st.sampled_from([0, 1, 255, 3, None]),
-            st.sampled_from([None, ACC_RW, 2, 7]),
-        ).filter(lambda r: (r.kind, r.major, r.minor, r.access) != (None,) * 4),
-        max_size=5,
-    ),
+    rule_lists(5),
     st.booleans(),
     st.lists(st.sampled_from(NODES), max_size=3),
 )
@@ -160,17 +142,12 @@ def test_kernel_admits_previous_plus_lost_only(
     default: bool,
     lost: list[tuple[int, int]],
 ) -> None:
-    for pid in query_device_programs(cgroup):  # the previous example's program
-        from gpuguard.actuate.bpf import BPF_PROG_DETACH, _fd_by_id
-
-        fd, cgfd = _fd_by_id(pid), os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY)
-        _attach(BPF_PROG_DETACH, cgfd, fd, 0)
-        os.close(fd)
-        os.close(cgfd)
-    _attach_prog(cgroup, build(DeviceProgram(tuple(rules), default)))
-    before = _verdicts(cgroup, nodes)
+    detach_all(cgroup)  # the previous example's program
+    old = attach(cgroup, build(DeviceProgram(tuple(rules), default)))
+    assert query_device_programs(cgroup) == (old,)
+    before = verdicts(cgroup, nodes)
     r = replace_device_program(cgroup, lost, lambda: True, dry_run=False)
-    after = _verdicts(cgroup, nodes)
+    after = verdicts(cgroup, nodes)
     assert query_device_programs(cgroup) == (r.new_id,)
     for n in NODES:  # the kernel's word: exactly before plus the lost nodes
         assert after[n] == (before[n] or n in lost), (n, before[n], after[n])
@@ -179,26 +156,18 @@ def test_kernel_admits_previous_plus_lost_only(
 def test_unknown_shape_is_refused_and_kept(
     cgroup: Path, nodes: dict[tuple[int, int], Path]
 ) -> None:
-    def ins(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> bytes:
-        return struct.pack("<BBhi", code, dst | (src << 4), off, imm)
-
-    # if (type == char) allow else deny, written with JEQ: not runc's or systemd's shape
-    odd = (
-        ins(0x61, 2, 1, 0) + ins(0x54, 2, imm=0xFFFF) + ins(0x15, 2, off=2, imm=2)
-        + ins(0xB7, 0, imm=0) + ins(0x95) + ins(0xB7, 0, imm=1) + ins(0x95)
-    )  # fmt: skip
-    old = _attach_prog(cgroup, odd)
-    before = _verdicts(cgroup, nodes)
+    old = attach(cgroup, OTHER_SHAPE)
+    before = verdicts(cgroup, nodes)
     with pytest.raises(BpfReplaceError, match=f"program {old} left as it is: instruction 2"):
         replace_device_program(cgroup, [(195, 0)], lambda: True, dry_run=False)
     assert query_device_programs(cgroup) == (old,)
-    assert _verdicts(cgroup, nodes) == before
+    assert verdicts(cgroup, nodes) == before
 
 
 def test_frozen_cgroup_keeps_the_old_program(
     cgroup: Path, nodes: dict[tuple[int, int], Path]
 ) -> None:
-    old = _attach_prog(cgroup, build(RUNC))
+    old = attach(cgroup, build(RUNC))
     (cgroup / "cgroup.freeze").write_text("1")
     # the probe's child would freeze on joining: refused before any swap
     with pytest.raises(BpfReplaceError, match=r"the cgroup is frozen .* the old program stays"):
@@ -217,14 +186,14 @@ def test_frozen_cgroup_keeps_the_old_program(
         replace_device_program(cgroup, [(195, 0)], freeze_then_probe, dry_run=False)
     assert query_device_programs(cgroup) == (old,)
     (cgroup / "cgroup.freeze").write_text("0")
-    assert _verdicts(cgroup, nodes)[(195, 0)] is False
+    assert verdicts(cgroup, nodes)[(195, 0)] is False
 
 
 def test_without_capabilities_a_clear_error(
     cgroup: Path, nodes: dict[tuple[int, int], Path]
 ) -> None:
     require_tool("setpriv")
-    old = _attach_prog(cgroup, build(RUNC))
+    old = attach(cgroup, build(RUNC))
     code = (
         "import sys; from pathlib import Path\n"
         "from gpuguard.actuate.bpf import BpfReplaceError, replace_device_program\n"
@@ -244,7 +213,7 @@ def test_without_capabilities_a_clear_error(
     assert res.stdout.startswith(f"{cgroup}: ") and "Operation not permitted" in res.stdout
     assert "Traceback" not in res.stderr
     assert query_device_programs(cgroup) == (old,)
-    assert _verdicts(cgroup, nodes)[(195, 0)] is False
+    assert verdicts(cgroup, nodes)[(195, 0)] is False
 
 
 def _action(cg: Path, nodes: dict[tuple[int, int], Path]) -> V2ProgramReplace:
@@ -259,15 +228,15 @@ def _action(cg: Path, nodes: dict[tuple[int, int], Path]) -> V2ProgramReplace:
 
 
 def test_step_actuator_dry_run_then_real(cgroup: Path, nodes: dict[tuple[int, int], Path]) -> None:
-    old = _attach_prog(cgroup, build(RUNC))
+    old = attach(cgroup, build(RUNC))
     a = _action(cgroup, nodes)
     o = apply_program_replace(a, Root(Path("/")), dry_run=True)
     assert o.status == "dry-run" and "allow c 195:0 rw" in o.detail and "(dry-run)" in o.detail
     assert query_device_programs(cgroup) == (old,)
-    assert _verdicts(cgroup, nodes)[(195, 0)] is False
+    assert verdicts(cgroup, nodes)[(195, 0)] is False
     o = apply_program_replace(a, Root(Path("/")), dry_run=False)
     assert o.status == "done", o.detail
-    assert _verdicts(cgroup, nodes)[(195, 0)] is True
+    assert verdicts(cgroup, nodes)[(195, 0)] is True
 
 
 def test_ancestor_denies_so_the_swap_is_rolled_back(
@@ -275,15 +244,15 @@ def test_ancestor_denies_so_the_swap_is_rolled_back(
 ) -> None:
     # The parent's program denies the GPU too: replacing the container's cannot help, the
     # probe says so, the old program comes back and the outcome says why.
-    _attach_prog(cgroup, build(RUNC))
+    attach(cgroup, build(RUNC))
     ctr = cgroup / "ctr"
     ctr.mkdir()
     try:
-        old = _attach_prog(ctr, build(RUNC))
+        old = attach(ctr, build(RUNC))
         o = apply_program_replace(_action(ctr, nodes), Root(Path("/")), dry_run=False)
         assert o.status == "failed" and "the old program is back" in o.detail
         assert query_device_programs(ctr) == (old,)
-        assert _verdicts(ctr, nodes)[(195, 0)] is False
+        assert verdicts(ctr, nodes)[(195, 0)] is False
     finally:
         for _ in range(100):
             try:

@@ -26,7 +26,7 @@ from gpuguard.devices.probe import query_device_programs
 from integration.gpu_scopes import containers
 from integration.gpuguard_ns import events, wait_for
 from integration.harness import systemd_ns as systemd_ns
-from integration.harness.bpfdev import DEFAULT_RULES, load, replace_programs
+from integration.harness.bpfdev import DEFAULT_RULES, attach, program, replace_programs
 from integration.test_cpumanager_rewrite import AUDIT_INTERVAL, _boot, _cgroup, _verdict
 
 pytestmark = pytest.mark.root
@@ -50,20 +50,10 @@ def _mine(ns, kind: str, c) -> list:  # type: ignore[no-untyped-def, type-arg]
 
 
 def test_a_second_program_is_reported_not_replaced(systemd_ns, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    import os
-
-    from gpuguard.actuate.bpf import BPF_F_ALLOW_MULTI, _attach
-    from gpuguard.devices.probe import BPF_PROG_ATTACH
-
     (c,) = containers(1)
     ns = _boot(systemd_ns, tmp_path, [c], "v2")
     runc = _lose_gpu(ns, c)
-    fd, cg = load(DEFAULT_RULES), os.open(_cgroup(ns, c), os.O_RDONLY | os.O_DIRECTORY)
-    try:  # another tool's program next to runc's
-        _attach(BPF_PROG_ATTACH, cg, fd, BPF_F_ALLOW_MULTI)
-    finally:
-        os.close(fd)
-        os.close(cg)
+    attach(_cgroup(ns, c), program(DEFAULT_RULES), b"legacy_hook")  # another tool's program
     two = query_device_programs(_cgroup(ns, c))
     assert len(two) == 2 and runc in two
     found = wait_for(

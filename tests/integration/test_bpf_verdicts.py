@@ -13,36 +13,25 @@ up (None), never guess. Real cgroups under /sys/fs/cgroup/unified, removed after
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from pathlib import Path
 from typing import Iterator
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuguard.actuate.bpf import BPF_PROG_DETACH, _attach
-from gpuguard.devices.bpfprog import ACC_RW, DeviceProgram, DevRule, build
-from gpuguard.devices.bpfread import ProgramCache, effective_programs, fd_by_id, judge
-from gpuguard.devices.probe import probe_open, probe_open_all, query_device_programs
-from integration.test_bpf_inplace import EXAMPLES, NODES, _attach_prog
+from gpuguard.devices.bpfprog import DeviceProgram, DevRule, build
+from gpuguard.devices.bpfread import ProgramCache, effective_programs, judge
+from gpuguard.devices.probe import probe_open, probe_open_all
+from integration.harness.bpfdev import OTHER_SHAPE, attach, detach_all
+from integration.test_bpf_inplace import KERNEL_EXAMPLES, NODES, rule_lists
 from integration.test_bpf_inplace import cgroup as cgroup
 from integration.test_bpf_inplace import nodes as nodes
 
 pytestmark = pytest.mark.root
 
-RULES = st.lists(
-    st.builds(
-        DevRule,
-        st.booleans(),
-        st.sampled_from(["c", None]),
-        st.sampled_from([195, 510, 1, None]),
-        st.sampled_from([0, 1, 255, 3, None]),
-        st.sampled_from([None, ACC_RW, 2, 7]),
-    ).filter(lambda r: (r.kind, r.major, r.minor, r.access) != (None,) * 4),
-    max_size=5,
-)
+RULES = rule_lists(5)
 
 
 @pytest.fixture
@@ -59,22 +48,7 @@ def child(cgroup: Path) -> Iterator[Path]:
             time.sleep(0.02)
 
 
-def _detach_all(cg: Path) -> None:
-    for pid in query_device_programs(cg):
-        fd, cgfd = fd_by_id(pid), os.open(cg, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            _attach(BPF_PROG_DETACH, cgfd, fd, 0)
-        finally:
-            os.close(fd)
-            os.close(cgfd)
-
-
-@settings(
-    max_examples=EXAMPLES,
-    derandomize=True,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
+@KERNEL_EXAMPLES
 @given(RULES, st.booleans(), st.one_of(st.none(), st.tuples(RULES, st.booleans())))
 def test_judge_equals_the_kernel(
     cgroup: Path,
@@ -85,10 +59,10 @@ def test_judge_equals_the_kernel(
     parent: tuple[list[DevRule], bool] | None,
 ) -> None:
     for cg in (child, cgroup):  # the previous example's programs
-        _detach_all(cg)
-    _attach_prog(child, build(DeviceProgram(tuple(rules), default)))
+        detach_all(cg)
+    attach(child, build(DeviceProgram(tuple(rules), default)))
     if parent is not None:
-        _attach_prog(cgroup, build(DeviceProgram(tuple(parent[0]), parent[1])))
+        attach(cgroup, build(DeviceProgram(tuple(parent[0]), parent[1])))
     assert len(effective_programs(child)) == 1 + (parent is not None)
     mine = judge(ProgramCache(), child, NODES)
     assert mine is not None
@@ -103,17 +77,7 @@ def test_a_program_of_another_shape_is_not_judged(
     child: Path,
     nodes: dict[tuple[int, int], Path],
 ) -> None:
-    import struct
-
-    def ins(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> bytes:
-        return struct.pack("<BBhi", code, dst | (src << 4), off, imm)
-
-    # if (type == char) allow else deny, written with JEQ: not runc's or systemd's shape
-    odd = (
-        ins(0x61, 2, 1, 0) + ins(0x54, 2, imm=0xFFFF) + ins(0x15, 2, off=2, imm=2)
-        + ins(0xB7, 0, imm=0) + ins(0x95) + ins(0xB7, 0, imm=1) + ins(0x95)
-    )  # fmt: skip
-    _attach_prog(child, odd)
+    attach(child, OTHER_SHAPE)
     cache = ProgramCache()
     assert judge(cache, child, NODES) is None  # the caller asks the kernel instead
     assert all(r.verdict is True for r in probe_open_all(list(nodes.values()), [child]))
@@ -127,7 +91,7 @@ def test_systemds_program_is_judged_as_the_kernel_does(
 ) -> None:
     from unit.test_bpfprog import SYSTEMD_252, _code
 
-    _attach_prog(child, _code(SYSTEMD_252))  # a scope's program, as systemd 252 loads it
+    attach(child, _code(SYSTEMD_252))  # a scope's program, as systemd 252 loads it
     mine = judge(ProgramCache(), child, NODES)
     assert mine is not None, "systemd's own shape must be judged without a probe"
     for n in NODES:

@@ -48,8 +48,8 @@ from conftest import require_tool
 from gpuguard.devices.probe import probe_open
 from gpuguard.devices.rules import RUNC_DEFAULT_RULES
 from gpuguard.steps.container_access.reconcile import CAUSE_REWRITE, CAUSE_REWRITE_V2
-from integration.gpu_scopes import fake_proc_devices, gpu_inventory
-from integration.gpuguard_ns import GPUGUARD, events, gpuguard_units, settle, wait_for
+from integration.gpu_scopes import boot_node
+from integration.gpuguard_ns import GPUGUARD, events, settle, wait_for
 from integration.harness import SystemdNamespace
 from integration.harness import layout as layout
 from integration.harness import systemd_ns as systemd_ns
@@ -66,23 +66,8 @@ pytestmark = pytest.mark.root
 
 def _boot(systemd_ns, tmp_path: Path, layout: str = "v1") -> Tuple[SystemdNamespace, Containerd]:  # type: ignore[no-untyped-def]
     require_tool(*REQUIRED_TOOLS)
-    units = gpuguard_units()
-    units["gpuguard.service.d/60-fake-driver.conf"] = (
-        "[Service]\nBindReadOnlyPaths=/run/fake/devices:/proc/devices\n"
-    )
     ctr_units, ctr_binds = prepare(tmp_path / "ctr")
-    units.update(ctr_units)
-    devices = fake_proc_devices(tmp_path / "devices")
-    ns = systemd_ns(
-        layout=layout,
-        units=units,
-        binds=ctr_binds,
-        ro_binds={"/run/fake/devices": devices, "/proc/devices": devices},
-    )
-    etc = ns.path("/etc/gpuguard")
-    etc.mkdir(parents=True, exist_ok=True)
-    (etc / "inventory.json").write_text(json.dumps(gpu_inventory(2)))
-    (etc / "gpuguard.conf").write_text("[Inventory]\nFile=/etc/gpuguard/inventory.json\n")
+    ns = boot_node(systemd_ns, tmp_path, layout=layout, units=ctr_units, binds=ctr_binds)
     cd = Containerd(ns)
     cd.start()
     return ns, cd

@@ -11,43 +11,13 @@ import json
 import pytest
 
 from gpuguard.devices.probe import probe_open
-from integration.gpu_scopes import (
-    containers,
-    dev_binds,
-    fake_proc_devices,
-    gpu_inventory,
-    has,
-    start,
-)
-from integration.gpuguard_ns import events, gpuguard_units, settle, wait_for
+from integration.gpu_scopes import boot_node, containers, has, start
+from integration.gpuguard_ns import events, settle, start_gpuguard, wait_for
 from integration.harness import layout as layout
 from integration.harness import systemd_ns as systemd_ns
 from integration.harness.bpfdev import DEFAULT_RULES, replace_programs
 
 pytestmark = pytest.mark.root
-
-
-def _boot(systemd_ns, tmp_path, ctrs, layout):  # type: ignore[no-untyped-def]
-    units = gpuguard_units()
-    # No NVIDIA driver here: only the driver's registration in /proc/devices is
-    # simulated, for the daemon (its unit gets a fresh /proc, so a drop-in binds it).
-    units["gpuguard.service.d/60-fake-driver.conf"] = (
-        "[Service]\nBindReadOnlyPaths=/run/fake/devices:/proc/devices\n"
-    )
-    ns = systemd_ns(
-        layout=layout,
-        units=units,
-        ro_binds={
-            "/run/fake/devices": fake_proc_devices(tmp_path / "devices"),
-            "/proc/devices": tmp_path / "devices",
-            **dev_binds(tmp_path, ctrs),
-        },
-    )
-    etc = ns.path("/etc/gpuguard")
-    etc.mkdir(parents=True, exist_ok=True)
-    (etc / "inventory.json").write_text(json.dumps(gpu_inventory(2)))
-    (etc / "gpuguard.conf").write_text("[Inventory]\nFile=/etc/gpuguard/inventory.json\n")
-    return ns
 
 
 def _regrant_kind(ns) -> str:  # type: ignore[no-untyped-def]
@@ -63,7 +33,7 @@ def _verdict(ns, c, minor: int):  # type: ignore[no-untyped-def]
 
 def test_reload_wipe_is_repaired_exactly_and_durably(systemd_ns, tmp_path, layout) -> None:  # type: ignore[no-untyped-def]
     ctrs = containers(4)
-    ns = _boot(systemd_ns, tmp_path, ctrs, layout)
+    ns = boot_node(systemd_ns, tmp_path, ctrs, layout=layout)
     for c in ctrs:
         start(ns, c)
     assert all(has(c, ns, (195, c.gpus[0])) for c in ctrs)
@@ -71,8 +41,7 @@ def test_reload_wipe_is_repaired_exactly_and_durably(systemd_ns, tmp_path, layou
     ns.systemctl("daemon-reload")
     assert not any(has(c, ns, (195, c.gpus[0])) for c in ctrs)
 
-    assert ns.systemctl("start", "gpuguard.service").returncode == 0
-    settle(ns)
+    start_gpuguard(ns)
     for c in ctrs:
         mine, other = c.gpus[0], 1 - c.gpus[0]
         assert has(c, ns, (195, mine)) and has(c, ns, (195, 255)) and has(c, ns, (511, 0))
@@ -107,9 +76,8 @@ def test_reload_wipe_is_repaired_exactly_and_durably(systemd_ns, tmp_path, layou
 
 def test_new_container_is_made_durable_before_any_reload(systemd_ns, tmp_path, layout) -> None:  # type: ignore[no-untyped-def]
     ctrs = containers(2)
-    ns = _boot(systemd_ns, tmp_path, ctrs, layout)
-    assert ns.systemctl("start", "gpuguard.service").returncode == 0
-    settle(ns)
+    ns = boot_node(systemd_ns, tmp_path, ctrs, layout=layout)
+    start_gpuguard(ns)
     for c in ctrs:
         start(ns, c)  # created behind gpuguard's back, as the NVIDIA hook does
     wait_for(
@@ -129,7 +97,7 @@ def test_status_reports_and_oneshot_check_repairs(systemd_ns, tmp_path, layout) 
     from integration.gpuguard_ns import GPUGUARD
 
     ctrs = containers(2)
-    ns = _boot(systemd_ns, tmp_path, ctrs, layout)
+    ns = boot_node(systemd_ns, tmp_path, ctrs, layout=layout)
     for c in ctrs:
         start(ns, c)
     ns.systemctl("daemon-reload")  # wipes both (gpuguard not running)

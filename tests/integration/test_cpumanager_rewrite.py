@@ -22,7 +22,6 @@ rules plus exactly the lost nodes (third test).
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Optional
@@ -32,14 +31,8 @@ import pytest
 from gpuguard.devices.probe import probe_open, query_device_programs
 from gpuguard.devices.rules import RUNC_DEFAULT_RULES
 from gpuguard.steps.container_access.reconcile import CAUSE_REWRITE
-from integration.gpu_scopes import (
-    Container,
-    containers,
-    dev_binds,
-    fake_proc_devices,
-    gpu_inventory,
-)
-from integration.gpuguard_ns import events, gpuguard_units, wait_for
+from integration.gpu_scopes import Container, boot_node, containers
+from integration.gpuguard_ns import events, wait_for
 from integration.harness import SystemdNamespace
 from integration.harness import systemd_ns as systemd_ns
 from integration.harness.bpfdev import DEFAULT_RULES, replace_programs
@@ -101,27 +94,8 @@ def _start(ns: SystemdNamespace, c: Container) -> None:
 
 
 def _boot(systemd_ns, tmp_path, ctrs, layout: str, extra: str = "") -> SystemdNamespace:  # type: ignore[no-untyped-def]
-    units = gpuguard_units()
-    units["gpuguard.service.d/60-fake-driver.conf"] = (
-        "[Service]\nBindReadOnlyPaths=/run/fake/devices:/proc/devices\n"
-    )
-    devices = fake_proc_devices(tmp_path / "devices")
-    ns = systemd_ns(
-        layout=layout,
-        units=units,
-        ro_binds={
-            "/run/fake/devices": devices,
-            "/proc/devices": devices,
-            **dev_binds(tmp_path, ctrs),
-        },
-    )
-    etc = ns.path("/etc/gpuguard")
-    etc.mkdir(parents=True, exist_ok=True)
-    (etc / "inventory.json").write_text(json.dumps(gpu_inventory(2)))
-    (etc / "gpuguard.conf").write_text(
-        "[Inventory]\nFile=/etc/gpuguard/inventory.json\n"
-        f"[Daemon]\nAuditInterval={AUDIT_INTERVAL:g}s\n{extra}"
-    )
+    config = f"[Daemon]\nAuditInterval={AUDIT_INTERVAL:g}s\n{extra}"
+    ns = boot_node(systemd_ns, tmp_path, ctrs, layout=layout, config=config)
     for c in ctrs:
         _start(ns, c)
     assert ns.systemctl("start", "gpuguard.service").returncode == 0

@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 
 from conftest import require_root, require_tool
+from gpuguard.actuate.containers import ContainerStopper
 from gpuguard.oneshot import OneShotServices
 from gpuguard.passes import PassContext
 from gpuguard.steps.device_plugin import DevicePluginStep
@@ -124,11 +125,13 @@ def node() -> Iterator[Node]:
 
 def make_step(node: Node, **kw: Any) -> DevicePluginStep:
     restarter = PluginRestarter(
-        crictl="/nonexistent/crictl",  # as on this host: no crictl, so containerd's ctr
-        ctr=shutil.which("ctr") or "/usr/bin/ctr",
-        ctr_address=node.c.sock,
-        ctr_namespace="default",
-        command_timeout=20,
+        stopper=ContainerStopper(
+            crictl="/nonexistent/crictl",  # as on this host: no crictl, so containerd's ctr
+            ctr=shutil.which("ctr") or "/usr/bin/ctr",
+            ctr_address=node.c.sock,
+            ctr_namespace="default",
+            command_timeout=20,
+        ),
     )
     args: dict[str, Any] = dict(
         restarter=restarter, cgroup_root=node.c.cgroup_prefix, verify_timeout=20, poll=0.05

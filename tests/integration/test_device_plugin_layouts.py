@@ -28,6 +28,7 @@ from typing import Any, List, Tuple
 import pytest
 
 from conftest import require_tool
+from gpuguard.actuate.containers import ContainerStopper
 from gpuguard.paths import Root
 from gpuguard.steps.device_plugin import DevicePluginStep
 from gpuguard.steps.device_plugin.actuate import PluginRestarter
@@ -139,11 +140,13 @@ def test_stale_plugin_restarted_through_the_runtime_on_either_layout(  # type: i
     svc, out = make_svc(node.root, cool_down=0.0)
     step = DevicePluginStep(
         restarter=PluginRestarter(
-            crictl="/nonexistent/crictl",
-            ctr=shutil.which("ctr") or "/usr/bin/ctr",
-            ctr_address=str(node.ns.path(SOCK)),
-            ctr_namespace="default",
-            command_timeout=20,
+            stopper=ContainerStopper(
+                crictl="/nonexistent/crictl",
+                ctr=shutil.which("ctr") or "/usr/bin/ctr",
+                ctr_address=str(node.ns.path(SOCK)),
+                ctr_namespace="default",
+                command_timeout=20,
+            ),
             signal_fallback=False,  # a signal would be the bug: fail instead
         ),
         verify_timeout=20,

@@ -16,7 +16,6 @@ Everything is removed in finalizers (processes by PID, cgroups deepest first).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import random
 import stat
@@ -39,16 +38,7 @@ from gpuguard.devices.nodes import (
     nvidia_majors,
     read_proc_devices,
 )
-from gpuguard.devices.probe import (
-    BPF_ATTR_SIZE,
-    BPF_CGROUP_DEVICE,
-    BPF_PROG_ATTACH,
-    BPF_PROG_LOAD,
-    BPF_PROG_TYPE_CGROUP_DEVICE,
-    bpf_syscall,
-    probe_open,
-    query_device_programs,
-)
+from gpuguard.devices.probe import probe_open, query_device_programs
 from gpuguard.devices.rules import (
     RUNC_DEFAULT_RULES,
     DeviceRules,
@@ -65,6 +55,7 @@ from gpuguard.steps.container_access.reconcile import (
     audit,
     verdicts_from_rules,
 )
+from integration.harness.bpfdev import attach
 
 pytestmark = pytest.mark.root
 
@@ -97,13 +88,10 @@ def cleanup() -> Iterator[Callable[[object], None]]:
     """Register cgroup dirs (Path) and processes (Popen); all removed even on failure."""
     dirs: list[Path] = []
     procs: list[subprocess.Popen[bytes]] = []
-    closers: list[int] = []
 
     def add(thing: object) -> None:
         if isinstance(thing, Path):
             dirs.append(thing)
-        elif isinstance(thing, int):
-            closers.append(thing)
         else:
             assert isinstance(thing, subprocess.Popen)
             procs.append(thing)
@@ -113,9 +101,6 @@ def cleanup() -> Iterator[Callable[[object], None]]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(p.pid, 9)  # by PID, the process this test started
         p.wait(timeout=10)
-    for fd in closers:
-        with contextlib.suppress(OSError):
-            os.close(fd)
     for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
         for _ in range(50):
             try:
@@ -307,10 +292,10 @@ def _insn(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> 
     return struct.pack("<BBhi", code, (src << 4) | dst, off, imm)
 
 
-def _load_deny_195_1() -> int:
+def _deny_195_1() -> bytes:
     """BPF_PROG_TYPE_CGROUP_DEVICE: return 0 (deny) for 195:1, 1 (allow) otherwise.
     ctx is struct bpf_cgroup_dev_ctx {u32 access_type; u32 major; u32 minor}."""
-    prog = b"".join(
+    return b"".join(
         [
             _insn(0x61, dst=2, src=1, off=4),  # r2 = ctx->major
             _insn(0x61, dst=3, src=1, off=8),  # r3 = ctx->minor
@@ -322,29 +307,6 @@ def _load_deny_195_1() -> int:
             _insn(0x95),  # exit
         ]
     )
-    insns = ctypes.create_string_buffer(prog, len(prog))
-    lic = ctypes.create_string_buffer(b"GPL")
-    log = ctypes.create_string_buffer(65536)
-    attr = ctypes.create_string_buffer(BPF_ATTR_SIZE)
-    struct.pack_into(
-        "<IIQQIIQII16s",
-        attr,
-        0,
-        BPF_PROG_TYPE_CGROUP_DEVICE,
-        len(prog) // 8,
-        ctypes.addressof(insns),
-        ctypes.addressof(lic),
-        1,
-        len(log),
-        ctypes.addressof(log),
-        0,
-        0,
-        b"gpuguard_test",
-    )
-    try:
-        return bpf_syscall(BPF_PROG_LOAD, attr)
-    except OSError as e:
-        raise AssertionError(f"BPF_PROG_LOAD failed: {e}; verifier: {log.value!r}") from None
 
 
 def test_v2_bpf_program_probe(tmp_path: Path, cleanup: Callable[[object], None]) -> None:
@@ -355,13 +317,7 @@ def test_v2_bpf_program_probe(tmp_path: Path, cleanup: Callable[[object], None])
     cid = uuid.uuid4().hex + uuid.uuid4().hex
     base = _mkcg(cleanup, V2, name)
     ctr = _mkcg(cleanup, base, f"kubepods/pod{pod_uid}/{cid}")
-    prog_fd = _load_deny_195_1()
-    cleanup(prog_fd)
-    cg_fd = os.open(ctr, os.O_RDONLY | os.O_DIRECTORY)
-    cleanup(cg_fd)
-    attr = ctypes.create_string_buffer(BPF_ATTR_SIZE)
-    struct.pack_into("<IIII", attr, 0, cg_fd, prog_fd, BPF_CGROUP_DEVICE, 0)
-    bpf_syscall(BPF_PROG_ATTACH, attr)
+    attach(ctr, _deny_195_1(), b"gpuguard_test", flags=0)
     assert len(query_device_programs(ctr)) == 1
     assert query_device_programs(base) == ()
 

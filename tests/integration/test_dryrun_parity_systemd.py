@@ -12,11 +12,10 @@ from typing import Any
 
 import pytest
 
-from integration.gpu_scopes import containers, has, start
+from integration.gpu_scopes import boot_node, containers, has, start
 from integration.gpuguard_ns import GPUGUARD
 from integration.harness import layout as layout
 from integration.harness import systemd_ns as systemd_ns
-from integration.test_container_access_systemd import _boot
 
 pytestmark = pytest.mark.root
 
@@ -40,7 +39,7 @@ def test_check_dry_run_prints_the_durable_grants_the_real_run_makes_after_the_li
     systemd_ns, tmp_path, layout
 ) -> None:
     wiped, intact = containers(2)
-    ns = _boot(systemd_ns, tmp_path, [wiped, intact], layout)
+    ns = boot_node(systemd_ns, tmp_path, [wiped, intact], layout=layout)
     start(ns, wiped)
     ns.systemctl("daemon-reload")  # wipes the first (no gpuguard running)
     start(ns, intact)  # granted behind systemd's back, not durable yet

@@ -10,7 +10,6 @@ durable. Containers and their cgroup quirk: see test_container_access_runc.py.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Sequence, Tuple
 
@@ -18,9 +17,9 @@ import pytest
 
 from conftest import require_tool
 from gpuguard.devices.probe import probe_open
-from integration.daemon_faults import FAKE_DRIVER, SERVICE, main_pid, n_restarts
-from integration.gpu_scopes import fake_proc_devices, gpu_inventory
-from integration.gpuguard_ns import events, gpuguard_units, settle, status, wait_for
+from integration.daemon_faults import SERVICE, main_pid, n_restarts
+from integration.gpu_scopes import boot_node
+from integration.gpuguard_ns import events, settle, status, wait_for
 from integration.harness import SystemdNamespace
 from integration.harness import systemd_ns as systemd_ns
 from integration.harness.runc_env import (
@@ -37,21 +36,9 @@ pytestmark = pytest.mark.root
 
 def _boot(systemd_ns, tmp_path: Path) -> Tuple[SystemdNamespace, Containerd]:  # type: ignore[no-untyped-def]
     require_tool(*REQUIRED_TOOLS)
-    units = {**gpuguard_units(), **FAKE_DRIVER}
     ctr_units, ctr_binds = prepare(tmp_path / "ctr")
-    units.update(ctr_units)
-    devices = fake_proc_devices(tmp_path / "devices")
-    ns = systemd_ns(
-        units=units,
-        binds=ctr_binds,
-        ro_binds={"/run/fake/devices": devices, "/proc/devices": devices},
-    )
-    etc = ns.path("/etc/gpuguard")
-    etc.mkdir(parents=True, exist_ok=True)
-    (etc / "inventory.json").write_text(json.dumps(gpu_inventory(2)))
-    (etc / "gpuguard.conf").write_text(
-        f"[Inventory]\nFile=/etc/gpuguard/inventory.json\n[Systemd]\nRuntimeUnits={UNIT}\n"
-    )
+    config = f"[Systemd]\nRuntimeUnits={UNIT}\n"
+    ns = boot_node(systemd_ns, tmp_path, config=config, units=ctr_units, binds=ctr_binds)
     cd = Containerd(ns)
     cd.start()
     return ns, cd

@@ -7,22 +7,13 @@ a while, as `runc init` does), and a dry run sets nothing."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
 
-from integration.gpu_scopes import (
-    Container,
-    containers,
-    dev_binds,
-    fake_proc_devices,
-    gpu_inventory,
-    has,
-    start,
-)
-from integration.gpuguard_ns import events, gpuguard_units, passes, settle, wait_for
+from integration.gpu_scopes import Container, boot_node, containers, has, start, write_config
+from integration.gpuguard_ns import events, passes, settle, start_gpuguard, wait_for
 from integration.harness import layout as layout
 from integration.harness import systemd_ns as systemd_ns
 
@@ -32,33 +23,11 @@ HELD = "[Daemon]\nQuietPeriod=60s\nMaxDelay=60s\n"  # no pass but the urgent one
 
 
 def _boot(systemd_ns, tmp_path: Path, ctrs: List[Container], layout: str, conf: str):  # type: ignore[no-untyped-def]
-    units = gpuguard_units()
-    units["gpuguard.service.d/60-fake-driver.conf"] = (
-        "[Service]\nBindReadOnlyPaths=/run/fake/devices:/proc/devices\n"
-    )
-    ns = systemd_ns(
-        layout=layout,
-        units=units,
-        ro_binds={
-            "/run/fake/devices": fake_proc_devices(tmp_path / "devices"),
-            "/proc/devices": tmp_path / "devices",
-            **dev_binds(tmp_path, ctrs),
-        },
-    )
-    etc = ns.path("/etc/gpuguard")
-    etc.mkdir(parents=True, exist_ok=True)
-    (etc / "inventory.json").write_text(json.dumps(gpu_inventory(2)))
-    _configure(ns, conf)
-    assert ns.systemctl("start", "gpuguard.service").returncode == 0
-    settle(ns)
+    ns = boot_node(systemd_ns, tmp_path, ctrs, layout=layout, config=conf)
+    start_gpuguard(ns)
     # the node has both GPUs' nodes and links: what a container must not get by mistake
     assert ns.path("/dev/nvidia1").exists() and ns.path("/dev/char/195:1").is_symlink()
     return ns
-
-
-def _configure(ns, extra: str) -> None:  # type: ignore[no-untyped-def]
-    conf = "[Inventory]\nFile=/etc/gpuguard/inventory.json\n" + extra
-    (ns.path("/etc/gpuguard") / "gpuguard.conf").write_text(conf)
 
 
 def _grants(ns) -> Dict[str, List[Any]]:  # type: ignore[no-untyped-def]
@@ -99,7 +68,7 @@ def test_scopes_started_while_passes_are_held_get_one_grant_each(
         assert f"195:{c.gpus[0]}" in numbers and f"195:{1 - c.gpus[0]}" not in numbers
         _own_gpu_only(ns, c)
     # The full pass (the backstop) runs once passes are no longer held: nothing again.
-    _configure(ns, "")
+    write_config(ns, "")
     ns.systemctl("reload", "gpuguard.service")
     wait_for(lambda: passes(ns) > before, what="the full pass")
     settle(ns)
@@ -138,7 +107,7 @@ def test_a_scope_still_on_the_hosts_dev_is_waited_for_not_judged(
 def test_dry_run_sets_nothing(systemd_ns, tmp_path, layout) -> None:  # type: ignore[no-untyped-def]
     ctrs = containers(2)
     ns = _boot(systemd_ns, tmp_path, ctrs, layout, HELD)  # nodes and links made first
-    _configure(ns, HELD + "DryRun=yes\n")
+    write_config(ns, HELD + "DryRun=yes\n")
     ns.systemctl("reload", "gpuguard.service")
     wait_for(lambda: events(ns, "config-reloaded"), what="the dry-run configuration")
     for c in ctrs:
@@ -159,26 +128,13 @@ def test_real_runc_container_gets_its_grant_from_the_fast_path(
     from integration.harness.runc_env import REQUIRED_TOOLS, Containerd, make_containers, prepare
 
     require_tool(*REQUIRED_TOOLS)
-    units = gpuguard_units()
-    units["gpuguard.service.d/60-fake-driver.conf"] = (
-        "[Service]\nBindReadOnlyPaths=/run/fake/devices:/proc/devices\n"
-    )
     ctr_units, ctr_binds = prepare(tmp_path / "ctr")
-    units.update(ctr_units)
-    devices = fake_proc_devices(tmp_path / "devices")
-    ns = systemd_ns(
-        layout=layout,
-        units=units,
-        binds=ctr_binds,
-        ro_binds={"/run/fake/devices": devices, "/proc/devices": devices},
+    ns = boot_node(
+        systemd_ns, tmp_path, layout=layout, config=HELD, units=ctr_units, binds=ctr_binds
     )
-    ns.path("/etc/gpuguard").mkdir(parents=True, exist_ok=True)
-    (ns.path("/etc/gpuguard") / "inventory.json").write_text(json.dumps(gpu_inventory(2)))
-    _configure(ns, HELD)
     cd = Containerd(ns)
     cd.start()
-    assert ns.systemctl("start", "gpuguard.service").returncode == 0
-    settle(ns)
+    start_gpuguard(ns)
     assert ns.path("/dev/nvidia1").exists()  # the node's GPUs: both
     before = passes(ns)
     ctrs = make_containers(2, systemd=True)

@@ -35,6 +35,7 @@ from typing import Any
 import pytest
 
 from conftest import require_root, require_tool
+from gpuguard.actuate.containers import ContainerStopper
 from gpuguard.oneshot import OneShotServices
 from gpuguard.passes import PassContext
 from gpuguard.paths import Root
@@ -185,11 +186,13 @@ def probes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, NvmlResult]]:
 
 def make_step(node: Node) -> DevicePluginStep:
     restarter = PluginRestarter(
-        crictl="/nonexistent/crictl",
-        ctr=shutil.which("ctr") or "/usr/bin/ctr",
-        ctr_address=node.c.sock,
-        ctr_namespace="default",
-        command_timeout=20,
+        stopper=ContainerStopper(
+            crictl="/nonexistent/crictl",
+            ctr=shutil.which("ctr") or "/usr/bin/ctr",
+            ctr_address=node.c.sock,
+            ctr_namespace="default",
+            command_timeout=20,
+        ),
     )
     return DevicePluginStep(
         restarter=restarter, cgroup_root=node.c.cgroup_prefix, verify_timeout=20, poll=0.05

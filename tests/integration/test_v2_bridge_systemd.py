@@ -12,38 +12,23 @@ reload loses nothing and needs no bridge. v2 only: v1 has no programs to bridge.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from gpuguard.devices.bpfread import BRIDGE_NAME, SYSTEMD_NAME, fd_by_id, prog_name
-from gpuguard.devices.probe import query_device_programs
-from integration.gpu_scopes import NODES, containers, has, start
-from integration.gpuguard_ns import events, settle, status, wait_for
+from gpuguard.devices.bpfread import BRIDGE_NAME, SYSTEMD_NAME
+from integration.gpu_scopes import NODES, boot_node, containers, has, start
+from integration.gpuguard_ns import events, settle, start_gpuguard, status, wait_for
 from integration.harness import systemd_ns as systemd_ns
-from integration.test_container_access_systemd import _boot
+from integration.harness.bpfdev import programs
 
 pytestmark = pytest.mark.root
-
-
-def _programs(cg) -> dict[int, str]:  # type: ignore[no-untyped-def]
-    out = {}
-    for pid in query_device_programs(cg):
-        fd = fd_by_id(pid)
-        try:
-            out[pid] = prog_name(fd)
-        finally:
-            os.close(fd)
-    return out
 
 
 def test_not_yet_durable_scope_is_bridged_then_durable_and_the_bridge_gone(  # type: ignore[no-untyped-def]
     systemd_ns, tmp_path
 ) -> None:
     mine, other = containers(2)  # GPU 0 and GPU 1
-    ns = _boot(systemd_ns, tmp_path, [mine, other], "v2")
-    assert ns.systemctl("start", "gpuguard.service").returncode == 0
-    settle(ns)
+    ns = boot_node(systemd_ns, tmp_path, [mine, other], layout="v2")
+    start_gpuguard(ns)
     start(ns, mine)
     start(ns, other)
     wait_for(
@@ -57,7 +42,7 @@ def test_not_yet_durable_scope_is_bridged_then_durable_and_the_bridge_gone(  # t
     ns.systemctl("set-property", "--runtime", mine.unit, "DeviceAllow=", "DeviceAllow=/dev/null rw")
     mine.hook_grant(ns)
     cg = mine.cgroup(ns)
-    (hook_id,) = _programs(cg)
+    (hook_id,) = programs(cg)
     assert has(mine, ns, (195, 0))
     settle(ns)
     n_allow = len(events(ns, "unit-device-allow"))
@@ -80,7 +65,7 @@ def test_not_yet_durable_scope_is_bridged_then_durable_and_the_bridge_gone(  # t
     assert len(events(ns, "unit-device-allow")) >= n_allow
     assert "/dev/char/195:0 rw" in ns.unit_property(mine.unit, "DeviceAllow")
     # The bridge is gone: the hook's program and systemd's new one, nothing else.
-    progs = _programs(cg)
+    progs = programs(cg)
     assert hook_id in progs and sorted(progs.values()) == sorted(["legacy_hook", SYSTEMD_NAME])
     assert BRIDGE_NAME not in progs.values()
     # The kernel's word: its nodes and what it had, never the other GPU.
@@ -95,4 +80,4 @@ def test_not_yet_durable_scope_is_bridged_then_durable_and_the_bridge_gone(  # t
         assert has(mine, ns, (195, 0))
     settle(ns)
     assert len(events(ns, "v2-bridge-attach")) == 1
-    assert BRIDGE_NAME not in _programs(cg).values()
+    assert BRIDGE_NAME not in programs(cg).values()

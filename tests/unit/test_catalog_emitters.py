@@ -88,9 +88,9 @@ def daemon_pass(tmp: Path) -> Entries:
                    step_order=("boom",))  # fmt: skip
         now = time.monotonic()
         asyncio.run(d._run_pass(Work(frozenset({"boom"}), ("test",), now, now)))
-        asyncio.run(d._inventory())  # unavailable
+        asyncio.run(d.inventory_reader.read())  # unavailable
         (tmp / "none.json").write_text('{"gpus": []}')
-        asyncio.run(d._inventory())  # available again
+        asyncio.run(d.inventory_reader.read())  # available again
 
     return logged(emit)
 

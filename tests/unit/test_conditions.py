@@ -89,7 +89,7 @@ def test_daemon_reports_a_missing_inventory_once_and_when_it_is_back(tmp_path: P
 
     async def passes(n: int) -> None:
         for _ in range(n):
-            await daemon._inventory()
+            await daemon.inventory_reader.read()
 
     asyncio.run(passes(4))
     (e,) = entries(out)

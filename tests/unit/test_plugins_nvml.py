@@ -15,6 +15,7 @@ from typing import Any, Optional
 import pytest
 
 import gpuguard.steps.device_plugin as step_mod
+from gpuguard.actuate.containers import ContainerStopper
 from gpuguard.config import Config, DevicePluginConfig
 from gpuguard.devices.nodes import ROLE_OTHER
 from gpuguard.log import EventLog
@@ -248,7 +249,7 @@ class Ctx:
 
 class FakeRestarter(PluginRestarter):
     def __init__(self) -> None:
-        super().__init__(ctr="/nonexistent", crictl="/nonexistent")
+        super().__init__(stopper=ContainerStopper(ctr="/nonexistent", crictl="/nonexistent"))
         self.calls: list[RestartPlugin] = []
 
     async def restart(self, root: Root, action: RestartPlugin, systemd: Any) -> RestartResult:

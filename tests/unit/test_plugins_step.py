@@ -14,6 +14,7 @@ from typing import Any, Optional
 import pytest
 
 import gpuguard.steps.device_plugin as step_mod
+from gpuguard.actuate.containers import ContainerStopper
 from gpuguard.config import Config, DevicePluginConfig
 from gpuguard.devices.nodes import ROLE_OTHER
 from gpuguard.log import EventLog
@@ -58,7 +59,7 @@ class Ctx:
 
 class FakeRestarter(PluginRestarter):
     def __init__(self, ok: bool = True) -> None:
-        super().__init__(ctr="/nonexistent", crictl="/nonexistent")
+        super().__init__(stopper=ContainerStopper(ctr="/nonexistent", crictl="/nonexistent"))
         self.ok = ok
         self.calls: list[RestartPlugin] = []
 
@@ -307,7 +308,7 @@ def test_a_host_service_restart_is_journaled_once_by_the_unit_job_actuator(
     svc, out = make(tmp_path)
     sd = FakeSystemd(result)
     svc = dataclasses.replace(svc, client=sd)  # type: ignore[arg-type]
-    restarter = PluginRestarter(ctr="/nonexistent", crictl="/nonexistent")
+    restarter = PluginRestarter(stopper=ContainerStopper(ctr="/nonexistent", crictl="/nonexistent"))
     ctx = run(ServiceStep(Clock(), restarter), svc)  # type: ignore[arg-type]
     assert ("RestartUnit", "fake-plugin.service", {"timeout": 30.0}) in sd.calls
     restarted = entries(out, "plugin-restarted")

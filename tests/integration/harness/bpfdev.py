@@ -9,6 +9,10 @@ the scope's ``DeviceAllow=`` list (every attached program must admit an open).
 The program is built here instruction by instruction (no clang, no libbpf): one block
 per allowed ``(type, major, minor)``; access bits are not checked (rwm), like runc's
 rules for ``--device`` nodes.
+
+The kernel tests' helpers live here too, built on the same raw calls rather than on the
+code they test: attach any program's code to a cgroup, detach them all, the programs
+attached and their names, and the kernel's verdict on opening fake nodes from inside.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import ctypes
 import os
 import struct
 from pathlib import Path
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
+from gpuguard.devices.bpfread import prog_name
 from gpuguard.devices.probe import (
     BPF_ATTR_SIZE,
     BPF_CGROUP_DEVICE,
@@ -27,6 +32,7 @@ from gpuguard.devices.probe import (
     BPF_PROG_LOAD,
     BPF_PROG_TYPE_CGROUP_DEVICE,
     bpf_syscall,
+    probe_open,
     query_device_programs,
 )
 
@@ -87,10 +93,14 @@ def program(rules: Iterable[Tuple[str, int, Optional[int]]]) -> bytes:
 
 def load(rules: Iterable[Tuple[str, int, Optional[int]]]) -> int:
     """BPF_PROG_LOAD of :func:`program`; returns the program fd (caller closes it)."""
-    code = program(rules)
+    return load_code(program(rules))
+
+
+def load_code(code: bytes, name: bytes = b"legacy_hook", *, log_level: int = 0) -> int:
+    """BPF_PROG_LOAD of ``code``, named ``name`` (what bpftool shows); returns the fd."""
     insns = ctypes.create_string_buffer(code, len(code))
     license = ctypes.create_string_buffer(b"GPL")
-    log = ctypes.create_string_buffer(65536)
+    log = ctypes.create_string_buffer(65536 if log_level else 1)
     attr = ctypes.create_string_buffer(BPF_ATTR_SIZE)
     # prog_type, insn_cnt, insns, license, log_level, log_size, log_buf
     struct.pack_into(
@@ -101,14 +111,16 @@ def load(rules: Iterable[Tuple[str, int, Optional[int]]]) -> int:
         len(code) // 8,
         ctypes.addressof(insns),
         ctypes.addressof(license),
-        1,
-        len(log),
-        ctypes.addressof(log),
+        log_level,
+        len(log) if log_level else 0,
+        ctypes.addressof(log) if log_level else 0,
     )
-    attr[48:59] = b"legacy_hook"  # prog_name: what bpftool shows
+    struct.pack_into("16s", attr, 48, name[:15])  # prog_name, NUL-terminated
     try:
         return bpf_syscall(BPF_PROG_LOAD, attr)
     except OSError as e:
+        if not log_level:  # again, for the verifier's word
+            return load_code(code, name, log_level=1)
         raise OSError(e.errno, f"BPF_PROG_LOAD: {e.strerror}: {log.value.decode()}") from None
 
 
@@ -154,3 +166,71 @@ def replace_programs(
     finally:
         os.close(cg)
     return tuple(detached)
+
+
+def attach(
+    cgroup_dir: Path, code: bytes, name: bytes = b"runc_like", *, flags: int = BPF_F_ALLOW_MULTI
+) -> int:
+    """Attach ``code`` to the cgroup (ALLOW_MULTI, as runc does); returns the id of the
+    one program that is new there."""
+    before = set(query_device_programs(cgroup_dir))
+    fd = load_code(code, name)
+    cg = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        _attach(BPF_PROG_ATTACH, cg, fd, flags)
+    finally:
+        os.close(cg)
+        os.close(fd)
+    (new,) = set(query_device_programs(cgroup_dir)) - before
+    return new
+
+
+def detach_all(cgroup_dir: Path) -> None:
+    """Detach every device program attached to the cgroup itself (not its ancestors')."""
+    for prog_id in query_device_programs(cgroup_dir):
+        fd = _prog_fd(prog_id)
+        cg = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            _attach(BPF_PROG_DETACH, cg, fd, 0)
+        finally:
+            os.close(fd)
+            os.close(cg)
+
+
+def programs(cgroup_dir: Path) -> Dict[int, str]:
+    """The programs attached to the cgroup: id -> name."""
+    out = {}
+    for prog_id in query_device_programs(cgroup_dir):
+        fd = _prog_fd(prog_id)
+        try:
+            out[prog_id] = prog_name(fd)
+        finally:
+            os.close(fd)
+    return out
+
+
+def names(cgroup_dir: Path) -> List[str]:
+    """The names of the programs attached to the cgroup, sorted."""
+    return sorted(programs(cgroup_dir).values())
+
+
+def verdicts(
+    cgroup_dir: Path, nodes: Dict[Tuple[int, int], Path]
+) -> Dict[Tuple[int, int], Optional[bool]]:
+    """The kernel's verdict on opening each node from inside the cgroup (a forked child
+    joins it): True = admitted (ENXIO: no driver behind the fake node), False = EPERM."""
+    return {n: probe_open(p, [cgroup_dir], timeout=2).verdict for n, p in nodes.items()}
+
+
+#: if (type == char) allow else deny, written with JEQ: not runc's or systemd's shape
+OTHER_SHAPE = b"".join(
+    [
+        _insn(_LDX_W, 2, 1, 0),
+        _insn(_AND32_K, 2, imm=0xFFFF),
+        _insn(0x15, 2, off=2, imm=DEVCG_CHAR),  # BPF_JMP | BPF_JEQ | BPF_K
+        _insn(_MOV64_K, 0, imm=0),
+        _insn(_EXIT),
+        _insn(_MOV64_K, 0, imm=1),
+        _insn(_EXIT),
+    ]
+)

@@ -4,22 +4,12 @@ Inputs are observations, never the OS: the containers, their entitlements and th
 observed access verdict per (container, node): from `rules.allows` over devices.list on
 cgroup v1 (`verdicts_from_rules`), from `probe` or a BPF verdict on cgroup v2.
 
-Actions re-grant exactly the entitled nodes that are denied, never anything else:
-
-- ``CgroupV1Allow``: write ``c MAJ:MIN rw`` to the container's devices.allow (fast,
-  2-5 ms for 200 cgroups, but the next runc update / daemon-reload wipes it);
-- ``UnitDeviceAllow``: runtime ``DeviceAllow=/dev/char/MAJ:MIN rw`` on the container's
-  systemd scope (durable across reloads; needs the /dev/char link to exist, F2);
-- ``V2ProgramReplace`` (``V2Remedy=inplace``): cgroup v2 without a systemd scope, where
-  the device policy is runc's BPF program: replace it with one admitting its previous
-  rules plus exactly these nodes (actuate/bpf.py);
-- ``V2ReportOnly`` / ``RestartContainer``: the same case with ``V2Remedy=report`` or
-  ``restart-container``; a restart is only executed when the operator configured it.
+Actions re-grant exactly the entitled nodes that are denied, never anything else; their
+kinds are in actions.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import AbstractSet, Mapping, Optional, Sequence
 
@@ -28,6 +18,14 @@ from gpuguard.devices.entitlement import Entitlement
 from gpuguard.devices.nodes import ROLE_CTL, ROLE_GPU, ROLE_UVM, ROLE_UVM_TOOLS, DeviceNode
 from gpuguard.devices.rules import DeviceRules, allows, looks_runc_written
 from gpuguard.model import Action, Finding
+
+# The actions (actions.py), re-exported: the step, the CLI and tests import them from here.
+from gpuguard.steps.container_access.actions import CgroupV1Allow as CgroupV1Allow
+from gpuguard.steps.container_access.actions import ContainerDeviceAction as ContainerDeviceAction
+from gpuguard.steps.container_access.actions import RestartContainer as RestartContainer
+from gpuguard.steps.container_access.actions import UnitDeviceAllow as UnitDeviceAllow
+from gpuguard.steps.container_access.actions import V2ProgramReplace as V2ProgramReplace
+from gpuguard.steps.container_access.actions import V2ReportOnly as V2ReportOnly
 from gpuguard.steps.registry import CONTAINER_ACCESS
 
 RECONCILER = CONTAINER_ACCESS
@@ -37,12 +35,6 @@ FINDING_MISSING = "container-device-missing"
 FINDING_STALE = "container-device-stale"
 FINDING_CONFLICT = "container-device-conflict"
 FINDING_UNREADABLE = "container-unreadable"
-
-ACTION_V1_ALLOW = "cgroup-v1-allow"
-ACTION_UNIT_ALLOW = "unit-device-allow"
-ACTION_V2_REPORT = "v2-report-only"
-ACTION_RESTART = "restart-container"
-ACTION_V2_REPLACE = "v2-program-replace"
 
 CAUSE_REWRITE = "daemon-reload/reexec or CPU manager rewrote the cgroup"
 CAUSE_REWRITE_V2 = (
@@ -57,96 +49,6 @@ CAUSE_RELOADED = "the driver module was reloaded after the container started"
 _UVM_ROLES = (ROLE_UVM, ROLE_UVM_TOOLS)
 
 AccessKey = tuple[str, str]  # (container_id, "MAJ:MIN")
-
-
-def _join(items: Sequence[str]) -> str:
-    return ",".join(items)
-
-
-@dataclass(frozen=True)
-class ContainerDeviceAction(Action):
-    """Base of this module's actions: which container and which nodes."""
-
-    pod_uid: str = ""
-    container_id: str = ""
-    nodes: tuple[str, ...] = ()  # host paths, e.g. /dev/nvidia0
-    numbers: tuple[str, ...] = ()  # "195:0", same order as nodes
-
-    def fields(self) -> Mapping[str, str]:
-        return {
-            "POD_UID": self.pod_uid,
-            "CONTAINER_ID": self.container_id,
-            "DEVICE": _join(self.nodes),
-            "DEVICE_NUMBERS": _join(self.numbers),
-        }
-
-
-@dataclass(frozen=True)
-class CgroupV1Allow(ContainerDeviceAction):
-    cgroup_dir: str = ""  # the container's v1 devices directory (under the root)
-    rules: tuple[str, ...] = ()  # lines for devices.allow, one write each
-
-    @property
-    def kind(self) -> str:
-        return ACTION_V1_ALLOW
-
-    def fields(self) -> Mapping[str, str]:
-        return {**super().fields(), "CGROUP": self.cgroup_dir}
-
-
-@dataclass(frozen=True)
-class UnitDeviceAllow(ContainerDeviceAction):
-    unit: str = ""
-    devices: tuple[tuple[str, str], ...] = ()  # (("/dev/char/195:0", "rw"), ...)
-    runtime: bool = True  # SetUnitProperties(runtime=true): gone at reboot, like the scope
-
-    @property
-    def kind(self) -> str:
-        return ACTION_UNIT_ALLOW
-
-    def fields(self) -> Mapping[str, str]:
-        return {**super().fields(), "UNIT": self.unit}
-
-
-@dataclass(frozen=True)
-class V2ReportOnly(ContainerDeviceAction):
-    cgroup_dir: str = ""
-
-    @property
-    def kind(self) -> str:
-        return ACTION_V2_REPORT
-
-    def fields(self) -> Mapping[str, str]:
-        return {**super().fields(), "CGROUP": self.cgroup_dir}
-
-
-@dataclass(frozen=True)
-class V2ProgramReplace(ContainerDeviceAction):
-    """Replace the cgroup's device program: its previous rules + read/write on ``numbers``."""
-
-    cgroup_dir: str = ""
-
-    @property
-    def kind(self) -> str:
-        return ACTION_V2_REPLACE
-
-    def fields(self) -> Mapping[str, str]:
-        return {**super().fields(), "CGROUP": self.cgroup_dir}
-
-
-@dataclass(frozen=True)
-class RestartContainer(ContainerDeviceAction):
-    """Placeholder remedy: the runtime actuator stops the container (kubelet recreates
-    it with a fresh device policy) only when configured to."""
-
-    runtime_name: str = ""
-
-    @property
-    def kind(self) -> str:
-        return ACTION_RESTART
-
-    def fields(self) -> Mapping[str, str]:
-        return {**super().fields(), "RUNTIME": self.runtime_name}
 
 
 def v1_allow(c: ContainerCgroup, cgroup_dir: Path, denied: Sequence[DeviceNode]) -> CgroupV1Allow:

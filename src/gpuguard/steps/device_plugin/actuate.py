@@ -65,32 +65,14 @@ class Verification:
 
 class PluginRestarter:
     def __init__(
-        self,
-        *,
-        crictl: str = "/usr/bin/crictl",
-        cri_endpoint: str = "unix:///run/containerd/containerd.sock",
-        ctr: str = "/usr/bin/ctr",
-        ctr_address: Optional[str] = None,
-        ctr_namespace: str = "k8s.io",
-        command_timeout: float = 30.0,
-        stop_timeout: int = 10,
-        signal_fallback: bool = True,
+        self, *, stopper: Optional[ContainerStopper] = None, signal_fallback: bool = True
     ) -> None:
-        self.stopper = ContainerStopper(
-            crictl=crictl,
-            cri_endpoint=cri_endpoint,
-            ctr=ctr,
-            ctr_address=ctr_address,
-            ctr_namespace=ctr_namespace,
-            command_timeout=command_timeout,
-            stop_timeout=stop_timeout,
-        )
-        self.command_timeout = command_timeout
+        self.stopper = stopper or ContainerStopper()
         self.signal_fallback = signal_fallback
 
     @classmethod
     def from_config(cls, c: RuntimeConfig) -> PluginRestarter:
-        return cls(crictl=c.crictl, cri_endpoint=c.cri_endpoint)
+        return cls(stopper=ContainerStopper(crictl=c.crictl, cri_endpoint=c.cri_endpoint))
 
     def plan(self, p: ProcessInfo) -> str:
         """The method that will be tried first (for dry-run and journal)."""
@@ -119,8 +101,9 @@ class PluginRestarter:
                 return RestartResult(False, "systemd", f"{p.unit}: the system bus is down")
             why = f"(device plugin {action.identity}, {action.target}) because {action.reason}"
             fields = action.entry_fields(METHOD="systemd")
+            timeout = self.stopper.command_timeout  # one bound for every restart command
             job = await units.run(
-                UnitJob("restart", p.unit, why, K_RESTARTED, fields), timeout=self.command_timeout
+                UnitJob("restart", p.unit, why, K_RESTARTED, fields), timeout=timeout
             )
             if job.error:
                 return RestartResult(False, "systemd", f"RestartUnit {p.unit}: {job.error}", True)
