@@ -9,13 +9,12 @@ gets its own GPU, durably, and never the other."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from integration.gpu_scopes import containers, dev_binds, fake_proc_devices, gpu_inventory, has
-from integration.gpuguard_ns import events, gpuguard_units, passes, settle, wait_for
+from integration.gpu_scopes import boot_node, containers, has
+from integration.gpuguard_ns import events, passes, settle, start_gpuguard, wait_for
 from integration.harness import layout as layout
 from integration.harness import systemd_ns as systemd_ns
 
@@ -29,25 +28,8 @@ def test_a_pass_during_the_runtimes_init_grants_nothing_then_only_its_own_gpu(
 ) -> None:  # type: ignore[no-untyped-def]
     (c,) = containers(1)
     mine, other = c.gpus[0], 1 - c.gpus[0]
-    units = gpuguard_units()
-    units["gpuguard.service.d/60-fake-driver.conf"] = (
-        "[Service]\nBindReadOnlyPaths=/run/fake/devices:/proc/devices\n"
-    )
-    ns = systemd_ns(
-        layout=layout,
-        units=units,
-        ro_binds={
-            "/run/fake/devices": fake_proc_devices(tmp_path / "devices"),
-            "/proc/devices": tmp_path / "devices",
-            **dev_binds(tmp_path, [c]),
-        },
-    )
-    etc = ns.path("/etc/gpuguard")
-    etc.mkdir(parents=True, exist_ok=True)
-    (etc / "inventory.json").write_text(json.dumps(gpu_inventory(2)))
-    (etc / "gpuguard.conf").write_text("[Inventory]\nFile=/etc/gpuguard/inventory.json\n")
-    assert ns.systemctl("start", "gpuguard.service").returncode == 0
-    settle(ns)
+    ns = boot_node(systemd_ns, tmp_path, [c], layout=layout)
+    start_gpuguard(ns)
     assert ns.path(f"/dev/nvidia{other}").exists()  # what it must not be given by mistake
     ns.popen(
         [

@@ -18,7 +18,6 @@ admits the previous program's set plus exactly those nodes. Pure code: no syscal
 from __future__ import annotations
 
 import functools
-
 import struct
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Tuple
