@@ -300,22 +300,67 @@ asyncio.run(main(sys.argv[1], sys.argv[2:]))
 """
 
 
+# The same on systemd's private socket (what systemctl itself uses): systemd writes every
+# signal to each private connection directly, no broker in between, and the signals it
+# queued during the reload (a UnitNew per unit) ahead of Reloading(false); this reader
+# skips them by their headers, parsing no body but Reloading's.
+PRIVATE_CLIENT = """
+import os, socket, struct, sys, time
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1])
+s.sendall(b"\\0AUTH EXTERNAL " + str(os.getuid()).encode().hex().encode() + b"\\r\\n")
+line = b""
+while not line.endswith(b"\\r\\n"):
+    line += s.recv(1)
+assert line.startswith(b"OK"), line
+s.sendall(b"BEGIN\\r\\n")
+print("ready", flush=True)
+buf, off = bytearray(), 0
+def need(n):
+    global buf, off
+    while len(buf) - off < n:
+        del buf[:off]
+        off = 0
+        d = s.recv(1 << 20)
+        if not d:
+            sys.exit(0)
+        buf += d
+while True:
+    need(16)
+    e = "<" if buf[off] == ord("l") else ">"
+    kind = buf[off + 1]
+    blen, _serial, flen = struct.unpack_from(e + "III", buf, off + 4)
+    hend = 16 + flen
+    body = hend + (-hend % 8)
+    need(body + blen)
+    member = struct.pack(e + "I", 9) + b"Reloading\\0"  # the MEMBER field's string
+    if kind == 4 and member in buf[off + 16 : off + hend]:
+        if struct.unpack_from(e + "I", buf, off + body)[0] == 0:
+            print(time.monotonic(), flush=True)
+    off += body + blen
+"""
+
+
 class BareClient:
     """A D-Bus client process of its own that notes when systemd's Reloading(false)
     reaches it (its own clock reading: CLOCK_MONOTONIC, the daemon's and this process's
     too); subscribed to Reloading only, or also to UnitNew as gpuguard was before it
     stopped listening to UnitNew."""
 
-    def __init__(self, address: str, *, unit_new: bool) -> None:
+    def __init__(
+        self, address: str, *, unit_new: bool, inside: Optional[SystemdNamespace] = None
+    ) -> None:
         import subprocess
         import threading
 
         members = ["Reloading", "UnitNew"] if unit_new else ["Reloading"]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", BARE_CLIENT, address, *members],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+        if inside is not None:  # on the private socket: systemd refuses a peer whose PID
+            # it cannot see, so the client runs in the namespace (`address`: its path)
+            argv = [sys.executable, "-c", PRIVATE_CLIENT, address]
+            self.proc = inside.popen(argv, stdout=subprocess.PIPE, text=True)
+        else:
+            argv = [sys.executable, "-c", BARE_CLIENT, address, *members]
+            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         if self.proc.stdout.readline().strip() != "ready":
             raise RuntimeError("bare D-Bus client did not connect")
@@ -347,6 +392,7 @@ def part_c(ns: SystemdNamespace, acc: Access, ctrs: Sequence[Container], reloads
         BareClient(ns.bus_address, unit_new=False),
         BareClient(ns.bus_address, unit_new=True),
     )
+    private = BareClient("/run/systemd/private", unit_new=False, inside=ns)
     steps: Dict[str, List[float]] = {}  # breakdown: ms after systemctl returned
 
     def note(what: str, t: Optional[float], t_ret: float) -> None:
@@ -358,7 +404,7 @@ def part_c(ns: SystemdNamespace, acc: Access, ctrs: Sequence[Container], reloads
             undo_durable(ns, ctrs)
             settle(ns, quiet=0.3)
         n = passes(ns)
-        seen, seen_un = len(bare.times), len(bare_un.times)
+        seen, seen_un, seen_pr = len(bare.times), len(bare_un.times), len(private.times)
         ns.systemctl("daemon-reload")
         t_ret, w_ret = time.monotonic(), time.time()
         pending = acc.lacking(ctrs)
@@ -381,6 +427,7 @@ def part_c(ns: SystemdNamespace, acc: Access, ctrs: Sequence[Container], reloads
             note("from the bare client's signal: every container restored",
                  t_ret + restored_ms[-1] / 1000, t_bare)  # fmt: skip
         note("Reloading(false) at a bare client (+ UnitNew)", bare_un.after(seen_un), t_ret)
+        note("Reloading(false) on systemd's private socket", private.after(seen_pr), t_ret)
         fast = doc.get("fast_paths", {}).get("reload", {})
         for key, what in (
             ("signal", "Reloading(false) at gpuguard"),
@@ -420,6 +467,7 @@ def part_c(ns: SystemdNamespace, acc: Access, ctrs: Sequence[Container], reloads
             print(f"      failed {n}x: ...{reason}")
     bare.stop()
     bare_un.stop()
+    private.stop()
     print("    breakdown, ms after `systemctl daemon-reload` returned (negative: before):")
     for what, values in steps.items():
         print(f"      {what:52s} {fmt(values)}")

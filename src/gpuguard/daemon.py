@@ -347,6 +347,15 @@ class Daemon:
             f"{sum(o['status'] == 'done' for o in p['outcomes'])} change(s); {gpus}; {bus}"
         )
 
+    def _reload_signal(self) -> dict[str, Any]:
+        """Where systemd's Reloading comes from (sources/reload_socket.py)."""
+        sd = self.sd_source
+        private = sd.private if sd is not None else None
+        return {
+            "private_socket": private is not None and private.connected,
+            "last_via": sd.last_reload_via if sd is not None else "",
+        }
+
     def _write_status(self) -> None:
         from gpuguard.actuate.files import write_new
 
@@ -356,6 +365,7 @@ class Daemon:
             "started": self.started_wall,
             "passes": self.passes,
             "bus_connected": self.systemd is not None,
+            "reload_signal": self._reload_signal(),
             "dry_run": self.dry_run,
             "first_pass": self.first_pass,
             "last_pass": self.last_pass,

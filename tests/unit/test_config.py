@@ -350,6 +350,7 @@ AuditInterval=1h 2min 3s 4ms 5us
 QuietPeriod=300ms
 MaxDelay=5s
 ReloadQuietPeriod=1ms
+PrivateSocket=
 DryRun=yes
 HookTimeout=2.5s
 LogLevel=debug

@@ -58,6 +58,16 @@ class DaemonConfig:
         "daemon-reload or daemon-reexec (its burst of signals is over, and running "
         "GPU containers may just have lost their devices).",
     )
+    private_socket: str | None = _key(
+        "PrivateSocket",
+        AbsPath(optional=True),
+        "/run/systemd/private",
+        "Read systemd's Reloading signal from its private socket (root only; the one "
+        "systemctl uses), where the end of a daemon-reload arrives before systemctl "
+        "returns, tens of ms before the bus delivers it; the bus stays in use for "
+        "everything else, and for reloads while this connection is down. Empty: the "
+        "bus only.",
+    )
     dry_run: bool = _key(
         "DryRun",
         Bool(),

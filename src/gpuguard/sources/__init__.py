@@ -96,6 +96,7 @@ def build_sources(
 ) -> Sources:
     """What main() hands the daemon; imports D-Bus, so only `gpuguard daemon` calls it."""
     from gpuguard.log import stdlib_logger
+    from gpuguard.sources.reload_socket import PrivateReloadWatch
     from gpuguard.sources.systemd import SystemdSource
     from gpuguard.sources.timer import AuditTimer
     from gpuguard.systemd import Systemd
@@ -113,6 +114,11 @@ def build_sources(
         logger = stdlib_logger(log, "udev")
         return UdevSource(loop, sink.mark, source=choose_source(run_dir), log=logger)
 
+    def private(report: Callable[[bool], None]) -> PrivateReloadWatch:
+        assert socket is not None
+        return PrivateReloadWatch(root.path(socket), report, log)
+
+    socket = config.daemon.private_socket
     systemd = SystemdSource(
         client,
         sink.mark,
@@ -122,6 +128,7 @@ def build_sources(
         runtime_units=config.systemd.runtime_units,
         reloaded=sink.reloaded,
         scope_started=sink.scope_started,
+        private=private if socket else None,
     )
     timer = AuditTimer(sink.mark, config.daemon.audit_interval)
     sources = Sources(sink, systemd, timer, make_udev if udev else None,

@@ -5,7 +5,9 @@ Only marks work. What each signal means:
   daemon-reexec). Units are in flux in between, so the coalescer is held, and the
   end marks everything urgently: this is when device cgroups were rewritten. The end
   is also announced at once (`reloaded`), so the known GPU containers are re-granted
-  before the quiet period, or a pass already running, delays them.
+  before the quiet period, or a pass already running, delays them. Taken from
+  systemd's private socket while that connection is up (tens of ms earlier than the
+  bus delivers it: reload_socket.py), from the bus otherwise.
 - NameOwnerChanged of org.freedesktop.systemd1 from one unique name to another: a
   reexec. It arrives inside its Reloading pair; outside one it marks on its own.
 - StartupFinished: boot is complete.
@@ -33,6 +35,7 @@ from dbus_next import Message
 
 from gpuguard.devices.cgroupnames import ANY_CONTAINER_SCOPE
 from gpuguard.log import EventLog
+from gpuguard.sources.reload_socket import PrivateReloadWatch
 from gpuguard.steps.registry import ALL_STEPS, CHECKPOINT, CONTAINER_ACCESS, DEVICE_PLUGIN
 from gpuguard.systemd import MANAGER, PROPS, UNIT, Systemd, SystemdError, unit_object_path
 
@@ -59,6 +62,7 @@ class SystemdSource:
         clock: Callable[[], float] = time.monotonic,
         reloaded: Optional[Callable[[float], None]] = None,
         scope_started: Optional[Announce] = None,
+        private: Optional[Callable[[Callable[[bool], None]], PrivateReloadWatch]] = None,
     ) -> None:
         self.make_client = make_client
         self.mark = mark
@@ -74,6 +78,11 @@ class SystemdSource:
         self._stopping = False
         self._reloading = False
         self._reload_ended = -1e9
+        # Reloading from systemd's private socket, ahead of the bus (reload_socket.py)
+        self.private = None
+        if private is not None:
+            self.private = private(lambda active: self.reloading(active, "private-socket"))
+        self.last_reload_via = ""  # where the last reload's end came from
         self.set_units(kubelet_units, runtime_units)
 
     def set_units(self, kubelet_units: Iterable[str], runtime_units: Iterable[str]) -> None:
@@ -92,10 +101,23 @@ class SystemdSource:
 
     def stop(self) -> None:
         self._stopping = True
+        if self.private is not None:
+            self.private.stop()
         if self.client is not None:
             self.client.disconnect()
 
     async def run(self) -> None:
+        if self.private is None:
+            return await self._run()
+        private = asyncio.ensure_future(self.private.run())
+        try:
+            await self._run()
+        finally:
+            self.private.stop()
+            private.cancel()
+            await asyncio.gather(private, return_exceptions=True)
+
+    async def _run(self) -> None:
         backoff = 0.25
         ever_connected = False
         while not self._stopping:
@@ -152,18 +174,24 @@ class SystemdSource:
         except Exception as e:  # a malformed signal must never take the loop down
             self.log.event("warning", f"ignored malformed D-Bus signal {msg.member}: {e}")
 
+    def reloading(self, active: bool, via: str = "bus") -> None:
+        """systemd's Reloading(active), from the bus or first from its private socket."""
+        self._reloading = active
+        self.hold(active)
+        if not active:
+            self.last_reload_via = via
+            self._reload_ended = self.clock()
+            if self.reloaded is not None:  # before anything else
+                self.reloaded(self._reload_ended)
+            self.mark(ALL, "systemd: daemon-reload/reexec finished", True)
+
     def _handle(self, msg: Message) -> None:
         member = msg.member
         if msg.interface == MANAGER:
             if member == "Reloading":
-                (active,) = msg.body
-                self._reloading = bool(active)
-                self.hold(self._reloading)
-                if not active:
-                    self._reload_ended = self.clock()
-                    if self.reloaded is not None:  # before anything else
-                        self.reloaded(self._reload_ended)
-                    self.mark(ALL, "systemd: daemon-reload/reexec finished", True)
+                if self.private is None or not self.private.connected:
+                    (active,) = msg.body
+                    self.reloading(bool(active))
             elif member == "StartupFinished":
                 self.mark(ALL, "systemd: startup finished", False)
             elif member == "JobRemoved" and not self._reloading:

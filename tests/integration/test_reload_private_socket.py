@@ -1,0 +1,54 @@
+"""The end of a daemon-reload read from systemd's private socket (issue 13): on a real
+systemd, the daemon from its unit (its sandbox included) connects to
+/run/systemd/private, takes Reloading from there, and re-grants the GPU containers a
+reload wiped; with PrivateSocket= empty it takes it from the bus as before. Both
+restore every container; the status file says which path reported the reload."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict
+
+import pytest
+
+from integration.gpu_scopes import boot_node, containers, has, start, write_config
+from integration.gpuguard_ns import events, start_gpuguard, status, wait_for
+from integration.harness import systemd_ns as systemd_ns
+
+pytestmark = pytest.mark.root
+
+NOT_DURABLE = "[Devices]\nDurableGrants=no\n"  # every reload wipes the containers' grants
+
+
+def _signal(ns) -> Dict[str, Any]:  # type: ignore[no-untyped-def]
+    return dict(status(ns).get("reload_signal", {}))
+
+
+def test_reloads_are_taken_from_the_private_socket_then_from_the_bus(
+    systemd_ns, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    ctrs = containers(2)
+    ns = boot_node(systemd_ns, tmp_path, ctrs, layout="v1", config=NOT_DURABLE)
+    start_gpuguard(ns)
+    for c in ctrs:
+        start(ns, c)
+    wait_for(lambda: _signal(ns).get("private_socket") is True, what="the private socket")
+    (entry,) = [e for e in events(ns, "dbus-connected") if e.get("VIA") == "private-socket"]
+    assert "/run/systemd/private" in entry["MESSAGE"]
+
+    def reload_restores(via: str) -> None:
+        before = len(events(ns, "cgroup-v1-allow"))
+        ns.systemctl("daemon-reload")
+        wait_for(lambda: all(has(c, ns, (195, c.gpus[0])) for c in ctrs), what="every GPU back")
+        wait_for(lambda: _signal(ns).get("last_via") == via, what=f"the reload via {via}")
+        assert len(events(ns, "cgroup-v1-allow")) > before  # gpuguard's writes, not luck
+        for c in ctrs:
+            assert not has(c, ns, (195, 1 - c.gpus[0]))
+
+    reload_restores("private-socket")
+    reload_restores("private-socket")
+    # The bus alone, as before the private socket was used.
+    write_config(ns, NOT_DURABLE + "[Daemon]\nPrivateSocket=\n")
+    ns.systemctl("restart", "gpuguard.service")
+    wait_for(lambda: _signal(ns).get("private_socket") is False, what="the restarted daemon")
+    reload_restores("bus")

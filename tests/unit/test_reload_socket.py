@@ -1,0 +1,177 @@
+"""Reloading from systemd's private socket (sources/reload_socket.py, dbuswire.py): the
+wire reader judged against dbus-next's own marshaller, and the watch against a unix
+socket server speaking the protocol's opening as systemd does: Reloading reported in
+order among other signals, a connection that closes inside a reload ends it, garbage
+drops the connection with one warning and it reconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import pytest
+from dbus_next import Message, MessageType, Variant
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpuguard.log import EventLog
+from gpuguard.sources.dbuswire import FIXED, MANAGER, WireError, auth_request, header, reloading
+from gpuguard.sources.reload_socket import PrivateReloadWatch
+
+PATH = "/org/freedesktop/systemd1"
+
+
+def _signal(member: str, signature: str = "", body: Optional[list[Any]] = None) -> bytes:
+    iface = "org.freedesktop.DBus.Properties" if member == "PropertiesChanged" else MANAGER
+    msg = Message(
+        message_type=MessageType.SIGNAL,
+        path=PATH,
+        interface=iface,
+        member=member,
+        signature=signature,
+        body=body or [],
+    )
+    return bytes(msg._marshall(negotiate_unix_fd=False))
+
+
+RELOAD_TRUE = _signal("Reloading", "b", [True])
+RELOAD_FALSE = _signal("Reloading", "b", [False])
+UNIT_NEW = _signal("UnitNew", "so", ["a.service", "/org/freedesktop/systemd1/unit/a_2eservice"])
+CHANGED = _signal(
+    "PropertiesChanged",
+    "sa{sv}as",
+    ["org.freedesktop.systemd1.Unit", {"ActiveState": Variant("s", "active")}, []],
+)
+
+
+def _judge(raw: bytes) -> Optional[bool]:
+    h = header(raw[:FIXED])
+    assert h.total == len(raw)
+    return reloading(raw, h)
+
+
+def test_reloading_is_read_from_its_header_and_nothing_else_is() -> None:
+    assert _judge(RELOAD_TRUE) is True and _judge(RELOAD_FALSE) is False
+    assert _judge(UNIT_NEW) is None and _judge(CHANGED) is None
+    # "Reloading" from another interface is not systemd's
+    other = Message(
+        message_type=MessageType.SIGNAL, path=PATH, interface="x.y", member="Reloading",
+        signature="b", body=[False],
+    )  # fmt: skip
+    assert _judge(bytes(other._marshall(False))) is None
+    assert auth_request(0) == b"\0AUTH EXTERNAL 30\r\n"
+
+
+@pytest.mark.parametrize(
+    ("raw", "why"),
+    [
+        (b"x" + RELOAD_FALSE[1:], "endianness"),
+        (RELOAD_FALSE[:3] + b"\x02" + RELOAD_FALSE[4:], "version"),
+        (RELOAD_FALSE[:4] + (1 << 30).to_bytes(4, "little") + RELOAD_FALSE[8:], "bytes"),
+    ],
+)
+def test_a_bad_fixed_header_is_refused(raw: bytes, why: str) -> None:
+    with pytest.raises(WireError, match=why):
+        header(raw[:FIXED])
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(min_size=FIXED, max_size=300), st.integers(0, 299), st.binary(max_size=8))
+def test_no_input_raises_anything_but_wire_error(raw: bytes, at: int, patch: bytes) -> None:
+    """Random bytes, and real signals with a few bytes changed anywhere."""
+    for data in (raw, (RELOAD_FALSE[:at] + patch + RELOAD_FALSE[at + len(patch) :])):
+        try:
+            h = header(data[:FIXED])
+            reloading(data[: h.total], h)
+        except WireError:
+            pass
+
+
+class FakeSystemd:
+    """A unix socket server with systemd's side of the opening: reads the NUL and the
+    AUTH line, answers OK, reads BEGIN, then sends what the test gives it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.queues: list[asyncio.Queue[Optional[bytes]]] = []  # one per connection
+        self.auth: list[bytes] = []
+        self.server: Optional[asyncio.AbstractServer] = None
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_unix_server(self._client, str(self.path))
+
+    async def send(self, data: Optional[bytes]) -> None:
+        """To the newest connection (None: close it)."""
+        await self.queues[-1].put(data)
+
+    async def _client(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        self.auth.append(await r.readuntil(b"\r\n"))
+        w.write(b"OK 0123456789abcdef0123456789abcdef\r\n")
+        self.auth.append(await r.readuntil(b"\r\n"))
+        q: asyncio.Queue[Optional[bytes]] = asyncio.Queue()
+        self.queues.append(q)
+        while True:
+            data = await q.get()
+            if data is None:
+                w.close()
+                return
+            w.write(data)
+            await w.drain()
+
+
+async def _until(cond: Callable[[], bool], what: str) -> None:
+    for _ in range(400):
+        if cond():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_the_watch_reports_reloads_ends_one_on_close_and_survives_garbage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("gpuguard.sources.reload_socket.BACKOFF_FIRST", 0.01)
+    out = io.StringIO()
+    log = EventLog(stream=out, level="debug")
+    got: list[bool] = []
+
+    def events() -> list[dict[str, Any]]:
+        return [json.loads(line) for line in out.getvalue().splitlines()]
+
+    async def scenario() -> None:
+        sd = FakeSystemd(tmp_path / "private")
+        watch = PrivateReloadWatch(sd.path, got.append, log, uid=os.geteuid())
+        task = asyncio.ensure_future(watch.run())
+        await asyncio.sleep(0.05)  # no server yet: one journal entry, retries quietly
+        await sd.start()
+        await _until(lambda: len(sd.queues) == 1, "the connection")
+        assert sd.auth[0] == auth_request(os.geteuid()) and sd.auth[1] == b"BEGIN\r\n"
+        for m in (UNIT_NEW, RELOAD_TRUE, CHANGED, UNIT_NEW, RELOAD_FALSE):
+            await sd.send(m)
+        await _until(lambda: got == [True, False], "a reload")
+        # closed inside a reload (a reexec): its end is reported once
+        await sd.send(RELOAD_TRUE)
+        await _until(lambda: got == [True, False, True], "the second start")
+        await sd.send(None)
+        await _until(lambda: got == [True, False, True, False], "the end on close")
+        await _until(lambda: len(sd.queues) == 2, "the reconnection")
+        # garbage: the connection is dropped with a warning, then made again
+        await sd.send(b"\x00" * 16)
+        await _until(lambda: any("unexpected data" in e["msg"] for e in events()), "the warning")
+        await _until(lambda: len(sd.queues) == 3, "the reconnection after garbage")
+        await sd.send(RELOAD_TRUE + RELOAD_FALSE)
+        await _until(lambda: got[-2:] == [True, False] and len(got) == 6, "a later reload")
+        watch.stop()
+        await asyncio.wait_for(task, 2)
+        assert sd.server is not None
+        sd.server.close()
+
+    asyncio.run(scenario())
+    failed = [e for e in events() if e["kind"] == "dbus-lost" and "retrying" in e["msg"]]
+    assert len(failed) == 1, failed  # the refused connections before the server: once
+    warned = [e for e in events() if e.get("level") == "warning" or e.get("PRIORITY") == "4"]
+    assert [e for e in warned if "unexpected data" in e["msg"]], events()
