@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 FIXED = 16  # endianness, type, flags, version, body length, serial, fields length
 MAX_MESSAGE = 16 * 1024 * 1024  # systemd's largest are property sets of ~100 KB
 SIGNAL = 4
 FIELD_INTERFACE, FIELD_MEMBER, FIELD_SIGNATURE = 2, 3, 8
 MANAGER = "org.freedesktop.systemd1.Manager"
+
+
+Buffer = Union[bytes, bytearray]
 
 
 class WireError(ValueError):
@@ -36,25 +39,25 @@ def auth_request(uid: int) -> bytes:
     return b"\0AUTH EXTERNAL " + str(uid).encode().hex().encode() + b"\r\n"
 
 
-def header(fixed: bytes) -> Header:
-    """The message's layout from its first 16 bytes."""
-    if len(fixed) != FIXED:
-        raise WireError(f"{len(fixed)} header bytes, need {FIXED}")
-    if fixed[0:1] not in (b"l", b"B"):
-        raise WireError(f"endianness byte {fixed[0]!r} is neither 'l' nor 'B'")
-    little = fixed[0:1] == b"l"
-    if fixed[3] != 1:
-        raise WireError(f"protocol version {fixed[3]}, not 1")
-    body_len, _serial, fields_len = struct.unpack_from("<III" if little else ">III", fixed, 4)
+def header(buf: Buffer, off: int = 0) -> Header:
+    """The layout of the message at `off` in `buf`, from its first 16 bytes."""
+    if len(buf) - off < FIXED:
+        raise WireError(f"{len(buf) - off} header bytes, need {FIXED}")
+    if buf[off] not in (ord("l"), ord("B")):
+        raise WireError(f"endianness byte {buf[off]!r} is neither 'l' nor 'B'")
+    little = buf[off] == ord("l")
+    if buf[off + 3] != 1:
+        raise WireError(f"protocol version {buf[off + 3]}, not 1")
+    body_len, _serial, fields_len = struct.unpack_from("<III" if little else ">III", buf, off + 4)
     fields_end = FIXED + fields_len
     body_start = fields_end + (-fields_end % 8)
     total = body_start + body_len
     if total > MAX_MESSAGE:
         raise WireError(f"a message of {total} bytes (at most {MAX_MESSAGE})")
-    return Header(fixed[1], fields_end, body_start, total, little)
+    return Header(buf[off + 1], fields_end, body_start, total, little)
 
 
-def _fields(msg: bytes, h: Header) -> dict[int, object]:
+def _fields(msg: Buffer, h: Header) -> dict[int, object]:
     """The header fields this reader needs (strings, signatures, uint32s)."""
     e = "<" if h.little else ">"
     out: dict[int, object] = {}
@@ -76,7 +79,7 @@ def _fields(msg: bytes, h: Header) -> dict[int, object]:
             (n,) = struct.unpack_from(e + "I", msg, pos)
             if pos + 4 + n + 1 > end or msg[pos + 4 + n] != 0:
                 raise WireError("a string field without its NUL")
-            out[code] = msg[pos + 4 : pos + 4 + n].decode("utf-8", "replace")
+            out[code] = bytes(msg[pos + 4 : pos + 4 + n]).decode("utf-8", "replace")
             pos += 4 + n + 1
         elif sig == b"g":
             if pos >= end:
@@ -84,7 +87,7 @@ def _fields(msg: bytes, h: Header) -> dict[int, object]:
             n = msg[pos]
             if pos + 1 + n + 1 > end:
                 raise WireError("a signature field without its NUL")
-            out[code] = msg[pos + 1 : pos + 1 + n].decode("ascii", "replace")
+            out[code] = bytes(msg[pos + 1 : pos + 1 + n]).decode("ascii", "replace")
             pos += 1 + n + 1
         elif sig in (b"u", b"h"):
             pos += -pos % 4
@@ -97,10 +100,16 @@ def _fields(msg: bytes, h: Header) -> dict[int, object]:
     return out
 
 
-def reloading(msg: bytes, h: Header) -> Optional[bool]:
-    """systemd's Reloading(b) signal: its argument; None for any other message."""
-    if h.kind != SIGNAL:
+def reloading(buf: Buffer, h: Header, off: int = 0) -> Optional[bool]:
+    """systemd's Reloading(b) signal (the message at `off`): its argument; None for any
+    other message."""
+    # A direct connection gets every signal systemd sends (hundreds per reload): the
+    # member's bytes are looked for first, the fields parsed only where they are.
+    if h.kind != SIGNAL or buf.find(b"Reloading\0", off + FIXED, off + h.fields_end) < 0:
         return None
+    msg = bytes(buf[off : off + h.total])
+    if len(msg) < h.total:
+        raise WireError("a message cut short")
     f = _fields(msg, h)
     if f.get(FIELD_MEMBER) != "Reloading" or f.get(FIELD_INTERFACE) != MANAGER:
         return None

@@ -28,6 +28,7 @@ from gpuguard.log import EventLog
 from gpuguard.sources.dbuswire import FIXED, WireError, auth_request, header, reloading
 
 AUTH_TIMEOUT = 5.0
+CHUNK = 256 * 1024
 BACKOFF_FIRST, BACKOFF_MAX = 0.25, 30.0
 
 
@@ -120,11 +121,22 @@ class PrivateReloadWatch:
         return reader
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
+        # Whole chunks into one buffer, each message judged in place (a reload brings
+        # hundreds ahead of the signal: a read per message would cost more than them).
+        buf = bytearray()
         while not self._stopping:
-            fixed = await reader.readexactly(FIXED)
-            h = header(fixed)
-            msg = fixed + await reader.readexactly(h.total - FIXED)
-            active = reloading(msg, h)
-            if active is not None:
-                self.reloading = active
-                self.report(active)
+            data = await reader.read(CHUNK)
+            if not data:
+                raise asyncio.IncompleteReadError(bytes(buf), None)
+            buf += data
+            off = 0
+            while len(buf) - off >= FIXED:
+                h = header(buf, off)
+                if len(buf) - off < h.total:
+                    break
+                active = reloading(buf, h, off)
+                off += h.total
+                if active is not None:
+                    self.reloading = active
+                    self.report(active)
+            del buf[:off]
