@@ -27,6 +27,7 @@ from gpuguard.metrics_state import MetricsOutput
 from gpuguard.notify import Notifier, watchdog_interval
 from gpuguard.passes import STATUS_FILE, PassContext, Step, Work
 from gpuguard.paths import Root
+from gpuguard.snapshot import HostSnapshot, Planned
 from gpuguard.sources import Sources
 from gpuguard.steps.registry import CONTAINER_ACCESS, STEP_ORDER, check_names
 from gpuguard.systemd import Systemd, bus_address_for
@@ -71,6 +72,7 @@ class Daemon:
         self.metrics = metrics
         self.inventory: Optional[Inventory] = None
         self._followups: dict[tuple[frozenset[str], str], float] = {}
+        self._planned = Planned()  # a dry-run's nodes and links not made (snapshot.py)
         self.first_pass_done = asyncio.Event()
         self.coalescer = self._make_coalescer()
         self.sources = sources
@@ -229,6 +231,9 @@ class Daemon:
         started_wall, t0 = time.time(), time.monotonic()
         self.passes += 1
         ctx = PassContext(work, self.inventory_reader.read, previous_inventory=self.inventory)
+        if self.dry_run:  # plan on the last pass's planned nodes and links, as the real
+            # run acts on the ones it made then (its follow-up pass: durable grants)
+            ctx.snapshot = self._snapshot_with(self._planned)
         steps_ms: dict[str, float] = {}
         for name, step in self.steps.items():  # in step_order: it matters
             if name not in work.reconcilers:
@@ -257,6 +262,8 @@ class Daemon:
                 gauges={k: v for k, v in ctx.gauges.items() if k not in gauges_before},
             )
         duration = time.monotonic() - t0
+        if self.dry_run and ctx.snapshot is not None:
+            self._planned = ctx.snapshot.planned
         if ctx.known_inventory is not None:
             self.inventory = ctx.known_inventory
         changed = [o for o in ctx.outcomes if o.status == "done"]
@@ -295,6 +302,10 @@ class Daemon:
         self.first_pass_done.set()
         if ctx.findings or ctx.outcomes:
             await self._run_hooks(work, ctx)
+
+    def _snapshot_with(self, planned: Planned) -> HostSnapshot:
+        seed = Planned(dict(planned.nodes), set(planned.links))
+        return HostSnapshot(self.root, self.config.kubelet.checkpoint_path, planned=seed)
 
     def _schedule_followups(self, followups: list[tuple[float, frozenset[str], str]]) -> None:
         loop = asyncio.get_running_loop()

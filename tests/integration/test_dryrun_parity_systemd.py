@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from integration.gpu_scopes import boot_node, containers, has, start
-from integration.gpuguard_ns import GPUGUARD
+from integration.gpu_scopes import boot_node, containers, has, start, write_config
+from integration.gpuguard_ns import GPUGUARD, events, start_gpuguard
 from integration.harness import layout as layout
 from integration.harness import systemd_ns as systemd_ns
 
@@ -68,3 +68,38 @@ def test_check_dry_run_prints_the_durable_grants_the_real_run_makes_after_the_li
     denied = {f for f in _findings(real_doc) if f[0] == "container-device-denied"}
     assert {f[1] for f in denied} == {wiped.container_id}
     assert _findings(dry_doc) == _findings(real_doc)
+
+
+def _journaled(ns, since: int, status: str) -> set[tuple[str, str]]:  # type: ignore[no-untyped-def]
+    """The changes gpuguard journaled after the first `since` entries: kind, what."""
+    return {
+        (e["GPUGUARD_ACTION"], e["MESSAGE"].rsplit(" [", 1)[0])
+        for e in events(ns)[since:]
+        if e.get("GPUGUARD_STATUS") == status
+    }
+
+
+def test_a_dry_run_daemon_journals_the_durable_grants_the_real_daemon_makes(  # type: ignore[no-untyped-def]
+    systemd_ns, tmp_path, layout
+) -> None:
+    """The daemon runs container access first and device nodes second; the links the
+    second makes ask for an immediate container access pass, whose DeviceAllow= entries
+    resolve through them. A dry-run daemon makes no link: its follow-up pass plans on the
+    links its last pass planned, so it journals the grants the real daemon then makes."""
+    (c,) = containers(1)
+    ns = boot_node(systemd_ns, tmp_path, [c], layout=layout, config="[Daemon]\nDryRun=yes\n")
+    start(ns, c)  # granted behind systemd's back, not durable yet
+    assert not ns.path(f"/dev/char/195:{c.gpus[0]}").exists()
+    start_gpuguard(ns)
+    dry = _journaled(ns, 0, "dry-run")
+    assert any(k == "unit-device-allow" and c.unit in w for k, w in dry), dry
+    assert not ns.path(f"/dev/char/195:{c.gpus[0]}").exists()
+    assert "/dev/char/" not in ns.unit_property(c.unit, "DeviceAllow")
+    ns.systemctl("stop", "gpuguard.service")
+    n = len(events(ns))
+    write_config(ns, "")
+    start_gpuguard(ns)
+    real = _journaled(ns, n, "done")
+    assert any(k == "unit-device-allow" and c.unit in w for k, w in real), real
+    assert f"/dev/char/195:{c.gpus[0]} rw" in ns.unit_property(c.unit, "DeviceAllow")
+    assert dry == real

@@ -198,3 +198,70 @@ def test_malformed_signal_is_ignored() -> None:
     src, rec = _source()
     src._on_signal(_sig("Reloading", [], sig=""))  # body missing
     assert rec.marks == []
+
+
+class FakeWatch:
+    def __init__(self, report: Any) -> None:
+        self.report = report
+        self.connected = False
+        self.on_connect: Any = lambda: None
+
+    def stop(self) -> None: ...
+
+
+def _both() -> tuple[SystemdSource, Recorder, Any, Any]:
+    """A source with a private-socket watch; (bus, private) deliver Reloading(b)."""
+    rec = Recorder()
+    src = SystemdSource(
+        lambda: None,  # type: ignore[arg-type,return-value]
+        rec.mark,
+        rec.holds.append,
+        EventLog(level="error"),
+        clock=lambda: rec.now,
+        private=FakeWatch,  # type: ignore[arg-type]
+    )
+    watch = src.private
+    assert isinstance(watch, FakeWatch)
+    watch.on_connect()
+
+    def bus(active: bool) -> None:
+        src._handle(_sig("Reloading", [active], sig="b"))
+
+    return src, rec, bus, watch.report
+
+
+def test_each_reload_is_acted_on_once_whichever_path_delivers_it_first() -> None:
+    src, rec, bus, private = _both()
+    # the private socket first (the usual order: the bus routes a backlog ahead of it)
+    private(True), private(False), bus(True), bus(False)  # type: ignore[func-returns-value]
+    assert rec.holds == [True, False] and len(rec.marks) == 1
+    assert src.last_reload_via == "private-socket"
+    # the bus first, the private copy dropped
+    bus(True), bus(False), private(True), private(False)  # type: ignore[func-returns-value]
+    assert rec.holds == [True, False, True, False] and len(rec.marks) == 2
+    assert src.last_reload_via == "bus"
+    # interleaved: the start from one, the end from the other
+    private(True), bus(True), bus(False), private(False)  # type: ignore[func-returns-value]
+    assert rec.holds[-2:] == [True, False] and len(rec.marks) == 3
+
+
+def test_a_reexec_that_closes_the_private_socket_ends_through_the_bus_once() -> None:
+    src, rec, bus, private = _both()
+    private(True)  # then the old systemd execs: the connection closes, no end on it
+    bus(True)  # the bus's late copy of the start
+    bus(False)  # the new systemd's end, on the bus only
+    assert rec.holds == [True, False] and len(rec.marks) == 1
+    assert src.last_reload_via == "bus"
+    src.private.on_connect()  # type: ignore[union-attr]  # reconnected: counts from here
+    private(True), private(False), bus(True), bus(False)  # type: ignore[func-returns-value]
+    assert rec.holds == [True, False, True, False] and len(rec.marks) == 2
+
+
+def test_a_path_connected_inside_a_reload_never_holds_passes_after_its_end() -> None:
+    """The private socket connects after systemd sent the start (it sees only the end)
+    and the bus's start comes late: that start must not open a reload never closed."""
+    src, rec, bus, private = _both()
+    private(False)  # its first: the end of a reload whose start it missed
+    bus(True), bus(False)  # type: ignore[func-returns-value]
+    assert rec.holds == [False] and len(rec.marks) == 1
+    assert not src._reloading

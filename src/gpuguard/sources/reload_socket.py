@@ -8,13 +8,13 @@ part c): on the private socket the signal came 10 ms (p50) *before* `systemctl
 daemon-reload` returned, through dbus-daemon 24 ms (p50) and 57 ms (p99) after. Every
 GPU container that lost its devices waits that long.
 
-So the systemd source (sources/systemd.py) takes Reloading from here while this
-connection is up, and from the bus otherwise. A direct connection receives every
-signal systemd sends (no match rules); this reader looks at each one's header only and
-parses no body but Reloading's (dbuswire.py). It only reports: it never calls systemd.
-It reconnects with back-off (a daemon-reexec or a systemd restart closes it); when it
-closes inside a reload, the reload is reported ended, since the bus copy of the end may
-already have been ignored. Any malformed message drops the connection, with a warning.
+So the systemd source (sources/systemd.py) takes each Reloading from whichever path
+delivers it first and drops the other's copy (it counts both). A direct connection
+receives every signal systemd sends (no match rules); this reader looks at each one's
+header only and parses no body but Reloading's (dbuswire.py). It only reports: it
+never calls systemd. It reconnects with back-off (a daemon-reexec or a systemd restart
+closes it; the end of that reexec then comes through the bus). Any malformed message
+drops the connection, with a warning.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ class PrivateReloadWatch:
         self.report = report  # Reloading(active), as the bus would have delivered it
         self.log = log
         self.uid = os.geteuid() if uid < 0 else uid
-        self.connected = False  # the systemd source ignores the bus's Reloading meanwhile
-        self.reloading = False
+        self.connected = False
+        self.on_connect: Callable[[], None] = lambda: None  # counts from here (systemd.py)
         self._stopping = False
         self._writer: Optional[asyncio.StreamWriter] = None
 
@@ -71,6 +71,7 @@ class PrivateReloadWatch:
                 continue
             backoff, told = BACKOFF_FIRST, False
             self.connected = True
+            self.on_connect()
             self.log.event(
                 "dbus-connected",
                 f"reading systemd's Reloading signal from {self.path}",
@@ -100,9 +101,6 @@ class PrivateReloadWatch:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-        if self.reloading:  # the end may have come through the bus while we listened
-            self.reloading = False
-            self.report(False)
 
     async def _connect(self) -> asyncio.StreamReader:
         reader, writer = await asyncio.open_unix_connection(str(self.path))
@@ -137,6 +135,5 @@ class PrivateReloadWatch:
                 active = reloading(buf, h, off)
                 off += h.total
                 if active is not None:
-                    self.reloading = active
                     self.report(active)
             del buf[:off]

@@ -40,6 +40,7 @@ from gpuguard.steps.registry import ALL_STEPS, CHECKPOINT, CONTAINER_ACCESS, DEV
 from gpuguard.systemd import MANAGER, PROPS, UNIT, Systemd, SystemdError, unit_object_path
 
 Mark = Callable[[frozenset[str], str, bool], None]
+VIA_BUS, VIA_PRIVATE = "bus", "private-socket"
 Announce = Callable[[str], None]
 
 ALL = ALL_STEPS
@@ -81,8 +82,14 @@ class SystemdSource:
         # Reloading from systemd's private socket, ahead of the bus (reload_socket.py)
         self.private = None
         if private is not None:
-            self.private = private(lambda active: self.reloading(active, "private-socket"))
+            self.private = private(lambda active: self.reloading(active, VIA_PRIVATE))
+            self.private.on_connect = lambda: self._count_from_now(VIA_PRIVATE)
         self.last_reload_via = ""  # where the last reload's end came from
+        # Each path delivers every Reloading once: (starts, ends) seen on each, and acted
+        # on. A path's copy of what the other delivered first is dropped; a (re)connected
+        # path counts from the moment it connects (it missed what came before).
+        self._seen = {VIA_BUS: [0, 0], VIA_PRIVATE: [0, 0]}
+        self._acted = [0, 0]
         self.set_units(kubelet_units, runtime_units)
 
     def set_units(self, kubelet_units: Iterable[str], runtime_units: Iterable[str]) -> None:
@@ -124,6 +131,7 @@ class SystemdSource:
             client = self.make_client()
             try:
                 await client.connect()
+                self._count_from_now(VIA_BUS)
                 client.on_signal(self._on_signal)
                 await client.subscribe(self._watch)
                 await self._snapshot_units(client)
@@ -174,8 +182,20 @@ class SystemdSource:
         except Exception as e:  # a malformed signal must never take the loop down
             self.log.event("warning", f"ignored malformed D-Bus signal {msg.member}: {e}")
 
-    def reloading(self, active: bool, via: str = "bus") -> None:
-        """systemd's Reloading(active), from the bus or first from its private socket."""
+    def _count_from_now(self, via: str) -> None:
+        self._seen[via] = list(self._acted)
+
+    def reloading(self, active: bool, via: str = VIA_BUS) -> None:
+        """systemd's Reloading(active) from one path (the bus, its private socket):
+        acted on once, when the first path delivers it."""
+        i = 0 if active else 1
+        seen = self._seen[via]
+        seen[i] += 1
+        if seen[i] <= self._acted[i]:
+            return  # the other path delivered it first
+        self._acted[i] = seen[i]
+        if not active:  # an end implies its start: a late copy of that start is dropped
+            self._acted[0] = max(self._acted[0], seen[i])
         self._reloading = active
         self.hold(active)
         if not active:
@@ -189,9 +209,8 @@ class SystemdSource:
         member = msg.member
         if msg.interface == MANAGER:
             if member == "Reloading":
-                if self.private is None or not self.private.connected:
-                    (active,) = msg.body
-                    self.reloading(bool(active))
+                (active,) = msg.body
+                self.reloading(bool(active), VIA_BUS)
             elif member == "StartupFinished":
                 self.mark(ALL, "systemd: startup finished", False)
             elif member == "JobRemoved" and not self._reloading:

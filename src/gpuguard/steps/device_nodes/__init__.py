@@ -92,6 +92,8 @@ class DeviceNodesStep:
         inventory = await ctx.device_inventory()
         cfg = svc.config.devices
         host = ctx.host(svc)  # /proc/devices read once for the pass's steps, in the thread
+        host.planned.nodes.clear()  # the earlier pass's plan (a dry-run daemon's) ends
+        host.planned.links.clear()  # here: this step plans afresh for the later ones
         view = await asyncio.to_thread(lambda: observe_nodes(svc.root, inventory, host.majors))
         findings, actions = plan_nodes(
             view, create_nodes=cfg.create_nodes, create_links=cfg.create_char_links
@@ -106,6 +108,7 @@ class DeviceNodesStep:
             outcomes = await asyncio.to_thread(apply_all, actuator, actions)
             ctx.outcomes += outcomes
             _plan_for_later_steps(host.planned, view, outcomes)
-            if any(o.status == "done" and o.action.kind == "char-link-created" for o in outcomes):
+            made = ("done", "dry-run")  # a dry-run's follow-up plans on its planned links
+            if any(o.status in made and o.action.kind == "char-link-created" for o in outcomes):
                 # durable DeviceAllow= grants resolve through the links just made
                 ctx.recheck(0.0, frozenset({CONTAINER_ACCESS}), "device links created")

@@ -42,8 +42,10 @@ class DeviceNodeActuator:
     dry_run: bool = False
 
     def apply(self, action: Action) -> Outcome:
-        if self.dry_run:
-            return Outcome(action, "dry-run", "would " + action.describe())
+        if self.dry_run:  # journaled as every step's dry-run outcome is
+            outcome = Outcome(action, "dry-run", "would " + action.describe())
+            self.log.outcome(outcome)
+            return outcome
         try:
             if isinstance(action, CreateDeviceNode):
                 outcome = self._node(action)
