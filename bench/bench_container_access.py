@@ -301,43 +301,37 @@ asyncio.run(main(sys.argv[1], sys.argv[2:]))
 
 
 # The same on systemd's private socket (what systemctl itself uses): systemd writes every
-# signal to each private connection directly, no broker in between, and the signals it
-# queued during the reload (a UnitNew per unit) ahead of Reloading(false); this reader
-# skips them by their headers, parsing no body but Reloading's.
+# signal to each direct connection, no broker in between, and the signals it queued
+# during the reload (a UnitNew per unit) ahead of Reloading(false); read with gpuguard's
+# own header-only reader (sources/dbuswire.py, argv[2]: the repo's src).
 PRIVATE_CLIENT = """
-import os, socket, struct, sys, time
+import os, socket, sys, time
+sys.path.insert(0, sys.argv[2])
+from gpuguard.sources.dbuswire import FIXED, auth_request, header, reloading
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.connect(sys.argv[1])
-s.sendall(b"\\0AUTH EXTERNAL " + str(os.getuid()).encode().hex().encode() + b"\\r\\n")
+s.sendall(auth_request(os.getuid()))
 line = b""
 while not line.endswith(b"\\r\\n"):
     line += s.recv(1)
 assert line.startswith(b"OK"), line
 s.sendall(b"BEGIN\\r\\n")
 print("ready", flush=True)
-buf, off = bytearray(), 0
-def need(n):
-    global buf, off
-    while len(buf) - off < n:
-        del buf[:off]
-        off = 0
-        d = s.recv(1 << 20)
-        if not d:
-            sys.exit(0)
-        buf += d
+buf = bytearray()
 while True:
-    need(16)
-    e = "<" if buf[off] == ord("l") else ">"
-    kind = buf[off + 1]
-    blen, _serial, flen = struct.unpack_from(e + "III", buf, off + 4)
-    hend = 16 + flen
-    body = hend + (-hend % 8)
-    need(body + blen)
-    member = struct.pack(e + "I", 9) + b"Reloading\\0"  # the MEMBER field's string
-    if kind == 4 and member in buf[off + 16 : off + hend]:
-        if struct.unpack_from(e + "I", buf, off + body)[0] == 0:
+    d = s.recv(1 << 20)
+    if not d:
+        sys.exit(0)
+    buf += d
+    off = 0
+    while len(buf) - off >= FIXED:
+        h = header(buf, off)
+        if len(buf) - off < h.total:
+            break
+        if reloading(buf, h, off) is False:
             print(time.monotonic(), flush=True)
-    off += body + blen
+        off += h.total
+    del buf[:off]
 """
 
 
@@ -356,7 +350,7 @@ class BareClient:
         members = ["Reloading", "UnitNew"] if unit_new else ["Reloading"]
         if inside is not None:  # on the private socket: systemd refuses a peer whose PID
             # it cannot see, so the client runs in the namespace (`address`: its path)
-            argv = [sys.executable, "-c", PRIVATE_CLIENT, address]
+            argv = [sys.executable, "-c", PRIVATE_CLIENT, address, str(REPO / "src")]
             self.proc = inside.popen(argv, stdout=subprocess.PIPE, text=True)
         else:
             argv = [sys.executable, "-c", BARE_CLIENT, address, *members]

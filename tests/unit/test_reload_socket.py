@@ -20,8 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuguard.log import EventLog
-from gpuguard.sources.dbuswire import FIXED, MANAGER, WireError, auth_request, header, reloading
+from gpuguard.sources.dbuswire import FIXED, WireError, auth_request, header, reloading
 from gpuguard.sources.reload_socket import PrivateReloadWatch
+from gpuguard.systemd import MANAGER
 
 PATH = "/org/freedesktop/systemd1"
 

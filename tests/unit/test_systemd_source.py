@@ -22,7 +22,7 @@ class Recorder:
         self.marks.append((r, why, urgent))
 
 
-def _source() -> tuple[SystemdSource, Recorder]:
+def _source(private: Any = None) -> tuple[SystemdSource, Recorder]:
     rec = Recorder()
     src = SystemdSource(
         lambda: None,  # type: ignore[arg-type,return-value]
@@ -30,6 +30,7 @@ def _source() -> tuple[SystemdSource, Recorder]:
         rec.holds.append,
         EventLog(level="error"),
         clock=lambda: rec.now,
+        private=private,
     )
     return src, rec
 
@@ -211,15 +212,7 @@ class FakeWatch:
 
 def _both() -> tuple[SystemdSource, Recorder, Any, Any]:
     """A source with a private-socket watch; (bus, private) deliver Reloading(b)."""
-    rec = Recorder()
-    src = SystemdSource(
-        lambda: None,  # type: ignore[arg-type,return-value]
-        rec.mark,
-        rec.holds.append,
-        EventLog(level="error"),
-        clock=lambda: rec.now,
-        private=FakeWatch,  # type: ignore[arg-type]
-    )
+    src, rec = _source(private=FakeWatch)
     watch = src.private
     assert isinstance(watch, FakeWatch)
     watch.on_connect()

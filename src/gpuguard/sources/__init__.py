@@ -114,11 +114,12 @@ def build_sources(
         logger = stdlib_logger(log, "udev")
         return UdevSource(loop, sink.mark, source=choose_source(run_dir), log=logger)
 
+    socket = config.daemon.private_socket
+
     def private(report: Callable[[bool], None]) -> PrivateReloadWatch:
         assert socket is not None
         return PrivateReloadWatch(root.path(socket), report, log)
 
-    socket = config.daemon.private_socket
     systemd = SystemdSource(
         client,
         sink.mark,

@@ -11,11 +11,12 @@ import struct
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from gpuguard.systemd import MANAGER
+
 FIXED = 16  # endianness, type, flags, version, body length, serial, fields length
 MAX_MESSAGE = 16 * 1024 * 1024  # systemd's largest are property sets of ~100 KB
 SIGNAL = 4
 FIELD_INTERFACE, FIELD_MEMBER, FIELD_SIGNATURE = 2, 3, 8
-MANAGER = "org.freedesktop.systemd1.Manager"
 
 
 Buffer = Union[bytes, bytearray]
