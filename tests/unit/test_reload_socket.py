@@ -180,3 +180,46 @@ def test_the_watch_reports_reloads_reconnects_and_survives_garbage(
     assert len(failed) == 1, failed  # the refused connections before the server: once
     warned = [e for e in events() if e.get("level") == "warning" or e.get("PRIORITY") == "4"]
     assert [e for e in warned if "unexpected data" in e["msg"]], events()
+
+
+def test_a_connection_closed_during_authentication_is_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """systemd closing the socket before its OK (it refuses a peer it cannot see), or an
+    answer line past the reader's limit, is a failed attempt like any other: retried."""
+    monkeypatch.setattr("gpuguard.sources.reload_socket.BACKOFF_FIRST", 0.01)
+    out = io.StringIO()
+    got: list[bool] = []
+    tries: list[int] = []
+
+    async def server(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        tries.append(1)
+        await r.readuntil(b"\r\n")
+        if len(tries) == 1:  # closed at once
+            w.close()
+            return
+        if len(tries) == 2:  # a line with no end
+            w.write(b"x" * 200_000)
+            await w.drain()
+            await asyncio.sleep(1)
+            w.close()
+            return
+        w.write(b"OK 0123456789abcdef0123456789abcdef\r\n")
+        await r.readuntil(b"\r\n")
+        w.write(RELOAD_TRUE + RELOAD_FALSE)
+        await w.drain()
+        await asyncio.sleep(1)
+
+    async def scenario() -> None:
+        srv = await asyncio.start_unix_server(server, str(tmp_path / "private"))
+        watch = PrivateReloadWatch(
+            tmp_path / "private", got.append, EventLog(stream=out, level="debug")
+        )
+        task = asyncio.ensure_future(watch.run())
+        await _until(lambda: got == [True, False], "a reload after two failed attempts")
+        assert len(tries) == 3 and not task.done()
+        watch.stop()
+        await asyncio.wait_for(task, 2)
+        srv.close()
+
+    asyncio.run(scenario())

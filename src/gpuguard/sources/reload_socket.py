@@ -58,6 +58,11 @@ class PrivateReloadWatch:
                 reader = await self._connect()
             except (OSError, asyncio.TimeoutError, WireError) as e:
                 why = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or "timeout"
+            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+                why = "closed, or no answer line, during authentication"
+            else:
+                why = ""
+            if why:
                 if not told:
                     self.log.event(
                         "dbus-lost",
