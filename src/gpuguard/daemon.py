@@ -167,6 +167,11 @@ class Daemon:
         if interval is not None:
             helpers.append(asyncio.create_task(self._watchdog(interval)))
         try:
+            if sd_task is not None:  # a source that crashed is a bug: the daemon exits 70
+                await asyncio.wait({pass_task, sd_task}, return_when=asyncio.FIRST_COMPLETED)
+                if sd_task.done() and not sd_task.cancelled() and sd_task.exception():
+                    pass_task.cancel()
+                    sd_task.result()
             await pass_task
         finally:
             for t in helpers:
@@ -365,6 +370,12 @@ class Daemon:
         return {
             "private_socket": private is not None and private.connected,
             "last_via": sd.last_reload_via if sd is not None else "",
+            # every reload arrives on both paths and is acted on once
+            "reloads": sd.reloads_acted if sd is not None else 0,
+            "received": {
+                via: {"starts": n[0], "ends": n[1]}
+                for via, n in (sd.received.items() if sd is not None else ())
+            },
         }
 
     def _write_status(self) -> None:

@@ -1,11 +1,14 @@
 """The end of a daemon-reload read from systemd's private socket (issue 13): on a real
 systemd, the daemon from its unit (its sandbox included) connects to
-/run/systemd/private, takes Reloading from there, and re-grants the GPU containers a
-reload wiped; with PrivateSocket= empty it takes it from the bus as before. Both
-restore every container; the status file says which path reported the reload."""
+/run/systemd/private, receives every Reloading there as well as on the bus, acts on
+each reload once and re-grants the GPU containers it wiped; with PrivateSocket= empty
+it takes them from the bus alone. Which path wins a given reload is a race between two
+sockets (the private copy usually, the bus's when the daemon is busy as systemd sends):
+the test asserts what each path delivered, from the status file, not the winner."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Dict
 
@@ -36,19 +39,34 @@ def test_reloads_are_taken_from_the_private_socket_then_from_the_bus(
     (entry,) = [e for e in events(ns, "dbus-connected") if e.get("VIA") == "private-socket"]
     assert "/run/systemd/private" in entry["MESSAGE"]
 
-    def reload_restores(via: str) -> None:
+    def reload_restores(reloads: int, private: bool) -> None:
         before = len(events(ns, "cgroup-v1-allow"))
         ns.systemctl("daemon-reload")
         wait_for(lambda: all(has(c, ns, (195, c.gpus[0])) for c in ctrs), what="every GPU back")
-        wait_for(lambda: _signal(ns).get("last_via") == via, what=f"the reload via {via}")
         assert len(events(ns, "cgroup-v1-allow")) > before  # gpuguard's writes, not luck
         for c in ctrs:
             assert not has(c, ns, (195, 1 - c.gpus[0]))
+        # A pass writes the status file: SIGHUP asks for one once both copies are read.
+        on_private = {"starts": reloads, "ends": reloads} if private else {"starts": 0, "ends": 0}
+        expected = {"bus": {"starts": reloads, "ends": reloads}, "private-socket": on_private}
 
-    reload_restores("private-socket")
-    reload_restores("private-socket")
+        def delivered() -> bool:
+            assert ns.systemctl("reload", "gpuguard.service").returncode == 0
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:
+                if _signal(ns).get("received") == expected:
+                    return True
+                time.sleep(0.05)
+            return False
+
+        wait_for(delivered, what=f"{expected} in the status file")
+        assert _signal(ns)["reloads"] == reloads  # each acted on once
+        assert _signal(ns)["last_via"] in (("private-socket", "bus") if private else ("bus",))
+
+    reload_restores(1, private=True)
+    reload_restores(2, private=True)
     # The bus alone, as before the private socket was used.
     write_config(ns, NOT_DURABLE + "[Daemon]\nPrivateSocket=\n")
     ns.systemctl("restart", "gpuguard.service")
     wait_for(lambda: _signal(ns).get("private_socket") is False, what="the restarted daemon")
-    reload_restores("bus")
+    reload_restores(1, private=False)

@@ -223,3 +223,26 @@ def test_a_connection_closed_during_authentication_is_retried(
         srv.close()
 
     asyncio.run(scenario())
+
+
+def test_a_bug_in_the_report_ends_the_watch_with_it(tmp_path: Path) -> None:
+    """The report runs in the read callback; an exception there is a bug: it reaches
+    run()'s caller (the daemon exits 70) and is not taken for a closed socket."""
+
+    def report(active: bool) -> None:
+        raise RuntimeError("a bug")
+
+    async def scenario() -> None:
+        sd = FakeSystemd(tmp_path / "private")
+        await sd.start()
+        watch = PrivateReloadWatch(sd.path, report, EventLog(stream=io.StringIO()))
+        task = asyncio.ensure_future(watch.run())
+        await _until(lambda: len(sd.queues) == 1, "the connection")
+        await sd.send(UNIT_NEW + RELOAD_TRUE)
+        with pytest.raises(RuntimeError, match="a bug"):
+            await asyncio.wait_for(task, 2)
+        assert not watch.connected
+        assert sd.server is not None
+        sd.server.close()
+
+    asyncio.run(scenario())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -258,3 +259,36 @@ def test_a_path_connected_inside_a_reload_never_holds_passes_after_its_end() -> 
     bus(True), bus(False)  # type: ignore[func-returns-value]
     assert rec.holds == [False] and len(rec.marks) == 1
     assert not src._reloading
+
+
+def test_every_delivery_is_counted_per_path_and_each_reload_acted_on_once() -> None:
+    src, rec, bus, private = _both()
+    for _ in range(3):
+        private(True), bus(True), bus(False), private(False)  # type: ignore[func-returns-value]
+    assert src.reloads_acted == 3 and len(rec.marks) == 3
+    assert src.received == {"bus": [3, 3], "private-socket": [3, 3]}
+
+
+def test_a_bug_in_the_private_watch_ends_the_source() -> None:
+    """Not swallowed while the bus goes on: the daemon surfaces it and exits 70."""
+    from gpuguard.systemd import SystemdError
+
+    class Crashing(FakeWatch):
+        async def run(self) -> None:
+            raise RuntimeError("a bug in the watch")
+
+    class NoBus:
+        async def connect(self) -> None:
+            raise SystemdError("no bus here")
+
+        def disconnect(self) -> None: ...
+
+    src = SystemdSource(
+        NoBus,  # type: ignore[arg-type]
+        lambda r, why, urgent: None,
+        lambda held: None,
+        EventLog(level="error"),
+        private=Crashing,
+    )
+    with pytest.raises(RuntimeError, match="a bug in the watch"):
+        asyncio.run(asyncio.wait_for(src.run(), 5))

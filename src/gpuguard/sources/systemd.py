@@ -90,6 +90,8 @@ class SystemdSource:
         # path counts from the moment it connects (it missed what came before).
         self._seen = {VIA_BUS: [0, 0], VIA_PRIVATE: [0, 0]}
         self._acted = [0, 0]
+        # Reported in the status file: (starts, ends) each path delivered since start-up
+        self.received = {VIA_BUS: [0, 0], VIA_PRIVATE: [0, 0]}
         self.set_units(kubelet_units, runtime_units)
 
     def set_units(self, kubelet_units: Iterable[str], runtime_units: Iterable[str]) -> None:
@@ -117,12 +119,17 @@ class SystemdSource:
         if self.private is None:
             return await self._run()
         private = asyncio.ensure_future(self.private.run())
+        bus = asyncio.ensure_future(self._run())
         try:
-            await self._run()
+            done, _ = await asyncio.wait({bus, private}, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # a bug in either path ends the source, and the daemon (70)
+            await bus  # the private watch returns only when stopping
         finally:
             self.private.stop()
-            private.cancel()
-            await asyncio.gather(private, return_exceptions=True)
+            for task in (private, bus):
+                task.cancel()
+            await asyncio.gather(private, bus, return_exceptions=True)
 
     async def _run(self) -> None:
         backoff = 0.25
@@ -182,6 +189,10 @@ class SystemdSource:
         except Exception as e:  # a malformed signal must never take the loop down
             self.log.event("warning", f"ignored malformed D-Bus signal {msg.member}: {e}")
 
+    @property
+    def reloads_acted(self) -> int:
+        return self._acted[1]
+
     def _count_from_now(self, via: str) -> None:
         self._seen[via] = list(self._acted)
 
@@ -189,6 +200,7 @@ class SystemdSource:
         """systemd's Reloading(active) from one path (the bus, its private socket):
         acted on once, when the first path delivers it."""
         i = 0 if active else 1
+        self.received[via][i] += 1
         seen = self._seen[via]
         seen[i] += 1
         if seen[i] <= self._acted[i]:
