@@ -429,6 +429,12 @@ def part_c(ns: SystemdNamespace, acc: Access, ctrs: Sequence[Container], reloads
             ("last_write", "gpuguard's last write"),
         ):
             note(what, fast.get(key), t_ret)
+        for key, what in (
+            ("cpu_ms", "the fast path's loop thread on a CPU (ms, not a time)"),
+            ("cpu_wait_ms", "the fast path's loop thread waiting for a CPU (ms)"),
+        ):
+            if fast.get(key) is not None:
+                steps.setdefault(what, []).append(float(fast[key]))
         if fast.get("containers") is not None:
             steps.setdefault("containers repaired on the signal (count, not ms)", []).append(
                 float(fast["containers"])

@@ -46,6 +46,7 @@ from gpuguard.devices.bpfprog import (
 from gpuguard.devices.bpfread import (
     BRIDGE_NAME,
     SYSTEMD_NAME,
+    ProgramCache,
     ProgramUnreadable,
     prog_name,
     read_program,
@@ -119,21 +120,27 @@ class LoadedPrograms:
     costs ~1 ms, an attach ~10 us. Keeps a few fds open, the oldest closed first."""
 
     def __init__(self, keep: int = 16) -> None:
-        self._fds: dict[bytes, int] = {}
+        self._fds: dict[bytes, tuple[int, int]] = {}  # fd, program id
         self._keep = keep
 
-    def fd(self, code: bytes, name: str) -> int:
-        """A new fd of the loaded program (the caller closes it)."""
+    def fd(self, code: bytes, name: str) -> tuple[int, int]:
+        """A new fd of the loaded program (the caller closes it), and its id."""
         key = name.encode() + b"\0" + code
         if key not in self._fds:
             if len(self._fds) >= self._keep:
-                os.close(self._fds.pop(next(iter(self._fds))))
-            self._fds[key] = load_program(code, name.encode())
-        return os.dup(self._fds[key])
+                os.close(self._fds.pop(next(iter(self._fds)))[0])
+            fd = load_program(code, name.encode())
+            try:
+                self._fds[key] = (fd, _info(fd)[0])
+            except BaseException:
+                os.close(fd)
+                raise
+        fd, prog_id = self._fds[key]
+        return os.dup(fd), prog_id
 
     def close(self) -> None:
         while self._fds:
-            os.close(self._fds.popitem()[1])
+            os.close(self._fds.popitem()[1][0])
 
 
 def _attach(cmd: int, cgroup_fd: int, prog_fd: int, flags: int) -> None:
@@ -210,16 +217,21 @@ def _swap(
     where = f"{cgroup_dir}: "
     try:
         code = build(new)
-        new_fd = loaded.fd(code, name) if loaded else load_program(code, name.encode())
+        if loaded is not None:
+            new_fd, new_id = loaded.fd(code, name)
+        else:
+            new_fd, new_id = load_program(code, name.encode()), 0
     except BpfReplaceError as e:
         raise BpfReplaceError(f"{where}{e}; the old program stays") from None
+    except OSError as e:
+        raise BpfReplaceError(f"{where}{e.strerror}; the old program stays") from None
     try:
         cg = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as e:
         os.close(new_fd)
         raise BpfReplaceError(f"{where}cannot open the cgroup: {e.strerror}") from None
     try:
-        new_id, _ = _info(new_fd)
+        new_id = new_id or _info(new_fd)[0]
         try:
             _attach(BPF_PROG_ATTACH, cg, new_fd, BPF_F_ALLOW_MULTI)
         except OSError as e:
@@ -255,7 +267,6 @@ def _swap(
 @dataclass(frozen=True)
 class _Attached:
     prog_id: int
-    fd: int
     name: str
     program: Optional[DeviceProgram]  # None: unreadable or of another shape
 
@@ -266,27 +277,38 @@ def _parsed(code: bytes) -> DeviceProgram:
     return parse(code)
 
 
-def _attached(cgroup_dir: Path) -> List[_Attached]:
-    """The programs attached to the cgroup itself, each opened (the caller closes)."""
+def _read(prog_id: int) -> _Attached:
+    fd = _fd_by_id(prog_id)
+    try:
+        prog: Optional[DeviceProgram] = None
+        with contextlib.suppress(UnknownProgramShape, ProgramUnreadable):
+            prog = _parsed(read_program(fd))
+        return _Attached(prog_id, prog_name(fd), prog)
+    finally:
+        os.close(fd)
+
+
+def _attached(cgroup_dir: Path, cache: Optional[ProgramCache] = None) -> List[_Attached]:
+    """The programs attached to the cgroup itself. `cache`: the programs the caller
+    has just judged the cgroup by (ids are not reused while a program exists), so
+    only the one gpuguard swaps or detaches is opened again."""
     where = f"{cgroup_dir}: "
     try:
         ids = query_device_programs(cgroup_dir)
+        if cache is not None:
+            return [_Attached(i, cache.name(i), cache.get(i)) for i in ids]
+        return [_read(i) for i in ids]
     except OSError as e:
-        raise BpfReplaceError(f"{where}BPF_PROG_QUERY failed: {e.strerror}") from None
-    out: List[_Attached] = []
-    try:
-        for i in ids:
-            fd = _fd_by_id(i)
-            out.append(_Attached(i, fd, "", None))
-            prog: Optional[DeviceProgram] = None
-            with contextlib.suppress(UnknownProgramShape, ProgramUnreadable):
-                prog = _parsed(read_program(fd))
-            out[-1] = _Attached(i, fd, prog_name(fd), prog)
-    except OSError as e:
-        for a in out:
-            os.close(a.fd)
         raise BpfReplaceError(f"{where}cannot read its programs: {e.strerror}") from None
-    return out
+
+
+def _open(cgroup_dir: Path, p: _Attached) -> int:
+    try:
+        return _fd_by_id(p.prog_id)
+    except OSError as e:
+        raise BpfReplaceError(
+            f"{cgroup_dir}: cannot open program {p.prog_id}: {e.strerror}; nothing changed"
+        ) from None
 
 
 def attach_bridge(
@@ -296,47 +318,48 @@ def attach_bridge(
     *,
     dry_run: bool,
     loaded: Optional[LoadedPrograms] = None,
+    cache: Optional[ProgramCache] = None,
 ) -> Replacement:
     """Replace systemd's program on ``cgroup_dir``, the one that denies ``nodes``, by a
     bridge admitting its rules plus read/write on ``nodes``. Raises BpfReplaceError
     (nothing changed) unless exactly one program denies and it is systemd's, next to at
-    most one other (the runtime's), or when the cgroup is frozen."""
+    most one other (the runtime's), or when the cgroup is frozen. ``cache``: the
+    programs the caller judged the cgroup by (bpfread.ProgramCache)."""
     where = f"{cgroup_dir}: "
     if not dry_run and _frozen(cgroup_dir):
         raise BpfReplaceError(f"{where}the cgroup is frozen (cgroup.events: frozen 1); no bridge")
-    progs = _attached(cgroup_dir)
+    progs = _attached(cgroup_dir, cache)
+    others = [p for p in progs if p.name != BRIDGE_NAME]
+    listed = ", ".join(f"{p.prog_id} {p.name or '?'}" for p in progs)
+    if len(others) > 2:
+        raise BpfReplaceError(
+            f"{where}{len(others)} device programs attached ({listed}); a bridge stands in "
+            "for systemd's next to at most one other: no bridge"
+        )
+
+    def admits(p: _Attached) -> bool:
+        return p.program is not None and all(
+            p.program.admits("c", ma, mi, ACC_RW) for ma, mi in nodes
+        )
+
+    denying = [p for p in progs if not admits(p)]
+    if not denying:
+        raise BpfReplaceError(f"{where}no attached program denies the nodes now ({listed})")
+    if len(denying) != 1 or denying[0].name != SYSTEMD_NAME or denying[0].program is None:
+        raise BpfReplaceError(
+            f"{where}the programs that deny the nodes are not systemd's alone ({listed}): no bridge"
+        )
+    old = denying[0]
+    assert old.program is not None
+    new = grant_nodes(old.program, nodes)
+    if dry_run:
+        return Replacement(str(cgroup_dir), old.prog_id, 0, new)
+    old_fd = _open(cgroup_dir, old)
     try:
-        others = [p for p in progs if p.name != BRIDGE_NAME]
-        listed = ", ".join(f"{p.prog_id} {p.name or '?'}" for p in progs)
-        if len(others) > 2:
-            raise BpfReplaceError(
-                f"{where}{len(others)} device programs attached ({listed}); a bridge stands in "
-                "for systemd's next to at most one other: no bridge"
-            )
-
-        def admits(p: _Attached) -> bool:
-            return p.program is not None and all(
-                p.program.admits("c", ma, mi, ACC_RW) for ma, mi in nodes
-            )
-
-        denying = [p for p in progs if not admits(p)]
-        if not denying:
-            raise BpfReplaceError(f"{where}no attached program denies the nodes now ({listed})")
-        if len(denying) != 1 or denying[0].name != SYSTEMD_NAME or denying[0].program is None:
-            raise BpfReplaceError(
-                f"{where}the programs that deny the nodes are not systemd's alone ({listed}): "
-                "no bridge"
-            )
-        old = denying[0]
-        assert old.program is not None
-        new = grant_nodes(old.program, nodes)
-        if dry_run:
-            return Replacement(str(cgroup_dir), old.prog_id, 0, new)
-        new_id = _swap(cgroup_dir, old.fd, new, verify, BRIDGE_NAME, loaded)
-        return Replacement(str(cgroup_dir), old.prog_id, new_id, new)
+        new_id = _swap(cgroup_dir, old_fd, new, verify, BRIDGE_NAME, loaded)
     finally:
-        for p in progs:
-            os.close(p.fd)
+        os.close(old_fd)
+    return Replacement(str(cgroup_dir), old.prog_id, new_id, new)
 
 
 @dataclass(frozen=True)
@@ -350,30 +373,32 @@ def detach_bridges(cgroup_dir: Path, *, dry_run: bool) -> Detached:
     """Detach gpuguard's bridges from ``cgroup_dir`` once a program of systemd's is
     attached again; while none is, each bridge stands in for systemd's and stays."""
     progs = _attached(cgroup_dir)
+    bridges = [p for p in progs if p.name == BRIDGE_NAME]
+    sd = [p for p in progs if p.name == SYSTEMD_NAME]
+    theirs = tuple(p.program for p in sd if p.program is not None)
+    if not bridges or not sd:
+        return Detached((), theirs, tuple(p.prog_id for p in bridges))
+    if dry_run:
+        return Detached(tuple(p.prog_id for p in bridges), theirs, ())
+    done: List[int] = []
+    cg = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        bridges = [p for p in progs if p.name == BRIDGE_NAME]
-        sd = [p for p in progs if p.name == SYSTEMD_NAME]
-        theirs = tuple(p.program for p in sd if p.program is not None)
-        if not bridges or not sd:
-            return Detached((), theirs, tuple(p.prog_id for p in bridges))
-        if dry_run:
-            return Detached(tuple(p.prog_id for p in bridges), theirs, ())
-        done: List[int] = []
-        cg = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            for b in bridges:
-                try:
-                    _attach(BPF_PROG_DETACH, cg, b.fd, 0)
-                except FileNotFoundError:
-                    continue  # gone meanwhile
-                done.append(b.prog_id)
-        except OSError as e:
-            raise BpfReplaceError(
-                f"{cgroup_dir}: detaching bridge failed: {e.strerror}; it stays"
-            ) from None
-        finally:
-            os.close(cg)
-        return Detached(tuple(done), theirs, ())
+        for b in bridges:
+            try:
+                fd = _fd_by_id(b.prog_id)
+            except FileNotFoundError:
+                continue  # gone meanwhile
+            try:
+                _attach(BPF_PROG_DETACH, cg, fd, 0)
+            except FileNotFoundError:
+                continue  # detached meanwhile
+            finally:
+                os.close(fd)
+            done.append(b.prog_id)
+    except OSError as e:
+        raise BpfReplaceError(
+            f"{cgroup_dir}: detaching bridge failed: {e.strerror}; it stays"
+        ) from None
     finally:
-        for p in progs:
-            os.close(p.fd)
+        os.close(cg)
+    return Detached(tuple(done), theirs, ())

@@ -61,6 +61,7 @@ from gpuguard.steps.container_access.reconcile import (
 )
 from gpuguard.steps.container_access.settle import confirm, covered_denials, settle, unknown
 from gpuguard.steps.registry import CONTAINER_ACCESS
+from gpuguard.threadclock import thread_clock
 
 if TYPE_CHECKING:
     from gpuguard.devices.containers import ContainerCgroup
@@ -106,6 +107,7 @@ class ContainerAccessStep:
         bridge its v2 scopes that lost a node (a task sets their DeviceAllow= next)."""
         if not svc.config.devices.regrant:
             return
+        clock0 = thread_clock()
         # One container at a time, read then written: the first is restored at once,
         # not after all are read.
         known = self.observer.known_v1
@@ -122,6 +124,7 @@ class ContainerAccessStep:
         scopes = svc.config.devices.durable_grants and svc.systemd is not None
         v2 = self.observer.known_v2_scopes if scopes else ()
         bridged, v2_access = self.bridges.sweep(v2, svc, record=False)
+        spent = clock.since(clock0) if clock0 and (clock := thread_clock()) else None
         written.update(bridged)
         access.update(v2_access)
         if v2:  # more looks at the others, then DeviceAllow= for each bridge (bridge.py)
@@ -141,6 +144,8 @@ class ContainerAccessStep:
             max(times, default=None),
             len(written),
             len(fast.containers),
+            cpu_ms=round(spent.on_cpu * 1000, 2) if spent else None,
+            cpu_wait_ms=round(spent.waiting * 1000, 2) if spent else None,
         )
         if written:
             outcomes = {cid: o for cid, (_t, o) in written.items()}

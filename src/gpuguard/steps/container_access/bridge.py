@@ -195,7 +195,7 @@ def attach(
         return verdicts is not None and all(verdicts.values())
 
     try:
-        r = attach_bridge(cg, nodes, verify, dry_run=dry_run, loaded=loaded)
+        r = attach_bridge(cg, nodes, verify, dry_run=dry_run, loaded=loaded, cache=cache)
     except BpfReplaceError as e:
         return Outcome(a, "failed", f"{e}; DeviceAllow= alone repairs it")
     except OSError as e:

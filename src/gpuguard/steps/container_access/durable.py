@@ -61,6 +61,10 @@ class ReloadRepair:
     last_write: Optional[float]
     containers: int
     checked: int
+    # The loop thread over the writes (on_reload's start to its sweep's end): on a CPU,
+    # and runnable but waiting for one (threadclock.py; None where the kernel does not say)
+    cpu_ms: Optional[float] = None
+    cpu_wait_ms: Optional[float] = None
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -69,4 +73,6 @@ class ReloadRepair:
             "last_write": self.last_write,
             "containers": self.containers,
             "checked": self.checked,
+            "cpu_ms": self.cpu_ms,
+            "cpu_wait_ms": self.cpu_wait_ms,
         }
