@@ -48,7 +48,7 @@ from gpuguard.devices.bpfread import (
     SYSTEMD_NAME,
     ProgramCache,
     ProgramUnreadable,
-    prog_name,
+    read_named,
     read_program,
 )
 from gpuguard.devices.bpfread import fd_by_id as _fd_by_id
@@ -280,10 +280,14 @@ def _parsed(code: bytes) -> DeviceProgram:
 def _read(prog_id: int) -> _Attached:
     fd = _fd_by_id(prog_id)
     try:
+        try:
+            name, code = read_named(fd)
+        except ProgramUnreadable as e:
+            return _Attached(prog_id, e.name, None)
         prog: Optional[DeviceProgram] = None
-        with contextlib.suppress(UnknownProgramShape, ProgramUnreadable):
-            prog = _parsed(read_program(fd))
-        return _Attached(prog_id, prog_name(fd), prog)
+        with contextlib.suppress(UnknownProgramShape):
+            prog = _parsed(code)
+        return _Attached(prog_id, name, prog)
     finally:
         os.close(fd)
 

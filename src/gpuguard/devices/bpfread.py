@@ -38,6 +38,10 @@ _INFO_SIZE = 80  # bpf_prog_info up to its name (offset 64, 16 bytes)
 class ProgramUnreadable(Exception):
     """The kernel would not show a program's instructions; the message says why."""
 
+    def __init__(self, message: str, name: str = "") -> None:
+        super().__init__(message)
+        self.name = name  # the program's name, when the kernel gave it
+
 
 def fd_by_id(prog_id: int) -> int:
     """BPF_PROG_GET_FD_BY_ID; the caller closes the fd."""
@@ -46,8 +50,9 @@ def fd_by_id(prog_id: int) -> int:
     return bpf_syscall(BPF_PROG_GET_FD_BY_ID, attr)
 
 
-def prog_info(prog_fd: int, insns: int = 0, size: int = 0) -> Tuple[int, int]:
-    """(id, xlated length) of a device program; fills ``insns`` (an address) when given."""
+def prog_info(prog_fd: int, insns: int = 0, size: int = 0) -> Tuple[int, int, str]:
+    """(id, xlated length, name) of a device program; fills ``insns`` (an address) when
+    given. The name is the one it was loaded with (systemd's: ``sd_devices``)."""
     info = ctypes.create_string_buffer(_INFO_SIZE)
     struct.pack_into("<I", info, 20, size)  # xlated_prog_len
     struct.pack_into("<Q", info, 32, insns)  # xlated_prog_insns
@@ -58,28 +63,26 @@ def prog_info(prog_fd: int, insns: int = 0, size: int = 0) -> Tuple[int, int]:
     if prog_type != BPF_PROG_TYPE_CGROUP_DEVICE:
         raise ProgramUnreadable(f"program {prog_id} is of type {prog_type}, not a device program")
     (length,) = struct.unpack_from("<I", info, 20)
-    return prog_id, length
+    name = info.raw[64:80].split(b"\0", 1)[0].decode("ascii", "replace")
+    return prog_id, length, name
 
 
-def prog_name(prog_fd: int) -> str:
-    """The name a program was loaded with (systemd's: ``sd_devices``)."""
-    info = ctypes.create_string_buffer(_INFO_SIZE)
-    attr = ctypes.create_string_buffer(BPF_ATTR_SIZE)
-    struct.pack_into("<IIQ", attr, 0, prog_fd, _INFO_SIZE, ctypes.addressof(info))
-    bpf_syscall(BPF_OBJ_GET_INFO_BY_FD, attr)
-    return info.raw[64:80].split(b"\0", 1)[0].decode("ascii", "replace")
+def read_named(prog_fd: int) -> Tuple[str, bytes]:
+    """A loaded program's name and the kernel's xlated instructions (two calls)."""
+    _, length, name = prog_info(prog_fd)
+    hidden = "the kernel hides the program's instructions (needs CAP_SYS_ADMIN)"
+    if length == 0:
+        raise ProgramUnreadable(hidden, name)
+    buf = ctypes.create_string_buffer(length)
+    prog_info(prog_fd, ctypes.addressof(buf), length)
+    if not any(buf.raw):
+        raise ProgramUnreadable(hidden, name)
+    return name, buf.raw
 
 
 def read_program(prog_fd: int) -> bytes:
     """The kernel's xlated instructions of a loaded program."""
-    _, length = prog_info(prog_fd)
-    if length == 0:
-        raise ProgramUnreadable("the kernel hides the program's instructions (needs CAP_SYS_ADMIN)")
-    buf = ctypes.create_string_buffer(length)
-    prog_info(prog_fd, ctypes.addressof(buf), length)
-    if not any(buf.raw):
-        raise ProgramUnreadable("the kernel hides the program's instructions (needs CAP_SYS_ADMIN)")
-    return buf.raw
+    return read_named(prog_fd)[1]
 
 
 BPF_F_QUERY_EFFECTIVE = 1
@@ -113,15 +116,17 @@ class ProgramCache:
             fd = -1  # gone or not permitted: unknown (a gone one is not cached below)
         if fd >= 0:
             try:
-                self._names[prog_id] = prog_name(fd)
-                code = read_program(fd)
+                self._names[prog_id], code = read_named(fd)
                 if code not in self._by_code:
                     try:
                         self._by_code[code] = parse(code)
                     except UnknownProgramShape:
                         self._by_code[code] = None
                 prog = self._by_code[code]
-            except (OSError, ProgramUnreadable):
+            except ProgramUnreadable as e:
+                self._names[prog_id] = e.name
+                prog = None
+            except OSError:
                 prog = None
             finally:
                 os.close(fd)

@@ -23,7 +23,7 @@ import struct
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from gpuguard.devices.bpfread import prog_name
+from gpuguard.devices.bpfread import prog_info
 from gpuguard.devices.probe import (
     BPF_ATTR_SIZE,
     BPF_CGROUP_DEVICE,
@@ -203,7 +203,7 @@ def programs(cgroup_dir: Path) -> Dict[int, str]:
     for prog_id in query_device_programs(cgroup_dir):
         fd = _prog_fd(prog_id)
         try:
-            out[prog_id] = prog_name(fd)
+            out[prog_id] = prog_info(fd)[2]
         finally:
             os.close(fd)
     return out
