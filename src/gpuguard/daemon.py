@@ -23,7 +23,7 @@ from gpuguard.inventory import Inventory
 from gpuguard.inventory_reader import InventoryReader
 from gpuguard.ledger import Ledger
 from gpuguard.log import EventLog
-from gpuguard.metrics_state import MetricsOutput
+from gpuguard.metrics_state import REPAIR_HISTOGRAM, MetricsOutput
 from gpuguard.notify import Notifier, watchdog_interval
 from gpuguard.passes import STATUS_FILE, PassContext, Step, Work
 from gpuguard.paths import Root
@@ -111,6 +111,11 @@ class Daemon:
                     level="error",
                     exc=e,
                 )
+        # This reload's repair time, written with the next pass's metrics
+        repair = getattr(self.steps.get(CONTAINER_ACCESS), "last_reload", None)
+        done = repair.restored if repair is not None and repair.signal == signal else None
+        if self.metrics is not None and done is not None:
+            self.metrics.state.observe(REPAIR_HISTOGRAM, max(0.0, done - signal))
 
     def on_scope_started(self, unit: str) -> None:
         """A container scope's job ended: its step handles that scope on its own, and

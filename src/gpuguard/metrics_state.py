@@ -40,6 +40,9 @@ STATE_MAX = 4 * 1024 * 1024  # a busy node's is a few KB
 TEXTFILE_NAME = "gpuguard.prom"
 # From a 5 ms container re-grant to a pass that restarts kubelet (tens of seconds).
 PASS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# From one container re-granted at once to hundreds while systemd is busy (bench/README).
+RELOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+REPAIR_HISTOGRAM = "gpuguard_reload_repair_seconds"
 DENIED_KINDS = frozenset({"container-device-denied", "v2-report-only"})
 MISSING_LIBRARY = (
     "python3-prometheus-client is not installed, so gpuguard cannot render its metrics "
@@ -57,11 +60,24 @@ class Family:
     kind: str
     help: str
     labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()  # a histogram's upper bounds (+Inf implied)
 
 
 FAMILIES = (
     Family("gpuguard_passes", COUNTER, "Reconciliation passes run."),
-    Family("gpuguard_pass_duration_seconds", HISTOGRAM, "Duration of a reconciliation pass."),
+    Family(
+        "gpuguard_pass_duration_seconds",
+        HISTOGRAM,
+        "Duration of a reconciliation pass.",
+        buckets=PASS_BUCKETS,
+    ),
+    Family(
+        REPAIR_HISTOGRAM,
+        HISTOGRAM,
+        "From systemd's end of a daemon-reload or reexec to the last device re-granted "
+        "on it, for the reloads that left GPU containers without a device they were given.",
+        buckets=RELOAD_BUCKETS,
+    ),
     Family("gpuguard_last_pass_timestamp_seconds", GAUGE, "When the last pass ended (Unix time)."),
     Family(
         "gpuguard_findings",
@@ -133,9 +149,10 @@ class MetricsState:
                 self.values[f.name][()] = 0.0
                 if f.kind == COUNTER:
                     self.created[f.name][()] = start
-        self.bucket_counts = [0] * (len(PASS_BUCKETS) + 1)  # the last: above 60 s (+Inf)
-        self.duration_sum = 0.0
-        self.duration_created = start
+        # per histogram: a count per bucket (the last: above the highest bound), the sum
+        self.buckets = {f.name: [0] * (len(f.buckets) + 1) for f in FAMILIES if f.buckets}
+        self.sums = {name: 0.0 for name in self.buckets}
+        self.start = start
         self.set("gpuguard_build_info", 1, __version__, platform.python_version())
 
     def _series(self, name: str, labels: Key) -> dict[Key, float]:
@@ -160,13 +177,18 @@ class MetricsState:
         self.values[name].clear()
         self.created[name].clear()
 
-    def observe_duration(self, seconds: float) -> None:
-        self.duration_sum += seconds
-        for i, bound in enumerate(PASS_BUCKETS):
+    def observe(self, name: str, seconds: float) -> None:
+        """One observation of the histogram `name`."""
+        counts = self.buckets[name]
+        self.sums[name] += seconds
+        for i, bound in enumerate(_BY_NAME[name].buckets):
             if seconds <= bound:
-                self.bucket_counts[i] += 1
+                counts[i] += 1
                 return
-        self.bucket_counts[-1] += 1
+        counts[-1] += 1
+
+    def observe_duration(self, seconds: float) -> None:
+        self.observe("gpuguard_pass_duration_seconds", seconds)
 
     def observe_pass(self, last_pass: Mapping[str, Any], status: Mapping[str, Any]) -> None:
         """Count one pass (the daemon's last_pass document) and refresh the gauges from
@@ -216,10 +238,10 @@ class MetricsState:
                 families[f.name] = [
                     {
                         "labels": [],
-                        "bounds": list(PASS_BUCKETS),
-                        "counts": list(self.bucket_counts),
-                        "sum": self.duration_sum,
-                        "created": self.duration_created,
+                        "bounds": list(f.buckets),
+                        "counts": list(self.buckets[f.name]),
+                        "sum": self.sums[f.name],
+                        "created": self.start,
                     }
                 ]
                 continue

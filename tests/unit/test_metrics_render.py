@@ -16,7 +16,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuguard import __version__
 from gpuguard.metrics import render
-from gpuguard.metrics_state import DENIED_KINDS, PASS_BUCKETS, MetricsState
+from gpuguard.metrics_state import (
+    DENIED_KINDS,
+    PASS_BUCKETS,
+    RELOAD_BUCKETS,
+    REPAIR_HISTOGRAM,
+    MetricsState,
+)
 from gpuguard.npd import CONDITIONS, DEFAULT_MAX_AGE, OK, PROBLEM, evaluate
 from gpuguard.steps.registry import CONTAINER_ACCESS, GPU_COUNT
 from unit.test_metrics import DENIED, a_pass, outcome
@@ -37,6 +43,13 @@ class Reference:
             "gpuguard_pass_duration_seconds",
             "Duration of a reconciliation pass.",
             buckets=PASS_BUCKETS,
+            registry=r,
+        )
+        self.reload_repair = Histogram(
+            "gpuguard_reload_repair_seconds",
+            "From systemd's end of a daemon-reload or reexec to the last device re-granted "
+            "on it, for the reloads that left GPU containers without a device they were given.",
+            buckets=RELOAD_BUCKETS,
             registry=r,
         )
         self.last_pass = Gauge(
@@ -175,7 +188,9 @@ def frozen_time(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_rendered_text_is_what_the_librarys_own_metrics_gave() -> None:
     reference, state = Reference(), MetricsState(clock=lambda: T0)
     assert render(state.to_json()) == reference.exposition()  # before any pass
-    for last, status in passes():
+    for (last, status), repair in zip(passes(), (0.004, 0.3, 7.5)):
+        reference.reload_repair.observe(repair)
+        state.observe(REPAIR_HISTOGRAM, repair)
         reference.observe_pass(last, status)
         state.observe_pass(last, status)
         # through the file's JSON, as gpuguard metrics reads it
@@ -184,6 +199,8 @@ def test_the_rendered_text_is_what_the_librarys_own_metrics_gave() -> None:
     text = render(doc).decode()
     assert "gpuguard_passes_created 1.70000000025e+09" in text
     assert 'gpuguard_pass_duration_seconds_bucket{le="+Inf"} 3.0' in text
+    assert 'gpuguard_reload_repair_seconds_bucket{le="0.005"} 1.0' in text
+    assert "gpuguard_reload_repair_seconds_sum 7.804" in text
     assert 'kind="a\\"b\\\\c\\nd"' in text
     names = {f.name for f in text_string_to_metric_families(text)}
     assert {"gpuguard_passes", "gpuguard_pass_duration_seconds", "gpuguard_gpus"} <= names

@@ -146,6 +146,7 @@ class ContainerAccessStep:
             len(fast.containers),
             cpu_ms=round(spent.on_cpu * 1000, 2) if spent else None,
             cpu_wait_ms=round(spent.waiting * 1000, 2) if spent else None,
+            restored=max((t for t, o in written.values() if o.status == "done"), default=None),
         )
         if written:
             outcomes = {cid: o for cid, (_t, o) in written.items()}

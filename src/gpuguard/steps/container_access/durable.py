@@ -65,6 +65,7 @@ class ReloadRepair:
     # and runnable but waiting for one (threadclock.py; None where the kernel does not say)
     cpu_ms: Optional[float] = None
     cpu_wait_ms: Optional[float] = None
+    restored: Optional[float] = None  # the last write that was done (not failed)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -75,4 +76,5 @@ class ReloadRepair:
             "checked": self.checked,
             "cpu_ms": self.cpu_ms,
             "cpu_wait_ms": self.cpu_wait_ms,
+            "restored": self.restored,
         }
