@@ -292,6 +292,11 @@ def _read(prog_id: int) -> _Attached:
         os.close(fd)
 
 
+def _cached(cache: ProgramCache, prog_id: int) -> _Attached:
+    program = cache.get(prog_id)  # reads the name too, when it is not cached yet
+    return _Attached(prog_id, cache.name(prog_id), program)
+
+
 def _attached(cgroup_dir: Path, cache: Optional[ProgramCache] = None) -> List[_Attached]:
     """The programs attached to the cgroup itself. `cache`: the programs the caller
     has just judged the cgroup by (ids are not reused while a program exists), so
@@ -300,7 +305,7 @@ def _attached(cgroup_dir: Path, cache: Optional[ProgramCache] = None) -> List[_A
     try:
         ids = query_device_programs(cgroup_dir)
         if cache is not None:
-            return [_Attached(i, cache.name(i), cache.get(i)) for i in ids]
+            return [_cached(cache, i) for i in ids]
         return [_read(i) for i in ids]
     except OSError as e:
         raise BpfReplaceError(f"{where}cannot read its programs: {e.strerror}") from None
