@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuguard.actuate.bpf import BpfReplaceError, attach_bridge, detach_bridges
+from gpuguard.actuate.bpf import BpfReplaceError, LoadedPrograms, attach_bridge, detach_bridges
 from gpuguard.devices.bpfprog import ACC_RW, DeviceProgram, DevRule, build, grant_nodes
-from gpuguard.devices.bpfread import BRIDGE_NAME
+from gpuguard.devices.bpfread import BRIDGE_NAME, ProgramCache
 from gpuguard.devices.probe import query_device_programs
 from integration.harness.bpfdev import attach, detach_all, names, verdicts
 from integration.test_bpf_inplace import KERNEL_EXAMPLES, NODES, RUNC, rule_lists
@@ -111,19 +111,28 @@ def test_bridge_then_systemd_admits_no_more_than_before_plus_lost(
         assert not after[n] or before[n] or n in lost  # never broader
 
 
-def test_dry_run_changes_nothing_then_bridge_and_detach(cleanup: Path, nodes: Nodes) -> None:
+@pytest.mark.parametrize("reads", ["direct", "cold-cache"])
+def test_dry_run_changes_nothing_then_bridge_and_detach(
+    cleanup: Path, nodes: Nodes, reads: str
+) -> None:
+    """`cold-cache`: the programs read through a ProgramCache that has not seen them
+    (as `gpuguard check` does), the bridge loaded once and its id kept (LoadedPrograms)."""
     cg = cleanup
+    via: dict[str, Any] = {}
+    if reads == "cold-cache":
+        via = {"cache": ProgramCache(), "loaded": LoadedPrograms()}
     hook = grant_nodes(RUNC, [(195, 0), (195, 255)])
     attach(cg, build(hook), b"legacy_hook")
     attach(cg, build(SD), b"sd_devices")
     before = verdicts(cg, nodes)
     assert before[(195, 0)] is False and before[(1, 3)] is True
     ids = sorted(query_device_programs(cg))
-    dry = attach_bridge(cg, [(195, 0)], lambda: True, dry_run=True)
+    dry = attach_bridge(cg, [(195, 0)], lambda: True, dry_run=True, **via)
     assert dry.new_id == 0 and sorted(query_device_programs(cg)) == ids
     assert verdicts(cg, nodes) == before
-    r = attach_bridge(cg, [(195, 0)], lambda: True, dry_run=False)
+    r = attach_bridge(cg, [(195, 0)], lambda: True, dry_run=False, **via)
     assert r.program.describe() == "allow c 195:0 rw; allow c 1:3 rw; else deny"
+    assert r.new_id in query_device_programs(cg)
     assert verdicts(cg, nodes) == {**before, (195, 0): True}
     # no program of systemd's attached: the bridge stands in for it and stays
     d = detach_bridges(cg, dry_run=False)
