@@ -11,7 +11,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import pytest
 
@@ -82,3 +82,26 @@ def _module_loggers_reset() -> Iterator[None]:
     logger.handlers.clear()
     logger.propagate = True
     logger.setLevel(logging.NOTSET)
+
+
+@pytest.fixture
+def v1_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fake root's v1 devices cgroup kept as the kernel keeps it: a write to its
+    devices.allow also updates its devices.list, through gpuguard's model of the kernel
+    (devices/rules.apply_write, held to the real kernel by test_devices_cgroup_v1.py),
+    so that a grant read back after its write (actuate.apply_allow) is found."""
+    from gpuguard.devices.rules import apply_write, parse_devices_list
+    from gpuguard.steps.container_access import actuate
+
+    real = actuate.write_allow
+
+    def write_allow(cgroup_dir: Path, rules: Iterable[str]) -> None:
+        lines = list(rules)
+        real(cgroup_dir, lines)
+        listing = cgroup_dir / "devices.list"
+        state = parse_devices_list(listing.read_text())
+        for line in lines:
+            state = apply_write(state, "devices.allow", line)
+        listing.write_text(state.render_list())
+
+    monkeypatch.setattr(actuate, "write_allow", write_allow)

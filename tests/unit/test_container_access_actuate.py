@@ -23,11 +23,23 @@ def test_dry_run_writes_nothing(tmp_path: Path) -> None:
     assert (tmp_path / "devices.allow").read_text() == ""
 
 
-def test_each_rule_is_written(tmp_path: Path) -> None:
+def test_each_rule_is_written_and_read_back(tmp_path: Path) -> None:
     (tmp_path / "devices.allow").write_text("")
+    (tmp_path / "devices.list").write_text("c 1:3 rwm\nc 195:0 rw\nc 195:255 rw\n")
     o = apply_allow(allow(tmp_path), dry_run=False)
     assert (o.status, o.detail) == ("done", "wrote c 195:0 rw; c 195:255 rw")
     assert (tmp_path / "devices.allow").read_text() == "".join(RULES)
+
+
+def test_a_grant_undone_before_its_read_back_is_not_reported_done(tmp_path: Path) -> None:
+    """systemd's re-apply (deny all, then its own allows) can undo the write at once."""
+    (tmp_path / "devices.allow").write_text("")
+    (tmp_path / "devices.list").write_text("c 1:3 rwm\nc 195:255 rw\n")
+    o = apply_allow(allow(tmp_path), dry_run=False)
+    assert o.status == "failed"
+    assert "does not admit c 195:0 rw read back" in o.detail and "devices.list" in o.detail
+    (tmp_path / "devices.list").write_text("a *:* rwm\n")  # allow mode: all admitted
+    assert apply_allow(allow(tmp_path), dry_run=False).status == "done"
 
 
 def test_a_container_gone_is_a_failure_naming_the_file(tmp_path: Path) -> None:

@@ -18,6 +18,8 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+import pytest
+
 from gpuguard.config import Config
 from gpuguard.devices.rules import parse_devices_list
 from gpuguard.log import EventLog
@@ -30,6 +32,9 @@ from gpuguard.steps.container_access.reconcile import verdicts_from_rules
 from gpuguard.steps.container_access.settle import covered_denials
 from gpuguard.systemd import Systemd
 from unit.test_devices_audit import CID, CTL, GPU0, GPU1, RUNC_LIST, UVM, UVMT, _container, _ent
+
+# devices.list follows the writes as the kernel's would (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("v1_kernel")
 
 GIVEN = (GPU0, CTL, UVM, UVMT)
 # What systemd leaves once its apply is done: runc's defaults and the scope's entries.

@@ -32,6 +32,9 @@ from gpuguard.passes import STEP_ORDER, Work
 from gpuguard.paths import Root
 from unit.test_devices_support import fake_stat, make_node
 
+# devices.list follows the writes as the kernel's would (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("v1_kernel")
+
 CHECKPOINT = "var/lib/kubelet/device-plugins/kubelet_internal_checkpoint"
 GPU_A = "GPU-aaaaaaaa-1111-2222-3333-444444444444"
 GPU_B = "GPU-bbbbbbbb-1111-2222-3333-444444444444"
@@ -126,6 +129,14 @@ def _granted(root: Path) -> str:
     return (root / CGROUP / "devices.allow").read_text()
 
 
+def _wiped_again(root: Path) -> None:
+    """The container's rules re-applied without its GPU nodes once more (a reload)."""
+    (root / CGROUP / "devices.list").write_text(
+        "".join(x.render() + "\n" for x in RUNC_DEFAULT_RULES)
+    )
+    (root / CGROUP / "devices.allow").write_text("")
+
+
 def test_issue_10_dry_run_parity_the_real_run_grants_nothing_the_dry_run_declined(
     root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -149,7 +160,7 @@ def test_issue_10_dry_run_parity_the_real_run_grants_nothing_the_dry_run_decline
     assert "c 195:255 rw" in _granted(root)  # what it was given is re-granted
 
     # A second run: the checkpoint is already repaired, the conflict must stay one.
-    (root / CGROUP / "devices.allow").write_text("")
+    _wiped_again(root)
     code, again = _check(root, capsys)
     assert again["result"].startswith("checkpoint matches")
     assert _decisions(again) == (dry_findings, dry_actions)
@@ -163,7 +174,7 @@ def test_issue_10_dry_run_parity_a_daemon_pass_after_the_repair_grants_nothing_d
     dry_findings, dry_actions = _decisions(dry)
     _, real = _check(root, capsys)
     assert real["result"] == "repaired" and GPU_B_RULE not in _granted(root)
-    (root / CGROUP / "devices.allow").write_text("")
+    _wiped_again(root)
 
     from gpuguard.daemon import Daemon
     from gpuguard.steps import build_steps

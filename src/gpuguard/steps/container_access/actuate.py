@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Optional
 
-from gpuguard.devices.rules import DeviceRules, parse_devices_list
+from gpuguard.devices.rules import DeviceRules, allows, parse_devices_list, parse_rule
 from gpuguard.errors import GpuguardError
 from gpuguard.model import Outcome
 
@@ -66,13 +66,31 @@ def read_devices_list(cgroup_dir: Path) -> DeviceRules:
 
 
 def apply_allow(a: CgroupV1Allow, *, dry_run: bool) -> Outcome:
-    """The direct re-grant: microseconds, CUDA works again at once."""
+    """The direct re-grant: microseconds, CUDA works again at once. Done only once the
+    cgroup's devices.list, read back, admits every rule written: a write the kernel
+    took can still be undone at once by systemd re-applying the unit's rules (its
+    deny-all, then its own allows), and the journal must not say a grant held then."""
     if dry_run:
         return Outcome(a, "dry-run", "would write " + "; ".join(a.rules))
+    cg = Path(a.cgroup_dir)
     try:
-        write_allow(Path(a.cgroup_dir), a.rules)
-    except (CgroupWriteError, OSError) as e:
+        write_allow(cg, a.rules)
+        now = read_devices_list(cg)
+    except (CgroupWriteError, OSError, ValueError) as e:  # ValueError: a list not parsed
         return Outcome(a, "failed", str(e))
+    lost = []
+    for line in a.rules:
+        r = parse_rule(line)
+        if not allows(now, r.type, r.major, r.minor, r.access):
+            lost.append(line)
+    if lost:
+        return Outcome(
+            a,
+            "failed",
+            f"wrote {'; '.join(a.rules)}, but {cg}/devices.list does not admit "
+            f"{'; '.join(lost)} read back (its rules were re-applied meanwhile, as systemd "
+            "does on a daemon-reload); the next pass judges the container again",
+        )
     return Outcome(a, "done", "wrote " + "; ".join(a.rules))
 
 
