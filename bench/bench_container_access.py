@@ -477,6 +477,11 @@ def part_c(ns: SystemdNamespace, acc: Access, ctrs: Sequence[Container], reloads
         f"{len(events(ns, 'unit-device-allow')) - units_0} "
         f"(expected {'0' if ns.layout == 'v1' else 'one per wiped container'})"
     )
+    regrants = collections.Counter(
+        e["GPUGUARD_STATUS"] for e in events(ns, "cgroup-v1-allow")[v1_0:]
+    )
+    if regrants:  # failed: written, but not admitted when read back
+        print(f"    direct re-grants by outcome: {dict(regrants)}")
 
 
 def part_d(ns: SystemdNamespace, n: int, runs: int) -> None:
