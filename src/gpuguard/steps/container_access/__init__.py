@@ -30,10 +30,11 @@ from gpuguard.devices.nodes import GpuLike
 from gpuguard.devices.rules import DeviceRules
 from gpuguard.model import Action, Finding, Outcome
 from gpuguard.steps.container_access.actuate import (
-    apply_allow,
     apply_device_allow,
     apply_program_replace,
+    confirm_v1,
     decline_or_restart,
+    write_v1,
 )
 from gpuguard.steps.container_access.bridge import Bridges
 from gpuguard.steps.container_access.durable import ReloadRepair, plan_durable
@@ -125,6 +126,8 @@ class ContainerAccessStep:
         v2 = self.observer.known_v2_scopes if scopes else ()
         bridged, v2_access = self.bridges.sweep(v2, svc, record=False)
         spent = clock.since(clock0) if clock0 and (clock := thread_clock()) else None
+        # every v1 write read back now that all are made (v2 bridges verify themselves)
+        written = {cid: (t, confirm_v1(o)) for cid, (t, o) in written.items()}
         written.update(bridged)
         access.update(v2_access)
         if v2:  # more looks at the others, then DeviceAllow= for each bridge (bridge.py)
@@ -211,7 +214,8 @@ class ContainerAccessStep:
         # findings is one journal message each: 4 per container after a reload)
         outcomes = []
         if cfg.devices.regrant:
-            outcomes = [self._v1(a, svc) for a in actions if isinstance(a, CgroupV1Allow)]
+            wrote = [self._v1(a, svc) for a in actions if isinstance(a, CgroupV1Allow)]
+            outcomes = [confirm_v1(o) for o in wrote]  # read back once all are written
         for f in findings:
             if f.kind not in CONDITION_KINDS and finding_id(f) not in logged:
                 svc.log.finding(f)
@@ -290,7 +294,7 @@ class ContainerAccessStep:
         what was wiped since, e.g. by a reload whose end the bus never delivered.)
         Returns the findings it logged and the units it set DeviceAllow= on."""
         fast = self._settled(self.observer.fast_view())
-        written = {cid: o for cid, (_t, o) in self._regrant(fast, svc).items()}
+        written = {cid: confirm_v1(o) for cid, (_t, o) in self._regrant(fast, svc).items()}
         # v2 scopes lacking a node get their DeviceAllow= here (durable grants on); other
         # v2 containers wait for the full pass (in-place replacement, with its back-off).
         scopes = svc.config.devices.durable_grants and svc.systemd is not None
@@ -381,7 +385,8 @@ class ContainerAccessStep:
         return findings
 
     def _v1(self, a: CgroupV1Allow, svc: Services) -> Outcome:
-        return apply_allow(a, dry_run=svc.dry_run)
+        """The write only: its `done` stands once `confirm_v1` has read it back."""
+        return write_v1(a, dry_run=svc.dry_run)
 
     async def _unit(self, a: UnitDeviceAllow, svc: Services, sd: Optional[Systemd]) -> Outcome:
         outcome = await apply_device_allow(a, sd, dry_run=svc.dry_run)

@@ -17,16 +17,13 @@ from typing import TYPE_CHECKING, Iterable, Optional
 from gpuguard.devices.rules import DeviceRules, allows, parse_devices_list, parse_rule
 from gpuguard.errors import GpuguardError
 from gpuguard.model import Outcome
+from gpuguard.steps.container_access.actions import CgroupV1Allow
 
 if TYPE_CHECKING:
     from gpuguard.actuate.containers import ContainerStopper
     from gpuguard.model import Action
     from gpuguard.paths import Root
-    from gpuguard.steps.container_access.reconcile import (
-        CgroupV1Allow,
-        UnitDeviceAllow,
-        V2ProgramReplace,
-    )
+    from gpuguard.steps.container_access.reconcile import UnitDeviceAllow, V2ProgramReplace
     from gpuguard.systemd import Systemd
 
 
@@ -65,19 +62,32 @@ def read_devices_list(cgroup_dir: Path) -> DeviceRules:
     return parse_devices_list((cgroup_dir / "devices.list").read_text())
 
 
-def apply_allow(a: CgroupV1Allow, *, dry_run: bool) -> Outcome:
-    """The direct re-grant: microseconds, CUDA works again at once. Done only once the
-    cgroup's devices.list, read back, admits every rule written: a write the kernel
-    took can still be undone at once by systemd re-applying the unit's rules (its
-    deny-all, then its own allows), and the journal must not say a grant held then."""
+def write_v1(a: CgroupV1Allow, *, dry_run: bool) -> Outcome:
+    """The direct re-grant: microseconds, CUDA works again at once. A `done` from here
+    is provisional until `confirm_v1` has read it back: callers write every container
+    first (each one's access back as soon as possible), then confirm them all."""
     if dry_run:
         return Outcome(a, "dry-run", "would write " + "; ".join(a.rules))
+    try:
+        write_allow(Path(a.cgroup_dir), a.rules)
+    except (CgroupWriteError, OSError) as e:
+        return Outcome(a, "failed", str(e))
+    return Outcome(a, "done", "wrote " + "; ".join(a.rules))
+
+
+def confirm_v1(o: Outcome) -> Outcome:
+    """`done` only once the cgroup's devices.list, read back, admits every rule written:
+    a write the kernel took can still be undone at once by systemd re-applying the
+    unit's rules (its deny-all, then its own allows), and the journal must not say a
+    grant held then. Other outcomes pass through."""
+    a = o.action
+    if o.status != "done" or not isinstance(a, CgroupV1Allow):
+        return o
     cg = Path(a.cgroup_dir)
     try:
-        write_allow(cg, a.rules)
         now = read_devices_list(cg)
-    except (CgroupWriteError, OSError, ValueError) as e:  # ValueError: a list not parsed
-        return Outcome(a, "failed", str(e))
+    except (OSError, ValueError) as e:  # ValueError: a list that does not parse
+        return Outcome(a, "failed", f"wrote {'; '.join(a.rules)}, but {cg}/devices.list: {e}")
     lost = []
     for line in a.rules:
         r = parse_rule(line)
@@ -91,7 +101,12 @@ def apply_allow(a: CgroupV1Allow, *, dry_run: bool) -> Outcome:
             f"{'; '.join(lost)} read back (its rules were re-applied meanwhile, as systemd "
             "does on a daemon-reload); the next pass judges the container again",
         )
-    return Outcome(a, "done", "wrote " + "; ".join(a.rules))
+    return o
+
+
+def apply_allow(a: CgroupV1Allow, *, dry_run: bool) -> Outcome:
+    """One container's re-grant, written and read back."""
+    return confirm_v1(write_v1(a, dry_run=dry_run))
 
 
 async def apply_device_allow(
