@@ -10,6 +10,7 @@ cannot be created or truncated anyway.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Optional
@@ -59,7 +60,13 @@ def write_allow(cgroup_dir: Path, rules: Iterable[str]) -> None:
 
 def read_devices_list(cgroup_dir: Path) -> DeviceRules:
     """Parse the cgroup's devices.list (raises OSError if it vanished)."""
-    return parse_devices_list((cgroup_dir / "devices.list").read_text())
+    return _parsed_list((cgroup_dir / "devices.list").read_text())
+
+
+# After a reload most containers' lists are byte-identical but for their GPU, and every
+# re-grant writes the same few lines: each parsed once (the results are frozen).
+_parsed_list = functools.lru_cache(maxsize=256)(parse_devices_list)
+_parsed_rule = functools.lru_cache(maxsize=256)(parse_rule)
 
 
 def write_v1(a: CgroupV1Allow, *, dry_run: bool) -> Outcome:
@@ -90,7 +97,7 @@ def confirm_v1(o: Outcome) -> Outcome:
         return Outcome(a, "failed", f"wrote {'; '.join(a.rules)}, but {cg}/devices.list: {e}")
     lost = []
     for line in a.rules:
-        r = parse_rule(line)
+        r = _parsed_rule(line)
         if not allows(now, r.type, r.major, r.minor, r.access):
             lost.append(line)
     if lost:
