@@ -52,6 +52,25 @@ def summarize(
         else None,
         "repairs_last_hour": len(done),
         "repairs_by_kind": dict(Counter(str(c.get("kind")) for c in done)),
+        "last_reload": _last_reload(doc or {}),
+    }
+
+
+def _last_reload(doc: Mapping[str, Any]) -> Optional[dict[str, Any]]:
+    """The reload fast path's last repair (status file `fast_paths.reload`)."""
+    fast = doc.get("fast_paths")
+    r = fast.get("reload") if isinstance(fast, dict) else None
+    if not isinstance(r, dict) or not isinstance(r.get("signal"), (int, float)):
+        return None
+    restored = r.get("restored")
+    signal = doc.get("reload_signal")
+    return {
+        "containers": r.get("containers"),
+        "checked": r.get("checked"),
+        "repair_ms": round((restored - r["signal"]) * 1000, 1)
+        if isinstance(restored, (int, float))
+        else None,
+        "via": signal.get("last_via") if isinstance(signal, dict) else None,
     }
 
 
@@ -68,6 +87,19 @@ def render(s: Mapping[str, Any]) -> list[str]:
             f"last pass:  {age} (pass {last['number']}: {', '.join(last['reasons'])}), "
             f"{last['findings']} finding(s)"
         )
+    r = s.get("last_reload")
+    if r is not None:
+        via = f" (signal via {r['via']})" if r.get("via") else ""
+        if r["repair_ms"] is not None:
+            what = (
+                f"{r['containers']} of {r['checked']} known GPU container(s) re-granted on "
+                f"the signal, the last {r['repair_ms']:.1f} ms after it"
+            )
+        elif r["containers"]:
+            what = f"{r['containers']} re-grant(s) tried on the signal, none read back done"
+        else:
+            what = f"none of {r['checked']} known GPU container(s) had lost a device"
+        lines.append(f"last reload: {what}{via}")
     kinds = ", ".join(f"{n} {k}" for k, n in sorted(s["repairs_by_kind"].items()))
     lines.append(
         f"repairs:    {s['repairs_last_hour']} in the last hour" + (f" ({kinds})" if kinds else "")

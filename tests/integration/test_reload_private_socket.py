@@ -17,7 +17,7 @@ from typing import Any, Dict
 import pytest
 
 from integration.gpu_scopes import boot_node, containers, has, start, write_config
-from integration.gpuguard_ns import events, start_gpuguard, status, wait_for
+from integration.gpuguard_ns import GPUGUARD, events, start_gpuguard, status, wait_for
 from integration.harness import systemd_ns as systemd_ns
 
 pytestmark = pytest.mark.root
@@ -72,6 +72,8 @@ def test_reloads_are_taken_from_the_private_socket_then_from_the_bus(
         repair = status(ns)["fast_paths"]["reload"]
         assert repair["containers"] == len(ctrs) and repair["restored"] >= repair["signal"]
         assert repair["cpu_ms"] >= 0 and repair["cpu_wait_ms"] >= 0  # the kernel's accounting
+        text = ns.run([str(GPUGUARD), "status"], check=True).stdout
+        assert "last reload: 2 of 2 known GPU container(s) re-granted on the signal" in text
         (hist,) = json.loads(ns.path("/run/gpuguard/metrics.json").read_text())["families"][
             "gpuguard_reload_repair_seconds"
         ]

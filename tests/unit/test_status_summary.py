@@ -70,3 +70,32 @@ def test_cli_status_prints_the_summary_first(
     assert cli.main(["status", "--root", str(tmp_path), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["summary"]["verdict"] == "ok" and doc["containers"] == []
+
+
+def test_the_last_reload_repair_is_summarised() -> None:
+    doc = {
+        "pid": 1,
+        "steps": steps(),
+        "fast_paths": {
+            "reload": {"signal": 100.0, "restored": 100.0554, "containers": 200, "checked": 200}
+        },
+        "reload_signal": {"last_via": "private-socket"},
+    }
+    s = summarize(doc, "", [])
+    want = {"containers": 200, "checked": 200, "repair_ms": 55.4, "via": "private-socket"}
+    assert s["last_reload"] == want
+    assert (
+        "last reload: 200 of 200 known GPU container(s) re-granted on the signal, the last "
+        "55.4 ms after it (signal via private-socket)"
+    ) in render(s)
+    doc["fast_paths"] = {"reload": {"signal": 1.0, "restored": None, "containers": 0, "checked": 3}}
+    assert "last reload: none of 3 known GPU container(s) had lost a device" in "\n".join(
+        render(summarize(doc, "", []))
+    )
+    doc["fast_paths"] = {"reload": {"signal": 1.0, "restored": None, "containers": 2, "checked": 3}}
+    assert "2 re-grant(s) tried on the signal, none read back done" in "\n".join(
+        render(summarize(doc, "", []))
+    )
+    for broken in ({}, {"reload": "x"}, {"reload": {"signal": "soon"}}, "x"):
+        doc["fast_paths"] = broken
+        assert summarize(doc, "", [])["last_reload"] is None
