@@ -48,8 +48,8 @@ from gpuguard.devices.bpfread import (
     SYSTEMD_NAME,
     ProgramCache,
     ProgramUnreadable,
-    read_named,
     read_program,
+    read_rules,
 )
 from gpuguard.devices.bpfread import fd_by_id as _fd_by_id
 from gpuguard.devices.bpfread import prog_info as _info
@@ -280,14 +280,7 @@ def _parsed(code: bytes) -> DeviceProgram:
 def _read(prog_id: int) -> _Attached:
     fd = _fd_by_id(prog_id)
     try:
-        try:
-            name, code = read_named(fd)
-        except ProgramUnreadable as e:
-            return _Attached(prog_id, e.name, None)
-        prog: Optional[DeviceProgram] = None
-        with contextlib.suppress(UnknownProgramShape):
-            prog = _parsed(code)
-        return _Attached(prog_id, name, prog)
+        return _Attached(prog_id, *read_rules(fd, _parsed))
     finally:
         os.close(fd)
 

@@ -18,7 +18,7 @@ import ctypes
 import os
 import struct
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from gpuguard.devices.bpfprog import ACC_RW, DeviceProgram, UnknownProgramShape, parse
 from gpuguard.devices.probe import (
@@ -85,6 +85,21 @@ def read_program(prog_fd: int) -> bytes:
     return read_named(prog_fd)[1]
 
 
+def read_rules(
+    prog_fd: int, parse_code: Callable[[bytes], Optional[DeviceProgram]] = parse
+) -> Tuple[str, Optional[DeviceProgram]]:
+    """A loaded program's name and rules; the rules None when the kernel hides the
+    instructions or they are not of runc's/systemd's shape (OSError: not readable)."""
+    try:
+        name, code = read_named(prog_fd)
+    except ProgramUnreadable as e:
+        return e.name, None
+    try:
+        return name, parse_code(code)
+    except UnknownProgramShape:
+        return name, None
+
+
 BPF_F_QUERY_EFFECTIVE = 1
 
 
@@ -116,22 +131,21 @@ class ProgramCache:
             fd = -1  # gone or not permitted: unknown (a gone one is not cached below)
         if fd >= 0:
             try:
-                self._names[prog_id], code = read_named(fd)
-                if code not in self._by_code:
-                    try:
-                        self._by_code[code] = parse(code)
-                    except UnknownProgramShape:
-                        self._by_code[code] = None
-                prog = self._by_code[code]
-            except ProgramUnreadable as e:
-                self._names[prog_id] = e.name
-                prog = None
+                self._names[prog_id], prog = read_rules(fd, self._parse)
             except OSError:
                 prog = None
             finally:
                 os.close(fd)
             self._parsed[prog_id] = prog
         return prog
+
+    def _parse(self, code: bytes) -> Optional[DeviceProgram]:
+        if code not in self._by_code:
+            try:
+                self._by_code[code] = parse(code)
+            except UnknownProgramShape:
+                self._by_code[code] = None
+        return self._by_code[code]
 
     def name(self, prog_id: int) -> str:
         """The name of a program read by `get` ("" when unknown)."""
