@@ -54,3 +54,17 @@ def test_device_allow_dry_run_and_bus_down() -> None:
     assert (dry.status, dry.detail) == ("dry-run", "would set DeviceAllow= /dev/char/195:0")
     down = asyncio.run(apply_device_allow(a, None, dry_run=False))
     assert (down.status, down.detail) == ("failed", "system bus down; the next pass retries")
+
+
+def test_a_read_back_that_is_no_file_fails_at_once(tmp_path: Path) -> None:
+    """devices.list read back as every other devices.list read: a FIFO in a fake root
+    is refused (never waited on), a vanished one means the cgroup went away."""
+    import os
+
+    (tmp_path / "devices.allow").write_text("")
+    os.mkfifo(tmp_path / "devices.list")
+    o = apply_allow(allow(tmp_path), dry_run=False)
+    assert o.status == "failed" and f"{tmp_path}/devices.list" in o.detail
+    (tmp_path / "devices.list").unlink()
+    o = apply_allow(allow(tmp_path), dry_run=False)
+    assert o.status == "failed" and f"{tmp_path} is gone" in o.detail

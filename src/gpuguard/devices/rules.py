@@ -23,6 +23,7 @@ replay what runc did in seed 002 (``a`` to devices.deny, then the spec's allow l
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Iterable, Optional
 
@@ -179,6 +180,12 @@ def parse_devices_list(text: str) -> DeviceRules:
     if any(r.type == "a" for r in rules):
         return DeviceRules(default_allow=True)
     return DeviceRules(default_allow=False, exceptions=tuple(rules))
+
+
+# After a daemon-reload most containers' lists are byte-identical: each distinct text
+# parsed once (the rules are frozen, so they are shared; lru_cache is safe from the
+# pass's thread and the loop's reload fast path alike).
+parsed_devices_list = functools.lru_cache(maxsize=256)(parse_devices_list)
 
 
 def _match_exception(

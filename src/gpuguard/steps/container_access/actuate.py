@@ -15,9 +15,10 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Optional
 
-from gpuguard.devices.rules import DeviceRules, allows, parse_devices_list, parse_rule
+from gpuguard.devices.rules import DeviceRules, allows, parse_rule, parsed_devices_list
 from gpuguard.errors import GpuguardError
 from gpuguard.model import Outcome
+from gpuguard.safeio import CGROUP_MAX, UnsafeFileError, read_kernel_text
 from gpuguard.steps.container_access.actions import CgroupV1Allow
 
 if TYPE_CHECKING:
@@ -58,14 +59,16 @@ def write_allow(cgroup_dir: Path, rules: Iterable[str]) -> None:
         ) from None
 
 
-def read_devices_list(cgroup_dir: Path) -> DeviceRules:
-    """Parse the cgroup's devices.list (raises OSError if it vanished)."""
-    return _parsed_list((cgroup_dir / "devices.list").read_text())
+def read_devices_list(cgroup_dir: Path) -> Optional[DeviceRules]:
+    """The cgroup's devices.list, parsed; None when the cgroup went away. Raises
+    UnsafeFileError (a FIFO, a link, too big: never read without bound) or ValueError
+    (not what the kernel writes)."""
+    path = cgroup_dir / "devices.list"
+    text = read_kernel_text(path, what="devices.list", max_bytes=CGROUP_MAX)
+    return None if text is None else parsed_devices_list(text)
 
 
-# After a reload most containers' lists are byte-identical but for their GPU, and every
-# re-grant writes the same few lines: each parsed once (the results are frozen).
-_parsed_list = functools.lru_cache(maxsize=256)(parse_devices_list)
+# Every re-grant after a reload writes the same few lines: each parsed once.
 _parsed_rule = functools.lru_cache(maxsize=256)(parse_rule)
 
 
@@ -93,8 +96,10 @@ def confirm_v1(o: Outcome) -> Outcome:
     cg = Path(a.cgroup_dir)
     try:
         now = read_devices_list(cg)
-    except (OSError, ValueError) as e:  # ValueError: a list that does not parse
+    except (UnsafeFileError, ValueError) as e:  # ValueError: a list that does not parse
         return Outcome(a, "failed", f"wrote {'; '.join(a.rules)}, but {cg}/devices.list: {e}")
+    if now is None:
+        return Outcome(a, "failed", f"wrote {'; '.join(a.rules)}, but {cg} is gone")
     lost = []
     for line in a.rules:
         r = _parsed_rule(line)

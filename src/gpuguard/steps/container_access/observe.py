@@ -16,7 +16,7 @@ from gpuguard.devices.nodes import (
     list_nvidia_nodes,
 )
 from gpuguard.devices.probe import probe_open_all, query_device_programs
-from gpuguard.devices.rules import DeviceRules, parse_devices_list
+from gpuguard.devices.rules import DeviceRules, parsed_devices_list
 from gpuguard.errors import GpuguardError
 from gpuguard.inventory import Inventory
 from gpuguard.paths import DEVICE_PLUGINS_DIR, Root
@@ -71,9 +71,6 @@ class AccessObserver:
         self._known_v2: tuple[tuple[ContainerCgroup, Entitlement], ...] = ()
         self._programs = ProgramCache()
         self._root: Optional[Root] = None
-        # devices.list text -> its rules (single dict operations: safe from both the
-        # pass's thread and the loop's reload fast path)
-        self._parsed: dict[str, DeviceRules] = {}
 
     def _read_v2(
         self,
@@ -146,9 +143,6 @@ class AccessObserver:
         broken: dict[str, str],
         remember: bool = True,
     ) -> None:
-        parsed = self._parsed  # a reload leaves many identical lists: each parsed once
-        if len(parsed) > 256:
-            parsed.clear()
         for c, ent in pairs:
             assert c.cgroup_v1_devices is not None
             path = c.cgroup_v1_devices / "devices.list"
@@ -162,13 +156,11 @@ class AccessObserver:
             if self._good.get(c.container_id) == text:  # unchanged since it was fine
                 access.update({(c.container_id, n.numbers): True for n in ent.nodes})
                 continue
-            r = parsed.get(text)
-            if r is None:
-                try:
-                    r = parsed[text] = parse_devices_list(text)
-                except ValueError as e:  # not what the kernel writes: this container only
-                    broken[c.container_id] = f"{path}: {e}; check what wrote this file"
-                    continue
+            try:
+                r = parsed_devices_list(text)
+            except ValueError as e:  # not what the kernel writes: this container only
+                broken[c.container_id] = f"{path}: {e}; check what wrote this file"
+                continue
             rules[c.container_id] = r
             verdicts = verdicts_from_rules(c.container_id, ent.nodes, r)
             access.update(verdicts)

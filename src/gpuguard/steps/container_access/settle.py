@@ -25,8 +25,9 @@ import time
 from typing import TYPE_CHECKING, AbstractSet, Awaitable, Callable, Mapping, Optional, Sequence
 
 from gpuguard.devices.probe import probe_open
-from gpuguard.devices.rules import DeviceRules, parse_devices_list
-from gpuguard.safeio import CGROUP_MAX, UnsafeFileError, read_kernel_text
+from gpuguard.devices.rules import DeviceRules
+from gpuguard.safeio import UnsafeFileError
+from gpuguard.steps.container_access.actuate import read_devices_list
 from gpuguard.steps.container_access.reconcile import AccessKey, verdicts_from_rules
 
 if TYPE_CHECKING:
@@ -107,10 +108,8 @@ def reread(
 
 def _rules(c: ContainerCgroup) -> Optional[DeviceRules]:
     assert c.cgroup_v1_devices is not None
-    path = c.cgroup_v1_devices / "devices.list"
     try:
-        text = read_kernel_text(path, what="devices.list", max_bytes=CGROUP_MAX)
-        return parse_devices_list(text) if text is not None else None
+        return read_devices_list(c.cgroup_v1_devices)
     except (UnsafeFileError, ValueError):
         return None
 
