@@ -92,6 +92,29 @@ def attach_runtime(cg: Path) -> None:
         os.close(fd)
 
 
+def scope_v2(cg: Path) -> None:
+    attach_runtime(cg)
+    attach_sd(cg)
+
+
+def cgroups(
+    hierarchy: Path, tag: str, n: int, made: List[Path], setup: Callable[[Path], None]
+) -> List[Path]:
+    """N new cgroups under `hierarchy`, each set up; all recorded in `made`, children
+    before their parent (removed in that order)."""
+    base = hierarchy / f"gg-bench-sweep-{tag}"
+    base.mkdir()
+    made.append(base)
+    out = []
+    for i in range(n):
+        cg = base / f"c{i}"
+        cg.mkdir()
+        made.insert(0, cg)
+        setup(cg)
+        out.append(cg)
+    return out
+
+
 def measure(runs: int, n: int, once: Callable[[], float], reset: Callable[[], None],
             profile: bool) -> str:  # fmt: skip
     walls, cpus = [], []
@@ -122,16 +145,10 @@ def main(argv: Sequence[str] = ()) -> int:
     quiet = types.SimpleNamespace(finding=lambda f: None, outcome=lambda o: None)
     try:
         # v1: on_reload as the daemon runs it, from the signal to the read-backs
-        base = V1 / f"gg-bench-sweep-{tag}"
-        base.mkdir()
-        made.append(base)
-        step, pairs = ContainerAccessStep(), []
-        for i in range(n):
-            cg = base / f"c{i}"
-            cg.mkdir()
-            made.insert(0, cg)
-            wipe_v1(cg)
-            pairs.append(pair(cg, i, True, (GPU, CTL)))
+        step = ContainerAccessStep()
+        pairs = [
+            pair(cg, i, True, (GPU, CTL)) for i, cg in enumerate(cgroups(V1, tag, n, made, wipe_v1))
+        ]
         step.observer._known_v1 = tuple(pairs)
         devices = types.SimpleNamespace(regrant=True, durable_grants=False)
         svc = types.SimpleNamespace(dry_run=False, systemd=None, log=quiet,
@@ -152,17 +169,10 @@ def main(argv: Sequence[str] = ()) -> int:
               lambda: [wipe_v1(p[0].cgroup_v1_devices) for p in pairs], args.profile))  # type: ignore[arg-type]  # fmt: skip
 
         # v2: the bridges sweep on scopes whose systemd program is new
-        base = V2 / f"gg-bench-sweep-{tag}"
-        base.mkdir()
-        made.append(base)
-        step, pairs = ContainerAccessStep(), []
-        for i in range(n):
-            cg = base / f"c{i}"
-            cg.mkdir()
-            made.insert(0, cg)
-            attach_runtime(cg)
-            attach_sd(cg)
-            pairs.append(pair(cg, i, False, (GPU,)))
+        step = ContainerAccessStep()
+        pairs = [
+            pair(cg, i, False, (GPU,)) for i, cg in enumerate(cgroups(V2, tag, n, made, scope_v2))
+        ]
         step.observer._root = Root(Path("/"))
         step.observer._known_v2 = tuple(pairs)
 
