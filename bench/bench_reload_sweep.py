@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import os
 import pstats
 import statistics
 import sys
@@ -38,15 +37,17 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "src"))
 
-from gpuguard.actuate.bpf import BPF_F_ALLOW_MULTI, _attach, detach_bridges, load_program  # noqa: E402
+from gpuguard.actuate.bpf import detach_bridges  # noqa: E402
 from gpuguard.devices.containers import ContainerCgroup  # noqa: E402
 from gpuguard.devices.entitlement import Entitlement, VisibleDevices  # noqa: E402
 from gpuguard.devices.nodes import ROLE_CTL, ROLE_GPU, DeviceNode  # noqa: E402
-from gpuguard.devices.probe import BPF_PROG_ATTACH  # noqa: E402
 from gpuguard.paths import Root  # noqa: E402
 from gpuguard.steps.container_access import ContainerAccessStep  # noqa: E402
-from integration.harness.bpfdev import DEFAULT_RULES  # noqa: E402
-from integration.harness.bpfdev import load as load_rules  # noqa: E402
+from integration.harness.bpfdev import (  # noqa: E402
+    DEFAULT_RULES,
+    attach,
+    program,
+)
 from unit.test_bpfprog import SYSTEMD_252, _code  # noqa: E402
 
 V1, V2 = Path("/sys/fs/cgroup/devices"), Path("/sys/fs/cgroup/unified")
@@ -75,21 +76,11 @@ def wipe_v1(cg: Path) -> None:
 
 def attach_sd(cg: Path) -> None:
     """A new program of systemd's (its own id) denying the GPU."""
-    fd, cgfd = load_program(_code(SYSTEMD_252), b"sd_devices"), os.open(cg, os.O_RDONLY)
-    try:
-        _attach(BPF_PROG_ATTACH, cgfd, fd, BPF_F_ALLOW_MULTI)
-    finally:
-        os.close(cgfd)
-        os.close(fd)
+    attach(cg, _code(SYSTEMD_252), b"sd_devices")
 
 
 def attach_runtime(cg: Path) -> None:
-    fd, cgfd = load_rules([*DEFAULT_RULES, ("c", 195, 1)]), os.open(cg, os.O_RDONLY)
-    try:
-        _attach(BPF_PROG_ATTACH, cgfd, fd, BPF_F_ALLOW_MULTI)
-    finally:
-        os.close(cgfd)
-        os.close(fd)
+    attach(cg, program([*DEFAULT_RULES, ("c", 195, 1)]))
 
 
 def scope_v2(cg: Path) -> None:
