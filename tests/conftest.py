@@ -89,7 +89,7 @@ def v1_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """A fake root's v1 devices cgroup kept as the kernel keeps it: a write to its
     devices.allow also updates its devices.list, through gpuguard's model of the kernel
     (devices/rules.apply_write, held to the real kernel by test_devices_cgroup_v1.py),
-    so that a grant read back after its write (actuate.apply_allow) is found."""
+    so that a grant read back after its write (actuate.confirm_v1) is found."""
     from gpuguard.devices.rules import apply_write, parse_devices_list
     from gpuguard.steps.container_access import actuate
 

@@ -6,10 +6,16 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from gpuguard.steps.container_access.actuate import apply_allow, apply_device_allow
+from gpuguard.model import Outcome
+from gpuguard.steps.container_access.actuate import apply_device_allow, confirm_v1, write_v1
 from gpuguard.steps.container_access.reconcile import CgroupV1Allow, UnitDeviceAllow
 
 RULES = ("c 195:0 rw", "c 195:255 rw")
+
+
+def apply_allow(a: CgroupV1Allow, *, dry_run: bool) -> Outcome:
+    """What the step does for each container: write, then read back."""
+    return confirm_v1(write_v1(a, dry_run=dry_run))
 
 
 def allow(cgroup: Path) -> CgroupV1Allow:

@@ -116,11 +116,6 @@ def confirm_v1(o: Outcome) -> Outcome:
     return o
 
 
-def apply_allow(a: CgroupV1Allow, *, dry_run: bool) -> Outcome:
-    """One container's re-grant, written and read back."""
-    return confirm_v1(write_v1(a, dry_run=dry_run))
-
-
 async def apply_device_allow(
     a: UnitDeviceAllow, sd: Optional[Systemd], *, dry_run: bool
 ) -> Outcome:
