@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import select
 import socket
 import subprocess
 import threading
@@ -47,21 +48,41 @@ async def _connect_and_lose(address: str, bus: subprocess.Popen[str]) -> None:
     waiting.exception()  # dbus-next ends it with EOFError: expected
 
 
+def _bus(address: str) -> subprocess.Popen[str]:
+    """A private dbus-daemon, returned once it listens. It prints its address only
+    after listen(); its socket file exists from bind() on, and a client that connects
+    in between is refused (seen in CI)."""
+    bus = subprocess.Popen(
+        [
+            "dbus-daemon",
+            "--session",
+            "--nofork",
+            "--nopidfile",
+            "--print-address",
+            f"--address={address}",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert bus.stdout is not None
+    ready, _, _ = select.select([bus.stdout], [], [], 10)
+    line = bus.stdout.readline() if ready else ""
+    bus.stdout.close()
+    if not line.startswith("unix:"):
+        bus.kill()
+        bus.wait()
+        pytest.fail(f"dbus-daemon did not come up on {address} (printed {line!r})")
+    return bus
+
+
 def test_lost_connections_leave_no_fd(tmp_path: Path, no_gc: None) -> None:
     require_tool("dbus-daemon")
     before = _fds()
     for i in range(10):
         address = f"unix:path={tmp_path}/bus{i}"
-        bus = subprocess.Popen(
-            ["dbus-daemon", "--session", "--nofork", "--nopidfile", f"--address={address}"],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-        )
+        bus = _bus(address)
         try:
-            deadline = 100
-            while not (tmp_path / f"bus{i}").exists() and deadline:
-                deadline -= 1
-                threading.Event().wait(0.02)
             asyncio.run(_connect_and_lose(address, bus))
         finally:
             bus.kill()

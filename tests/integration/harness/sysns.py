@@ -80,6 +80,7 @@ import re
 import select
 import shlex
 import signal
+import socket
 import stat
 import subprocess
 import time
@@ -171,6 +172,17 @@ LAYOUTS: Tuple[str, ...] = ("v1", "v2")
 
 _counter = itertools.count()
 CGROUP_PREFIX = "gpuguard-sysns-"
+
+
+def _listening(path: Path) -> bool:
+    """True once a unix socket accepts: its file exists from bind() on, and a client
+    that connects before listen() is refused."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+    return True
 
 
 class NamespaceError(RuntimeError):
@@ -642,7 +654,7 @@ class SystemdNamespace:
             else:
                 time.sleep(0.002)
         private = Path(f"/proc/{self._pid}/root/run/systemd/private")
-        while not private.exists():
+        while not _listening(private):
             if self._launcher.poll() is not None:
                 raise NamespaceError(
                     f"systemd exited {self._launcher.returncode}:\n{self._log_tail()}"
