@@ -21,6 +21,7 @@ devchar.py.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import stat
@@ -149,7 +150,7 @@ class DeviceNode:
     # type for every lister, so the fields are the union of what each needs.
     ctime: Optional[float] = None
 
-    @property
+    @functools.cached_property  # a key of every access verdict: asked thousands of times a pass
     def numbers(self) -> str:
         return f"{self.major}:{self.minor}"
 

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 from gpuguard.actuate.containers import ContainerStopper
 from gpuguard.conditions import Conditions, FindingId, finding_id, log_findings
 from gpuguard.devices.nodes import GpuLike
-from gpuguard.devices.rules import DeviceRules
 from gpuguard.model import Action, Finding, Outcome
 from gpuguard.steps.container_access.actuate import (
     apply_device_allow,
@@ -50,7 +49,6 @@ from gpuguard.steps.container_access.reconcile import (
     FINDING_CONFLICT,
     FINDING_MISSING,
     FINDING_STALE,
-    AccessKey,
     CgroupV1Allow,
     RestartContainer,
     UnitDeviceAllow,
@@ -58,8 +56,8 @@ from gpuguard.steps.container_access.reconcile import (
     V2ReportOnly,
     audit,
     unreadable_findings,
-    v1_allow,
 )
+from gpuguard.steps.container_access.reload import regrant, sweep_v1
 from gpuguard.steps.container_access.settle import confirm, covered_denials, settle, unknown
 from gpuguard.steps.registry import CONTAINER_ACCESS
 from gpuguard.threadclock import thread_clock
@@ -109,27 +107,16 @@ class ContainerAccessStep:
         if not svc.config.devices.regrant:
             return
         clock0 = thread_clock()
-        # One container at a time, read then written: the first is restored at once,
-        # not after all are read.
         known = self.observer.known_v1
-        written: dict[str, tuple[float, Outcome]] = {}
-        access: dict[AccessKey, Optional[bool]] = {}
-        rules: dict[str, DeviceRules] = {}
-        broken: dict[str, str] = {}
-        for pair in known:
-            one = self._settled(self.observer.fast_view(remember=False, pairs=(pair,)))
-            written.update(self._regrant(one, svc))
-            access.update(one.access)
-            rules.update(one.rules)
-            broken.update(one.broken)
+        swept = sweep_v1(known, self.observer.read_v1, self.durable, dry_run=svc.dry_run)
         scopes = svc.config.devices.durable_grants and svc.systemd is not None
         v2 = self.observer.known_v2_scopes if scopes else ()
         bridged, v2_access = self.bridges.sweep(v2, svc, record=False)
         spent = clock.since(clock0) if clock0 and (clock := thread_clock()) else None
         # every v1 write read back now that all are made (v2 bridges verify themselves)
-        written = {cid: (t, confirm_v1(o)) for cid, (t, o) in written.items()}
+        written = {w.container.container_id: (w.at, confirm_v1(w.outcome())) for w in swept.writes}
         written.update(bridged)
-        access.update(v2_access)
+        access = {**swept.access, **v2_access}
         if v2:  # more looks at the others, then DeviceAllow= for each bridge (bridge.py)
             rest = [p for p in v2 if p[0].container_id not in written]
             failed = {cid for cid, (_t, o) in written.items() if o.status == "failed"}
@@ -138,7 +125,11 @@ class ContainerAccessStep:
             self._followup = asyncio.ensure_future(self.bridges.follow_up(svc, rest, retry, report))
         known = (*known, *v2)
         fast = AccessView(
-            tuple(c for c, _ in known), {c.key: e for c, e in known}, access, rules, broken
+            tuple(c for c, _ in known),
+            {c.key: e for c, e in known},
+            access,
+            swept.rules,
+            swept.broken,
         )
         times = [t for t, _ in written.values()]
         self.last_reload = ReloadRepair(
@@ -294,7 +285,13 @@ class ContainerAccessStep:
         what was wiped since, e.g. by a reload whose end the bus never delivered.)
         Returns the findings it logged and the units it set DeviceAllow= on."""
         fast = self._settled(self.observer.fast_view())
-        written = {cid: confirm_v1(o) for cid, (_t, o) in self._regrant(fast, svc).items()}
+        wrote = (
+            regrant(c, fast.entitlements[c.key], fast.access, dry_run=svc.dry_run)
+            for c in fast.containers
+        )
+        written = {
+            w.container.container_id: confirm_v1(w.outcome()) for w in wrote if w is not None
+        }
         # v2 scopes lacking a node get their DeviceAllow= here (durable grants on); other
         # v2 containers wait for the full pass (in-place replacement, with its back-off).
         scopes = svc.config.devices.durable_grants and svc.systemd is not None
@@ -348,19 +345,6 @@ class ContainerAccessStep:
 
     def _late_findings(self, view: AccessView, svc: Services) -> None:
         self._carried_findings.extend(self._report(view, (), svc))
-
-    def _regrant(self, fast: AccessView, svc: Services) -> dict[str, tuple[float, Outcome]]:
-        """The direct v1 writes for every denied entitled node of `fast`, each with when
-        it was written; nothing is journaled yet (that is slower than the writes)."""
-        written: dict[str, tuple[float, Outcome]] = {}
-        for c in fast.containers:
-            ent = fast.entitlements[c.key]
-            denied = [n for n in ent.nodes if fast.access.get((c.container_id, n.numbers)) is False]
-            if not denied or c.cgroup_v1_devices is None:
-                continue
-            action = v1_allow(c, c.cgroup_v1_devices, denied)
-            written[c.container_id] = (time.monotonic(), self._v1(action, svc))
-        return written
 
     def _report(
         self,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 from gpuguard.devices.rules import DeviceRules, allows, parse_rule, parsed_devices_list
 from gpuguard.errors import GpuguardError
@@ -72,17 +72,24 @@ def read_devices_list(cgroup_dir: Path) -> Optional[DeviceRules]:
 _parsed_rule = functools.lru_cache(maxsize=256)(parse_rule)
 
 
-def write_v1(a: CgroupV1Allow, *, dry_run: bool) -> Outcome:
-    """The direct re-grant: microseconds, CUDA works again at once. A `done` from here
-    is provisional until `confirm_v1` has read it back: callers write every container
+def write_grants(cgroup_dir: Path, rules: Sequence[str], *, dry_run: bool) -> tuple[str, str]:
+    """The direct re-grant: microseconds, CUDA works again at once. Returns an
+    Outcome's status and detail; the caller builds the action after its last write
+    (reload.py: building one costs more than the write). A `done` from here is
+    provisional until `confirm_v1` has read it back: callers write every container
     first (each one's access back as soon as possible), then confirm them all."""
     if dry_run:
-        return Outcome(a, "dry-run", "would write " + "; ".join(a.rules))
+        return "dry-run", "would write " + "; ".join(rules)
     try:
-        write_allow(Path(a.cgroup_dir), a.rules)
+        write_allow(cgroup_dir, rules)
     except (CgroupWriteError, OSError) as e:
-        return Outcome(a, "failed", str(e))
-    return Outcome(a, "done", "wrote " + "; ".join(a.rules))
+        return "failed", str(e)
+    return "done", "wrote " + "; ".join(rules)
+
+
+def write_v1(a: CgroupV1Allow, *, dry_run: bool) -> Outcome:
+    """`write_grants` for an action planned by a pass."""
+    return Outcome(a, *write_grants(Path(a.cgroup_dir), a.rules, dry_run=dry_run))
 
 
 def confirm_v1(o: Outcome) -> Outcome:

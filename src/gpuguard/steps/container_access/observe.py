@@ -135,6 +135,17 @@ class AccessObserver:
         """The last pass's v2 GPU containers in a systemd scope."""
         return tuple(p for p in self._known_v2 if p[0].unit is not None)
 
+    def read_v1(
+        self,
+        pairs: Sequence[tuple[ContainerCgroup, Entitlement]],
+        access: dict[AccessKey, Optional[bool]],
+        rules: dict[str, DeviceRules],
+        broken: dict[str, str],
+    ) -> None:
+        """`pairs`' devices.list read outside a pass (a reload's sweep: reload.py);
+        nothing is remembered, since a pass's observe() may be running in its thread."""
+        self._read_v1(pairs, access, rules, broken, remember=False)
+
     def _read_v1(
         self,
         pairs: Sequence[tuple[ContainerCgroup, Entitlement]],
