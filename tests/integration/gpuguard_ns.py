@@ -8,9 +8,10 @@ repo's kubelet drop-in with the hook path pointed at this checkout.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
 
 from conftest import CHECKPOINTS, REPO
 from integration.harness import SystemdNamespace
@@ -109,6 +110,17 @@ def wait_for(cond: Callable[[], Any], timeout: float = 15.0, what: str = "condit
             return value
         time.sleep(0.02)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@contextlib.contextmanager
+def paused(ns: SystemdNamespace) -> Iterator[None]:
+    """The daemon stopped (SIGSTOP) while a test makes a loss and checks that it is
+    there: a periodic audit could repair it in between (AuditInterval=1s in some tests)."""
+    assert ns.systemctl("kill", "-s", "STOP", "gpuguard.service").returncode == 0
+    try:
+        yield
+    finally:
+        ns.systemctl("kill", "-s", "CONT", "gpuguard.service")
 
 
 def settle(ns: SystemdNamespace, quiet: float = 0.6, timeout: float = 15.0) -> int:

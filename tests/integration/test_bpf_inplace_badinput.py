@@ -24,7 +24,7 @@ import pytest
 from gpuguard.devices.bpfread import ProgramCache, judge
 from gpuguard.devices.probe import query_device_programs
 from integration.gpu_scopes import containers
-from integration.gpuguard_ns import events, wait_for
+from integration.gpuguard_ns import events, paused, wait_for
 from integration.harness import systemd_ns as systemd_ns
 from integration.harness.bpfdev import DEFAULT_RULES, attach, program, replace_programs
 from integration.test_cpumanager_rewrite import AUDIT_INTERVAL, _boot, _cgroup, _verdict
@@ -52,8 +52,9 @@ def _mine(ns, kind: str, c) -> list:  # type: ignore[no-untyped-def, type-arg]
 def test_a_second_program_is_reported_not_replaced(systemd_ns, tmp_path) -> None:  # type: ignore[no-untyped-def]
     (c,) = containers(1)
     ns = _boot(systemd_ns, tmp_path, [c], "v2")
-    runc = _lose_gpu(ns, c)
-    attach(_cgroup(ns, c), program(DEFAULT_RULES), b"legacy_hook")  # another tool's program
+    with paused(ns):  # the 1 s audit would replace runc's program before the second lands
+        runc = _lose_gpu(ns, c)
+        attach(_cgroup(ns, c), program(DEFAULT_RULES), b"legacy_hook")  # another tool's
     two = query_device_programs(_cgroup(ns, c))
     assert len(two) == 2 and runc in two
     found = wait_for(

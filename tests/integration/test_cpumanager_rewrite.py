@@ -32,7 +32,7 @@ from gpuguard.devices.probe import probe_open, query_device_programs
 from gpuguard.devices.rules import RUNC_DEFAULT_RULES
 from gpuguard.steps.container_access.reconcile import CAUSE_REWRITE
 from integration.gpu_scopes import Container, boot_node, containers
-from integration.gpuguard_ns import events, wait_for
+from integration.gpuguard_ns import events, paused, wait_for
 from integration.harness import SystemdNamespace
 from integration.harness import systemd_ns as systemd_ns
 from integration.harness.bpfdev import DEFAULT_RULES, replace_programs
@@ -113,12 +113,13 @@ def test_cpu_manager_rewrite_is_repaired_by_the_periodic_audit(systemd_ns, tmp_p
     repair_s = []
     for round_ in range(3):
         before = len(events(ns, "container-device-denied"))
-        for c in ctrs:
-            _runc_rewrite(_cgroup(ns, c))
+        with paused(ns):  # the loss checked before the audit can repair it
+            for c in ctrs:
+                _runc_rewrite(_cgroup(ns, c))
+            for c in ctrs:
+                assert not _allows(ns, c, 195, c.gpus[0]) and not _allows(ns, c, 511, 0)
+                assert "c 1:3 rwm" in (_cgroup(ns, c) / "devices.list").read_text()
         t0 = time.monotonic()
-        for c in ctrs:
-            assert not _allows(ns, c, 195, c.gpus[0]) and not _allows(ns, c, 511, 0)
-            assert "c 1:3 rwm" in (_cgroup(ns, c) / "devices.list").read_text()
         wait_for(
             lambda: all(_allows(ns, c, *n) for c in ctrs for n in c.given()),
             timeout=AUDIT_INTERVAL + 2.0,
@@ -174,9 +175,10 @@ def test_cpu_manager_rewrite_on_v2_is_reported_and_nothing_broadened(systemd_ns,
 def test_cpu_manager_rewrite_on_v2_is_repaired_in_place(systemd_ns, tmp_path) -> None:  # type: ignore[no-untyped-def]
     ctrs = containers(2)
     ns = _boot(systemd_ns, tmp_path, ctrs, "v2", extra="[Devices]\nV2Remedy=inplace\n")
-    for c in ctrs:  # the update: runc's program from the spec replaces the hook's
-        replace_programs(_cgroup(ns, c), DEFAULT_RULES)
-        assert _verdict(ns, c, c.gpus[0]) is False
+    with paused(ns):
+        for c in ctrs:  # the update: runc's program from the spec replaces the hook's
+            replace_programs(_cgroup(ns, c), DEFAULT_RULES)
+            assert _verdict(ns, c, c.gpus[0]) is False
     wait_for(
         lambda: all(_verdict(ns, c, c.gpus[0]) is True for c in ctrs),
         timeout=AUDIT_INTERVAL + 3.0,

@@ -79,10 +79,16 @@ def test_reload_and_reexec_each_trigger_exactly_one_pass(systemd_ns, verb: str) 
     setup_node(ns, stale=False)
     _start(ns)
     ns.systemctl("start", "kubelet.service")
+    wait_for(
+        lambda: "kubelet.service started" in " ".join(status(ns)["last_pass"]["reasons"]),
+        what="the pass for kubelet's start",
+    )
     before = settle(ns)
     for i in range(3):
         r = ns.systemctl(verb)
         assert r.returncode == 0, r.stderr
+        # a reexec's new manager may come up after settle()'s quiet time: wait for a pass
+        wait_for(lambda b=before: passes(ns) > b, timeout=30, what=f"a pass after {verb}")
         after = settle(ns)
         assert after == before + 1, f"{verb} #{i + 1} gave {after - before} passes"
         assert any("systemd:" in why for why in status(ns)["last_pass"]["reasons"])

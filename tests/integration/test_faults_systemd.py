@@ -74,7 +74,9 @@ def test_dbus_restart_then_reload_wipe_is_still_repaired(systemd_ns, tmp_path, p
     _start_daemon(ns)
     pid, before = main_pid(ns), passes(ns)
     lost = len(events(ns, "dbus-lost"))
-    ns.run(["systemctl", "kill", "-s", "KILL", "dbus.service"], check=True)
+    # Killed, and its socket stopped so that nothing (gpuguard's own reconnect among
+    # them) activates it again before the reload below.
+    ns.run(["sh", "-c", "systemctl kill -s KILL dbus.service; systemctl stop dbus.socket"])
     wait_for(lambda: len(events(ns, "dbus-lost")) > lost, what="dbus-lost logged")
     # While the bus is down: a reload wipes every grant (systemctl and systemd talk on
     # /run/systemd/private). Through the bus no signal can reach the daemon; through
@@ -86,11 +88,12 @@ def test_dbus_restart_then_reload_wipe_is_still_repaired(systemd_ns, tmp_path, p
         assert not any(has_gpu(ns, c) for c in ctrs[:3])
     # A start right after the kill can fail ("a fatal signal was delivered to the
     # control process", seen now and then): systemd's business, so try again.
+    connected = len(events(ns, "dbus-connected"))
     wait_for(
-        lambda: ns.systemctl("start", "dbus.service", check=False).returncode == 0,
+        lambda: ns.systemctl("start", "dbus.socket", "dbus.service", check=False).returncode == 0,
         what="dbus.service started again",
     )
-    wait_for(lambda: len(events(ns, "dbus-connected")) >= 2, timeout=30, what="reconnect")
+    wait_for(lambda: len(events(ns, "dbus-connected")) > connected, timeout=30, what="reconnect")
     # The full pass after reconnecting repairs what was lost meanwhile.
     wait_for(lambda: all(has_gpu(ns, c) for c in ctrs[:3]), timeout=10, what="repair")
     wait_for(lambda: passes(ns) > before, what="the pass after reconnecting to end")

@@ -14,6 +14,7 @@ import pytest
 from integration.gpuguard_ns import events, gpuguard_units, settle, setup_node, wait_for
 from integration.harness import layout as layout
 from integration.harness import systemd_ns as systemd_ns
+from integration.harness.sysns import listening
 
 pytestmark = pytest.mark.root
 
@@ -49,6 +50,8 @@ def _ns(systemd_ns, restart: str, layout: str = "v1"):  # type: ignore[no-untype
     ns.systemctl("start", "gpuguard.service")
     ns.systemctl("start", "kubelet.service")
     ns.wait_active("kubelet.service")
+    # kubelet's socket first, as on a node: a plugin socket older than it is unregistered
+    wait_for(lambda: listening(ns.path(f"{DIR}/kubelet.sock")), what="kubelet's socket")
     ns.systemctl("start", "fake-plugin.service")
     wait_for(lambda: ns.path(f"{DIR}/nvidia-gpu.sock").exists(), what="plugin socket")
     ns.systemctl("daemon-reload")  # a pass that sees the plugin registered

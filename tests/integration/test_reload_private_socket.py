@@ -50,7 +50,8 @@ def test_reloads_are_taken_from_the_private_socket_then_from_the_bus(
         before = len(events(ns, "cgroup-v1-allow"))
         ns.systemctl("daemon-reload")
         wait_for(lambda: all(has(c, ns, (195, c.gpus[0])) for c in ctrs), what="every GPU back")
-        assert len(events(ns, "cgroup-v1-allow")) > before  # gpuguard's writes, not luck
+        # gpuguard's writes, not luck (journaled once every write is read back)
+        wait_for(lambda: len(events(ns, "cgroup-v1-allow")) > before, what="the re-grants")
         for c in ctrs:
             assert not has(c, ns, (195, 1 - c.gpus[0]))
         # A pass writes the status file: SIGHUP asks for one once both copies are read.

@@ -174,7 +174,7 @@ _counter = itertools.count()
 CGROUP_PREFIX = "gpuguard-sysns-"
 
 
-def _listening(path: Path) -> bool:
+def listening(path: Path) -> bool:
     """True once a unix socket accepts: its file exists from bind() on, and a client
     that connects before listen() is refused."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
@@ -654,7 +654,7 @@ class SystemdNamespace:
             else:
                 time.sleep(0.002)
         private = Path(f"/proc/{self._pid}/root/run/systemd/private")
-        while not _listening(private):
+        while not listening(private):
             if self._launcher.poll() is not None:
                 raise NamespaceError(
                     f"systemd exited {self._launcher.returncode}:\n{self._log_tail()}"
