@@ -161,7 +161,7 @@ def test_systemd_driver_update_and_reload_wipe_daemon_restores(
         ns.systemctl("daemon-reload")
         assert all(c.allows(ns, (195, c.gpus[0])) for c in (a, b))
     ns.systemctl("daemon-reexec")
-    wait_for(lambda: all(c.allows(ns, (195, c.gpus[0])) for c in (a, b)), timeout=2)
+    wait_for(lambda: all(c.allows(ns, (195, c.gpus[0])) for c in (a, b)), timeout=15)
     settle(ns)
     assert not events(ns, "reconciler-crashed")
     assert len(events(ns, _regrant_kind(ns))) == regrants, "durable grants needed re-granting"

@@ -65,7 +65,7 @@ def test_reload_wipe_is_repaired_exactly_and_durably(systemd_ns, tmp_path, layou
             windows[verb] += 1
             wait_for(
                 lambda: all(has(c, ns, (195, c.gpus[0])) for c in ctrs),
-                timeout=2,
+                timeout=15,
                 what="systemd to finish re-applying the device policy",
             )
     settle(ns)

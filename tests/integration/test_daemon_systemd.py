@@ -107,7 +107,9 @@ def test_kubelet_restart_repairs_before_kubelet_reads(systemd_ns) -> None:  # ty
     setup_node(ns, stale=True)
     assert ns.systemctl("restart", "kubelet.service").returncode == 0
     wait_for(lambda: passes(ns) > before, what="a pass after the kubelet restart")
-    reads = kubelet_reads(ns)
+    # the fake kubelet records its read a few commands after its unit is active
+    reads = wait_for(lambda: kubelet_reads(ns) if len(kubelet_reads(ns)) >= 2 else None,
+                     what="kubelet's second read")  # fmt: skip
     assert len(reads) == 2
     seen = parse(reads[-1], source="what kubelet read")
     assert verify(seen), "kubelet would reject the repaired checkpoint"
@@ -251,7 +253,8 @@ def test_operator_hook_gets_the_pass_as_json(systemd_ns) -> None:  # type: ignor
     unsafe.write_text("#!/bin/sh\ntouch /run/gpuguard/should-not-run\n")
     unsafe.chmod(0o777)
     _start(ns)
-    seen = wait_for(lambda: ns.path("/run/gpuguard/hook-env").exists(), what="hook ran")
+    env = ns.path("/run/gpuguard/hook-env")  # the shell creates it, then writes it
+    seen = wait_for(lambda: env.exists() and env.read_text().endswith("\n"), what="hook ran")
     assert seen
     doc = json.loads(ns.path("/run/gpuguard/hook-stdin.json").read_text())
     assert doc["event"] == "start-up"

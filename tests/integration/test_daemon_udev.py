@@ -80,7 +80,7 @@ class RunningDaemon:
 
     def settle(self, quiet: float = 0.8, timeout: float = 20.0) -> int:
         """Wait until no pass ran for `quiet` seconds (well above the 150 ms quiet
-        period and the 20 ms urgent one); return the pass count."""
+        period and the 5 ms urgent one); return the pass count."""
         last, since = self.passes(), time.monotonic()
         deadline = since + timeout
         while time.monotonic() < deadline:
@@ -155,7 +155,7 @@ def test_nvidia_module_add_runs_one_pass_naming_it(daemon: RunningDaemon) -> Non
     last = daemon.status()["last_pass"]
     assert last["reasons"] == ["udev: module nvidia add"]
     assert last["reconcilers"] == sorted(MODULE_RECONCILERS)
-    # An "add" is urgent: the pass starts after the 20 ms quiet period, not 150 ms.
+    # An "add" is urgent: the pass starts after the 5 ms urgent quiet period, not 150 ms.
     assert last["started"] - sent < 2.0, f"pass started {last['started'] - sent:.3f}s later"
 
 

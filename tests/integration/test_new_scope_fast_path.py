@@ -19,7 +19,7 @@ from integration.harness import systemd_ns as systemd_ns
 
 pytestmark = pytest.mark.root
 
-HELD = "[Daemon]\nQuietPeriod=60s\nMaxDelay=60s\n"  # no pass but the urgent ones
+HELD = "[Daemon]\nQuietPeriod=1h\nMaxDelay=1h\n"  # no pass but the urgent ones
 
 
 def _boot(systemd_ns, tmp_path: Path, ctrs: List[Container], layout: str, conf: str):  # type: ignore[no-untyped-def]

@@ -56,7 +56,8 @@ class DaemonConfig:
         "5ms",
         "The shorter quiet period used once systemd reports the end of a "
         "daemon-reload or daemon-reexec (its burst of signals is over, and running "
-        "GPU containers may just have lost their devices).",
+        "GPU containers may just have lost their devices), and after a uevent that "
+        "adds or binds a GPU or an NVIDIA module (something became usable).",
     )
     private_socket: str | None = _key(
         "PrivateSocket",
