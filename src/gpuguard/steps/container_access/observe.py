@@ -141,19 +141,11 @@ class AccessObserver:
         access: dict[AccessKey, Optional[bool]],
         rules: dict[str, DeviceRules],
         broken: dict[str, str],
+        remember: bool = False,
     ) -> None:
-        """`pairs`' devices.list read outside a pass (a reload's sweep: reload.py);
-        nothing is remembered, since a pass's observe() may be running in its thread."""
-        self._read_v1(pairs, access, rules, broken, remember=False)
-
-    def _read_v1(
-        self,
-        pairs: Sequence[tuple[ContainerCgroup, Entitlement]],
-        access: dict[AccessKey, Optional[bool]],
-        rules: dict[str, DeviceRules],
-        broken: dict[str, str],
-        remember: bool = True,
-    ) -> None:
+        """`pairs`' devices.list read into `access`, `rules` and `broken`. `remember`:
+        in a pass's observe() only (its thread alone updates what was last seen
+        intact); a reload's sweep (reload.py) reads without it."""
         for c, ent in pairs:
             assert c.cgroup_v1_devices is not None
             path = c.cgroup_v1_devices / "devices.list"
@@ -205,7 +197,7 @@ class AccessObserver:
         if pairs is not None:
             v1 = tuple(p for p in pairs if p[0].cgroup_v1_devices is not None)
             v2 = tuple(p for p in pairs if p[0].cgroup_v1_devices is None)
-        self._read_v1(v1, access, rules, broken, remember)
+        self.read_v1(v1, access, rules, broken, remember)
         if self._root is not None and v2:
             self._read_v2(
                 self._root,
@@ -280,7 +272,7 @@ class AccessObserver:
         rules: dict[str, DeviceRules] = {}
         gpu = [(c, ents[c.key]) for c in containers if ents[c.key].is_gpu_container]
         v1 = tuple((c, e) for c, e in gpu if c.cgroup_v1_devices is not None)
-        self._read_v1(v1, access, rules, broken)
+        self.read_v1(v1, access, rules, broken, remember=True)
         for c, _ent in v1:
             if c.container_id in broken:  # never granted anything, even durably
                 ents[c.key] = unreadable_entitlement(c, broken[c.container_id])
