@@ -148,6 +148,12 @@ def events(ns: SystemdNamespace, kind: Optional[str] = None) -> List[Mapping[str
     return [e for e in out if kind is None or e["GPUGUARD_KIND"] == kind]
 
 
+def bus_connections(ns: SystemdNamespace) -> int:
+    """gpuguard's `dbus-connected` entries for the system bus (the private socket's, at
+    start-up, say VIA=private-socket)."""
+    return sum(e.get("VIA") != "private-socket" for e in events(ns, "dbus-connected"))
+
+
 def kubelet_reads(ns: SystemdNamespace) -> List[bytes]:
     d = ns.path("/var/lib/fake-kubelet")
     if not d.exists():

@@ -107,7 +107,7 @@ def nodes(tmp_path: Path) -> dict[tuple[int, int], Path]:
 def _verify(
     cg: Path, nodes: dict[tuple[int, int], Path], lost: list[tuple[int, int]]
 ) -> Callable[[], bool]:
-    return lambda: all(probe_open(nodes[n], [cg], timeout=1).verdict is True for n in lost)
+    return lambda: all(probe_open(nodes[n], [cg], timeout=5).verdict is True for n in lost)
 
 
 def test_lost_node_admitted_in_place(cgroup: Path, nodes: dict[tuple[int, int], Path]) -> None:
@@ -180,7 +180,7 @@ def test_frozen_cgroup_keeps_the_old_program(
 
         def freeze_then_probe() -> bool:
             (cgroup / "cgroup.freeze").write_text("1")
-            return probe_open(nodes[(195, 0)], [cgroup], timeout=1).verdict is True
+            return probe_open(nodes[(195, 0)], [cgroup], timeout=5).verdict is True
 
         (cgroup / "cgroup.freeze").write_text("0")
         replace_device_program(cgroup, [(195, 0)], freeze_then_probe, dry_run=False)

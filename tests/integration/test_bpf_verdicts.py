@@ -66,9 +66,9 @@ def test_judge_equals_the_kernel(
     assert len(effective_programs(child)) == 1 + (parent is not None)
     mine = judge(ProgramCache(), child, NODES)
     assert mine is not None
-    batched = probe_open_all([nodes[n] for n in NODES], [child], timeout=2)
+    batched = probe_open_all([nodes[n] for n in NODES], [child], timeout=5)
     for n, b in zip(NODES, batched):
-        kernel = probe_open(nodes[n], [child], timeout=2).verdict
+        kernel = probe_open(nodes[n], [child], timeout=5).verdict
         assert kernel is not None, n
         assert mine[n] == kernel == b.verdict, (n, mine[n], kernel, b.verdict)
 
@@ -95,5 +95,5 @@ def test_systemds_program_is_judged_as_the_kernel_does(
     mine = judge(ProgramCache(), child, NODES)
     assert mine is not None, "systemd's own shape must be judged without a probe"
     for n in NODES:
-        assert mine[n] == probe_open(nodes[n], [child], timeout=2).verdict, n
+        assert mine[n] == probe_open(nodes[n], [child], timeout=5).verdict, n
     assert mine[(195, 0)] is True and mine[(195, 1)] is False

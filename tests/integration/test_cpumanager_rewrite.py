@@ -122,7 +122,7 @@ def test_cpu_manager_rewrite_is_repaired_by_the_periodic_audit(systemd_ns, tmp_p
         t0 = time.monotonic()
         wait_for(
             lambda: all(_allows(ns, c, *n) for c in ctrs for n in c.given()),
-            timeout=AUDIT_INTERVAL + 2.0,
+            timeout=AUDIT_INTERVAL + 15.0,
             what=f"the audit to repair rewrite {round_}",
         )
         repair_s.append(time.monotonic() - t0)
@@ -154,7 +154,7 @@ def test_cpu_manager_rewrite_on_v2_is_reported_and_nothing_broadened(systemd_ns,
             {e.get("CONTAINER_ID") for e in events(ns, "v2-report-only")}
             >= {c.container_id for c in ctrs}
         ),
-        timeout=AUDIT_INTERVAL + 3.0,
+        timeout=AUDIT_INTERVAL + 15.0,
         what="the audit to report the v2 loss",
     )
     denied = events(ns, "container-device-denied")
@@ -181,7 +181,7 @@ def test_cpu_manager_rewrite_on_v2_is_repaired_in_place(systemd_ns, tmp_path) ->
             assert _verdict(ns, c, c.gpus[0]) is False
     wait_for(
         lambda: all(_verdict(ns, c, c.gpus[0]) is True for c in ctrs),
-        timeout=AUDIT_INTERVAL + 3.0,
+        timeout=AUDIT_INTERVAL + 15.0,
         what="the audit to replace the programs",
     )
 
@@ -193,7 +193,7 @@ def test_cpu_manager_rewrite_on_v2_is_repaired_in_place(systemd_ns, tmp_path) ->
     # journal a moment after the kernel already admits the node.
     wait_for(
         lambda: replaced() == {c.container_id for c in ctrs},
-        timeout=5.0,
+        timeout=15.0,
         what="the v2-program-replace entries",
     )
     for c in ctrs:  # exactly what it was given, by the kernel's verdict; one program

@@ -33,6 +33,7 @@ from integration.gpu_scopes import containers, start
 from integration.gpuguard_ns import (
     CHECKPOINT,
     MOVED_GPU,
+    bus_connections,
     events,
     passes,
     settle,
@@ -88,12 +89,12 @@ def test_dbus_restart_then_reload_wipe_is_still_repaired(systemd_ns, tmp_path, p
         assert not any(has_gpu(ns, c) for c in ctrs[:3])
     # A start right after the kill can fail ("a fatal signal was delivered to the
     # control process", seen now and then): systemd's business, so try again.
-    connected = len(events(ns, "dbus-connected"))
+    connected = bus_connections(ns)
     wait_for(
         lambda: ns.systemctl("start", "dbus.socket", "dbus.service", check=False).returncode == 0,
         what="dbus.service started again",
     )
-    wait_for(lambda: len(events(ns, "dbus-connected")) > connected, timeout=30, what="reconnect")
+    wait_for(lambda: bus_connections(ns) > connected, timeout=30, what="reconnect")
     # The full pass after reconnecting repairs what was lost meanwhile.
     wait_for(lambda: all(has_gpu(ns, c) for c in ctrs[:3]), timeout=10, what="repair")
     wait_for(lambda: passes(ns) > before, what="the pass after reconnecting to end")

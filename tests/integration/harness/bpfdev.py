@@ -219,7 +219,7 @@ def verdicts(
 ) -> Dict[Tuple[int, int], Optional[bool]]:
     """The kernel's verdict on opening each node from inside the cgroup (a forked child
     joins it): True = admitted (ENXIO: no driver behind the fake node), False = EPERM."""
-    return {n: probe_open(p, [cgroup_dir], timeout=2).verdict for n, p in nodes.items()}
+    return {n: probe_open(p, [cgroup_dir], timeout=5).verdict for n, p in nodes.items()}
 
 
 #: if (type == char) allow else deny, written with JEQ: not runc's or systemd's shape
