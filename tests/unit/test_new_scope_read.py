@@ -125,3 +125,28 @@ def test_durable_grants_off_leaves_new_scopes_to_the_pass() -> None:
     step.on_new_scope(Svc(), UNIT, (), asked.append)  # type: ignore[arg-type]
     assert asked == [f"systemd: new container scope {UNIT}"]
     assert step.scopes.busy() == frozenset() and step.scopes.queue.handled == 0
+
+
+@pytest.mark.parametrize("qos", ["kubepods-besteffort.slice/", ""], ids=["qos", "guaranteed"])
+def test_a_hybrid_host_finds_the_scope_in_both_hierarchies(tmp_path: Path, qos: str) -> None:
+    """Searched once, then the same path in the other hierarchy; other pods around it."""
+    hybrid = CgroupLayout("/sys/fs/cgroup/devices", "/sys/fs/cgroup/unified")
+    found = {}
+    for h in ("devices", "unified"):
+        kubepods = tmp_path / f"sys/fs/cgroup/{h}/kubepods.slice"
+        for other in ("1", "2"):  # pods that do not hold it, one with a scope of its own
+            pod = kubepods / qos / f"kubepods-pod{other * 8}_1111_2222_3333_444455556666.slice"
+            (pod / f"cri-containerd-{other * 64}.scope").mkdir(parents=True)
+        (kubepods / "kubepods-burstable.slice").mkdir(parents=True, exist_ok=True)
+        (kubepods / "not-a-pod.slice" / UNIT).mkdir(parents=True)  # never taken for one
+        found[h] = kubepods / qos / POD / UNIT
+        found[h].mkdir(parents=True)
+    (found["unified"] / "cgroup.procs").write_text("42\n")
+    c = find_scope(Root(tmp_path), UNIT, hybrid)
+    assert c is not None
+    assert (c.cgroup_v1_devices, c.cgroup_v2) == (found["devices"], found["unified"])
+    assert (c.pod_uid, c.container_id, c.pids) == (UID, CID, (42,))
+    # only in one hierarchy: found there alone
+    found["devices"].rmdir()
+    c = find_scope(Root(tmp_path), UNIT, hybrid)
+    assert c is not None and (c.cgroup_v1_devices, c.cgroup_v2) == (None, found["unified"])
