@@ -148,21 +148,25 @@ class _Found:
     path: Path
 
 
-def _subdirs(d: Path) -> list[tuple[str, Path]]:
-    """Child directories, sorted; [] with a debug reason when ``d`` vanished or is odd."""
+def _dir_names(d: str) -> list[str]:
+    """Names of `d`'s child directories ([] when it vanished; an odd entry skipped)."""
+    out = []
     try:
         with os.scandir(d) as it:
-            out = []
             for e in it:
                 try:
                     if e.is_dir(follow_symlinks=False):
-                        out.append((e.name, Path(e.path)))
-                except OSError as err:
-                    log.debug("skipping %s: %s", e.path, err.strerror)
-            return sorted(out)
+                        out.append(e.name)
+                except OSError:
+                    log.debug("skipping %s: cannot stat it", e.path)
     except OSError as err:
         log.debug("cannot list %s: %s", d, err.strerror)
-        return []
+    return out
+
+
+def _subdirs(d: Path) -> list[tuple[str, Path]]:
+    """Child directories, sorted; [] with a debug reason when ``d`` vanished or is odd."""
+    return sorted((name, d / name) for name in _dir_names(os.fspath(d)))
 
 
 def _systemd_pods(kubepods: Path) -> Iterator[tuple[str, Path]]:
@@ -337,22 +341,12 @@ def _scope_under(kubepods: str, unit: str) -> Optional[str]:
     no pod slice holds it. One stat per pod, strings only: a burst of new scopes on a
     node of 200 pods asks this for each (pathlib objects and a sorted walk cost ~7 ms a
     lookup on a hybrid host, where both hierarchies were searched)."""
-    try:
-        with os.scandir(kubepods) as it:
-            top = [e.name for e in it if e.is_dir(follow_symlinks=False)]
-    except OSError:
-        return None
-    for name in top:
+    for name in _dir_names(kubepods):
         if SYSTEMD_POD.match(name):
             if os.path.isdir(os.path.join(kubepods, name, unit)):
                 return f"{name}/{unit}"
         elif SYSTEMD_QOS.match(name):
-            try:
-                with os.scandir(os.path.join(kubepods, name)) as it:
-                    pods = [e.name for e in it if e.is_dir(follow_symlinks=False)]
-            except OSError:
-                continue
-            for pod in pods:
+            for pod in _dir_names(os.path.join(kubepods, name)):
                 if SYSTEMD_POD.match(pod) and os.path.isdir(
                     os.path.join(kubepods, name, pod, unit)
                 ):

@@ -345,10 +345,14 @@ def apply_write(
     return replace(rules, exceptions=_exception_rm(rules.exceptions, ex))
 
 
-# A reload's re-grant writes the same few lines for hundreds of containers.
-@functools.lru_cache(maxsize=1024)
 def allow_line(type: str, major: int, minor: int, access: str = "rw") -> str:
     """The line to write to devices.allow for one node, e.g. ``c 195:0 rw``."""
+    return _allow_line(type, major, minor, access)
+
+
+# A reload's re-grant writes the same few lines for hundreds of containers.
+@functools.lru_cache(maxsize=1024)
+def _allow_line(type: str, major: int, minor: int, access: str) -> str:
     if type not in ("b", "c"):
         raise ValueError(f"device type must be 'b' or 'c', not {type!r}")
     return DeviceRule(type, major, minor, access_bits(access)).render()

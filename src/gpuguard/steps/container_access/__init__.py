@@ -109,12 +109,13 @@ class ContainerAccessStep:
         clock0 = thread_clock()
         known = self.observer.known_v1
         swept = sweep_v1(known, self.observer.read_v1, self.durable, dry_run=svc.dry_run)
+        v1_done = [(w.container.container_id, w.at, w.outcome()) for w in swept.writes]
         scopes = svc.config.devices.durable_grants and svc.systemd is not None
         v2 = self.observer.known_v2_scopes if scopes else ()
         bridged, v2_access = self.bridges.sweep(v2, svc, record=False)
         spent = clock.since(clock0) if clock0 and (clock := thread_clock()) else None
         # every v1 write read back now that all are made (v2 bridges verify themselves)
-        written = {w.container.container_id: (w.at, confirm_v1(w.outcome())) for w in swept.writes}
+        written = {cid: (t, confirm_v1(o)) for cid, t, o in v1_done}
         written.update(bridged)
         access = {**swept.access, **v2_access}
         if v2:  # more looks at the others, then DeviceAllow= for each bridge (bridge.py)
@@ -285,13 +286,12 @@ class ContainerAccessStep:
         what was wiped since, e.g. by a reload whose end the bus never delivered.)
         Returns the findings it logged and the units it set DeviceAllow= on."""
         fast = self._settled(self.observer.fast_view())
-        wrote = (
+        # every container written before any is read back (the first has access at once)
+        wrote = [
             regrant(c, fast.entitlements[c.key], fast.access, dry_run=svc.dry_run)
             for c in fast.containers
-        )
-        written = {
-            w.container.container_id: confirm_v1(w.outcome()) for w in wrote if w is not None
-        }
+        ]
+        written = {w.container.container_id: confirm_v1(w.outcome()) for w in wrote if w}
         # v2 scopes lacking a node get their DeviceAllow= here (durable grants on); other
         # v2 containers wait for the full pass (in-place replacement, with its back-off).
         scopes = svc.config.devices.durable_grants and svc.systemd is not None

@@ -143,9 +143,10 @@ class AccessObserver:
         broken: dict[str, str],
         remember: bool = False,
     ) -> None:
-        """`pairs`' devices.list read into `access`, `rules` and `broken`. `remember`:
-        in a pass's observe() only (its thread alone updates what was last seen
-        intact); a reload's sweep (reload.py) reads without it."""
+        """`pairs`' devices.list read into `access`, `rules` and `broken`. `remember`
+        (what was last seen intact) only within a pass: its observe() in the pass's
+        thread, or its fast view on the loop before that thread starts; a reload's sweep
+        (reload.py), which can run while a pass's thread does, reads without it."""
         for c, ent in pairs:
             assert c.cgroup_v1_devices is not None
             path = c.cgroup_v1_devices / "devices.list"
