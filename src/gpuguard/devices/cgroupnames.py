@@ -13,6 +13,7 @@ which says in which of these cgroups a process is.
 from __future__ import annotations
 
 import re
+from typing import Optional
 
 KUBEPODS_SLICE = "kubepods.slice"  # systemd driver
 KUBEPODS_DIR = "kubepods"  # cgroupfs driver
@@ -32,6 +33,13 @@ CGROUPFS_CONTAINER = re.compile(rf"^(?:({_PREFIXES})-)?([0-9a-f]{{64}})$")
 # A container scope as systemd announces it (UnitNew): runtimes may name a scope by a
 # shortened id, so 12 to 64 hex digits.
 ANY_CONTAINER_SCOPE = re.compile(rf"^({_PREFIXES})-[0-9a-f]{{12,64}}\.scope$")
+
+
+def systemd_pod_uid(name: str) -> Optional[str]:
+    """The pod UID a systemd pod slice's name carries (its dashes written as "_");
+    None for any other name."""
+    m = SYSTEMD_POD.match(name)
+    return m.group(1).replace("_", "-") if m else None
 
 
 def parse_proc_cgroup(text: str) -> dict[str, str]:

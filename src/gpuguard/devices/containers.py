@@ -37,8 +37,8 @@ from gpuguard.devices.cgroupnames import (
     KUBEPODS_SLICE,
     RUNTIME,
     SYSTEMD_CONTAINER,
-    SYSTEMD_POD,
     SYSTEMD_QOS,
+    systemd_pod_uid,
 )
 from gpuguard.numparse import clip, parse_decimal
 from gpuguard.paths import Root
@@ -171,14 +171,14 @@ def _subdirs(d: Path) -> list[tuple[str, Path]]:
 
 def _systemd_pods(kubepods: Path) -> Iterator[tuple[str, Path]]:
     for name, path in _subdirs(kubepods):
-        m = SYSTEMD_POD.match(name)
-        if m:
-            yield m.group(1).replace("_", "-"), path
+        uid = systemd_pod_uid(name)
+        if uid:
+            yield uid, path
         elif SYSTEMD_QOS.match(name):
             for qname, qpath in _subdirs(path):
-                qm = SYSTEMD_POD.match(qname)
-                if qm:
-                    yield qm.group(1).replace("_", "-"), qpath
+                quid = systemd_pod_uid(qname)
+                if quid:
+                    yield quid, qpath
                 else:
                     log.debug("skipping %s: not a pod slice", qpath)
         else:
@@ -336,21 +336,22 @@ def with_fresh_pids(root: Root, c: ContainerCgroup) -> Optional[ContainerCgroup]
     return None if _is_pause(root, pids) else replace(c, pids=pids)
 
 
-def _scope_under(kubepods: str, unit: str) -> Optional[str]:
-    """`unit`'s path relative to `kubepods` (``QOS/POD/unit`` or ``POD/unit``); None if
-    no pod slice holds it. One stat per pod, strings only: a burst of new scopes on a
-    node of 200 pods asks this for each (pathlib objects and a sorted walk cost ~7 ms a
-    lookup on a hybrid host, where both hierarchies were searched)."""
+def _scope_under(kubepods: str, unit: str) -> Optional[tuple[str, str]]:
+    """The pod UID and `unit`'s path relative to `kubepods` (``QOS/POD/unit`` or
+    ``POD/unit``); None if no pod slice holds it. One stat per pod, strings only: a
+    burst of new scopes on a node of 200 pods asks this for each (pathlib objects and a
+    sorted walk cost ~7 ms a lookup on a hybrid host, where both hierarchies were
+    searched)."""
     for name in _dir_names(kubepods):
-        if SYSTEMD_POD.match(name):
+        uid = systemd_pod_uid(name)
+        if uid:
             if os.path.isdir(os.path.join(kubepods, name, unit)):
-                return f"{name}/{unit}"
+                return uid, f"{name}/{unit}"
         elif SYSTEMD_QOS.match(name):
-            for pod in _dir_names(os.path.join(kubepods, name)):
-                if SYSTEMD_POD.match(pod) and os.path.isdir(
-                    os.path.join(kubepods, name, pod, unit)
-                ):
-                    return f"{name}/{pod}/{unit}"
+            for qname in _dir_names(os.path.join(kubepods, name)):
+                quid = systemd_pod_uid(qname)
+                if quid and os.path.isdir(os.path.join(kubepods, name, qname, unit)):
+                    return quid, f"{name}/{qname}/{unit}"
     return None
 
 
@@ -371,18 +372,16 @@ def find_scope(
     layout = layout or detect_layout(root)
     sub = cgroup_root.strip("/")
     by: dict[str, _Found] = {}
-    rel: Optional[str] = None  # the scope's path under kubepods.slice, once found
+    found: Optional[tuple[str, str]] = None  # pod UID, path under kubepods.slice
     for which, mount in (("v1", layout.v1_devices), ("v2", layout.v2)):
         if mount is None:
             continue
         kubepods = os.path.join(root.path(mount), sub, KUBEPODS_SLICE)
         # A hybrid host holds the same tree in both hierarchies: searched once.
-        if rel is None or not os.path.isdir(os.path.join(kubepods, rel)):
-            rel = _scope_under(kubepods, unit)
-        if rel is not None:
-            uid = SYSTEMD_POD.match(rel.split("/")[-2])
-            assert uid is not None  # _scope_under returns pod slices only
+        if found is None or not os.path.isdir(os.path.join(kubepods, found[1])):
+            found = _scope_under(kubepods, unit)
+        if found is not None:
+            uid, rel = found
             path = Path(kubepods, rel)
-            pod_uid = uid.group(1).replace("_", "-")
-            by[which] = _Found(pod_uid, m.group(2), RUNTIME[m.group(1)], "systemd", unit, path)
+            by[which] = _Found(uid, m.group(2), RUNTIME[m.group(1)], "systemd", unit, path)
     return _container(root, by, skip_pause=True) if by else None

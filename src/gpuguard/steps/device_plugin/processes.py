@@ -13,8 +13,8 @@ from gpuguard.devices.cgroupnames import (
     CGROUPFS_POD,
     RUNTIME,
     SYSTEMD_CONTAINER,
-    SYSTEMD_POD,
     parse_proc_cgroup,
+    systemd_pod_uid,
 )
 from gpuguard.numparse import parse_decimal
 from gpuguard.paths import Root
@@ -122,8 +122,7 @@ def classify_cgroup(path: str) -> tuple[str, str, str, str, str]:
         m = SYSTEMD_CONTAINER.match(part)
         if m:
             if i > 0:
-                pm = SYSTEMD_POD.match(parts[i - 1])
-                pod = pm.group(1).replace("_", "-") if pm else ""
+                pod = systemd_pod_uid(parts[i - 1]) or ""
             return ("container", m.group(2), RUNTIME[m.group(1)], pod, "")
         pm2 = CGROUPFS_POD.match(part)
         if pm2 and i + 1 < len(parts):
