@@ -26,11 +26,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuguard.actuate.bpf import BpfReplaceError, LoadedPrograms, attach_bridge, detach_bridges
+from gpuguard.actuate.bpf import BpfReplaceError, LoadedPrograms
+from gpuguard.actuate.bpfbridge import attach_bridge, detach_bridges
 from gpuguard.devices.bpfprog import ACC_RW, DeviceProgram, DevRule, build, grant_nodes
 from gpuguard.devices.bpfread import BRIDGE_NAME, ProgramCache
 from gpuguard.devices.probe import query_device_programs
-from integration.harness.bpfdev import attach, detach_all, names, verdicts
+from integration.harness.bpfdev import attach, detach_all, detach_one, names, verdicts
 from integration.test_bpf_inplace import KERNEL_EXAMPLES, NODES, RUNC, rule_lists
 from integration.test_bpf_inplace import cgroup as cgroup
 from integration.test_bpf_inplace import nodes as nodes
@@ -176,3 +177,57 @@ def test_a_bridge_that_does_not_verify_is_rolled_back(cleanup: Path, nodes: Node
         attach_bridge(cg, [(195, 0)], lambda: False, dry_run=False)
     assert sorted(query_device_programs(cg)) == ids
     assert verdicts(cg, nodes) == before
+
+
+def test_a_program_swapped_meanwhile_is_not_replaced(
+    cleanup: Path, nodes: Nodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bridge takes the place of the very program it judged (BPF_F_REPLACE): if
+    systemd swapped that program between the look and the swap, nothing changes."""
+    import gpuguard.actuate.bpfbridge as bpfbridge
+
+    cg = cleanup
+    attach(cg, build(grant_nodes(RUNC, [(195, 0)])), b"legacy_hook")
+    sd_id = attach(cg, build(SD), b"sd_devices")
+    real_open = bpfbridge._open
+
+    def swapped_meanwhile(cgroup_dir: Path, p: Any) -> int:
+        fd = real_open(cgroup_dir, p)  # the program judged; then systemd's next one
+        attach(cg, build(SD), b"sd_devices")
+        detach_one(cg, sd_id)
+        return fd
+
+    monkeypatch.setattr(bpfbridge, "_open", swapped_meanwhile)
+    with pytest.raises(BpfReplaceError, match=r"no longer attached.*nothing changed"):
+        attach_bridge(cg, [(195, 0)], lambda: True, dry_run=False)
+    assert names(cg) == ["legacy_hook", "sd_devices"] and sd_id not in query_device_programs(cg)
+    assert verdicts(cg, nodes)[(195, 0)] is False
+
+
+def test_kernels_without_replace_attach_then_detach(
+    cleanup: Path, nodes: Nodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before Linux 5.6 the kernel refuses BPF_F_REPLACE (EINVAL): the bridge is
+    attached next to systemd's program, which is then detached, as before."""
+    import errno
+
+    import gpuguard.actuate.bpf as bpf
+
+    real_attach = bpf.attach_prog
+    flags_seen: list[int] = []
+
+    def old_kernel(cmd: int, cgroup_fd: int, prog_fd: int, flags: int, replace_fd: int = 0) -> None:
+        flags_seen.append(flags)
+        if flags & bpf.BPF_F_REPLACE:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real_attach(cmd, cgroup_fd, prog_fd, flags, replace_fd)
+
+    monkeypatch.setattr(bpf, "attach_prog", old_kernel)
+    cg = cleanup
+    attach(cg, build(grant_nodes(RUNC, [(195, 0)])), b"legacy_hook")
+    attach(cg, build(SD), b"sd_devices")
+    before = verdicts(cg, nodes)
+    attach_bridge(cg, [(195, 0)], lambda: True, dry_run=False)
+    assert names(cg) == [BRIDGE_NAME, "legacy_hook"]
+    assert verdicts(cg, nodes) == {**before, (195, 0): True}
+    assert flags_seen == [bpf.BPF_F_ALLOW_MULTI | bpf.BPF_F_REPLACE, bpf.BPF_F_ALLOW_MULTI, 0]

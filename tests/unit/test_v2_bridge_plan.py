@@ -1,5 +1,5 @@
 """Which v2 scopes get a bridge before their DeviceAllow= (steps/container_access/
-bridge.py plan_bridges), as tables: only a v2 container in a systemd scope, only for
+bridgeplan.py plan_bridges), as tables: only a v2 container in a systemd scope, only for
 entitled nodes its cgroup denies (never an unknown verdict, never another node), never
 while the in-place back-off holds its cgroup; the DeviceAllow= that follows names the
 same nodes. And a fast view's denial that systemd's own program makes is no longer
@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from gpuguard.steps.container_access import ContainerAccessStep
-from gpuguard.steps.container_access.bridge import ACTION_ATTACH, plan_bridges
+from gpuguard.steps.container_access.bridgeplan import ACTION_ATTACH, plan_bridges
 from gpuguard.steps.container_access.inplace import BASE, Backoff
 from gpuguard.steps.container_access.observe import AccessView
 from unit.test_devices_audit import CID, CTL, GPU0, GPU1, UVM, UVMT, _container, _ent

@@ -103,9 +103,10 @@ def read_rules(
 BPF_F_QUERY_EFFECTIVE = 1
 
 
-def effective_programs(cgroup_dir: Path) -> Tuple[int, ...]:
-    """Ids of every device program the kernel runs for an open from ``cgroup_dir``."""
-    return query_device_programs(cgroup_dir, query_flags=BPF_F_QUERY_EFFECTIVE)
+def effective_programs(cgroup_dir: Path, fd: Optional[int] = None) -> Tuple[int, ...]:
+    """Ids of every device program the kernel runs for an open from ``cgroup_dir``
+    (``fd``: the directory, already open)."""
+    return query_device_programs(cgroup_dir, query_flags=BPF_F_QUERY_EFFECTIVE, fd=fd)
 
 
 class ProgramCache:
@@ -166,12 +167,13 @@ def judge(
     cgroup_dir: Path,
     nodes: Sequence[Tuple[int, int]],
     ids_out: Optional[List[int]] = None,
+    fd: Optional[int] = None,
 ) -> Optional[Dict[Tuple[int, int], bool]]:
     """Would a read/write open of each char node from ``cgroup_dir`` pass its device
     programs? None when the programs cannot be listed, read or parsed (ask a probe).
-    ``ids_out`` receives the effective programs' ids."""
+    ``ids_out`` receives the effective programs' ids; ``fd``: the directory, open."""
     try:
-        ids = effective_programs(cgroup_dir)
+        ids = effective_programs(cgroup_dir, fd)
     except OSError:
         return None
     if ids_out is not None:

@@ -147,13 +147,22 @@ def bpf_syscall(cmd: int, attr: ctypes.Array[ctypes.c_char]) -> int:
     return ret
 
 
+def open_cgroup(cgroup_dir: Path) -> int:
+    """An fd of a cgroup2 directory, for BPF_PROG_QUERY/ATTACH (the caller closes it)."""
+    return os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
 def query_device_programs(
-    cgroup_dir: Path, max_progs: int = 64, *, query_flags: int = 0
+    cgroup_dir: Path, max_progs: int = 64, *, query_flags: int = 0, fd: Optional[int] = None
 ) -> tuple[int, ...]:
     """Ids of the BPF device programs attached to a cgroup2 directory (not ancestors;
-    with BPF_F_QUERY_EFFECTIVE, every program the kernel runs for it, ancestors' too)."""
+    with BPF_F_QUERY_EFFECTIVE, every program the kernel runs for it, ancestors' too).
+    `fd`: the directory already open (`open_cgroup`), e.g. for a look, a swap and its
+    verification of one cgroup in a row."""
     ids = (ctypes.c_uint32 * max_progs)()
-    fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    own = fd is None
+    if fd is None:
+        fd = open_cgroup(cgroup_dir)
     try:
         attr = ctypes.create_string_buffer(BPF_ATTR_SIZE)
         # union bpf_attr.query: target_fd, attach_type, query_flags, attach_flags,
@@ -172,5 +181,6 @@ def query_device_programs(
         bpf_syscall(BPF_PROG_QUERY, attr)
         (count,) = struct.unpack_from("<I", attr, 24)
     finally:
-        os.close(fd)
+        if own:
+            os.close(fd)
     return tuple(ids[i] for i in range(min(count, max_progs)))

@@ -185,16 +185,21 @@ def attach(
     return new
 
 
+def detach_one(cgroup_dir: Path, prog_id: int) -> None:
+    """Detach one program from the cgroup (as systemd does once its next is attached)."""
+    fd = _prog_fd(prog_id)
+    cg = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        _attach(BPF_PROG_DETACH, cg, fd, 0)
+    finally:
+        os.close(fd)
+        os.close(cg)
+
+
 def detach_all(cgroup_dir: Path) -> None:
     """Detach every device program attached to the cgroup itself (not its ancestors')."""
     for prog_id in query_device_programs(cgroup_dir):
-        fd = _prog_fd(prog_id)
-        cg = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            _attach(BPF_PROG_DETACH, cg, fd, 0)
-        finally:
-            os.close(fd)
-            os.close(cg)
+        detach_one(cgroup_dir, prog_id)
 
 
 def programs(cgroup_dir: Path) -> Dict[int, str]:

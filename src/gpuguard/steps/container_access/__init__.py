@@ -58,13 +58,11 @@ from gpuguard.steps.container_access.reconcile import (
     unreadable_findings,
 )
 from gpuguard.steps.container_access.reload import regrant, sweep_v1
-from gpuguard.steps.container_access.settle import confirm, covered_denials, settle, unknown
+from gpuguard.steps.container_access.settle import confirm, outside_apply, settle
 from gpuguard.steps.registry import CONTAINER_ACCESS
 from gpuguard.threadclock import thread_clock
 
 if TYPE_CHECKING:
-    from gpuguard.devices.containers import ContainerCgroup
-    from gpuguard.devices.entitlement import Entitlement
     from gpuguard.passes import PassContext, Services
     from gpuguard.systemd import Systemd
 
@@ -97,7 +95,7 @@ class ContainerAccessStep:
         self.last_reload: Optional[ReloadRepair] = None
         self.scopes = NewScopes(plan_durable, self._unit, self.durable, self._carried.append)
         # v2 scopes: access back before their DeviceAllow= (bridge.py)
-        self.bridges = Bridges(self.backoff, clock, self._look, self._unit, self._carried.append)
+        self.bridges = Bridges(self.backoff, clock, self.durable, self._unit, self._carried.append)
         self._followup: Optional[asyncio.Future[None]] = None  # after a reload's bridges
 
     def on_reload(self, svc: Services, signal: float) -> None:
@@ -328,20 +326,11 @@ class ContainerAccessStep:
         return frozenset(finding_id(f) for f in findings), frozenset(a.unit for a in units)
 
     def _settled(self, fast: AccessView) -> AccessView:
-        """`fast` with the denials the scope's DeviceAllow= already covers judged
-        unknown: they wait for the full pass's settled re-read (settle.py), since a read
-        inside systemd's deny-all-then-allow apply is no loss. On v2 systemd swaps whole
-        programs (no such window): a node its own program denies is lost (bridge.py)."""
-        covered = covered_denials(fast.containers, fast.entitlements, fast.access, self.durable)
-        covered -= fast.systemd_denies
-        if not covered:
-            return fast
-        return dataclasses.replace(fast, access=unknown(fast.access, covered))
-
-    def _look(self, pair: tuple[ContainerCgroup, Entitlement]) -> AccessView:
-        """One known container's access as of now, outside a pass (a reload's sweep)."""
-        view = self.observer.fast_view(remember=False, pairs=(pair,), cache=self.bridges.cache)
-        return self._settled(view)
+        """`fast` with the denials the scope's DeviceAllow= covers left to the pass."""
+        access = outside_apply(
+            fast.containers, fast.entitlements, fast.access, self.durable, fast.systemd_denies
+        )
+        return fast if access is None else dataclasses.replace(fast, access=access)
 
     def _late_findings(self, view: AccessView, svc: Services) -> None:
         self._carried_findings.extend(self._report(view, (), svc))

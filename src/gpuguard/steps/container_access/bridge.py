@@ -33,43 +33,62 @@ Why it is safe:
   once they change, e.g. systemd's next program after a reload, never in a loop), under
   DurableGrants=no (nothing would follow it) or without a bus.
 
-`plan_bridges` is pure; `Bridges` keeps the bridges whose DeviceAllow= is still to come.
+The plan is pure (bridgeplan.py); `Bridges` makes the bridges (the pass's, and a reload's sweep)
+and keeps those whose DeviceAllow= is still to come.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Awaitable, Callable, Mapping, Optional, Sequence
+from typing import (
+    TYPE_CHECKING,
+    AbstractSet,
+    Awaitable,
+    Callable,
+    Mapping,
+    Optional,
+    Sequence,
+    Union,
+)
 
-from gpuguard.actuate.bpf import LoadedPrograms
+from gpuguard.actuate.bpf import LoadedPrograms, Replacement
 from gpuguard.devices.bpfprog import ACC_RW
 from gpuguard.devices.bpfread import ProgramCache, judge
+from gpuguard.devices.probe import open_cgroup
 from gpuguard.model import Outcome
-from gpuguard.steps.container_access.inplace import Failure
-from gpuguard.steps.container_access.observe import AccessView
+from gpuguard.steps.container_access.bridgeplan import (
+    BridgeAttach,
+    BridgeDetach,
+    bridge_actions,
+    bridge_nodes,
+    bridge_targets,
+    detach_of,
+)
+from gpuguard.steps.container_access.observe import AccessView, scope_verdicts, systemd_denied
 from gpuguard.steps.container_access.reconcile import (
     RECONCILER,
     AccessKey,
-    ContainerDeviceAction,
     UnitDeviceAllow,
 )
+from gpuguard.steps.container_access.settle import outside_apply
 
 if TYPE_CHECKING:
     from gpuguard.devices.containers import ContainerCgroup
     from gpuguard.devices.entitlement import Entitlement
+    from gpuguard.devices.nodes import DeviceNode
     from gpuguard.passes import Services
     from gpuguard.steps.container_access.inplace import Backoff
     from gpuguard.systemd import Systemd
 
 Pair = tuple["ContainerCgroup", "Entitlement"]  # a known container and what it was given
 Written = tuple[float, Outcome]  # when a bridge was made, and how it went
+# a bridge made or refused: the scope, its nodes, when, and the swap or why not
+Made = tuple["ContainerCgroup", "tuple[DeviceNode, ...]", float, Union[Replacement, str]]
 Grant = Callable[[UnitDeviceAllow, "Services", "Optional[Systemd]"], Awaitable[Outcome]]
-ACTION_ATTACH = "v2-bridge-attach"
-ACTION_DETACH = "v2-bridge-detach"
 # Waiting for systemd's program after its DeviceAllow= call returned: one more reply
 # from systemd, then sleeps doubling from 10 ms (about 5 s in all: after a reload
 # systemd answers hundreds of calls before it applies them); the next pass does the rest.
@@ -79,89 +98,6 @@ DETACH_SLEEP = 0.01
 # re-applied yet (it does not re-apply them all before it answers the next call).
 LOOKS = 4
 LOOK_SLEEP = 0.03
-
-
-@dataclass(frozen=True)
-class BridgeAttach(ContainerDeviceAction):
-    cgroup_dir: str = ""
-    unit: str = ""
-
-    @property
-    def kind(self) -> str:
-        return ACTION_ATTACH
-
-    def fields(self) -> Mapping[str, str]:
-        return {
-            **super().fields(),
-            "CGROUP": self.cgroup_dir,
-            "UNIT": self.unit,
-            "CGROUP_LAYOUT": "v2",
-            "DEVICE_MECHANISM": "scope-device-allow",
-        }
-
-
-@dataclass(frozen=True)
-class BridgeDetach(BridgeAttach):
-    @property
-    def kind(self) -> str:
-        return ACTION_DETACH
-
-
-def plan_bridges(
-    view: AccessView, failures: Mapping[str, Failure], now: float
-) -> tuple[tuple[BridgeAttach, UnitDeviceAllow], ...]:
-    """A bridge, and the DeviceAllow= that follows it, for each v2 scope in `view` whose
-    cgroup denies entitled nodes (verdicts False; unknown ones wait for the pass)."""
-    out = []
-    for c in view.containers:
-        ent = view.entitlements.get(c.key)
-        if c.unit is None or c.cgroup_v2 is None or c.cgroup_v1_devices is not None:
-            continue
-        if ent is None or not ent.readable or c.container_id in view.broken:
-            continue
-        denied = [n for n in ent.nodes if view.access.get((c.container_id, n.numbers)) is False]
-        f = failures.get(str(c.cgroup_v2))
-        if not denied or (f is not None and f.holds(view.effective.get(c.container_id), now)):
-            continue
-        what = ", ".join(n.path for n in denied)
-        common = dict(
-            reconciler=RECONCILER,
-            pod_uid=c.pod_uid,
-            container_id=c.container_id,
-            nodes=tuple(n.path for n in denied),
-            numbers=tuple(n.numbers for n in denied),
-        )
-        bridge = BridgeAttach(
-            reason=f"{what} denied on the scope's cgroup v2: stand in for systemd's program "
-            "until the DeviceAllow= that follows is applied",
-            target=str(c.cgroup_v2),
-            cgroup_dir=str(c.cgroup_v2),
-            unit=c.unit,
-            **common,  # type: ignore[arg-type]
-        )
-        allow = UnitDeviceAllow(
-            reason=f"re-grant {what} given to the container and denied by its cgroup",
-            target=c.unit,
-            unit=c.unit,
-            devices=tuple((n.dev_char, "rw") for n in denied),
-            **common,  # type: ignore[arg-type]
-        )
-        out.append((bridge, allow))
-    return tuple(out)
-
-
-def detach_of(a: BridgeAttach, reason: str) -> BridgeDetach:
-    return BridgeDetach(
-        reconciler=a.reconciler,
-        reason=reason,
-        target=a.target,
-        cgroup_dir=a.cgroup_dir,
-        unit=a.unit,
-        pod_uid=a.pod_uid,
-        container_id=a.container_id,
-        nodes=a.nodes,
-        numbers=a.numbers,
-    )
 
 
 def programs_now(a: BridgeAttach) -> Optional[tuple[int, ...]]:
@@ -180,34 +116,46 @@ def _numbers(a: BridgeAttach) -> list[tuple[int, int]]:
     return [(int(ma), int(mi)) for ma, mi in (n.split(":") for n in a.numbers)]
 
 
-def attach(
-    a: BridgeAttach, cache: ProgramCache, loaded: LoadedPrograms, *, dry_run: bool
-) -> Outcome:
-    """The bridge's swap, verified by the kernel's programs read back (no fork: this
-    runs inline on the loop right after a reload). Failure: nothing changed."""
-    from gpuguard.actuate.bpf import BpfReplaceError, attach_bridge
+def _pairs(nodes: Sequence[DeviceNode]) -> list[tuple[int, int]]:
+    return [(n.major, n.minor) for n in nodes]
 
-    cg = Path(a.cgroup_dir)
-    nodes = _numbers(a)
+
+def attach(
+    cgroup_dir: Path,
+    nodes: Sequence[tuple[int, int]],
+    cache: ProgramCache,
+    loaded: LoadedPrograms,
+    *,
+    dry_run: bool,
+    fd: Optional[int] = None,
+) -> Union[Replacement, str]:
+    """The bridge's swap, verified by the kernel's programs read back (no fork: this
+    runs inline on the loop right after a reload); a failure (nothing changed): why.
+    `fd`: the cgroup's directory, open (the look, the swap and the verification share
+    it)."""
+    from gpuguard.actuate.bpf import BpfReplaceError
+    from gpuguard.actuate.bpfbridge import attach_bridge
 
     def verify() -> bool:
-        verdicts = judge(cache, cg, nodes)
+        verdicts = judge(cache, cgroup_dir, nodes, fd=fd)
         return verdicts is not None and all(verdicts.values())
 
     try:
-        r = attach_bridge(cg, nodes, verify, dry_run=dry_run, loaded=loaded, cache=cache)
+        return attach_bridge(
+            cgroup_dir, nodes, verify, dry_run=dry_run, loaded=loaded, cache=cache, cg_fd=fd
+        )
     except BpfReplaceError as e:
-        return Outcome(a, "failed", f"{e}; DeviceAllow= alone repairs it")
+        return f"{e}; DeviceAllow= alone repairs it"
     except OSError as e:
-        return Outcome(a, "failed", f"{cg}: {e.strerror}; DeviceAllow= alone repairs it")
-    return Outcome(a, "dry-run" if dry_run else "done", r.describe())
+        return f"{cgroup_dir}: {e.strerror}; DeviceAllow= alone repairs it"
 
 
 def detach(a: BridgeDetach, *, dry_run: bool) -> Optional[tuple[Outcome, bool]]:
     """Detach the cgroup's bridges if systemd's program is attached again; None while
     none is (the bridge stays, standing in for it) or when no bridge is there. With the
     outcome: whether systemd's program admits the bridged nodes."""
-    from gpuguard.actuate.bpf import BpfReplaceError, detach_bridges
+    from gpuguard.actuate.bpf import BpfReplaceError
+    from gpuguard.actuate.bpfbridge import detach_bridges
 
     try:
         d = detach_bridges(Path(a.cgroup_dir), dry_run=dry_run)
@@ -243,12 +191,12 @@ class Bridges:
         self,
         backoff: Backoff,
         clock: Callable[[], float],
-        look: Callable[[Pair], AccessView],
+        durable: Mapping[str, AbstractSet[str]],
         grant: Grant,
         carry: Callable[[Outcome], None],
     ) -> None:
         self.pending: dict[str, tuple[BridgeAttach, UnitDeviceAllow]] = {}
-        self.look = look  # a known container's access now, outside a pass
+        self.durable = durable  # the step's: unit -> numbers in its DeviceAllow=
         self.grant = grant  # the step's DeviceAllow= (the same journal entry)
         self.carry = carry  # done between passes: into the next pass's result
         self.cache = ProgramCache()  # programs read on the loop (a pass's thread has its own)
@@ -269,15 +217,12 @@ class Bridges:
         """A bridge for each v2 scope of `view` that denies entitled nodes, inline; when
         each was made and how it went, by container. `record=False`: a failure is not
         held back (on the reload's signal systemd may be swapping programs still)."""
-        out: dict[str, tuple[float, Outcome]] = {}
-        for b, allow in plan_bridges(view, self.backoff.failures, self.clock()):
-            o = attach(b, self.cache, self.loaded, dry_run=svc.dry_run)
-            out[b.container_id] = (time.monotonic(), o)
-            if o.status in ("done", "dry-run"):
-                self.pending[b.unit] = (b, allow)
-            elif o.status == "failed" and record:
-                self.backoff.record(b.cgroup_dir, programs_now(b), False, o.detail, self.clock())
-        return out
+        made: list[Made] = []
+        for c, denied in bridge_targets(view, self.backoff.failures, self.clock()):
+            assert c.cgroup_v2 is not None
+            r = attach(c.cgroup_v2, _pairs(denied), self.cache, self.loaded, dry_run=svc.dry_run)
+            made.append((c, denied, time.monotonic(), r))
+        return self._made(made, svc.dry_run, record)
 
     def claim(self, units: Optional[set[str]] = None) -> dict[str, BridgeAttach]:
         """The pending bridges of `units` (all: None), now the caller's to follow up."""
@@ -287,16 +232,77 @@ class Bridges:
     def sweep(
         self, pairs: Sequence[Pair], svc: Services, *, record: bool = True
     ) -> tuple[dict[str, Written], dict[AccessKey, Optional[bool]]]:
-        """A reload's bridges, one known scope after another (`look`: its access now)."""
-        out: dict[str, Written] = {}
+        """A reload's bridges, one known scope after another: each looked at, and
+        bridged at once where it lost nodes. Only reads and swaps until the last scope
+        (one open of its directory for the look, the swap and the verification); the
+        actions and outcomes for the journal are built after."""
         access: dict[AccessKey, Optional[bool]] = {}
-        for pair in pairs:
-            view = self.look(pair)
-            out.update(self.attach(view, svc, record=record))
-            access.update(view.access)
+        made: list[Made] = []
+        now = self.clock()
+        for c, ent in pairs:
+            if c.cgroup_v2 is None:
+                continue
+            try:
+                fd = open_cgroup(c.cgroup_v2)
+            except OSError:
+                continue  # gone; a pass reports what cannot be read
+            try:
+                ids: list[int] = []
+                seen = self._look(c, ent, ids, fd)
+                access.update(seen)
+                denied = bridge_nodes(c, ent, seen, self.backoff.failures, tuple(ids), now)
+                if denied:
+                    r = attach(
+                        c.cgroup_v2,
+                        _pairs(denied),
+                        self.cache,
+                        self.loaded,
+                        dry_run=svc.dry_run,
+                        fd=fd,
+                    )
+                    made.append((c, denied, time.monotonic(), r))
+            finally:
+                os.close(fd)
+        out = self._made(made, svc.dry_run, record)
         self.cache.forget_unseen()
         self.release()
         return out, access
+
+    def _look(
+        self, c: ContainerCgroup, ent: Entitlement, ids: list[int], fd: int
+    ) -> Mapping[AccessKey, Optional[bool]]:
+        """One known scope's access now, outside a pass, as the fast path judges it: a
+        denial its DeviceAllow= covers waits for the pass unless systemd's own program
+        denies it (settle.outside_apply)."""
+        seen = scope_verdicts(self.cache, c, ent, ids, fd)
+        if seen is None:
+            return {}
+        if not (c.unit in self.durable and False in seen.values()):
+            return seen  # nothing covered is denied (the usual case: no systemd_denied)
+        sd = systemd_denied(self.cache, c, ent, ids)
+        settled = outside_apply((c,), {c.key: ent}, seen, self.durable, sd)
+        return seen if settled is None else settled
+
+    def _made(
+        self,
+        made: Sequence[Made],
+        dry_run: bool,
+        record: bool,
+    ) -> dict[str, Written]:
+        """The journal's actions and outcomes for bridges made (or refused), after the
+        last one: the attached ones pending their DeviceAllow=, a failure held back
+        (`record`) with the programs the kernel runs for the cgroup now."""
+        out: dict[str, Written] = {}
+        for c, denied, at, r in made:
+            b, allow = bridge_actions(c, denied)
+            if isinstance(r, str):
+                out[c.container_id] = (at, Outcome(b, "failed", r))
+                if record:
+                    self.backoff.record(b.cgroup_dir, programs_now(b), False, r, self.clock())
+                continue
+            out[c.container_id] = (at, Outcome(b, "dry-run" if dry_run else "done", r.describe()))
+            self.pending[b.unit] = (b, allow)
+        return out
 
     async def follow_up(
         self,

@@ -57,6 +57,38 @@ class AccessView:
     effective: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
 
+def scope_verdicts(
+    cache: ProgramCache,
+    c: ContainerCgroup,
+    ent: Entitlement,
+    ids: list[int],
+    fd: Optional[int] = None,
+) -> Optional[dict[AccessKey, bool]]:
+    """Whether the device programs the kernel runs for `c`'s v2 cgroup admit each node
+    it was given (None: not readable, ask a probe); `ids` receives those programs' ids.
+    `fd`: the cgroup's directory, open."""
+    assert c.cgroup_v2 is not None
+    nodes = [(n.major, n.minor) for n in ent.nodes]
+    verdicts = judge(cache, c.cgroup_v2, nodes, ids, fd)
+    if verdicts is None:
+        return None
+    return {(c.container_id, n.numbers): verdicts[(n.major, n.minor)] for n in ent.nodes}
+
+
+def systemd_denied(
+    cache: ProgramCache, c: ContainerCgroup, ent: Entitlement, ids: Sequence[int]
+) -> set[AccessKey]:
+    """The nodes given to `c` that a program of systemd's among `ids` denies."""
+    sd = [cache.get(i) for i in ids if cache.name(i) == SYSTEMD_NAME]
+    if not sd:
+        return set()
+    return {
+        (c.container_id, n.numbers)
+        for n in ent.nodes
+        if any(p and not p.admits("c", n.major, n.minor, ACC_RW) for p in sd)
+    }
+
+
 class AccessObserver:
     """Reads the host for the step; caches each container's entitlement by its PID."""
 
@@ -97,20 +129,15 @@ class AccessObserver:
         for c, ent in pairs:
             assert c.cgroup_v2 is not None
             ids: list[int] = []
-            nodes = [(n.major, n.minor) for n in ent.nodes]
-            verdicts = judge(programs_cache, c.cgroup_v2, nodes, ids)
+            verdicts = scope_verdicts(programs_cache, c, ent, ids)
             if effective is not None:
                 effective[c.container_id] = tuple(ids)
             if bridged is not None and any(programs_cache.name(i) == BRIDGE_NAME for i in ids):
                 bridged.add(c.container_id)
             if sd_denies is not None and verdicts is not None:
-                sd = [programs_cache.get(i) for i in ids if programs_cache.name(i) == SYSTEMD_NAME]
-                for n in ent.nodes:
-                    if any(p and not p.admits("c", n.major, n.minor, ACC_RW) for p in sd):
-                        sd_denies.add((c.container_id, n.numbers))
+                sd_denies |= systemd_denied(programs_cache, c, ent, ids)
             if verdicts is not None:
-                for n in ent.nodes:
-                    access[(c.container_id, n.numbers)] = verdicts[(n.major, n.minor)]
+                access.update(verdicts)
             elif probe:
                 real = [n for n in ent.nodes if n.path not in planned]
                 res = probe_open_all([root.path(n.path) for n in real], [c.cgroup_v2])

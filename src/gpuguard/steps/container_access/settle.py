@@ -73,6 +73,22 @@ def unknown(
     return {k: (None if k in keys else v) for k, v in access.items()}
 
 
+def outside_apply(
+    containers: Sequence[ContainerCgroup],
+    entitlements: Mapping[tuple[str, str], Entitlement],
+    access: Mapping[AccessKey, Optional[bool]],
+    durable: Mapping[str, AbstractSet[str]],
+    systemd_denies: AbstractSet[AccessKey],
+) -> Optional[dict[AccessKey, Optional[bool]]]:
+    """Outside a pass (a reload's fast paths): `access` with the denials the scope's
+    DeviceAllow= covers judged unknown, for the full pass's settled re-read, since a
+    read inside systemd's deny-all-then-allow apply is no loss; None when there are
+    none. On v2 systemd swaps whole programs (no such window): a node its own program
+    denies (`systemd_denies`) is lost even where covered (bridge.py)."""
+    covered = covered_denials(containers, entitlements, access, durable) - systemd_denies
+    return unknown(access, covered) if covered else None
+
+
 async def settle(sd: Optional[Systemd], unit: str) -> None:
     """Wait until an apply in progress has ended: the runtime's writes, then systemd's."""
     from gpuguard.systemd import SystemdError
