@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 
 import pytest
 
 from gpuguard.checkpoint import parse, verify
 from gpuguard.systemd import Systemd, SystemdError
+from integration.daemon_faults import host_pid, main_pid
 from integration.gpuguard_ns import (
     CHECKPOINT,
     KEPT_GPU,
@@ -56,6 +58,10 @@ def test_ready_only_after_the_first_pass_which_repairs_at_boot(systemd_ns) -> No
     setup_node(ns, stale=True)
     _start(ns)  # Type=notify: returns once READY=1 arrived
     assert ns.unit_property("gpuguard.service", "ActiveState") == "active"
+    # the unit's Nice= (a reload's repair ahead of systemd's re-apply), set by systemd
+    # under the unit's system call filter, which forbids gpuguard to set it itself
+    pid = host_pid(ns, main_pid(ns))
+    assert pid is not None and os.getpriority(os.PRIO_PROCESS, pid) == -10
     st = status(ns)
     first = st["first_pass"]
     ready_us = _active_enter_us(ns, "gpuguard.service")

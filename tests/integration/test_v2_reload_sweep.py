@@ -20,7 +20,6 @@ from typing import Any, Iterator
 
 import pytest
 
-from conftest import require_root, require_tool
 from gpuguard.devices.bpfprog import ACC_RW, DeviceProgram, DevRule, build, grant_nodes
 from gpuguard.devices.bpfread import BRIDGE_NAME
 from gpuguard.devices.containers import ContainerCgroup
@@ -30,7 +29,8 @@ from gpuguard.model import Outcome
 from gpuguard.steps.container_access.bridge import Bridges
 from gpuguard.steps.container_access.inplace import Backoff
 from integration.harness.bpfdev import attach, detach_all, names, verdicts
-from integration.test_bpf_inplace import RUNC, V2
+from integration.test_bpf_inplace import RUNC
+from integration.test_bpf_inplace import cgroup as cgroup
 from integration.test_bpf_inplace import nodes as nodes
 
 pytestmark = pytest.mark.root
@@ -42,22 +42,17 @@ SD_KEPT = grant_nodes(SD_LOST, [(195, 0)])  # ... and the GPU
 
 
 @pytest.fixture
-def base() -> Iterator[Path]:
-    require_root()
-    require_tool(str(V2 / "cgroup.procs"))
-    top = V2 / f"gpuguard-test-{uuid.uuid4().hex[:12]}"
-    top.mkdir()
+def base(cgroup: Path) -> Iterator[Path]:
+    """test_bpf_inplace's cgroup, each scope made under it removed before it."""
     try:
-        yield top
+        yield cgroup
     finally:
-        for cg in sorted(top.iterdir()):
-            if cg.is_dir():
-                with contextlib.suppress(OSError):
-                    (cg / "cgroup.freeze").write_text("0")
-                with contextlib.suppress(OSError):
-                    detach_all(cg)
-                _rmdir(cg)
-        _rmdir(top)
+        for cg in sorted(p for p in cgroup.iterdir() if p.is_dir()):
+            with contextlib.suppress(OSError):
+                (cg / "cgroup.freeze").write_text("0")
+            with contextlib.suppress(OSError):
+                detach_all(cg)
+            _rmdir(cg)
 
 
 def _rmdir(cg: Path) -> None:
