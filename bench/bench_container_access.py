@@ -456,7 +456,14 @@ def part_c(ns: SystemdNamespace, acc: Access, ctrs: Sequence[Container], reloads
     print(f"    repair pass duration:                        {fmt(pass_ms)}")
     if ns.layout == "v2":
         made = collections.Counter(e["GPUGUARD_STATUS"] for e in events(ns, "v2-bridge-attach"))
-        gone = collections.Counter(e["GPUGUARD_STATUS"] for e in events(ns, "v2-bridge-detach"))
+        # the last reload's bridges are detached once systemd has applied its 200
+        # DeviceAllow= (seconds after the reload): waited for, up to 20 s, before counting
+        deadline = time.monotonic() + 20
+        while True:
+            gone = collections.Counter(e["GPUGUARD_STATUS"] for e in events(ns, "v2-bridge-detach"))
+            if sum(gone.values()) >= made["done"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         print(f"    v2 bridges (all parts): attached {dict(made)}, detached {dict(gone)}")
         why = collections.Counter(
             e["MESSAGE"].split("[failed: ", 1)[-1].split(".scope: ", 1)[-1][:100]

@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "src"))
 
-from gpuguard.actuate.bpf import BPF_F_ALLOW_MULTI, _attach, load_program  # noqa: E402
+from gpuguard.actuate.bpf import BPF_F_ALLOW_MULTI, attach_prog, load_program  # noqa: E402
 from gpuguard.devices.bpfread import ProgramCache, judge  # noqa: E402
 from gpuguard.devices.probe import BPF_PROG_ATTACH, probe_open, probe_open_all  # noqa: E402
 from unit.test_bpfprog import SYSTEMD_252, _code  # noqa: E402
@@ -75,7 +75,7 @@ def main(argv: Sequence[str] = ()) -> int:
             cgs.append(cg)
             fd, cgfd = load_program(_code(SYSTEMD_252)), os.open(cg, os.O_RDONLY)
             try:
-                _attach(BPF_PROG_ATTACH, cgfd, fd, BPF_F_ALLOW_MULTI)
+                attach_prog(BPF_PROG_ATTACH, cgfd, fd, BPF_F_ALLOW_MULTI)
             finally:
                 os.close(fd)
                 os.close(cgfd)
