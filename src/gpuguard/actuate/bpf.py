@@ -186,7 +186,9 @@ def _replace(cg: int, new_fd: int, old_fd: int) -> None:
 
 def is_frozen(cgroup_dir: Path, fd: Optional[int] = None) -> bool:
     """cgroup.events says ``frozen 1`` (its own freeze or an ancestor's). `fd`: the
-    cgroup's directory, open: the file is opened relative to it (a reload's sweep)."""
+    cgroup's directory, open: the file is opened relative to it (a reload's sweep) and
+    read once; read_kernel_text reads again to find the end, which on kernfs doubles
+    the cost (11 -> 22 us a scope on the sweep's path)."""
     if fd is not None:
         try:
             ev = os.open("cgroup.events", _EVENTS_FLAGS, dir_fd=fd)

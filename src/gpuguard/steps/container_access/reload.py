@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, AbstractSet, Callable, Mapping, Optional, Sequ
 from gpuguard.model import Outcome
 from gpuguard.steps.container_access.actuate import write_grants
 from gpuguard.steps.container_access.reconcile import AccessKey, v1_allow
-from gpuguard.steps.container_access.settle import covered_denials
+from gpuguard.steps.container_access.settle import outside_apply
 
 if TYPE_CHECKING:
     from gpuguard.devices.containers import ContainerCgroup
@@ -91,10 +91,11 @@ def sweep_v1(
     s = V1Sweep()
     for pair in pairs:
         c, ent = pair
-        read((pair,), s.access, s.rules, s.broken)
-        for key in covered_denials((c,), {c.key: ent}, s.access, durable):
-            s.access[key] = None
-        w = regrant(c, ent, s.access, dry_run=dry_run)
+        seen: dict[AccessKey, Optional[bool]] = {}
+        read((pair,), seen, s.rules, s.broken)
+        seen = outside_apply((c,), {c.key: ent}, seen, durable, frozenset()) or seen
+        s.access.update(seen)
+        w = regrant(c, ent, seen, dry_run=dry_run)
         if w is not None:
             s.writes.append(w)
     return s
