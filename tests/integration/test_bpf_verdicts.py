@@ -13,6 +13,7 @@ up (None), never guess. Real cgroups under /sys/fs/cgroup/unified, removed after
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from pathlib import Path
 from typing import Iterator
@@ -21,8 +22,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuguard.devices.bpfprog import DeviceProgram, DevRule, build
-from gpuguard.devices.bpfread import ProgramCache, effective_programs, judge
+from gpuguard.devices.bpfprog import DeviceProgram, DevRule, build, parse
+from gpuguard.devices.bpfread import (
+    ProgramCache,
+    effective_programs,
+    fd_by_id,
+    judge,
+    read_named,
+)
 from gpuguard.devices.probe import probe_open, probe_open_all
 from integration.harness.bpfdev import OTHER_SHAPE, attach, detach_all
 from integration.test_bpf_inplace import KERNEL_EXAMPLES, NODES, rule_lists
@@ -94,6 +101,52 @@ def test_systemds_program_is_judged_as_the_kernel_does(
     attach(child, _code(SYSTEMD_252))  # a scope's program, as systemd 252 loads it
     mine = judge(ProgramCache(), child, NODES)
     assert mine is not None, "systemd's own shape must be judged without a probe"
+    for n in NODES:
+        assert mine[n] == probe_open(nodes[n], [child], timeout=5).verdict, n
+    assert mine[(195, 0)] is True and mine[(195, 1)] is False
+
+
+def test_one_cache_follows_the_programs_as_they_change(
+    child: Path,
+    nodes: dict[tuple[int, int], Path],
+) -> None:
+    """The daemon keeps one cache (verdicts remembered by program id and node) across
+    passes and reloads while programs come and go: each new program is judged anew."""
+    cache = ProgramCache()
+    for rules in (
+        (DevRule(True, "c", 195, 1, 7),),
+        (DevRule(False, "c", 195, 1, 7), DevRule(True, "c", 195, None, 7)),
+        (DevRule(True, "c", None, None, 7),),
+        (),
+    ):
+        detach_all(child)
+        attach(child, build(DeviceProgram(rules, False)))
+        mine = judge(cache, child, NODES)
+        assert mine is not None
+        for n in NODES:
+            assert mine[n] == probe_open(nodes[n], [child], timeout=5).verdict, (rules, n)
+        cache.forget_unseen()
+
+
+def test_a_program_larger_than_the_first_read_is_read_whole(
+    child: Path,
+    nodes: dict[tuple[int, int], Path],
+) -> None:
+    """A program's instructions are read with one call into a 4 KiB buffer; a longer
+    one (here ~300 rules) takes a second call of its own size, never a cut copy."""
+    rules = tuple(DevRule(True, "c", 510, 100 + i, 7) for i in range(300))
+    prog = DeviceProgram((*rules, DevRule(True, "c", 195, 0, 7)), False)
+    code = build(prog)
+    assert len(code) > 4096
+    prog_id = attach(child, code)
+    fd = fd_by_id(prog_id)
+    try:
+        _name, xlated = read_named(fd)
+    finally:
+        os.close(fd)
+    assert len(xlated) > 4096 and parse(xlated) == prog
+    mine = judge(ProgramCache(), child, NODES)
+    assert mine is not None
     for n in NODES:
         assert mine[n] == probe_open(nodes[n], [child], timeout=5).verdict, n
     assert mine[(195, 0)] is True and mine[(195, 1)] is False

@@ -54,6 +54,7 @@ from gpuguard.devices.probe import (
     BPF_PROG_DETACH,
     BPF_PROG_LOAD,
     BPF_PROG_TYPE_CGROUP_DEVICE,
+    BpfAttr,
     bpf_syscall,
     open_cgroup,
     query_device_programs,
@@ -141,7 +142,7 @@ class LoadedPrograms:
 
 
 def attach_prog(cmd: int, cgroup_fd: int, prog_fd: int, flags: int, replace_fd: int = 0) -> None:
-    attr = ctypes.create_string_buffer(BPF_ATTR_SIZE)
+    attr = BpfAttr()
     # target_fd, attach_bpf_fd, attach_type, attach_flags, replace_bpf_fd
     struct.pack_into("<IIIII", attr, 0, cgroup_fd, prog_fd, BPF_CGROUP_DEVICE, flags, replace_fd)
     bpf_syscall(cmd, attr)

@@ -106,24 +106,30 @@ def attach_bridge(
         raise BpfReplaceError(f"{where}the cgroup is frozen (cgroup.events: frozen 1); no bridge")
     progs = _attached(cgroup_dir, cache, cg_fd)
     others = [p for p in progs if p.name != BRIDGE_NAME]
-    listed = ", ".join(f"{p.prog_id} {p.name or '?'}" for p in progs)
+
+    def listed() -> str:  # for the refusals only
+        return ", ".join(f"{p.prog_id} {p.name or '?'}" for p in progs)
+
     if len(others) > 2:
         raise BpfReplaceError(
-            f"{where}{len(others)} device programs attached ({listed}); a bridge stands in "
+            f"{where}{len(others)} device programs attached ({listed()}); a bridge stands in "
             "for systemd's next to at most one other: no bridge"
         )
 
     def admits(p: _Attached) -> bool:
-        return p.program is not None and all(
-            p.program.admits("c", ma, mi, ACC_RW) for ma, mi in nodes
-        )
+        if p.program is None:
+            return False
+        if cache is not None:  # the same verdicts the caller judged by, remembered
+            return all(cache.admits_rw(p.prog_id, p.program, n) for n in nodes)
+        return all(p.program.admits("c", ma, mi, ACC_RW) for ma, mi in nodes)
 
     denying = [p for p in progs if not admits(p)]
     if not denying:
-        raise BpfReplaceError(f"{where}no attached program denies the nodes now ({listed})")
+        raise BpfReplaceError(f"{where}no attached program denies the nodes now ({listed()})")
     if len(denying) != 1 or denying[0].name != SYSTEMD_NAME or denying[0].program is None:
         raise BpfReplaceError(
-            f"{where}the programs that deny the nodes are not systemd's alone ({listed}): no bridge"
+            f"{where}the programs that deny the nodes are not systemd's alone ({listed()}): "
+            "no bridge"
         )
     old = denying[0]
     assert old.program is not None

@@ -22,8 +22,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from gpuguard.devices.bpfprog import ACC_RW, DeviceProgram, UnknownProgramShape, parse
 from gpuguard.devices.probe import (
-    BPF_ATTR_SIZE,
     BPF_PROG_TYPE_CGROUP_DEVICE,
+    BpfAttr,
     bpf_syscall,
     query_device_programs,
 )
@@ -33,6 +33,10 @@ SYSTEMD_NAME = "sd_devices"  # the program systemd builds from a unit's DeviceAl
 BPF_PROG_GET_FD_BY_ID = 13
 BPF_OBJ_GET_INFO_BY_FD = 15
 _INFO_SIZE = 80  # bpf_prog_info up to its name (offset 64, 16 bytes)
+_Info = ctypes.c_char * _INFO_SIZE
+# systemd's and runc's programs are a few hundred bytes: one call with a buffer this
+# large reads most whole, a larger one takes a second call with the size the kernel gave
+_INSNS_GUESS = 4096
 
 
 class ProgramUnreadable(Exception):
@@ -45,7 +49,7 @@ class ProgramUnreadable(Exception):
 
 def fd_by_id(prog_id: int) -> int:
     """BPF_PROG_GET_FD_BY_ID; the caller closes the fd."""
-    attr = ctypes.create_string_buffer(BPF_ATTR_SIZE)
+    attr = BpfAttr()
     struct.pack_into("<I", attr, 0, prog_id)
     return bpf_syscall(BPF_PROG_GET_FD_BY_ID, attr)
 
@@ -53,10 +57,10 @@ def fd_by_id(prog_id: int) -> int:
 def prog_info(prog_fd: int, insns: int = 0, size: int = 0) -> Tuple[int, int, str]:
     """(id, xlated length, name) of a device program; fills ``insns`` (an address) when
     given. The name is the one it was loaded with (systemd's: ``sd_devices``)."""
-    info = ctypes.create_string_buffer(_INFO_SIZE)
+    info = _Info()
     struct.pack_into("<I", info, 20, size)  # xlated_prog_len
     struct.pack_into("<Q", info, 32, insns)  # xlated_prog_insns
-    attr = ctypes.create_string_buffer(BPF_ATTR_SIZE)
+    attr = BpfAttr()
     struct.pack_into("<IIQ", attr, 0, prog_fd, _INFO_SIZE, ctypes.addressof(info))
     bpf_syscall(BPF_OBJ_GET_INFO_BY_FD, attr)
     (prog_type, prog_id) = struct.unpack_from("<II", info, 0)
@@ -68,16 +72,19 @@ def prog_info(prog_fd: int, insns: int = 0, size: int = 0) -> Tuple[int, int, st
 
 
 def read_named(prog_fd: int) -> Tuple[str, bytes]:
-    """A loaded program's name and the kernel's xlated instructions (two calls)."""
-    _, length, name = prog_info(prog_fd)
+    """A loaded program's name and the kernel's xlated instructions (one call, two for
+    a program over 4 KiB)."""
     hidden = "the kernel hides the program's instructions (needs CAP_SYS_ADMIN)"
-    if length == 0:
+    buf = ctypes.create_string_buffer(_INSNS_GUESS)
+    _, length, name = prog_info(prog_fd, ctypes.addressof(buf), _INSNS_GUESS)
+    if length > _INSNS_GUESS:
+        buf = ctypes.create_string_buffer(length)
+        _, length, name = prog_info(prog_fd, ctypes.addressof(buf), length)
+    # without CAP_SYS_ADMIN the kernel says 0 bytes, or the length and copies nothing
+    code = buf.raw[:length]
+    if length == 0 or not any(code):
         raise ProgramUnreadable(hidden, name)
-    buf = ctypes.create_string_buffer(length)
-    prog_info(prog_fd, ctypes.addressof(buf), length)
-    if not any(buf.raw):
-        raise ProgramUnreadable(hidden, name)
-    return name, buf.raw
+    return name, code
 
 
 def read_program(prog_fd: int) -> bytes:
@@ -119,6 +126,9 @@ class ProgramCache:
         # by instructions too: after a daemon-reload systemd loads a new program per
         # scope, mostly byte-identical (same DeviceAllow= lists), so most skip the parse
         self._by_code: Dict[bytes, Optional[DeviceProgram]] = {}
+        # (id, major, minor) -> whether the program admits a read/write open of that
+        # char node: a reload's sweep asks each scope's programs twice (look, verify)
+        self._admits: Dict[Tuple[int, int, int], bool] = {}
 
     def get(self, prog_id: int) -> Optional[DeviceProgram]:
         """The program's rules; None when it cannot be read or has another shape."""
@@ -148,15 +158,27 @@ class ProgramCache:
                 self._by_code[code] = None
         return self._by_code[code]
 
+    def admits_rw(self, prog_id: int, prog: DeviceProgram, node: Tuple[int, int]) -> bool:
+        """``prog`` (the program `get` returned for ``prog_id``) admits a read/write
+        open of the char node; remembered while the program is cached."""
+        key = (prog_id, *node)
+        v = self._admits.get(key)
+        if v is None:
+            v = self._admits[key] = prog.admits("c", node[0], node[1], ACC_RW)
+        return v
+
     def name(self, prog_id: int) -> str:
         """The name of a program read by `get` ("" when unknown)."""
         return self._names.get(prog_id, "")
 
     def forget_unseen(self) -> None:
         """Drop programs not asked for since the last call (detached, usually freed)."""
-        for gone in set(self._parsed) - self._seen:
-            del self._parsed[gone]
-            self._names.pop(gone, None)
+        gone = set(self._parsed) - self._seen
+        for prog_id in gone:
+            del self._parsed[prog_id]
+            self._names.pop(prog_id, None)
+        if gone:
+            self._admits = {k: v for k, v in self._admits.items() if k[0] not in gone}
         self._seen = set()
         if len(self._by_code) > 4 * len(self._parsed) + 64:  # bounded: start afresh
             self._by_code = {}
@@ -178,8 +200,8 @@ def judge(
         return None
     if ids_out is not None:
         ids_out.extend(ids)
-    progs = [cache.get(i) for i in ids]
-    known = [p for p in progs if p is not None]
+    progs = [(i, cache.get(i)) for i in ids]
+    known = [(i, p) for i, p in progs if p is not None]
     if len(known) != len(progs):
         return None
-    return {n: all(p.admits("c", n[0], n[1], ACC_RW) for p in known) for n in nodes}
+    return {n: all(cache.admits_rw(i, p, n) for i, p in known) for n in nodes}

@@ -126,8 +126,15 @@ def _libc() -> ctypes.CDLL:
 
 
 @functools.lru_cache(maxsize=1)
-def _bpf_nr() -> Optional[int]:
-    return _BPF_NR.get(platform.machine())  # asked once: a bridge makes ~14 calls
+def _bpf_nr() -> Optional[ctypes.c_long]:
+    nr = _BPF_NR.get(platform.machine())  # asked once: a reload's sweep makes thousands
+    return None if nr is None else ctypes.c_long(nr)
+
+
+BpfAttr = ctypes.c_char * BPF_ATTR_SIZE  # a zeroed union bpf_attr: `BpfAttr()`
+_ATTR_LEN = ctypes.c_uint(BPF_ATTR_SIZE)
+_QUERY = struct.Struct("<IIIIQI")  # target_fd, attach_type, query_flags, attach_flags,
+# prog_ids (u64 pointer), prog_cnt
 
 
 def bpf_syscall(cmd: int, attr: ctypes.Array[ctypes.c_char]) -> int:
@@ -135,12 +142,8 @@ def bpf_syscall(cmd: int, attr: ctypes.Array[ctypes.c_char]) -> int:
     nr = _bpf_nr()
     if nr is None:
         raise OSError(errno.ENOSYS, f"bpf(2) number unknown on {platform.machine()}")
-    libc = _libc()
-    ret = int(
-        libc.syscall(
-            ctypes.c_long(nr), ctypes.c_int(cmd), ctypes.byref(attr), ctypes.c_uint(len(attr))
-        )
-    )
+    size = _ATTR_LEN if len(attr) == BPF_ATTR_SIZE else ctypes.c_uint(len(attr))
+    ret = int(_libc().syscall(nr, ctypes.c_int(cmd), ctypes.byref(attr), size))
     if ret < 0:
         e = ctypes.get_errno()
         raise OSError(e, os.strerror(e))
@@ -164,23 +167,13 @@ def query_device_programs(
     if fd is None:
         fd = open_cgroup(cgroup_dir)
     try:
-        attr = ctypes.create_string_buffer(BPF_ATTR_SIZE)
-        # union bpf_attr.query: target_fd, attach_type, query_flags, attach_flags,
-        # prog_ids (u64 pointer), prog_cnt
-        struct.pack_into(
-            "<IIIIQI",
-            attr,
-            0,
-            fd,
-            BPF_CGROUP_DEVICE,
-            query_flags,
-            0,
-            ctypes.addressof(ids),
-            max_progs,
+        attr = BpfAttr()
+        _QUERY.pack_into(
+            attr, 0, fd, BPF_CGROUP_DEVICE, query_flags, 0, ctypes.addressof(ids), max_progs
         )
         bpf_syscall(BPF_PROG_QUERY, attr)
         (count,) = struct.unpack_from("<I", attr, 24)
     finally:
         if own:
             os.close(fd)
-    return tuple(ids[i] for i in range(min(count, max_progs)))
+    return tuple(ids[: min(count, max_progs)])
