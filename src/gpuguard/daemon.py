@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from gpuguard.coalescer import Coalescer
 from gpuguard.config import Config, load_config
 from gpuguard.errors import ConfigError, GpuguardError
+from gpuguard.gcpause import collector_paused, freeze_long_lived, thaw
 from gpuguard.inventory import Inventory
 from gpuguard.inventory_reader import InventoryReader
 from gpuguard.ledger import Ledger
@@ -97,20 +98,23 @@ class Daemon:
 
     def on_reloaded(self, signal: float) -> None:
         """systemd ended a daemon-reload/reexec: each step's reload fast path, inline on
-        the loop, now (the pass that repairs the rest is marked next, urgently)."""
-        for step in self.steps.values():
-            fast = getattr(step, "on_reload", None)
-            if fast is None:
-                continue
-            try:
-                fast(self, signal)
-            except Exception as e:  # the pass that follows retries: never the loop down
-                self.log.event(
-                    "reconciler-crashed",
-                    f"reload fast path raised {type(e).__name__}: {e}",
-                    level="error",
-                    exc=e,
-                )
+        the loop, now (the pass that repairs the rest is marked next, urgently), with no
+        garbage collection in between (gcpause.py)."""
+        with collector_paused():
+            for name, step in self.steps.items():
+                fast = getattr(step, "on_reload", None)
+                if fast is None:
+                    continue
+                try:
+                    fast(self, signal)
+                except Exception as e:  # the pass that follows retries: never the loop down
+                    self.log.event(
+                        "reconciler-crashed",
+                        f"reload fast path raised {type(e).__name__}: {e}",
+                        level="error",
+                        fields={"GPUGUARD_RECONCILER": name},
+                        exc=e,
+                    )
         # This reload's repair time, written with the next pass's metrics
         repair = getattr(self.steps.get(CONTAINER_ACCESS), "last_reload", None)
         done = repair.restored if repair is not None and repair.signal == signal else None
@@ -165,6 +169,7 @@ class Daemon:
             return 0  # stopped before the first pass ended
         self.notifier.ready(self.status_line())
         self.log.event("daemon-started", f"gpuguard daemon ready: {self.status_line()}")
+        freeze_long_lived()  # after READY: kubelet's start does not wait for it
         helpers = []
         if self.sources is not None:
             helpers.append(asyncio.create_task(self.sources.timer.run()))
@@ -188,6 +193,7 @@ class Daemon:
             if self.udev is not None:
                 self.udev.stop()
             await asyncio.gather(*helpers, return_exceptions=True)
+            thaw()
         return 0
 
     def _start_udev(self, loop: asyncio.AbstractEventLoop, make: Callable[..., Any]) -> None:

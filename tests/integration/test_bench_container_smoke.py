@@ -26,19 +26,23 @@ FIGURES = (
     "reload returned -> every container restored: p50",
     "reload returned -> repair pass ended:        p50",
     "repair pass duration:",
-    "Reloading(false) at a bare client (Reloading only)",
+    "Reloading(false) at a bare client (Reloading only)",  # --observers signal
     "Reloading(false) at a bare client (+ UnitNew)",
+    "Reloading(false) at gpuguard",
     "gpuguard's last write",
     "daemon's fast path: 5 granted",
     "reconciler crashes: ",
 )
 
 
+SIGNAL = ("--observers", "signal")  # the breakdown's D-Bus clients too
+
+
 def test_bench_prints_every_figure() -> None:
     require_systemd_ns()
     bench = str(REPO / "bench/bench_container_access.py")
     res = subprocess.run(
-        [sys.executable, bench, "--containers", "5", "--reloads", "5", "--quick"],
+        [sys.executable, bench, "--quick", "--containers", "5", "--reloads", "5", *SIGNAL],
         capture_output=True,
         text=True,
         timeout=300,

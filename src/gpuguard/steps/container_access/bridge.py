@@ -75,6 +75,7 @@ from gpuguard.steps.container_access.reconcile import (
     UnitDeviceAllow,
 )
 from gpuguard.steps.container_access.settle import outside_apply
+from gpuguard.steps.registry import CONTAINER_ACCESS
 
 if TYPE_CHECKING:
     from gpuguard.devices.containers import ContainerCgroup
@@ -319,6 +320,7 @@ class Bridges:
                 "reconciler-crashed",
                 f"reload bridge follow-up raised {type(e).__name__}: {e}",
                 level="error",
+                fields={"GPUGUARD_RECONCILER": CONTAINER_ACCESS},
                 exc=e,
             )
 

@@ -1,0 +1,78 @@
+"""No garbage collection inside the reload's repair window (gcpause.py): the daemon's
+reload fast paths run with the collector off, and it is back on after them, also when
+one raises; a collector someone else turned off stays off."""
+
+from __future__ import annotations
+
+import gc
+import io
+from pathlib import Path
+from typing import Any
+
+from gpuguard.config import load_config
+from gpuguard.daemon import Daemon
+from gpuguard.gcpause import collector_paused, freeze_long_lived, thaw
+from gpuguard.log import EventLog
+from gpuguard.notify import Notifier
+from gpuguard.paths import Root
+
+SEEN: list[bool] = []
+
+
+class FastStep:
+    def __init__(self, name: str, fail: bool = False) -> None:
+        self.name, self.fail = name, fail
+
+    async def __call__(self, svc: Any, ctx: Any) -> None:
+        pass
+
+    def on_reload(self, svc: Any, signal: float) -> None:
+        SEEN.append(gc.isenabled())
+        if self.fail:
+            raise RuntimeError("a bug in a fast path")
+
+
+def daemon(tmp_path: Path, steps: dict[str, Any]) -> tuple[Daemon, io.StringIO]:
+    root = Root(tmp_path / "root")
+    out = io.StringIO()
+    d = Daemon(
+        root=root,
+        config=load_config(root),
+        config_path=None,
+        log=EventLog(stream=out),
+        notifier=Notifier(""),
+        inventory_path=tmp_path / "inventory.json",
+        bus_address="unix:path=/nonexistent",
+        steps=steps,
+        step_order=list(steps),
+    )
+    return d, out
+
+
+def test_reload_fast_paths_run_without_the_collector(tmp_path: Path) -> None:
+    SEEN.clear()
+    d, out = daemon(tmp_path, {"a": FastStep("a", fail=True), "b": FastStep("b")})
+    assert gc.isenabled()
+    d.on_reloaded(1.0)
+    assert SEEN == [False, False]  # the second ran too, after the first raised
+    assert gc.isenabled()
+    assert "reload fast path raised RuntimeError" in out.getvalue()
+
+
+def test_a_collector_turned_off_elsewhere_stays_off() -> None:
+    gc.disable()
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_freeze_then_thaw_leaves_nothing_frozen() -> None:
+    freeze_long_lived()
+    try:
+        assert gc.get_freeze_count() > 0
+    finally:
+        thaw()
+    assert gc.get_freeze_count() == 0
