@@ -1,6 +1,7 @@
 """No garbage collection inside the reload's repair window (gcpause.py): the daemon's
 reload fast paths run with the collector off, and it is back on after them, also when
-one raises; a collector someone else turned off stays off."""
+one raises; a collector someone else turned off stays off. A fast path that raises is
+journaled with its step's name (GPUGUARD_RECONCILER, as the catalog shows)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,28 @@ def test_freeze_then_thaw_leaves_nothing_frozen() -> None:
     finally:
         thaw()
     assert gc.get_freeze_count() == 0
+
+
+def test_a_crashed_bridge_follow_up_names_its_step() -> None:
+    """The reload's bridge follow-up runs as a task nobody awaits: a bug there is
+    journaled as reconciler-crashed with the step's name, as the catalog shows."""
+    import asyncio
+    import time
+    import types
+
+    from gpuguard.steps.container_access.bridge import Bridges
+    from gpuguard.steps.container_access.inplace import Backoff
+
+    async def grant(*_a: Any) -> Any:
+        raise AssertionError("not called")
+
+    out = io.StringIO()
+    bridges = Bridges(Backoff(), time.monotonic, {}, grant, lambda o: None)
+
+    async def boom(*_a: Any) -> None:
+        raise RuntimeError("a bug in the follow-up")
+
+    bridges._follow_up = boom  # type: ignore[method-assign]
+    svc = types.SimpleNamespace(log=EventLog(stream=out))
+    asyncio.run(bridges.follow_up(svc, (), (), lambda v: None))  # type: ignore[arg-type]
+    assert "reload bridge follow-up raised RuntimeError" in out.getvalue()
