@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import errno
 import hashlib
 import json
@@ -62,7 +63,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
@@ -517,6 +518,33 @@ def part_c(
         print(f"    direct re-grants by outcome: {dict(regrants)}")
 
 
+@contextlib.contextmanager
+def in_cpu_group(ns: SystemdNamespace, enabled: bool) -> Iterator[None]:
+    """The bench's own process (its poller) and what it forks meanwhile (the v2 probers,
+    the signal clients) in the namespace's cpu cgroup for the block, then back. Left in
+    the host's root cpu group, each of them weighs as much as the whole namespace there
+    (systemd, dbus-daemon and gpuguard together) and gpuguard's nice counts for nothing
+    against them; in the namespace's group they compete as a node's other processes
+    compete with gpuguard (v2 harness: one group for all; v1: a group per service)."""
+    dirs = ns.cgroup_dirs()
+    key = next((k for k in dirs if "cpu" in k.split(",")), None)
+    if not enabled or key is None:  # no v1 cpu hierarchy: nothing to move
+        print("    the bench's processes: in the host's cpu group")
+        yield
+        return
+    home = next(
+        Path("/sys/fs/cgroup", key) / line.split(":", 2)[2].strip().lstrip("/")
+        for line in Path("/proc/self/cgroup").read_text().splitlines()
+        if line.split(":")[1] == key
+    )
+    (dirs[key] / "cgroup.procs").write_text(str(os.getpid()))
+    print("    the bench's processes: in the namespace's cpu group")
+    try:
+        yield
+    finally:  # back before the namespace is stopped: it removes its cgroups
+        (home / "cgroup.procs").write_text(str(os.getpid()))
+
+
 def part_d(ns: SystemdNamespace, n: int, runs: int) -> None:
     durations = [float(sighup_pass(ns)["duration_ms"]) for _ in range(runs)]
     per = [d / n for d in durations]
@@ -541,6 +569,14 @@ def main(argv: Sequence[str] = ()) -> int:
         default="none",
         help="(c): also run three processes timing systemd's Reloading(false) (signal: "
         "the breakdown's first rows; they compete for the CPUs in the window measured)",
+    )
+    ap.add_argument(
+        "--bench-cpu",
+        choices=("namespace", "host"),
+        default="namespace",
+        help="(c): where the bench's own processes (poller, probers) compete for the "
+        "CPUs: in the namespace's cpu group, or in the host's root group, where each "
+        "weighs as much as the whole namespace (the figures before this option)",
     )
     args = ap.parse_args(list(argv) or None)
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
@@ -602,8 +638,10 @@ def main(argv: Sequence[str] = ()) -> int:
             sighup_pass(ns)
             start_all(ns, second)
             settle(ns)
-            acc.add(second)
-            part_c(ns, acc, second, fast, observers=args.observers == "signal")
+            with in_cpu_group(ns, args.bench_cpu == "namespace"):
+                acc.add(second)
+                part_c(ns, acc, second, fast, observers=args.observers == "signal")
+                acc.close()  # the probers leave the namespace's group with the bench
         crashed = events(ns, "reconciler-crashed")
         print(f"reconciler crashes: {len(crashed)}; total {time.monotonic() - t0:.0f} s")
     finally:
