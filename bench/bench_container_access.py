@@ -415,6 +415,7 @@ def part_c(
         bare_un = BareClient(ns.bus_address, unit_new=True)
         private = BareClient("/run/systemd/private", unit_new=False, inside=ns)
     steps: Dict[str, List[float]] = {}  # breakdown: ms after systemctl returned
+    stuck: set[str] = set()
 
     def note(what: str, t: Optional[float], t_ret: float) -> None:
         if t is not None:
@@ -433,6 +434,10 @@ def part_c(
         while pending and time.monotonic() - t_ret < 5:
             pending = acc.lacking(pending)
         restored_ms.append((time.monotonic() - t_ret) * 1000)
+        for c in pending:  # never restored within the limit: say which, once each
+            if c.unit not in stuck:
+                stuck.add(c.unit)
+                print(f"    not restored 5 s after a reload: {c.unit}")
         deadline = time.monotonic() + 5
         while passes(ns) <= n and time.monotonic() < deadline:
             time.sleep(0.005)
