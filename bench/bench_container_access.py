@@ -382,6 +382,28 @@ class BareClient:
         return self.times[n] if len(self.times) > n else None
 
 
+def why_stuck(ns: SystemdNamespace, c: Container) -> None:
+    """What a container left without its GPU looks like: its scope, its cgroup's device
+    programs (v2) or rules (v1), and gpuguard's last journal entries that name it."""
+    show = ns.systemctl("show", "-p", "ActiveState", "-p", "DeviceAllow", c.unit, check=False)
+    print(f"      scope: {' '.join(show.stdout.split())}")
+    cg = c.cgroup(ns)
+    if ns.layout == "v2":
+        from integration.harness.bpfdev import programs
+
+        try:
+            print(f"      device programs: {programs(cg)}")
+        except OSError as e:
+            print(f"      device programs: unreadable ({e})")
+    else:
+        print(f"      devices.list: {c.devices_list(ns).splitlines()}")
+    mine = [e for e in events(ns) if c.container_id[:12] in str(e.get("MESSAGE", ""))]
+    for e in mine[-3:]:
+        print(f"      gpuguard: {str(e.get('MESSAGE', ''))[:300]}")
+    if not mine:
+        print("      gpuguard: no journal entry names this container")
+
+
 class NoClient:
     """Where the signal-timing clients are left out (`--observers none`)."""
 
@@ -434,10 +456,11 @@ def part_c(
         while pending and time.monotonic() - t_ret < 5:
             pending = acc.lacking(pending)
         restored_ms.append((time.monotonic() - t_ret) * 1000)
-        for c in pending:  # never restored within the limit: say which, once each
+        for c in pending:  # never restored within the limit: say which and why, once each
             if c.unit not in stuck:
                 stuck.add(c.unit)
                 print(f"    not restored 5 s after a reload: {c.unit}")
+                why_stuck(ns, c)
         deadline = time.monotonic() + 5
         while passes(ns) <= n and time.monotonic() < deadline:
             time.sleep(0.005)
