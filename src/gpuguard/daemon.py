@@ -108,13 +108,7 @@ class Daemon:
                 try:
                     fast(self, signal)
                 except Exception as e:  # the pass that follows retries: never the loop down
-                    self.log.event(
-                        "reconciler-crashed",
-                        f"reload fast path raised {type(e).__name__}: {e}",
-                        level="error",
-                        fields={"GPUGUARD_RECONCILER": name},
-                        exc=e,
-                    )
+                    self.log.crashed(name, "reload fast path", e)
         # This reload's repair time, written with the next pass's metrics
         repair = getattr(self.steps.get(CONTAINER_ACCESS), "last_reload", None)
         done = repair.restored if repair is not None and repair.signal == signal else None
@@ -261,13 +255,7 @@ class Daemon:
                 await step(self, ctx)
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
-                self.log.event(
-                    "reconciler-crashed",
-                    f"reconciler {name} raised {type(e).__name__}: {e}",
-                    level="error",
-                    fields={"GPUGUARD_RECONCILER": name},
-                    exc=e,
-                )
+                self.log.crashed(name, f"reconciler {name}", e)
             steps_ms[name] = round((time.monotonic() - t_step) * 1000, 2)
             self.ledger.record(
                 name,

@@ -218,6 +218,17 @@ class EventLog:
             },
         )
 
+    def crashed(self, reconciler: str, what: str, exc: BaseException) -> None:
+        """A bug in a step (`what` raised `exc`): the step's name and the traceback; the
+        caller goes on."""
+        self.event(
+            "reconciler-crashed",
+            f"{what} raised {type(exc).__name__}: {exc}",
+            level="error",
+            fields={"GPUGUARD_RECONCILER": reconciler},
+            exc=exc,
+        )
+
     def debug(self, msg: str, **fields: Any) -> None:
         self.event("debug", msg, level="debug", fields=fields)
 

@@ -316,13 +316,7 @@ class Bridges:
         try:
             await self._follow_up(svc, rest, retry, report)
         except Exception as e:  # the pass that follows repairs what is left
-            svc.log.event(
-                "reconciler-crashed",
-                f"reload bridge follow-up raised {type(e).__name__}: {e}",
-                level="error",
-                fields={"GPUGUARD_RECONCILER": CONTAINER_ACCESS},
-                exc=e,
-            )
+            svc.log.crashed(CONTAINER_ACCESS, "reload bridge follow-up", e)
 
     async def _follow_up(
         self,
