@@ -8,7 +8,6 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AbstractSet, Container, Mapping, Optional, Sequence
 
-from gpuguard.devices.bpfprog import ACC_RW
 from gpuguard.devices.bpfread import BRIDGE_NAME, SYSTEMD_NAME, ProgramCache, judge
 from gpuguard.devices.containers import ContainerCgroup
 from gpuguard.devices.entitlement import Entitlement, read_entitlement, unreadable_entitlement
@@ -79,13 +78,13 @@ def systemd_denied(
     cache: ProgramCache, c: ContainerCgroup, ent: Entitlement, ids: Sequence[int]
 ) -> set[AccessKey]:
     """The nodes given to `c` that a program of systemd's among `ids` denies."""
-    sd = [cache.get(i) for i in ids if cache.name(i) == SYSTEMD_NAME]
+    sd = [(i, cache.get(i)) for i in ids if cache.name(i) == SYSTEMD_NAME]
     if not sd:
         return set()
     return {
         (c.container_id, n.numbers)
         for n in ent.nodes
-        if any(p and not p.admits("c", n.major, n.minor, ACC_RW) for p in sd)
+        if any(p and not cache.admits_rw(i, p, (n.major, n.minor)) for i, p in sd)
     }
 
 
