@@ -79,6 +79,7 @@ from integration.gpu_scopes import (  # noqa: E402
 )
 from integration.gpuguard_ns import events, gpuguard_units, passes, settle, status  # noqa: E402
 from integration.harness import SystemdNamespace  # noqa: E402
+from integration.harness.sysns import host_hierarchies  # noqa: E402
 
 DURABLE_P99_TARGET_MS = 1000.0
 FAST_P99_TARGET_MS = 10.0
@@ -560,11 +561,7 @@ def in_cpu_group(ns: SystemdNamespace, enabled: bool) -> Iterator[None]:
         print("    the bench's processes: in the host's cpu group")
         yield
         return
-    home = next(
-        Path("/sys/fs/cgroup", key) / line.split(":", 2)[2].strip().lstrip("/")
-        for line in Path("/proc/self/cgroup").read_text().splitlines()
-        if line.split(":")[1] == key
-    )
+    home = next(parent for name, _t, _o, parent in host_hierarchies() if name == key)
     (dirs[key] / "cgroup.procs").write_text(str(os.getpid()))
     print("    the bench's processes: in the namespace's cpu group")
     try:
@@ -669,7 +666,7 @@ def main(argv: Sequence[str] = ()) -> int:
             with in_cpu_group(ns, args.bench_cpu == "namespace"):
                 acc.add(second)
                 part_c(ns, acc, second, fast, observers=args.observers == "signal")
-                acc.close()  # the probers leave the namespace's group with the bench
+                acc.close()  # the probers exit before the bench leaves the group
         crashed = events(ns, "reconciler-crashed")
         print(f"reconciler crashes: {len(crashed)}; total {time.monotonic() - t0:.0f} s")
     finally:

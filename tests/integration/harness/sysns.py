@@ -189,7 +189,7 @@ class NamespaceError(RuntimeError):
     """The namespace failed to boot or misbehaved; message carries its log tail."""
 
 
-def _host_hierarchies() -> List[Tuple[str, str, str, Path]]:
+def host_hierarchies() -> List[Tuple[str, str, str, Path]]:
     """(name, fstype, mount options, host dir of our current cgroup) per hierarchy.
 
     Only hierarchies mounted under /sys/fs/cgroup and listed in /proc/self/cgroup.
@@ -241,7 +241,7 @@ def sweep_stale_cgroups() -> List[Path]:
     (pdeathsig), but nobody is left to rmdir.
     """
     removed: List[Path] = []
-    for _name, _fstype, _opts, parent in _host_hierarchies():
+    for _name, _fstype, _opts, parent in host_hierarchies():
         for top in parent.glob(f"{CGROUP_PREFIX}*"):
             m = re.match(rf"{CGROUP_PREFIX}(\d+)-", top.name)
             if not m or not top.is_dir() or os.path.exists(f"/proc/{m.group(1)}"):
@@ -587,7 +587,7 @@ class SystemdNamespace:
 
     def _make_cgroups(self) -> None:
         rows = []
-        for name, fstype, opts, parent in _host_hierarchies():
+        for name, fstype, opts, parent in host_hierarchies():
             d = parent / self.name
             d.mkdir()
             self._cgroups[name] = d
