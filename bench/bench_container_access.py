@@ -57,13 +57,14 @@ import math
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
@@ -201,11 +202,15 @@ def undo_durable(ns: SystemdNamespace, ctrs: Sequence[Container]) -> None:
         c.hook_grant(ns)
 
 
-def start_all(ns: SystemdNamespace, ctrs: Sequence[Container], workers: int = 16) -> float:
+def start_all(
+    ns: SystemdNamespace, ctrs: Sequence[Container], workers: int = 16
+) -> Tuple[float, Dict[str, int]]:
+    """Start every container, `workers` at a time: the time it took, and when each
+    container's process got its own /dev (realtime us, the journal's clock)."""
     t0 = time.monotonic()
     with ThreadPoolExecutor(workers) as ex:
-        list(ex.map(lambda c: start(ns, c), ctrs))
-    return time.monotonic() - t0
+        ready = dict(zip((c.unit for c in ctrs), ex.map(lambda c: start(ns, c), ctrs)))
+    return time.monotonic() - t0, ready
 
 
 def sighup_pass(ns: SystemdNamespace) -> Dict[str, Any]:
@@ -222,7 +227,18 @@ def sighup_pass(ns: SystemdNamespace) -> Dict[str, Any]:
 
 
 def part_a(ns: SystemdNamespace, ctrs: Sequence[Container]) -> None:
-    took = start_all(ns, ctrs)
+    ping = ns.popen(
+        [sys.executable, "-c", PING_CLIENT, "unix:path=/run/dbus/system_bus_socket"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert ping.stdin is not None and ping.stdout is not None
+    assert ping.stdout.readline().strip() == "ready"
+    took, ready = start_all(ns, ctrs)
+    ping.stdin.close()
+    answered = [float(line) for line in ping.stdout]
+    ping.wait(10)
     units = {c.unit for c in ctrs}
     deadline = time.monotonic() + 120
     granted: Dict[str, int] = {}
@@ -238,8 +254,13 @@ def part_a(ns: SystemdNamespace, ctrs: Sequence[Container]) -> None:
         if e.get("MESSAGE_ID") == STARTED_MSG and e.get("UNIT") in units:
             started[e["UNIT"]] = int(e["__REALTIME_TIMESTAMP"])
     lat = [(granted[u] - started[u]) / 1000 for u in units if u in granted and u in started]
+    exposed = [(granted[u] - ready[u]) / 1000 for u in units if u in granted]
     print(f"(a) {len(ctrs)} scopes started in {took:.1f} s (16 systemd-run at a time)")
     print(f"    start -> durable DeviceAllow=: {fmt(lat)}")
+    print(f"    on its own /dev (a GPU container) -> durable: {fmt(exposed)}")
+    print(f"    systemd's answer to a bare GetUnit meanwhile (every 20 ms): {fmt(answered)}")
+    print(f"    start -> on its own /dev (the harness): "
+          f"{fmt([(ready[u] - started[u]) / 1000 for u in units if u in started])}")  # fmt: skip
     print(f"    containers without a durable grant after 120 s: {len(units) - len(granted)}")
     settle(ns)
     fast = status(ns).get("fast_paths", {}).get("new_scopes", {})
@@ -302,6 +323,32 @@ async def main(address, members):
     await bus.wait_for_disconnect()
 
 asyncio.run(main(sys.argv[1], sys.argv[2:]))
+"""
+
+
+# systemd's answer to a bare call while the burst starts (the floor of a grant's wait:
+# systemd answers one call at a time, between the burst's scope starts): every 20 ms a
+# GetUnit through the bus, as gpuguard calls; each round trip in ms, until stdin closes.
+PING_CLIENT = """
+import asyncio, sys, time
+from dbus_next import BusType, Message
+from dbus_next.aio import MessageBus
+
+async def main(address):
+    bus = await MessageBus(bus_address=address, bus_type=BusType.SYSTEM).connect()
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    loop.add_reader(0, lambda: done.done() or done.set_result(None))
+    print("ready", flush=True)
+    while not done.done():
+        t = time.monotonic()
+        await bus.call(Message(destination="org.freedesktop.systemd1",
+            path="/org/freedesktop/systemd1", interface="org.freedesktop.systemd1.Manager",
+            member="GetUnit", signature="s", body=["init.scope"]))
+        print((time.monotonic() - t) * 1000, flush=True)
+        await asyncio.wait([done], timeout=0.02)
+
+asyncio.run(main(sys.argv[1]))
 """
 
 
@@ -661,7 +708,7 @@ def main(argv: Sequence[str] = ()) -> int:
             ns.systemctl("stop", *[c.unit for c in first])
             write_config(ns, durable=args.layout == "v2")
             sighup_pass(ns)
-            start_all(ns, second)
+            start_all(ns, second)  # (c) times the reloads, not the starts
             settle(ns)
             with in_cpu_group(ns, args.bench_cpu == "namespace"):
                 acc.add(second)

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import stat
+import subprocess
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,18 +162,19 @@ def boot_node(
     return ns
 
 
-GO_DIR = "/run/ctr-go"  # the container's process binds its /dev once its file is here
-
-
-def start(ns: SystemdNamespace, c: Container, *, hook_grant: bool = True) -> None:
+def start(ns: SystemdNamespace, c: Container, *, hook_grant: bool = True) -> int:
     """Start the container's scope; grant its nodes like the legacy NVIDIA hook does.
 
     In runc's order: the scope first (its process still on the host's /dev, as `runc
-    init` is), the hook's grant next, the container's own /dev last; returns once the
-    process has it. (Granting after the container runs would race with gpuguard's
-    new-scope grant: on v2 both replace the scope's device program.)"""
+    init` is), the hook's grant next, the container's own /dev last. (Granting after the
+    container runs would race with gpuguard's new-scope grant: on v2 both replace the
+    scope's device program.) The process waits for the go on its stdin, a pipe, as `runc
+    init` waits on its exec fifo: no polling, so a burst of starts costs no CPU while it
+    waits. Returns once the process has its own /dev, with the moment it got it (its
+    clock before the exec, CLOCK_REALTIME in us, the journal's clock): from then on it is
+    a container with its GPU that a reload can take away."""
     name = c.container_id[:12]
-    ns.popen(
+    p = ns.popen(
         [
             "systemd-run",
             "--scope",
@@ -187,22 +189,28 @@ def start(ns: SystemdNamespace, c: Container, *, hook_grant: bool = True) -> Non
             "-m",
             "--propagation",
             "private",
-            "sh",
+            "bash",
             "-c",
-            f"while [ ! -e {GO_DIR}/{name} ]; do sleep 0.01; done; "
-            f"mount --bind /run/ctrdev/{name} /dev && exec sleep 3000",
-        ]
+            f"read -r _ && mount --bind /run/ctrdev/{name} /dev && echo $EPOCHREALTIME "
+            "&& exec sleep 3000",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
     )
+    assert p.stdin is not None and p.stdout is not None
     procs = c.cgroup(ns) / "cgroup.procs"
     pid = wait_for(lambda: procs.exists() and procs.read_text().split(), what=f"{c.unit} running")
     if hook_grant:
         c.hook_grant(ns)
-    go = ns.path(GO_DIR)
-    go.mkdir(exist_ok=True)
-    (go / name).touch()
+    with p.stdin:
+        p.stdin.write(b"\n")
+    with p.stdout:
+        stamp = p.stdout.readline().decode().strip()  # "" if it failed: its end closes it
+    if not stamp:
+        raise AssertionError(f"{c.unit}: the container's process ended before its own /dev")
     # cgroup.procs read from here names host PIDs; a plain file "null" in its own /dev
-    own_null = Path(f"/proc/{pid[0]}/root/dev/null")
-    wait_for(own_null.is_file, what=f"{c.unit} on its own /dev")
+    assert Path(f"/proc/{pid[0]}/root/dev/null").is_file(), f"{c.unit} not on its own /dev"
+    return round(float(stamp) * 1e6)  # "seconds.micros" (bash's EPOCHREALTIME)
 
 
 def containers(n: int, gpus_per_node: int = 2) -> List[Container]:
