@@ -4,9 +4,9 @@ Sources call mark(reconcilers, why, urgent). A pass starts once no mark arrived 
 the quiet period (the timer restarts on every mark, so a daemon-reload's burst of
 hundreds of signals becomes one pass), but never later than max_delay after the
 first pending mark. Urgent marks (systemd's Reloading end, a reexec) use the short
-quiet period. Marks arriving during a pass are kept for the next one. While held
-(systemd is in the middle of a reload: units are in flux) no pass starts, up to
-max_hold.
+quiet period, and the pass they bring says so (`Work.urgent`). Marks arriving during
+a pass are kept for the next one. While held (systemd is in the middle of a reload:
+units are in flux) no pass starts, up to max_hold.
 """
 
 from __future__ import annotations
@@ -95,7 +95,13 @@ class Coalescer:
                     await asyncio.wait_for(self._wake.wait(), timeout=delay)
                 continue  # recompute: a new mark may have moved the deadline
             assert self._first is not None
-            work = Work(frozenset(self._pending), tuple(self._reasons), self._first, self._last)
+            work = Work(
+                frozenset(self._pending),
+                tuple(self._reasons),
+                self._first,
+                self._last,
+                urgent=self._urgent,
+            )
             self._pending.clear()
             self._reasons.clear()
             self._first = None

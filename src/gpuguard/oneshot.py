@@ -58,7 +58,7 @@ async def run_device_steps(
     steps = build_steps([s for s in STEPS if s.name in CHECK_ORDER and s.name != CHECKPOINT])
     now = time.monotonic()
     ctx = PassContext(
-        Work(frozenset(), ("check",), now, now),
+        Work(frozenset(), ("check",), now, now, urgent=True),  # kubelet waits on it
         load,
         previous_inventory=inventory,
         snapshot=snapshot,

@@ -32,6 +32,9 @@ class Work:
     reasons: tuple[str, ...]
     first_mark: float  # monotonic time of the first mark this pass serves
     last_mark: float
+    # An urgent mark among them (a reload's end, start-up, a reconnection): losses are
+    # likely, and the steps repair what they already know before looking further.
+    urgent: bool = False
 
 
 @dataclass

@@ -133,3 +133,24 @@ def test_stop_finishes_the_running_pass() -> None:
         assert len(finished) == 1
 
     _run(main)
+
+
+def test_work_says_whether_an_urgent_mark_is_among_its_marks() -> None:
+    async def main() -> None:
+        passes: list[Work] = []
+
+        async def run(w: Work) -> None:
+            passes.append(w)
+
+        c = Coalescer(run, quiet=0.02, urgent_quiet=0.01, max_delay=1)
+        task = asyncio.create_task(c.run())
+        c.mark(B, "periodic audit")
+        c.mark(A, "systemd: daemon-reload/reexec finished", urgent=True)
+        await asyncio.sleep(0.1)
+        c.mark(B, "systemd: new container scope x")
+        await asyncio.sleep(0.1)
+        c.stop()
+        await task
+        assert [w.urgent for w in passes] == [True, False]
+
+    _run(main)

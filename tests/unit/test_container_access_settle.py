@@ -99,7 +99,8 @@ def one_pass(
         return None
 
     ctx = PassContext(
-        Work(frozenset({"container_access"}), ("systemd: daemon-reload",), 0, 0), no_inventory
+        Work(frozenset({"container_access"}), ("systemd: daemon-reload",), 0, 0, urgent=True),
+        no_inventory,
     )
     asyncio.run(step(svc, ctx))
     return [json.loads(line) for line in out.getvalue().splitlines()], ctx, obs, settled

@@ -28,15 +28,19 @@ class SameView:
 
     def __init__(self, view: AccessView) -> None:
         self.view = view
+        self.fast_views = 0
 
     def fast_view(self) -> AccessView:
+        self.fast_views += 1
         return self.view
 
     def observe(self, *_: Any) -> Optional[AccessView]:
         return self.view
 
 
-def one_pass(tmp_path: Path, view: AccessView) -> tuple[list[dict[str, Any]], PassContext]:
+def one_pass(
+    tmp_path: Path, view: AccessView, *, urgent: bool = True, observer: Optional[SameView] = None
+) -> tuple[list[dict[str, Any]], PassContext]:
     out = io.StringIO()
     cfg = Config()
     cfg = dataclasses.replace(cfg, devices=dataclasses.replace(cfg.devices, durable_grants=False))
@@ -44,13 +48,14 @@ def one_pass(tmp_path: Path, view: AccessView) -> tuple[list[dict[str, Any]], Pa
         Root(tmp_path), cfg, EventLog(stream=out, level="debug"), dry_run=True, bus_address=""
     )
     step = ContainerAccessStep()
-    step.observer = SameView(view)  # type: ignore[assignment]
+    step.observer = observer or SameView(view)  # type: ignore[assignment]
 
     async def no_inventory() -> None:
         return None
 
     ctx = PassContext(
-        Work(frozenset({"container_access"}), ("systemd:reload",), 0, 0), no_inventory
+        Work(frozenset({"container_access"}), ("systemd:reload",), 0, 0, urgent=urgent),
+        no_inventory,
     )
     asyncio.run(step(svc, ctx))
     return [json.loads(line) for line in out.getvalue().splitlines()], ctx
@@ -72,3 +77,23 @@ def test_a_finding_of_the_fast_path_is_logged_and_counted_once(tmp_path: Path) -
     assert len([e for e in entries if e.get("kind") == "container-device-denied"]) == len(
         [f for f in ctx.findings if f.kind == "container-device-denied"]
     )
+
+
+def test_a_pass_without_an_urgent_mark_repairs_in_the_full_pass_alone(tmp_path: Path) -> None:
+    """A pass for new scopes or the periodic audit skips the known-containers look (0.1
+    ms per container on the loop, a burst of starts brings a pass every few hundred
+    ms): the full pass finds, logs and repairs the same denial, once."""
+    c = dataclasses.replace(_container(), cgroup_v1_devices=tmp_path / "devices" / CID)
+    rules = parse_devices_list(RUNC_LIST)
+    view = AccessView(
+        (c,), {c.key: _ent((GPU0, CTL))}, verdicts_from_rules(CID, HOST, rules), {CID: rules}
+    )
+    quiet = SameView(view)
+    entries, ctx = one_pass(tmp_path, view, urgent=False, observer=quiet)
+    assert quiet.fast_views == 0
+    denied = [e for e in entries if e.get("kind") == "container-device-denied"]
+    assert denied and len(denied) == len({(e.get("DEVICE"), e["msg"]) for e in denied})
+    assert [o.action.kind for o in ctx.outcomes] == ["cgroup-v1-allow"]
+    reload = SameView(view)
+    one_pass(tmp_path, view, urgent=True, observer=reload)
+    assert reload.fast_views == 1
