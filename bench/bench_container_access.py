@@ -12,8 +12,12 @@ ENXIO). Prints figures, asserts nothing:
 
   (a) start -> durable grant: from a scope's start (systemd's "Started" journal entry)
       to gpuguard's unit-device-allow journal entry for it (same journal, same clock),
-      with N containers started about 16 at a time; then the daemon's own view of its
-      new-scope fast path (status file: first try, ready, granted after the announcement).
+      with N containers started about 16 at a time. Split: the exposure window (the
+      container on its own /dev, stamped by its process: from then on it runs with its
+      GPU and a reload would take it away -> durable), the harness's own start time,
+      and systemd's answer to a bare GetUnit every 20 ms meanwhile (the floor under a
+      grant's reply); then the daemon's own view of its new-scope fast path (status
+      file: first try, ready, granted after the announcement).
   (b) N containers x --reloads daemon-reloads, durable grants in place: how many
       container-reloads found a container without its GPU rule right after
       ``systemctl daemon-reload`` returned (target 0). A miss that comes back by
