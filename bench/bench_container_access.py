@@ -272,7 +272,8 @@ def part_a(ns: SystemdNamespace, ctrs: Sequence[Container]) -> None:
         print(f"    daemon's fast path: {fast.get('granted')} granted, at most "
               f"{fast.get('peak_in_flight')} at once; after the announcement, p50/p99 ms: "
               f"first try {fast.get('first_try_ms')}, ready {fast.get('ready_ms')}, "
-              f"granted {fast.get('granted_ms')}")  # fmt: skip
+              f"granted {fast.get('granted_ms')}; the grant's call alone (sent -> "
+              f"systemd's reply) {fast.get('call_ms')}")  # fmt: skip
 
 
 def part_b(ns: SystemdNamespace, acc: Access, ctrs: Sequence[Container], reloads: int) -> None:

@@ -167,8 +167,9 @@ class NewScopes:
         self._found: dict[str, ContainerCgroup] = {}  # scopes waiting for their process
         self._announced: dict[str, float] = {}
         self._first_try: dict[str, float] = {}
-        # (first try, ready, granted) in ms after the announcement, of the last grants
-        self._timings: deque[tuple[float, float, float]] = deque(maxlen=256)
+        # (first try, ready, granted) in ms after the announcement, and the grant's own
+        # call (sent -> systemd's reply), of the last grants
+        self._timings: deque[tuple[float, float, float, float]] = deque(maxlen=256)
         self.granted = 0
 
     def announce(self, svc: Services, unit: str, gpus: Sequence[GpuLike], again: Again) -> None:
@@ -185,7 +186,9 @@ class NewScopes:
 
     def status(self) -> dict[str, object]:
         """Counts, and where a grant's time went (p50, p99 in ms after systemd announced
-        the scope): to its first try (the queue), to a ready read, to the grant."""
+        the scope): to its first try (the queue), to a ready read, to the grant; and the
+        grant's call alone (`call_ms`: sent -> systemd's reply, what a burst of starts
+        makes systemd keep it waiting)."""
         q = self.queue
         out: dict[str, object] = {
             "handled": q.handled,
@@ -193,7 +196,7 @@ class NewScopes:
             "waiting": len(q.busy()),
             "peak_in_flight": q.peak_running,
         }
-        for i, name in enumerate(("first_try_ms", "ready_ms", "granted_ms")):
+        for i, name in enumerate(("first_try_ms", "ready_ms", "granted_ms", "call_ms")):
             values = sorted(t[i] for t in self._timings)
             if values:
                 p50, p99 = values[len(values) // 2], values[(len(values) * 99 - 1) // 100]
@@ -251,12 +254,14 @@ class NewScopes:
         # nothing. One call per scope: systemd, busy starting the burst's scopes, answers
         # one call at a time.
         for action in self.plan(found.view, (), self.durable, found.links):
+            sent = time.monotonic()
             outcome = await self.grant(action, svc, sd)
+            replied = time.monotonic()
             svc.log.outcome(outcome)
             self.carry(outcome)
             self.granted += outcome.status == "done"
-            ms = [(t - announced) * 1000 for t in (first_try, ready, time.monotonic())]
-            self._timings.append((ms[0], ms[1], ms[2]))
+            ms = [(t - announced) * 1000 for t in (first_try, ready, replied)]
+            self._timings.append((ms[0], ms[1], ms[2], (replied - sent) * 1000))
         self._again(BACKSTOP.format(unit))
         return True
 
