@@ -74,6 +74,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "src"))
 
+from gpuguard.actuate.dropins import dropin_path  # noqa: E402
 from integration.gpu_scopes import (  # noqa: E402
     Container,
     containers,
@@ -194,9 +195,12 @@ def regrants(ns: SystemdNamespace) -> List[Any]:
 
 
 def undo_durable(ns: SystemdNamespace, ctrs: Sequence[Container]) -> None:
-    """v2: make each scope not durable again (DeviceAllow= back to /dev/null alone, which
-    rebuilds systemd's program without the GPU) and grant the GPU again with the hook's
-    own program, so the next reload wipes it as it wipes a new container's."""
+    """v2: make each scope not durable again (gpuguard's drop-in removed, DeviceAllow=
+    back to /dev/null alone, which rebuilds systemd's program without the GPU) and grant
+    the GPU again with the hook's own program, so the next reload wipes it as it wipes a
+    new container's."""
+    for c in ctrs:
+        ns.path(dropin_path(c.unit)).unlink(missing_ok=True)
     script = "".join(
         f"systemctl set-property --runtime {c.unit} DeviceAllow= 'DeviceAllow=/dev/null rw'\n"
         for c in ctrs
@@ -259,9 +263,17 @@ def part_a(ns: SystemdNamespace, ctrs: Sequence[Container]) -> None:
             started[e["UNIT"]] = int(e["__REALTIME_TIMESTAMP"])
     lat = [(granted[u] - started[u]) / 1000 for u in units if u in granted and u in started]
     exposed = [(granted[u] - ready[u]) / 1000 for u in units if u in granted]
+    written: Dict[str, int] = {}  # gpuguard's drop-in: durable against a reload from then
+    for u in units:
+        with contextlib.suppress(OSError):
+            written[u] = ns.path(dropin_path(u)).stat().st_mtime_ns // 1000
     print(f"(a) {len(ctrs)} scopes started in {took:.1f} s (16 systemd-run at a time)")
     print(f"    start -> durable DeviceAllow=: {fmt(lat)}")
-    print(f"    on its own /dev (a GPU container) -> durable: {fmt(exposed)}")
+    print(
+        f"    on its own /dev (a GPU container) -> gpuguard's drop-in written (durable "
+        f"against a reload): {fmt([(written[u] - ready[u]) / 1000 for u in written])}"
+    )
+    print(f"    on its own /dev -> systemd answered the grant: {fmt(exposed)}")  # fmt: skip
     print(f"    systemd's answer to a bare GetUnit meanwhile (every 20 ms): {fmt(answered)}")
     print(f"    start -> on its own /dev (the harness): "
           f"{fmt([(ready[u] - started[u]) / 1000 for u in units if u in started])}")  # fmt: skip

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 
+from gpuguard.actuate.dropins import dropin_path
 from gpuguard.devices.bpfread import BRIDGE_NAME, SYSTEMD_NAME
 from integration.gpu_scopes import NODES, boot_node, containers, has, start
 from integration.gpuguard_ns import events, settle, start_gpuguard, status, wait_for
@@ -36,9 +37,10 @@ def test_not_yet_durable_scope_is_bridged_then_durable_and_the_bridge_gone(  # t
         what="durable grants for the new scopes",
     )
     settle(ns)
-    # Not durable any more, behind gpuguard's back: systemd's list is /dev/null alone and
-    # the hook's program admits the GPU again (what a scope gpuguard has not made durable
-    # yet looks like).
+    # Not durable any more, behind gpuguard's back: its drop-in gone, systemd's list is
+    # /dev/null alone and the hook's program admits the GPU again (what a scope gpuguard
+    # has not made durable yet looks like).
+    ns.path(dropin_path(mine.unit)).unlink()
     ns.systemctl("set-property", "--runtime", mine.unit, "DeviceAllow=", "DeviceAllow=/dev/null rw")
     mine.hook_grant(ns)
     cg = mine.cgroup(ns)

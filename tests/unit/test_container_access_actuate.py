@@ -56,9 +56,9 @@ def test_a_container_gone_is_a_failure_naming_the_file(tmp_path: Path) -> None:
 def test_device_allow_dry_run_and_bus_down() -> None:
     a = UnitDeviceAllow("container_access", "durable", "s", unit="cri-containerd-x.scope",
                         devices=(("/dev/char/195:0", "rw"),))  # fmt: skip
-    dry = asyncio.run(apply_device_allow(a, None, dry_run=True))
+    dry = asyncio.run(apply_device_allow(a, None, None, dry_run=True))
     assert (dry.status, dry.detail) == ("dry-run", "would set DeviceAllow= /dev/char/195:0")
-    down = asyncio.run(apply_device_allow(a, None, dry_run=False))
+    down = asyncio.run(apply_device_allow(a, None, None, dry_run=False))
     assert (down.status, down.detail) == ("failed", "system bus down; the next pass retries")
 
 

@@ -25,18 +25,24 @@ import time
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from gpuguard.actuate.containers import ContainerStopper
+from gpuguard.actuate.dropins import list_dropins
 from gpuguard.conditions import Conditions, FindingId, finding_id, log_findings
 from gpuguard.devices.nodes import GpuLike
 from gpuguard.model import Action, Finding, Outcome
 from gpuguard.steps.container_access.actuate import (
     apply_device_allow,
+    apply_dropin_remove,
     apply_program_replace,
     confirm_v1,
     decline_or_restart,
     write_v1,
 )
 from gpuguard.steps.container_access.bridge import Bridges
-from gpuguard.steps.container_access.durable import ReloadRepair, plan_durable
+from gpuguard.steps.container_access.durable import (
+    ReloadRepair,
+    plan_dropin_removal,
+    plan_durable,
+)
 from gpuguard.steps.container_access.inplace import (
     FINDING_BACKOFF,
     FINDING_UNEXPECTED,
@@ -267,6 +273,14 @@ class ContainerAccessStep:
                 outcomes.append(o)
             elif isinstance(a, (V2ReportOnly, RestartContainer)):
                 outcomes.append(await self._other(a, svc))
+        # 3. the drop-ins of durable grants whose scopes are gone (systemd never removes
+        # them), whatever DurableGrants= says now
+        live = {c.unit for c in view.containers if c.unit}
+        live |= self.scopes.busy() | self.bridges.in_flight
+        for gone in plan_dropin_removal(list_dropins(svc.root), live):
+            outcomes.append(
+                await asyncio.to_thread(apply_dropin_remove, gone, svc.root, dry_run=svc.dry_run)
+            )
         for o in outcomes:
             svc.log.outcome(o)
         ctx.outcomes += outcomes
@@ -363,7 +377,7 @@ class ContainerAccessStep:
         return write_v1(a, dry_run=svc.dry_run)
 
     async def _unit(self, a: UnitDeviceAllow, svc: Services, sd: Optional[Systemd]) -> Outcome:
-        outcome = await apply_device_allow(a, sd, dry_run=svc.dry_run)
+        outcome = await apply_device_allow(a, sd, svc.root, dry_run=svc.dry_run)
         if outcome.status == "done":
             self.durable.setdefault(a.unit, set()).update(a.numbers)
         return outcome

@@ -11,7 +11,9 @@ Actions re-grant exactly the entitled nodes that are denied, never anything else
   the device policy is runc's BPF program: replace it with one admitting its previous
   rules plus exactly these nodes (actuate/bpf.py);
 - ``V2ReportOnly`` / ``RestartContainer``: the same case with ``V2Remedy=report`` or
-  ``restart-container``; a restart is only executed when the operator configured it.
+  ``restart-container``; a restart is only executed when the operator configured it;
+- ``UnitDropInRemove``: the drop-in a durable grant wrote for a scope that is gone
+  (actuate/dropins.py; systemd never removes it).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ ACTION_UNIT_ALLOW = "unit-device-allow"
 ACTION_V2_REPORT = "v2-report-only"
 ACTION_RESTART = "restart-container"
 ACTION_V2_REPLACE = "v2-program-replace"
+ACTION_DROPIN_REMOVE = "unit-dropin-remove"
 
 
 def _join(items: Sequence[str]) -> str:
@@ -116,3 +119,17 @@ class RestartContainer(ContainerDeviceAction):
 
     def fields(self) -> Mapping[str, str]:
         return {**super().fields(), "RUNTIME": self.runtime_name}
+
+
+@dataclass(frozen=True)
+class UnitDropInRemove(Action):
+    """The drop-in gpuguard wrote with a scope's durable grant, once the scope is gone."""
+
+    unit: str = ""
+
+    @property
+    def kind(self) -> str:
+        return ACTION_DROPIN_REMOVE
+
+    def fields(self) -> Mapping[str, str]:
+        return {"UNIT": self.unit}

@@ -10,6 +10,7 @@ cannot be created or truncated anyway.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from pathlib import Path
@@ -19,7 +20,7 @@ from gpuguard.devices.rules import DeviceRules, allows, parse_rule, parsed_devic
 from gpuguard.errors import GpuguardError
 from gpuguard.model import Outcome
 from gpuguard.safeio import CGROUP_MAX, UnsafeFileError, read_kernel_text
-from gpuguard.steps.container_access.actions import CgroupV1Allow
+from gpuguard.steps.container_access.actions import CgroupV1Allow, UnitDropInRemove
 
 if TYPE_CHECKING:
     from gpuguard.actuate.containers import ContainerStopper
@@ -124,23 +125,54 @@ def confirm_v1(o: Outcome) -> Outcome:
 
 
 async def apply_device_allow(
-    a: UnitDeviceAllow, sd: Optional[Systemd], *, dry_run: bool
+    a: UnitDeviceAllow, sd: Optional[Systemd], root: Optional[Root], *, dry_run: bool
 ) -> Outcome:
-    """The durable grant: a runtime DeviceAllow= that systemd re-applies on every reload."""
+    """The durable grant: a runtime DeviceAllow= that systemd re-applies on every reload.
+    With a root, the scope's drop-in first (actuate/dropins.py: durable against a reload
+    at once, whatever systemd is busy with), then the call for systemd's running state;
+    done only once systemd has answered."""
     from dbus_next import Variant
 
+    from gpuguard.actuate.dropins import DropInError, dropin_path, write_device_dropin
     from gpuguard.systemd import SystemdError
 
+    devices = " ".join(d for d, _ in a.devices)
     if dry_run:
-        return Outcome(a, "dry-run", "would set DeviceAllow= " + ", ".join(d for d, _ in a.devices))
+        first = "would "
+        if root is not None:
+            with contextlib.suppress(DropInError):  # not a scope: the real run writes none
+                first = f"would write {root.path(dropin_path(a.unit))} and "
+        return Outcome(a, "dry-run", f"{first}set DeviceAllow= {', '.join(devices.split())}")
+    dropin = ""
+    if root is not None:
+        try:
+            dropin = f"; {write_device_dropin(root, a.unit, a.devices)} written first"
+        except DropInError as e:  # the call alone still makes it durable
+            dropin = f"; no drop-in: {e.message}"
     if sd is None:
-        return Outcome(a, "failed", "system bus down; the next pass retries")
+        return Outcome(a, "failed", f"system bus down{dropin}; the next pass retries")
     value = Variant("a(ss)", [[dev, perm] for dev, perm in a.devices])
     try:
         await sd.set_unit_properties(a.unit, a.runtime, [("DeviceAllow", value)])
     except SystemdError as e:
-        return Outcome(a, "failed", str(e))
-    return Outcome(a, "done", "DeviceAllow=" + " ".join(d for d, _ in a.devices))
+        return Outcome(a, "failed", f"{e}{dropin}")
+    return Outcome(a, "done", f"DeviceAllow={devices}{dropin}")
+
+
+def apply_dropin_remove(a: UnitDropInRemove, root: Root, *, dry_run: bool) -> Outcome:
+    """Remove a gone scope's drop-in, once its cgroup is checked gone here (a scope that
+    started after the pass looked keeps its own). Blocking: call from a thread."""
+    from gpuguard.actuate.dropins import DropInError, dropin_path, remove_dropin
+    from gpuguard.devices.containers import find_scope
+
+    if find_scope(root, a.unit) is not None:
+        return Outcome(a, "skipped", "the scope exists: its drop-in stays")
+    if dry_run:
+        return Outcome(a, "dry-run", f"would remove {root.path(dropin_path(a.unit))}")
+    try:
+        return Outcome(a, "done", f"removed {remove_dropin(root, a.unit)}")
+    except DropInError as e:
+        return Outcome(a, "failed", e.message)
 
 
 def apply_program_replace(a: V2ProgramReplace, root: Root, *, dry_run: bool) -> Outcome:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import AbstractSet, Mapping, Optional
 
 from gpuguard.model import Action
+from gpuguard.steps.container_access.actions import UnitDropInRemove
 from gpuguard.steps.container_access.observe import AccessView
 from gpuguard.steps.container_access.reconcile import UnitDeviceAllow
 from gpuguard.steps.registry import CONTAINER_ACCESS
@@ -49,6 +50,23 @@ def plan_durable(
             )
         )
     return tuple(out)
+
+
+def plan_dropin_removal(
+    dropins: AbstractSet[str], live: AbstractSet[str]
+) -> tuple[UnitDropInRemove, ...]:
+    """The drop-ins of scopes not among `live` (the containers the pass found, and the
+    scopes a fast path is handling): their containers are gone. The actuator checks
+    again that the scope's cgroup is gone before it removes anything."""
+    return tuple(
+        UnitDropInRemove(
+            reconciler=NAME,
+            reason="its container scope is gone, and systemd never removes a drop-in",
+            target=unit,
+            unit=unit,
+        )
+        for unit in sorted(dropins - live)
+    )
 
 
 @dataclass(frozen=True)
