@@ -14,7 +14,8 @@ ENXIO). Prints figures, asserts nothing:
       to gpuguard's unit-device-allow journal entry for it (same journal, same clock),
       with N containers started about 16 at a time. Split: the exposure window (the
       container on its own /dev, stamped by its process: from then on it runs with its
-      GPU and a reload would take it away -> durable), the harness's own start time,
+      GPU and a reload would take it away -> gpuguard's drop-in written, its mtime:
+      durable against a reload; -> systemd answered), the harness's own start time,
       and systemd's answer to a bare GetUnit every 20 ms meanwhile (the floor under a
       grant's reply); then the daemon's own view of its new-scope fast path (status
       file: first try, ready, granted after the announcement).

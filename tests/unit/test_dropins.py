@@ -36,10 +36,17 @@ def _dir(root: Path, unit: str = UNIT) -> Path:
     return root / "run/systemd/system" / f"{unit}.d"
 
 
-def test_written_with_exactly_the_nodes_and_added_to(tmp_path: Path) -> None:
-    root = Root(tmp_path)
+@pytest.fixture
+def host(tmp_path: Path) -> Path:
+    """A fake root with systemd's runtime unit directory, as a systemd host has."""
+    (tmp_path / "run/systemd/system").mkdir(parents=True)
+    return tmp_path
+
+
+def test_written_with_exactly_the_nodes_and_added_to(host: Path) -> None:
+    root = Root(host)
     path = write_device_dropin(root, UNIT, [GPU0])
-    f = _dir(tmp_path) / DROPIN_NAME
+    f = _dir(host) / DROPIN_NAME
     assert path == str(f)
     text = f.read_text()
     assert "[Scope]\nDeviceAllow=/dev/char/195:0 rw\n" in text
@@ -56,8 +63,10 @@ def test_written_with_exactly_the_nodes_and_added_to(tmp_path: Path) -> None:
     assert not [n for n in os.listdir(f.parent) if n != DROPIN_NAME]  # no temp file left
 
 
-def test_nothing_or_not_a_scope_is_refused(tmp_path: Path) -> None:
+def test_nothing_or_not_a_scope_or_no_systemd_is_refused(tmp_path: Path) -> None:
     root = Root(tmp_path)
+    with pytest.raises(DropInError, match="no such directory; is systemd running"):
+        write_device_dropin(root, UNIT, [GPU0])  # systemd's "booted" mark is never made
     with pytest.raises(DropInError, match="empty DeviceAllow= resets"):
         write_device_dropin(root, UNIT, [])
     for unit in ("../../etc/x.scope", "kubelet.service", "cri-containerd-xyz.scope"):
@@ -66,44 +75,43 @@ def test_nothing_or_not_a_scope_is_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "run").exists()
 
 
-def test_a_file_gpuguard_did_not_write_is_left_alone(tmp_path: Path) -> None:
-    d = _dir(tmp_path)
+def test_a_file_gpuguard_did_not_write_is_left_alone(host: Path) -> None:
+    d = _dir(host)
     d.mkdir(parents=True)
     (d / DROPIN_NAME).write_text("[Scope]\nDeviceAllow=\nDeviceAllow=/dev/sda rwm\n")
     with pytest.raises(DropInError, match="is not a line gpuguard writes"):
-        write_device_dropin(Root(tmp_path), UNIT, [GPU0])
+        write_device_dropin(Root(host), UNIT, [GPU0])
     with pytest.raises(DropInError, match="is not a line gpuguard writes"):
-        remove_dropin(Root(tmp_path), UNIT)
+        remove_dropin(Root(host), UNIT)
     assert "/dev/sda" in (d / DROPIN_NAME).read_text()
 
 
-def test_a_link_or_a_fifo_is_refused_and_nothing_written_through_it(tmp_path: Path) -> None:
-    elsewhere = tmp_path / "elsewhere"
+def test_a_link_or_a_fifo_is_refused_and_nothing_written_through_it(host: Path) -> None:
+    elsewhere = host / "elsewhere"
     elsewhere.mkdir()
-    (tmp_path / "run/systemd/system").mkdir(parents=True)
-    _dir(tmp_path).symlink_to(elsewhere)
+    _dir(host).symlink_to(elsewhere)
     with pytest.raises(DropInError, match="symbolic link"):
-        write_device_dropin(Root(tmp_path), UNIT, [GPU0])
+        write_device_dropin(Root(host), UNIT, [GPU0])
     assert list(elsewhere.iterdir()) == []
     other = f"cri-containerd-{'d' * 64}.scope"
-    _dir(tmp_path, other).mkdir()
-    os.mkfifo(_dir(tmp_path, other) / DROPIN_NAME)
+    _dir(host, other).mkdir()
+    os.mkfifo(_dir(host, other) / DROPIN_NAME)
     with pytest.raises(DropInError, match="not a regular file"):
-        write_device_dropin(Root(tmp_path), other, [GPU0])
+        write_device_dropin(Root(host), other, [GPU0])
 
 
-def test_listed_and_removed_with_its_empty_directory(tmp_path: Path) -> None:
-    root = Root(tmp_path)
+def test_listed_and_removed_with_its_empty_directory(host: Path) -> None:
+    root = Root(host)
     other = f"crio-{'e' * 64}.scope"
     write_device_dropin(root, UNIT, [GPU0])
     write_device_dropin(root, other, [GPU0])
-    (_dir(tmp_path, other) / "10-admin.conf").write_text("[Scope]\nCPUWeight=50\n")
-    (tmp_path / "run/systemd/system/kubelet.service.d").mkdir()
+    (_dir(host, other) / "10-admin.conf").write_text("[Scope]\nCPUWeight=50\n")
+    (host / "run/systemd/system/kubelet.service.d").mkdir()
     assert list_dropins(root) == {UNIT, other}
     remove_dropin(root, UNIT)
-    assert not _dir(tmp_path).exists()
+    assert not _dir(host).exists()
     remove_dropin(root, other)  # an admin's file beside it: the directory stays
-    assert os.listdir(_dir(tmp_path, other)) == ["10-admin.conf"]
+    assert os.listdir(_dir(host, other)) == ["10-admin.conf"]
     assert list_dropins(root) == frozenset()
 
 
@@ -124,19 +132,19 @@ def _allow(unit: str = UNIT) -> UnitDeviceAllow:
     return UnitDeviceAllow("container_access", "durable", unit, unit=unit, devices=(GPU0, CTL))
 
 
-def test_the_grant_writes_its_drop_in_before_the_call(tmp_path: Path) -> None:
-    bus = Bus(tmp_path)
-    o = asyncio.run(apply_device_allow(_allow(), bus, Root(tmp_path), dry_run=False))  # type: ignore[arg-type]
+def test_the_grant_writes_its_drop_in_before_the_call(host: Path) -> None:
+    bus = Bus(host)
+    o = asyncio.run(apply_device_allow(_allow(), bus, Root(host), dry_run=False))  # type: ignore[arg-type]
     assert bus.calls == [(UNIT, True)]
-    assert o.status == "done" and f"{_dir(tmp_path) / DROPIN_NAME} written first" in o.detail
-    assert read_dropin(Root(tmp_path), UNIT) == [GPU0, CTL]
+    assert o.status == "done" and f"{_dir(host) / DROPIN_NAME} written first" in o.detail
+    assert read_dropin(Root(host), UNIT) == [GPU0, CTL]
 
 
-def test_a_failed_call_keeps_the_drop_in_and_says_so(tmp_path: Path) -> None:
-    bus = Bus(tmp_path, fail=True)
-    o = asyncio.run(apply_device_allow(_allow(), bus, Root(tmp_path), dry_run=False))  # type: ignore[arg-type]
+def test_a_failed_call_keeps_the_drop_in_and_says_so(host: Path) -> None:
+    bus = Bus(host, fail=True)
+    o = asyncio.run(apply_device_allow(_allow(), bus, Root(host), dry_run=False))  # type: ignore[arg-type]
     assert o.status == "failed" and "timeout" in o.detail and "written first" in o.detail
-    assert read_dropin(Root(tmp_path), UNIT) == [GPU0, CTL]  # the container's own nodes
+    assert read_dropin(Root(host), UNIT) == [GPU0, CTL]  # the container's own nodes
 
 
 def test_no_drop_in_still_calls_systemd(tmp_path: Path) -> None:
@@ -144,7 +152,7 @@ def test_no_drop_in_still_calls_systemd(tmp_path: Path) -> None:
     (tmp_path / "run/systemd/system").write_text("not a directory")
     bus = Bus(tmp_path)
     o = asyncio.run(apply_device_allow(_allow(), bus, Root(tmp_path), dry_run=False))  # type: ignore[arg-type]
-    assert o.status == "done" and "no drop-in:" in o.detail and "is not a directory" in o.detail
+    assert o.status == "done" and "no drop-in:" in o.detail and "is systemd running" in o.detail
     assert bus.calls == [(UNIT, False)]
 
 
@@ -159,19 +167,19 @@ def test_dry_run_names_the_drop_in_and_writes_nothing(tmp_path: Path) -> None:
     assert not (tmp_path / "run").exists()
 
 
-def test_removal_is_planned_for_scopes_not_live_and_checked_again(tmp_path: Path) -> None:
-    root = Root(tmp_path)
+def test_removal_is_planned_for_scopes_not_live_and_checked_again(host: Path) -> None:
+    root = Root(host)
     gone, back = f"cri-containerd-{'a' * 64}.scope", UNIT
     live = f"cri-containerd-{'b' * 64}.scope"
     for u in (gone, back, live):
         write_device_dropin(root, u, [GPU0])
     plan = plan_dropin_removal(list_dropins(root), {live})
     assert [a.unit for a in plan] == [gone, back]
-    _scope(tmp_path, (42,), unit=back)  # started again after the pass looked
+    _scope(host, (42,), unit=back)  # started again after the pass looked
     by_unit = {a.unit: a for a in plan}
     dry = apply_dropin_remove(by_unit[gone], root, dry_run=True)
-    assert dry.status == "dry-run" and (_dir(tmp_path, gone) / DROPIN_NAME).is_file()
+    assert dry.status == "dry-run" and (_dir(host, gone) / DROPIN_NAME).is_file()
     assert apply_dropin_remove(by_unit[back], root, dry_run=False).status == "skipped"
     done = apply_dropin_remove(by_unit[gone], root, dry_run=False)
-    assert done.status == "done" and str(_dir(tmp_path, gone)) in done.detail
+    assert done.status == "done" and str(_dir(host, gone)) in done.detail
     assert list_dropins(root) == {back, live}

@@ -105,6 +105,8 @@ def write_device_dropin(root: Root, unit: str, devices: Sequence[Device]) -> str
     if not devices:
         raise DropInError(f"{unit}: no device to grant; an empty DeviceAllow= resets the list")
     path = root.path(dropin_path(unit))
+    if not os.path.isdir(root.path(DROPIN_DIR)):  # never made here: systemd's "booted" mark
+        raise DropInError(f"{root.path(DROPIN_DIR)}: no such directory; is systemd running?")
     have = read_dropin(root, unit) or []
     merged = have + [d for d in devices if d not in have]
     if merged != have:
