@@ -93,6 +93,11 @@ def test_a_link_or_a_fifo_is_refused_and_nothing_written_through_it(host: Path) 
     with pytest.raises(DropInError, match="symbolic link"):
         write_device_dropin(Root(host), UNIT, [GPU0])
     assert list(elsewhere.iterdir()) == []
+    (elsewhere / DROPIN_NAME).write_text("[Scope]\nDeviceAllow=/dev/char/195:0 rw\n")
+    with pytest.raises(DropInError, match="is not a directory; gpuguard leaves it alone"):
+        remove_dropin(Root(host), UNIT)  # a file of its format, but through a link
+    assert (elsewhere / DROPIN_NAME).is_file()
+    assert list_dropins(Root(host)) == frozenset()  # not planned for removal at all
     other = f"cri-containerd-{'d' * 64}.scope"
     _dir(host, other).mkdir()
     os.mkfifo(_dir(host, other) / DROPIN_NAME)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -125,17 +126,20 @@ def write_device_dropin(root: Root, unit: str, devices: Sequence[Device]) -> str
 
 
 def list_dropins(root: Root) -> frozenset[str]:
-    """The container scopes that have a gpuguard drop-in."""
+    """The container scopes that have a gpuguard drop-in, in a real directory (gpuguard
+    makes no links: one there is not its own, and is not planned for removal)."""
     base = root.path(DROPIN_DIR)
     try:
-        names = os.listdir(base)
+        entries = list(os.scandir(base))
     except OSError:
         return frozenset()
-    units = (n[: -len(".d")] for n in names if n.endswith(".scope.d"))
     return frozenset(
-        u
-        for u in units
-        if ANY_CONTAINER_SCOPE.match(u) and os.path.lexists(base / f"{u}.d" / DROPIN_NAME)
+        e.name[: -len(".d")]
+        for e in entries
+        if e.name.endswith(".scope.d")
+        and ANY_CONTAINER_SCOPE.match(e.name[: -len(".d")])
+        and e.is_dir(follow_symlinks=False)
+        and os.path.lexists(base / e.name / DROPIN_NAME)
     )
 
 
@@ -143,6 +147,11 @@ def remove_dropin(root: Root, unit: str) -> str:
     """Remove `unit`'s drop-in (and its directory if nothing else is in it). The caller
     has checked that the scope is gone. Returns its host path."""
     path = root.path(dropin_path(unit))
+    try:
+        if not stat.S_ISDIR(os.lstat(path.parent).st_mode):  # a link: never unlink through it
+            raise DropInError(f"{path.parent}: is not a directory; gpuguard leaves it alone")
+    except FileNotFoundError:
+        return str(path)
     read_dropin(root, unit)  # refuses a file gpuguard did not write, or a link
     try:
         path.unlink()
