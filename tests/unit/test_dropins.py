@@ -161,15 +161,19 @@ def test_no_drop_in_still_calls_systemd(tmp_path: Path) -> None:
     assert bus.calls == [(UNIT, False)]
 
 
-def test_dry_run_names_the_drop_in_and_writes_nothing(tmp_path: Path) -> None:
-    bus = Bus(tmp_path)
-    o = asyncio.run(apply_device_allow(_allow(), bus, Root(tmp_path), dry_run=True))  # type: ignore[arg-type]
+def test_dry_run_says_what_the_real_run_writes_and_writes_nothing(host: Path) -> None:
+    bus = Bus(host)
+    o = asyncio.run(apply_device_allow(_allow(), bus, Root(host), dry_run=True))  # type: ignore[arg-type]
     assert o.status == "dry-run" and bus.calls == []
     assert o.detail == (
-        f"would write {_dir(tmp_path) / DROPIN_NAME} and set DeviceAllow= "
+        f"would write {_dir(host) / DROPIN_NAME} and set DeviceAllow= "
         "/dev/char/195:0, /dev/char/195:255"
     )
-    assert not (tmp_path / "run").exists()
+    assert list((host / "run/systemd/system").iterdir()) == []
+    # no systemd runtime unit directory: the real run writes no drop-in, nor says the dry run
+    (host / "run/systemd/system").rmdir()
+    o = asyncio.run(apply_device_allow(_allow(), bus, Root(host), dry_run=True))  # type: ignore[arg-type]
+    assert o.detail == "would set DeviceAllow= /dev/char/195:0, /dev/char/195:255"
 
 
 def test_removal_is_planned_for_scopes_not_live_and_checked_again(host: Path) -> None:

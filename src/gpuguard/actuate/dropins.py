@@ -67,6 +67,16 @@ def dropin_path(unit: str) -> str:
     return f"{DROPIN_DIR}/{unit}.d/{DROPIN_NAME}"
 
 
+def would_write(root: Root, unit: str) -> Optional[Path]:
+    """Where a grant for `unit` would be written (dry-run), None where none would be:
+    not a container scope, or no systemd runtime unit directory."""
+    try:
+        path = root.path(dropin_path(unit))
+    except DropInError:
+        return None
+    return path if os.path.isdir(root.path(DROPIN_DIR)) else None
+
+
 def render(devices: Sequence[Device]) -> bytes:
     return (HEADER + "".join(f"DeviceAllow={d} {p}\n" for d, p in devices)).encode()
 

@@ -10,7 +10,6 @@ cannot be created or truncated anyway.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 from pathlib import Path
@@ -133,15 +132,13 @@ async def apply_device_allow(
     done only once systemd has answered."""
     from dbus_next import Variant
 
-    from gpuguard.actuate.dropins import DropInError, dropin_path, write_device_dropin
+    from gpuguard.actuate.dropins import DropInError, would_write, write_device_dropin
     from gpuguard.systemd import SystemdError
 
     devices = " ".join(d for d, _ in a.devices)
     if dry_run:
-        first = "would "
-        if root is not None:
-            with contextlib.suppress(DropInError):  # not a scope: the real run writes none
-                first = f"would write {root.path(dropin_path(a.unit))} and "
+        path = would_write(root, a.unit) if root is not None else None
+        first = f"would write {path} and " if path is not None else "would "
         return Outcome(a, "dry-run", f"{first}set DeviceAllow= {', '.join(devices.split())}")
     dropin = ""
     if root is not None:
