@@ -135,11 +135,11 @@ async def apply_device_allow(
     from gpuguard.actuate.dropins import DropInError, would_write, write_device_dropin
     from gpuguard.systemd import SystemdError
 
-    devices = " ".join(d for d, _ in a.devices)
+    paths = [d for d, _ in a.devices]
     if dry_run:
         path = would_write(root, a.unit) if root is not None else None
         first = f"would write {path} and " if path is not None else "would "
-        return Outcome(a, "dry-run", f"{first}set DeviceAllow= {', '.join(devices.split())}")
+        return Outcome(a, "dry-run", f"{first}set DeviceAllow= {', '.join(paths)}")
     dropin = ""
     if root is not None:
         try:
@@ -153,7 +153,7 @@ async def apply_device_allow(
         await sd.set_unit_properties(a.unit, a.runtime, [("DeviceAllow", value)])
     except SystemdError as e:
         return Outcome(a, "failed", f"{e}{dropin}")
-    return Outcome(a, "done", f"DeviceAllow={devices}{dropin}")
+    return Outcome(a, "done", f"DeviceAllow={' '.join(paths)}{dropin}")
 
 
 def apply_dropin_remove(a: UnitDropInRemove, root: Root, *, dry_run: bool) -> Outcome:
