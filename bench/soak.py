@@ -1,26 +1,29 @@
 #!/usr/bin/env python3
 """Soak: gpuguard on a real systemd under random lifecycle events, for minutes on end.
 
-A systemd namespace (tests/integration/harness) runs the daemon from the repo's unit,
-a kubelet stand-in and --containers GPU "containers" (kubepods scopes with fake GPU
-nodes, granted behind systemd's back as the legacy NVIDIA hook does:
-tests/integration/gpu_scopes.py). For --minutes, one random event about every
-1/--rate seconds:
+A systemd namespace (tests/integration/harness) booted on --layout (v1: hybrid, v2:
+unified) runs the daemon from the repo's unit, a kubelet stand-in and --containers GPU
+"containers" (kubepods scopes with fake GPU nodes, granted behind systemd's back as the
+legacy NVIDIA hook does: tests/integration/gpu_scopes.py). For --minutes, one random
+event about every 1/--rate seconds:
 
   daemon-reload, daemon-reexec, a container stopped and a new one started, a kubelet
   restart, a D-Bus daemon restart (dbus.service SIGKILLed, then started), and a
-  runtime-like rewrite of one container's device cgroup (deny all, then runc's
-  default list, the way runc < 1.0 rewrote it on every update: no signal announces it).
+  runtime's rewrite of one container's device access, which no signal announces: on
+  v1 deny all, then runc's default list (as runc < 1.0 did on every update); on v2 the
+  scope's DeviceAllow= reset over the bus to a list without the GPU (as runc's systemd
+  driver does on an update).
 
-Meanwhile a sampler reads every live container's devices.list back to back (the
-kernel's own list) and records each stretch without its GPU rule; the daemon's RSS
-and open fds are read from /proc every second. At the end it prints: access losses and
+Meanwhile a sampler asks whether every live container has its GPU, back to back (its
+devices.list on v1; on v2 the kernel, through a prober process in each container's
+cgroup: tests/integration/gpu_access.py) and records each stretch without it; the
+daemon's RSS and open fds are read from /proc every second. At the end it prints: access losses and
 how long each lasted (by the event that preceded them), the kernel's verdict on every
 container, daemon restarts (NRestarts), RSS and open fds (start/end/max), passes run.
 Prints figures, asserts nothing. Needs root.
 
   sudo .venv/bin/python bench/soak.py                      # 30 minutes, 50 containers
-  sudo .venv/bin/python bench/soak.py --minutes 5
+  sudo .venv/bin/python bench/soak.py --minutes 5 --layout v2
   sudo .venv/bin/python bench/soak.py --minutes 0.2 --containers 5   # smoke
 """
 
@@ -51,12 +54,12 @@ from integration.daemon_faults import (  # noqa: E402
     SERVICE,
     ProcSample,
     boot_gpu_node,
-    has_gpu,
     main_pid,
     n_restarts,
     sample,
     verdicts,
 )
+from integration.gpu_access import Access  # noqa: E402
 from integration.gpu_scopes import Container, make_dev_dir, start  # noqa: E402
 from integration.gpuguard_ns import events, settle, status  # noqa: E402
 from integration.harness import SystemdNamespace  # noqa: E402
@@ -83,11 +86,12 @@ def new_container(i: int) -> Container:
 
 
 class Sampler(threading.Thread):
-    """Reads the live containers' devices.list back to back; records losses."""
+    """Asks whether each live container has its GPU, back to back; records losses."""
 
     def __init__(self, ns: SystemdNamespace) -> None:
         super().__init__(daemon=True)
         self.ns = ns
+        self.access = Access(ns)  # its probers are added and removed under the lock
         self.lock = threading.Lock()
         self.live: Dict[str, Container] = {}
         self.open: Dict[str, float] = {}  # unit -> monotonic start of a loss
@@ -97,27 +101,27 @@ class Sampler(threading.Thread):
 
     def add(self, c: Container) -> None:
         with self.lock:
+            self.access.add([c])
             self.live[c.unit] = c
 
     def remove(self, c: Container) -> None:
+        """Before the container's scope is stopped (its prober exits first)."""
         with self.lock:
             self.live.pop(c.unit, None)
             self.open.pop(c.unit, None)  # a container that goes away ends its story
+            self.access.remove(c)
 
     def run(self) -> None:
         while not self.stopping.is_set():
-            with self.lock:
+            with self.lock:  # one sweep: 50 containers in a millisecond or two
                 ctrs = list(self.live.values())
-            for c in ctrs:
-                ok = has_gpu(self.ns, c)
+                lacking = {c.unit for c in self.access.lacking(ctrs)}
                 now = time.monotonic()
-                with self.lock:
-                    if c.unit not in self.live:
-                        continue
+                for c in ctrs:
                     began = self.open.get(c.unit)
-                    if not ok and began is None:
+                    if c.unit in lacking and began is None:
                         self.open[c.unit] = now
-                    elif ok and began is not None:
+                    elif c.unit not in lacking and began is not None:
                         del self.open[c.unit]
                         self.losses.append((began, now - began, c.unit))
             self.sweeps += 1
@@ -126,6 +130,7 @@ class Sampler(threading.Thread):
     def finish(self) -> None:
         self.stopping.set()
         self.join()
+        self.access.close()
         now = time.monotonic()
         for unit, began in self.open.items():  # still lost at the end
             self.losses.append((began, now - began, unit + " (still lost)"))
@@ -192,6 +197,10 @@ class Soak:
             start(ns, new)
             self.ctrs.append(new)
             self.sampler.add(new)
+        elif event == "cgroup-rewrite" and ns.layout == "v2":
+            c = self.rng.choice(self.ctrs)
+            unit_allow = ("DeviceAllow=", "DeviceAllow=/dev/null rw")
+            ns.systemctl("set-property", "--runtime", c.unit, *unit_allow, check=False)
         elif event == "cgroup-rewrite":
             c = self.rng.choice(self.ctrs)
             d = c.cgroup(ns)
@@ -230,7 +239,8 @@ def report(soak: Soak, mon: Monitor, seconds: float, counts: Counter[str]) -> No
     )
     losses = sampler.losses
     print(
-        f"access losses: {len(losses)} (a container's devices.list without its GPU; "
+        f"access losses: {len(losses)} (a container without its GPU: "
+        f"{'devices.list' if ns.layout == 'v1' else 'the kernel denies it'}; "
         f"{sampler.sweeps} sweeps, {sampler.sweeps / seconds:.0f}/s)"
     )
     by: Dict[str, List[float]] = defaultdict(list)
@@ -256,7 +266,8 @@ def report(soak: Soak, mon: Monitor, seconds: float, counts: Counter[str]) -> No
     print(
         f"passes run: {by_kind['pass-complete']} ({by_kind['pass-complete'] / seconds * 60:.0f}"
         f"/min); re-grants: {by_kind['cgroup-v1-allow']}; durable grants: "
-        f"{by_kind['unit-device-allow']}; kubelet restarts: {by_kind['kubelet-restart']}; "
+        f"{by_kind['unit-device-allow']}; v2 bridges: {by_kind['v2-bridge-attach']}; "
+        f"kubelet restarts: {by_kind['kubelet-restart']}; "
         f"reconciler crashes: {by_kind['reconciler-crashed']}"
     )
 
@@ -267,6 +278,7 @@ def main(argv: Sequence[str] = ()) -> int:
     ap.add_argument("--containers", type=int, default=50, help="GPU containers (50)")
     ap.add_argument("--rate", type=float, default=1.0, help="events per second (1)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--layout", choices=("v1", "v2"), default="v1", help="cgroup layout (v1)")
     args = ap.parse_args(list(argv) or None)
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
     # SIGTERM (e.g. timeout(1)) must still stop the namespace and remove its cgroups
@@ -281,7 +293,7 @@ def main(argv: Sequence[str] = ()) -> int:
 
     def factory(**kw: Any) -> SystemdNamespace:
         kw["ro_binds"] = {**kw["ro_binds"], "/run/ctrdev": devdir}
-        ns = SystemdNamespace(work / "ns", boot_timeout=60, **kw)
+        ns = SystemdNamespace(work / "ns", layout=args.layout, boot_timeout=60, **kw)
         made.append(ns)
         ns.start()
         return ns
@@ -295,7 +307,8 @@ def main(argv: Sequence[str] = ()) -> int:
             start(ns, c)
         settle(ns)
         print(
-            f"gpuguard soak: {args.containers} GPU containers, {args.minutes:g} min, "
+            f"gpuguard soak: {args.containers} GPU containers, cgroup {args.layout}, "
+            f"{args.minutes:g} min, "
             f"{args.rate:g} event/s, seed {args.seed}; load average {load0:.2f}"
         )
         for c in soak.ctrs:

@@ -52,7 +52,8 @@ def n_restarts(ns: SystemdNamespace, unit: str = SERVICE) -> int:
 
 def host_pid(ns: SystemdNamespace, inner: int, unit: str = SERVICE) -> Optional[int]:
     """The host PID of the unit's process whose PID inside the namespace is ``inner``."""
-    procs = ns.cgroup_dir("systemd") / "system.slice" / unit / "cgroup.procs"
+    tree = "unified" if ns.layout == "v2" else "systemd"  # where systemd keeps its units
+    procs = ns.cgroup_dir(tree) / "system.slice" / unit / "cgroup.procs"
     try:
         pids = procs.read_text().split()
     except OSError:

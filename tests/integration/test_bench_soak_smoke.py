@@ -1,5 +1,5 @@
-"""bench/soak.py runs for a few seconds on 5 containers and prints every figure (their
-values are the bench's business, not this test's)."""
+"""bench/soak.py runs for a few seconds on 5 containers, on each cgroup layout, and
+prints every figure (their values are the bench's business, not this test's)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ import sys
 import pytest
 
 from conftest import REPO
+from integration.harness import layout as layout
 from integration.harness import require_systemd_ns
 
 pytestmark = pytest.mark.root
 
 NUM = r"-?\d+(?:\.\d+)?"
 EXPECTED = [
-    r"^gpuguard soak: 5 GPU containers, ",
+    r"^gpuguard soak: 5 GPU containers, cgroup v[12], ",
     r"^events: \d+ in \d+ s: daemon-reload \d+, daemon-reexec \d+, container-replace \d+, "
     r"kubelet-restart \d+, dbus-restart \d+, cgroup-rewrite \d+",
     r"^access losses: \d+ ",
@@ -29,10 +30,11 @@ EXPECTED = [
 ]
 
 
-def test_soak_prints_every_figure() -> None:
+def test_soak_prints_every_figure(layout: str) -> None:
     require_systemd_ns()
+    soak = [str(REPO / "bench/soak.py"), "--minutes", "0.1", "--containers", "5"]
     res = subprocess.run(
-        [sys.executable, str(REPO / "bench/soak.py"), "--minutes", "0.1", "--containers", "5"],
+        [sys.executable, *soak, "--layout", layout],
         capture_output=True,
         text=True,
         timeout=300,
