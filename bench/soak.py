@@ -9,10 +9,11 @@ event about every 1/--rate seconds:
 
   daemon-reload, daemon-reexec, a container stopped and a new one started, a kubelet
   restart, a D-Bus daemon restart (dbus.service SIGKILLed, then started), and a
-  runtime's rewrite of one container's device access, which no signal announces: on
-  v1 deny all, then runc's default list (as runc < 1.0 did on every update); on v2 the
-  scope's DeviceAllow= reset over the bus to a list without the GPU (as runc's systemd
-  driver does on an update).
+  runtime's rewrite of one container's device access, which no D-Bus signal announces:
+  on v1 deny all, then runc's default list, written to the cgroup (as runc < 1.0 did on
+  every update); on v2 the scope's DeviceAllow= reset over the bus to a list without
+  the GPU (a runtime's systemd driver that empties it on an update, or an operator's
+  set-property; gpuguard sees the file systemd writes for it: sources/transient.py).
 
 Meanwhile a sampler asks whether every live container has its GPU, back to back (its
 devices.list on v1; on v2 the kernel, through a prober process in each container's

@@ -83,6 +83,7 @@ class Daemon:
                 self.mark, self.coalescer.hold, self.on_reloaded, self.on_scope_started
             )
         self.udev: Any = None
+        self.transient: Any = None  # sources/transient.py, once started
 
     @property
     def systemd(self) -> Optional[Systemd]:
@@ -148,6 +149,8 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, self.reload_config)
         if self.sources is not None and self.sources.udev is not None:
             self._start_udev(loop, self.sources.udev)
+        if self.sources is not None and self.sources.transient is not None:
+            self._start_transient(loop, self.sources.transient)
         sd_task = asyncio.create_task(self.sd_source.run()) if self.sd_source else None
         if self.sd_source is not None:
             try:
@@ -197,6 +200,15 @@ class Daemon:
         except Exception as e:  # no netlink permission, no libudev: the audit still runs
             self.udev = None
             self.log.warning(f"udev events unavailable ({e}); relying on systemd and the audit")
+
+    def _start_transient(self, loop: asyncio.AbstractEventLoop, make: Callable[..., Any]) -> None:
+        try:
+            self.transient = make(loop)
+        except OSError as e:  # no inotify (a full table of watches): the audit still runs
+            self.log.warning(
+                f"runtime property watch unavailable ({e}); a runtime's DeviceAllow= "
+                "reset is seen at the next audit"
+            )
 
     def stop(self, why: str = "stop") -> None:
         self.log.event("daemon-stopping", f"{why}: finishing the current pass and exiting")

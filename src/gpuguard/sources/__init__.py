@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from gpuguard.paths import Root
     from gpuguard.sources.systemd import SystemdSource
     from gpuguard.sources.timer import AuditTimer
+    from gpuguard.sources.transient import TransientWatch
     from gpuguard.sources.udev import UdevSource
 
 Mark = Callable[[frozenset[str], str, bool], None]
@@ -67,8 +68,9 @@ class MarkSink:
 
 
 class Sources:
-    """The daemon's event sources: systemd's D-Bus signals, the periodic audit and udev
-    (made on the daemon's loop, since its monitor's fd goes on that loop)."""
+    """The daemon's event sources: systemd's D-Bus signals, the periodic audit, and udev
+    and the runtime properties systemd writes for container scopes (both made on the
+    daemon's loop, since their fds go on that loop)."""
 
     def __init__(
         self,
@@ -77,11 +79,13 @@ class Sources:
         timer: AuditTimer,
         udev: Optional[Callable[[asyncio.AbstractEventLoop], UdevSource]],
         max_in_flight: int,
+        transient: Optional[Callable[[asyncio.AbstractEventLoop], Optional[TransientWatch]]],
     ) -> None:
         self.sink = sink
         self.systemd = systemd
         self.timer = timer
         self.udev = udev
+        self.transient = transient
         self.max_in_flight = max_in_flight  # for the next bus connection
 
     def reconfigure(self, config: Config) -> None:
@@ -114,6 +118,11 @@ def build_sources(
         logger = stdlib_logger(log, "udev")
         return UdevSource(loop, sink.mark, source=choose_source(run_dir), log=logger)
 
+    def make_transient(loop: asyncio.AbstractEventLoop) -> Optional[TransientWatch]:
+        from gpuguard.sources.transient import RUN_SYSTEMD, make_transient_watch
+
+        return make_transient_watch(loop, sink.mark, str(root.path(RUN_SYSTEMD)))
+
     socket = config.daemon.private_socket
 
     def private(report: Callable[[bool], None]) -> PrivateReloadWatch:
@@ -133,5 +142,5 @@ def build_sources(
     )
     timer = AuditTimer(sink.mark, config.daemon.audit_interval)
     sources = Sources(sink, systemd, timer, make_udev if udev else None,
-                      config.systemd.max_in_flight)  # fmt: skip
+                      config.systemd.max_in_flight, make_transient)  # fmt: skip
     return sources

@@ -1,0 +1,201 @@
+"""A container scope's device access set at runtime over the bus, announced by the
+file systemd writes for it.
+
+systemd sends no change signal for a unit's DevicePolicy= or DeviceAllow= (`busctl
+introspect` shows no emits-change flag on either). A client can still set them on a
+running scope: a runtime's systemd driver on an update, or an operator's `systemctl
+set-property`. systemd then re-applies the scope's device policy, and a DeviceAllow=
+emptied and refilled without the GPU takes the GPU away. runc's driver sends an empty
+DeviceAllow= before the spec's list whenever it sends device properties. With runc
+1.1.5 and systemd 252, `runc update` left gpuguard's entry in place
+(tests/integration/test_container_access_runc.py). Without this watch, gpuguard would
+see such a reset only at its next audit (AuditInterval=, 5 min by default).
+
+For a transient unit (every container scope), systemd writes each property set at
+runtime to /run/systemd/transient/UNIT.d/50-NAME.conf, atomically: the file arrives by
+a rename. A change to DevicePolicy= or DeviceAllow= there marks the container access
+step at once.
+
+gpuguard's own DeviceAllow= writes the same file, so each of its grants brings one more
+pass. That pass finds the grant in place and writes nothing, so there is no loop
+(tests/integration/test_runtime_device_reset.py counts the passes). A source only marks
+(sources/__init__.py).
+
+inotify is not recursive. The transient directory is watched for each scope's new `.d`
+directory, and each such directory for its files. While the transient directory does
+not exist yet, /run/systemd is watched for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import errno
+import os
+import struct
+from typing import Callable, Optional
+
+from gpuguard.devices.cgroupnames import ANY_CONTAINER_SCOPE
+from gpuguard.steps.registry import CONTAINER_ACCESS
+
+Mark = Callable[[frozenset[str], str, bool], None]
+
+RUN_SYSTEMD = "/run/systemd"
+TRANSIENT = "transient"
+# the runtime properties that decide a scope's device access
+WATCHED_FILES = frozenset({"50-DeviceAllow.conf", "50-DevicePolicy.conf"})
+
+IN_CLOSE_WRITE = 0x00000008
+IN_MOVED_TO = 0x00000080
+IN_CREATE = 0x00000100
+IN_Q_OVERFLOW = 0x00004000
+IN_IGNORED = 0x00008000
+IN_ONLYDIR = 0x01000000
+IN_DONT_FOLLOW = 0x02000000  # a link in systemd's directories is never followed
+IN_ISDIR = 0x40000000
+IN_NONBLOCK = os.O_NONBLOCK
+IN_CLOEXEC = os.O_CLOEXEC
+_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then the name, NUL-padded
+
+DIR_MASK = IN_CREATE | IN_MOVED_TO | IN_ONLYDIR | IN_DONT_FOLLOW
+FILE_MASK = IN_CLOSE_WRITE | IN_MOVED_TO | IN_ONLYDIR | IN_DONT_FOLLOW
+
+
+class InotifyError(OSError):
+    pass
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+class TransientWatch:
+    """Marks the container access step when a runtime sets a container scope's
+    DevicePolicy= or DeviceAllow=. `run_systemd`: /run/systemd through the root prefix."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, mark: Mark, run_systemd: str) -> None:
+        self.loop = loop
+        self.mark = mark
+        self.run_systemd = run_systemd
+        self.transient = os.path.join(run_systemd, TRANSIENT)
+        self.fd = -1
+        self.dirs: dict[int, str] = {}  # watch descriptor -> a scope's unit name
+        self.top = -1  # the watch on the transient directory (or on /run/systemd)
+        self.top_is_parent = False
+        self.marks = 0  # for tests and the status file
+
+    def start(self) -> None:
+        libc = _libc()
+        fd = libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
+        if fd < 0:
+            e = ctypes.get_errno()
+            raise InotifyError(e, f"inotify_init1: {os.strerror(e)}")
+        self._libc, self.fd = libc, fd
+        self._watch_top()
+        self.loop.add_reader(self.fd, self._readable)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            self.loop.remove_reader(self.fd)
+            os.close(self.fd)
+            self.fd = -1
+            self.dirs.clear()
+
+    def _add(self, path: str, mask: int) -> int:
+        wd = int(self._libc.inotify_add_watch(self.fd, os.fsencode(path), mask))
+        if wd < 0:
+            e = ctypes.get_errno()
+            raise InotifyError(e, f"inotify_add_watch {path}: {os.strerror(e)}")
+        return wd
+
+    def _watch_top(self) -> None:
+        """The transient directory and each scope's directory in it; /run/systemd
+        alone while the transient directory does not exist yet."""
+        try:
+            self.top, self.top_is_parent = self._add(self.transient, DIR_MASK), False
+        except InotifyError as e:
+            if e.errno != errno.ENOENT:
+                raise
+            self.top, self.top_is_parent = self._add(self.run_systemd, DIR_MASK), True
+            return
+        try:
+            names = os.listdir(self.transient)
+        except OSError:
+            return
+        for name in names:
+            self._watch_scope(name, announce=False)
+
+    def _watch_scope(self, name: str, *, announce: bool) -> None:
+        """Watch a scope's `.d` directory; `announce`: it is new, and systemd may have
+        written its files before the watch was there."""
+        unit = name[: -len(".d")] if name.endswith(".d") else ""
+        if not unit or not ANY_CONTAINER_SCOPE.match(unit):
+            return
+        path = os.path.join(self.transient, name)
+        try:
+            wd = self._add(path, FILE_MASK)
+        except InotifyError:
+            return  # gone meanwhile, a link, not a directory, or no watch left: the audit
+
+        self.dirs[wd] = unit
+        if announce and WATCHED_FILES & set(_listdir(path)):
+            self._mark(unit, "DevicePolicy= or DeviceAllow=")
+
+    def _mark(self, unit: str, what: str) -> None:
+        self.marks += 1
+        why = f"systemd: {unit}: {what} set at runtime (a runtime's update, or a grant)"
+        self.mark(frozenset({CONTAINER_ACCESS}), why, False)
+
+    def _readable(self) -> None:
+        try:
+            data = os.read(self.fd, 64 * 1024)
+        except BlockingIOError:
+            return
+        for wd, mask, name in _events(data):
+            if mask & IN_Q_OVERFLOW:  # events lost: a pass looks at every container
+                self.mark(frozenset({CONTAINER_ACCESS}), "inotify queue overflowed", False)
+            elif mask & IN_IGNORED:  # the directory went away
+                self.dirs.pop(wd, None)
+                if wd == self.top:
+                    self._watch_top()
+            elif wd == self.top and self.top_is_parent:
+                if name == TRANSIENT and mask & IN_ISDIR:
+                    self._libc.inotify_rm_watch(self.fd, wd)
+                    self._watch_top()
+                    for unit in self.dirs.values():
+                        self._mark(unit, "DevicePolicy= or DeviceAllow=")
+            elif wd == self.top:
+                if mask & IN_ISDIR:
+                    self._watch_scope(name, announce=True)
+            elif wd in self.dirs and name in WATCHED_FILES:
+                self._mark(self.dirs[wd], f"{name[3:-5]}=")
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _events(data: bytes) -> list[tuple[int, int, str]]:
+    """(watch descriptor, mask, name) of each event in one read."""
+    out, at = [], 0
+    while at + _EVENT.size <= len(data):
+        wd, mask, _cookie, size = _EVENT.unpack_from(data, at)
+        at += _EVENT.size
+        raw = data[at : at + size].split(b"\0", 1)[0]
+        at += size
+        out.append((wd, mask, os.fsdecode(raw)))
+    return out
+
+
+def make_transient_watch(
+    loop: asyncio.AbstractEventLoop, mark: Mark, run_systemd: str
+) -> Optional[TransientWatch]:
+    """The watch, started; None where /run/systemd does not exist (not systemd)."""
+    if not os.path.isdir(run_systemd):
+        return None
+    w = TransientWatch(loop, mark, run_systemd)
+    w.start()
+    return w
