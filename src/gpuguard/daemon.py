@@ -189,6 +189,8 @@ class Daemon:
                 sd_task.cancel()
             if self.udev is not None:
                 self.udev.stop()
+            if self.transient is not None:
+                self.transient.close()
             await asyncio.gather(*helpers, return_exceptions=True)
             thaw()
         return 0
