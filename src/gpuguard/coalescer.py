@@ -56,7 +56,8 @@ class Coalescer:
             self._first = now
         self._last = now
         self._pending |= reconcilers
-        if len(self._reasons) < 64:  # a burst needs no more than a sample in the journal
+        # a burst needs no more than a sample in the journal, each reason once
+        if len(self._reasons) < 64 and why not in self._reasons:
             self._reasons.append(why)
         self._urgent = self._urgent or urgent
         self._wake.set()

@@ -26,13 +26,15 @@ def test_burst_is_one_pass() -> None:
         task = asyncio.create_task(c.run())
         for i in range(300):
             c.mark(A if i % 2 else B, f"signal {i}")
+            c.mark(A, "the same reason each time")
         await asyncio.sleep(0.3)
         c.stop()
         await task
         assert len(passes) == 1
         assert passes[0].reconcilers == A | B
-        assert passes[0].reasons[0] == "signal 0"
-        assert len(passes[0].reasons) == 64  # a bounded sample, not 300
+        assert passes[0].reasons[:2] == ("signal 0", "the same reason each time")
+        assert len(passes[0].reasons) == 64  # a bounded sample, not 600
+        assert passes[0].reasons.count("the same reason each time") == 1  # each once
 
     _run(main)
 
