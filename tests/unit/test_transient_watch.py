@@ -126,3 +126,20 @@ def test_a_link_in_place_of_a_scope_directory_is_not_followed(tmp_path: Path) ->
         [lambda: write_atomically(elsewhere / "50-DeviceAllow.conf", "DeviceAllow=\n")],
     )
     assert marks == []
+
+
+def test_transient_directory_removed_and_made_again(tmp_path: Path) -> None:
+    run_systemd = tmp_path / "systemd"
+    transient = run_systemd / "transient"
+    transient.mkdir(parents=True)
+    d = transient / f"{SCOPE}.d"
+    marks, _ = run(
+        run_systemd,
+        [
+            lambda: transient.rmdir(),
+            lambda: transient.mkdir(),
+            lambda: d.mkdir(),
+            lambda: write_atomically(d / "50-DeviceAllow.conf", "DeviceAllow=\n"),
+        ],
+    )
+    assert len(marks) == 1 and SCOPE in marks[0]

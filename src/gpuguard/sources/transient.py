@@ -82,7 +82,6 @@ class TransientWatch:
         self.dirs: dict[int, str] = {}  # watch descriptor -> a scope's unit name
         self.top = -1  # the watch on the transient directory (or on /run/systemd)
         self.top_is_parent = False
-        self.marks = 0  # for tests and the status file
 
     def start(self) -> None:
         libc = _libc()
@@ -136,13 +135,11 @@ class TransientWatch:
             wd = self._add(path, FILE_MASK)
         except InotifyError:
             return  # gone meanwhile, a link, not a directory, or no watch left: the audit
-
         self.dirs[wd] = unit
         if announce and WATCHED_FILES & set(_listdir(path)):
             self._mark(unit, "DevicePolicy= or DeviceAllow=")
 
     def _mark(self, unit: str, what: str) -> None:
-        self.marks += 1
         why = f"systemd: {unit}: {what} set at runtime (a runtime's update, or a grant)"
         self.mark(frozenset({CONTAINER_ACCESS}), why, False)
 
@@ -157,11 +154,11 @@ class TransientWatch:
             elif mask & IN_IGNORED:  # the directory went away
                 self.dirs.pop(wd, None)
                 if wd == self.top:
-                    self._watch_top()
+                    self._rewatch()
             elif wd == self.top and self.top_is_parent:
                 if name == TRANSIENT and mask & IN_ISDIR:
                     self._libc.inotify_rm_watch(self.fd, wd)
-                    self._watch_top()
+                    self._rewatch()
                     for unit in self.dirs.values():
                         self._mark(unit, "DevicePolicy= or DeviceAllow=")
             elif wd == self.top:
@@ -169,6 +166,15 @@ class TransientWatch:
                     self._watch_scope(name, announce=True)
             elif wd in self.dirs and name in WATCHED_FILES:
                 self._mark(self.dirs[wd], f"{name[3:-5]}=")
+
+    def _rewatch(self) -> None:
+        """The top watch again, from the loop: where that fails (no watch left), the
+        audit is the backstop, and a pass looks now."""
+        try:
+            self._watch_top()
+        except InotifyError:
+            self.top = -1
+            self.mark(frozenset({CONTAINER_ACCESS}), "runtime property watch lost", False)
 
 
 def _listdir(path: str) -> list[str]:
