@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from gpuguard.actuate.files import UnsafeDirError, write_new
-from gpuguard.devices.cgroupnames import ANY_CONTAINER_SCOPE
+from gpuguard.devices.cgroupnames import ANY_CONTAINER_SCOPE, scope_of_dropin_dir
 from gpuguard.paths import Root
 from gpuguard.safeio import UnsafeFileError, read_bytes
 
@@ -144,10 +144,9 @@ def list_dropins(root: Root) -> frozenset[str]:
     except OSError:
         return frozenset()
     return frozenset(
-        e.name[: -len(".d")]
+        unit
         for e in entries
-        if e.name.endswith(".scope.d")
-        and ANY_CONTAINER_SCOPE.match(e.name[: -len(".d")])
+        if (unit := scope_of_dropin_dir(e.name))
         and e.is_dir(follow_symlinks=False)
         and os.path.lexists(base / e.name / DROPIN_NAME)
     )

@@ -35,6 +35,13 @@ CGROUPFS_CONTAINER = re.compile(rf"^(?:({_PREFIXES})-)?([0-9a-f]{{64}})$")
 ANY_CONTAINER_SCOPE = re.compile(rf"^({_PREFIXES})-[0-9a-f]{{12,64}}\.scope$")
 
 
+def scope_of_dropin_dir(name: str) -> Optional[str]:
+    """The container scope whose drop-in directory is `name` (``UNIT.d``, in systemd's
+    runtime or transient unit directory); None for any other unit or name."""
+    unit = name[: -len(".d")] if name.endswith(".d") else ""
+    return unit if ANY_CONTAINER_SCOPE.match(unit) else None
+
+
 def systemd_pod_uid(name: str) -> Optional[str]:
     """The pod UID a systemd pod slice's name carries (its dashes written as "_");
     None for any other name."""

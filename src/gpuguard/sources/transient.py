@@ -35,7 +35,7 @@ import os
 import struct
 from typing import Callable, Optional
 
-from gpuguard.devices.cgroupnames import ANY_CONTAINER_SCOPE
+from gpuguard.devices.cgroupnames import scope_of_dropin_dir
 from gpuguard.steps.registry import CONTAINER_ACCESS
 
 Mark = Callable[[frozenset[str], str, bool], None]
@@ -127,8 +127,8 @@ class TransientWatch:
     def _watch_scope(self, name: str, *, announce: bool) -> None:
         """Watch a scope's `.d` directory; `announce`: it is new, and systemd may have
         written its files before the watch was there."""
-        unit = name[: -len(".d")] if name.endswith(".d") else ""
-        if not unit or not ANY_CONTAINER_SCOPE.match(unit):
+        unit = scope_of_dropin_dir(name)
+        if unit is None:
             return
         path = os.path.join(self.transient, name)
         try:
