@@ -36,7 +36,7 @@ from gpuguard.checkpoint import (
     spew,
     verify,
 )
-from gpuguard.inventory import Gpu, Inventory
+from gpuguard.host.inventory import Gpu, Inventory
 from gpuguard.steps.checkpoint.reconcile import DEFAULT_RESOURCES, analyse
 
 GPUS = 8

@@ -27,10 +27,10 @@ from typing import Any, Callable, List
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
-from gpuguard.metrics_state import make_output  # noqa: E402
-from gpuguard.npd import answer  # noqa: E402
-from gpuguard.paths import Root  # noqa: E402
-from gpuguard.summary import node_summary  # noqa: E402
+from gpuguard.host.paths import Root  # noqa: E402
+from gpuguard.reporting.metrics_output import make_output  # noqa: E402
+from gpuguard.reporting.npd import answer  # noqa: E402
+from gpuguard.reporting.summary import node_summary  # noqa: E402
 
 
 def status_doc(containers: int) -> dict[str, Any]:
@@ -142,8 +142,8 @@ def main() -> None:
             "metrics update + export (2 files)",
             timed(lambda: out.publish(doc["last_pass"], doc, Root(root), "/textfile"), args.runs),
         )
-        from gpuguard.metrics import render_file
-        from gpuguard.metrics_state import STATE_FILE
+        from gpuguard.reporting.metrics import render_file
+        from gpuguard.reporting.metrics_state import STATE_FILE
 
         state = Root(root).path(STATE_FILE)
         report("metrics rendered for a scrape", timed(lambda: render_file(state), args.runs))

@@ -41,7 +41,7 @@ from gpuguard.actuate.bpfbridge import detach_bridges  # noqa: E402
 from gpuguard.devices.containers import ContainerCgroup  # noqa: E402
 from gpuguard.devices.entitlement import Entitlement, VisibleDevices  # noqa: E402
 from gpuguard.devices.nodes import ROLE_CTL, ROLE_GPU, DeviceNode  # noqa: E402
-from gpuguard.paths import Root  # noqa: E402
+from gpuguard.host.paths import Root  # noqa: E402
 from gpuguard.steps.container_access import ContainerAccessStep  # noqa: E402
 from integration.harness.bpfdev import (  # noqa: E402
     DEFAULT_RULES,

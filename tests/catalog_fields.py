@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping, Optional
 
-from gpuguard.catalog import KINDS
+from gpuguard.journal.catalog import KINDS
 
 FIELD = re.compile(r"@([A-Z0-9_]+)@")
 # Set on every entry by EventLog itself.

@@ -26,7 +26,7 @@ def log_to_stderr(monkeypatch: pytest.MonkeyPatch, level: str = "") -> None:
     `level` or the one the command asks for, never to the host's journal. EventLog's
     `stream=sys.stderr` default is bound at import time: under pytest it would keep
     writing to the first test's (closed) capture."""
-    from gpuguard.log import EventLog
+    from gpuguard.journal.log import EventLog
 
     def auto(cls: type[EventLog], **kw: Any) -> EventLog:
         return cls(level=level or kw.get("level", "info"), stream=sys.stderr)
@@ -55,7 +55,7 @@ def require_tool(*names: str) -> None:
 def _catalog_fields_carried(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Every journal entry a test makes carries the fields its catalog text shows."""
     from catalog_fields import lacking
-    from gpuguard.log import EventLog
+    from gpuguard.journal.log import EventLog
 
     original = EventLog.event
     wrong: list[str] = []

@@ -24,7 +24,7 @@ from unittest import mock
 
 from gpuguard import cli
 from gpuguard.checkpoint import Checkpoint, PodDevicesEntry, marshal
-from gpuguard.log import EventLog
+from gpuguard.journal.log import EventLog
 
 CHECKPOINT = "/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint"
 BACKUPS = "/var/lib/gpuguard/backups"

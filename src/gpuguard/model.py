@@ -16,7 +16,7 @@ class Finding:
     """Something wrong (or worth knowing) about the host.
 
     `kind` is a stable name (e.g. ``checkpoint-stale-entry``); each kind has a fixed
-    journald MESSAGE_ID (gpuguard.log.MESSAGE_IDS) and a catalog entry in docs/.
+    journald MESSAGE_ID (gpuguard.journal.log.MESSAGE_IDS) and a catalog entry in docs/.
     `fields` become structured journal fields (GPU_UUID, POD_UID, CONTAINER_ID, ...).
     """
 

@@ -76,7 +76,7 @@ def setup_node(ns: SystemdNamespace, *, stale: bool, config: str = "") -> None:
     data = FIXTURE.read_bytes()
     if not stale:
         from gpuguard.checkpoint import marshal, parse
-        from gpuguard.inventory import parse_inventory
+        from gpuguard.host.inventory import parse_inventory
         from gpuguard.steps.checkpoint.reconcile import analyse
 
         inv = parse_inventory(INVENTORY, source="test")

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional, Sequence
 
 from gpuguard.config import Config, DevicePluginConfig
-from gpuguard.log import EventLog
-from gpuguard.oneshot import OneShotServices
-from gpuguard.passes import PassContext, Work
-from gpuguard.paths import Root
+from gpuguard.engine.oneshot import OneShotServices
+from gpuguard.engine.passes import PassContext, Work
+from gpuguard.host.paths import Root
+from gpuguard.journal.log import EventLog
 from gpuguard.steps.device_plugin import DevicePluginStep
 from integration.harness.containerd import PrivateContainerd
 

@@ -36,7 +36,7 @@ from conftest import require_root, require_tool
 from gpuguard.actuate.bpf import BpfReplaceError, replace_device_program
 from gpuguard.devices.bpfprog import ACC_RW, DeviceProgram, DevRule, build
 from gpuguard.devices.probe import probe_open, query_device_programs
-from gpuguard.paths import Root
+from gpuguard.host.paths import Root
 from gpuguard.steps.container_access.actuate import apply_program_replace
 from gpuguard.steps.container_access.reconcile import V2ProgramReplace
 from integration.harness.bpfdev import OTHER_SHAPE, attach, detach_all, verdicts

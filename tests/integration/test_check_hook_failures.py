@@ -17,7 +17,7 @@ from typing import Any, Dict, List
 import pytest
 
 from gpuguard import exitcodes
-from gpuguard.catalog import message_id
+from gpuguard.journal.catalog import message_id
 from integration.gpuguard_ns import (
     CHECKPOINT,
     FIXTURE,

@@ -24,7 +24,7 @@ import pytest
 
 from conftest import CHECKPOINTS, REPO, require_root
 from gpuguard.checkpoint import marshal, parse, verify
-from gpuguard.inventory import parse_inventory
+from gpuguard.host.inventory import parse_inventory
 from gpuguard.steps.checkpoint.reconcile import DEFAULT_RESOURCES, analyse
 
 pytestmark = pytest.mark.root

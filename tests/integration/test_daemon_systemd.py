@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from gpuguard.checkpoint import parse, verify
-from gpuguard.systemd import Systemd, SystemdError
+from gpuguard.host.systemd import Systemd, SystemdError
 from integration.daemon_faults import host_pid, main_pid
 from integration.gpuguard_ns import (
     CHECKPOINT,

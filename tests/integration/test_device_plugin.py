@@ -33,8 +33,8 @@ import pytest
 
 from conftest import require_root, require_tool
 from gpuguard.actuate.containers import ContainerStopper
-from gpuguard.oneshot import OneShotServices
-from gpuguard.passes import PassContext
+from gpuguard.engine.oneshot import OneShotServices
+from gpuguard.engine.passes import PassContext
 from gpuguard.steps.device_plugin import DevicePluginStep
 from gpuguard.steps.device_plugin.actuate import PluginRestarter
 from integration.harness.containerd import SOCKET_SERVER, PrivateContainerd
@@ -266,7 +266,7 @@ def test_container_findings_spare_the_plugin_and_are_journaled_once(node: Node) 
     """container-device-missing names the workload set up by the stale plugin, never the
     plugin's own container (the plugin step restarts that one), once per container and
     node across passes, and says when it clears."""
-    from gpuguard.paths import Root
+    from gpuguard.host.paths import Root
     from gpuguard.steps.container_access import ContainerAccessStep
 
     plugin_pid = node.start_plugin()

@@ -29,10 +29,10 @@ import pytest
 
 from conftest import require_tool
 from gpuguard.actuate.containers import ContainerStopper
-from gpuguard.paths import Root
+from gpuguard.devices.processes import process_info
+from gpuguard.host.paths import Root
 from gpuguard.steps.device_plugin import DevicePluginStep
 from gpuguard.steps.device_plugin.actuate import PluginRestarter
-from gpuguard.steps.device_plugin.observe import process_info
 from integration.gpuguard_ns import wait_for
 from integration.harness import SystemdNamespace
 from integration.harness import layout as layout

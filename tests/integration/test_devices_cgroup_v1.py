@@ -46,7 +46,7 @@ from gpuguard.devices.rules import (
     allows,
     apply_write,
 )
-from gpuguard.paths import Root
+from gpuguard.host.paths import Root
 from gpuguard.steps.container_access.actuate import read_devices_list, write_allow
 from gpuguard.steps.container_access.reconcile import (
     CAUSE_REWRITE,

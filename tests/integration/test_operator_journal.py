@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from gpuguard.catalog import message_id
+from gpuguard.journal.catalog import message_id
 from integration.gpuguard_ns import CHECKPOINT, FIXTURE, GPUGUARD, gpuguard_units, setup_node
 from integration.harness import systemd_ns as systemd_ns
 

@@ -36,9 +36,9 @@ import pytest
 
 from conftest import require_root, require_tool
 from gpuguard.actuate.containers import ContainerStopper
-from gpuguard.oneshot import OneShotServices
-from gpuguard.passes import PassContext
-from gpuguard.paths import Root
+from gpuguard.engine.oneshot import OneShotServices
+from gpuguard.engine.passes import PassContext
+from gpuguard.host.paths import Root
 from gpuguard.steps.device_plugin import DevicePluginStep, nvml_probe
 from gpuguard.steps.device_plugin.actuate import PluginRestarter
 from gpuguard.steps.device_plugin.nvml_probe import (

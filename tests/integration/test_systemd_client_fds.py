@@ -20,7 +20,7 @@ from typing import Iterator
 import pytest
 
 from conftest import require_tool
-from gpuguard.systemd import Systemd, SystemdError
+from gpuguard.host.systemd import Systemd, SystemdError
 
 
 def _fds() -> int:

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Sequence
 
 from gpuguard.checkpoint import Checkpoint, marshal
-from gpuguard.inventory import Gpu, Inventory
-from gpuguard.paths import KUBELET_CHECKPOINT
+from gpuguard.host.inventory import Gpu, Inventory
+from gpuguard.host.paths import KUBELET_CHECKPOINT
 from unit.test_devices_support import make_node
 
 UUIDS = ("GPU-11111111-1111-1111-1111-111111111111", "GPU-22222222-2222-2222-2222-222222222222")

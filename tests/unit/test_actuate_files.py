@@ -21,7 +21,7 @@ from gpuguard.actuate.files import (
     prune_backups,
     remove_stale_temps,
 )
-from gpuguard.log import EventLog
+from gpuguard.journal.log import EventLog
 from gpuguard.steps.checkpoint.actuate import CheckpointActuator
 from gpuguard.steps.checkpoint.reconcile import DeleteCheckpoint, RewriteCheckpoint, sha256
 

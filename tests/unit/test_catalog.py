@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from conftest import REPO
-from gpuguard.catalog import KINDS, message_id, render_catalog
+from gpuguard.journal.catalog import KINDS, message_id, render_catalog
 
 
 def test_catalog_file_is_current() -> None:
@@ -32,7 +32,7 @@ def test_every_kind_the_code_logs_is_in_the_catalog() -> None:
             re.findall(r'def kind\(self\) -> str:\s*return "([a-z0-9-]+)"', path.read_text())
         )
     missing = sorted(used - set(KINDS))
-    assert not missing, f"kinds logged but not in gpuguard.catalog.KINDS: {missing}"
+    assert not missing, f"kinds logged but not in gpuguard.journal.catalog.KINDS: {missing}"
 
 
 def _field_names_in_code() -> set[str]:

@@ -19,15 +19,15 @@ from typing import Any, Callable
 import pytest
 
 from catalog_fields import shown
-from gpuguard.catalog import KINDS
-from gpuguard.conditions import Conditions, log_findings
 from gpuguard.config import load_config
-from gpuguard.daemon import Daemon
-from gpuguard.log import EventLog
+from gpuguard.engine.daemon import Daemon
+from gpuguard.engine.passes import PassContext, Work
+from gpuguard.host.notify import Notifier
+from gpuguard.host.paths import Root
+from gpuguard.journal.catalog import KINDS
+from gpuguard.journal.conditions import Conditions, log_findings
+from gpuguard.journal.log import EventLog
 from gpuguard.model import Finding
-from gpuguard.notify import Notifier
-from gpuguard.passes import PassContext, Work
-from gpuguard.paths import Root
 from gpuguard.steps.checkpoint.actuate import CheckpointActuator
 from gpuguard.steps.checkpoint.reconcile import DeleteCheckpoint, RewriteCheckpoint, sha256
 from gpuguard.steps.device_plugin.reconcile import assess

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from gpuguard.devices import cgroupchild
 from gpuguard.devices.cgroupchild import MAX_REPORT, process_cgroup_dirs, run_in_cgroups
-from gpuguard.paths import Root
+from gpuguard.host.paths import Root
 
 
 def _children() -> list[str]:

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from gpuguard.devices import cgroupnames as n
-from gpuguard.steps.device_plugin.processes import classify_cgroup
+from gpuguard.devices.processes import classify_cgroup
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "gpuguard"
 CID = "a" * 64
@@ -60,5 +60,5 @@ def test_proc_cgroup_is_parsed_once_for_both_readers() -> None:
         for p in sorted(SRC.rglob("*.py"))
         if 'f"/proc/{pid}/cgroup"' in p.read_text()
     ]
-    assert readers == ["devices/cgroupchild.py", "steps/device_plugin/processes.py"]
+    assert readers == ["devices/cgroupchild.py", "devices/processes.py"]
     assert all("parse_proc_cgroup(" in (SRC / r).read_text() for r in readers)

@@ -18,7 +18,7 @@ import pytest
 from conftest import CHECKPOINTS, REPO, log_to_stderr
 from gpuguard import cli, exitcodes
 from gpuguard.checkpoint import marshal, parse, verify
-from gpuguard.inventory import parse_inventory
+from gpuguard.host.inventory import parse_inventory
 from gpuguard.steps.checkpoint.reconcile import DEFAULT_RESOURCES, analyse
 
 CHECKPOINT = "var/lib/kubelet/device-plugins/kubelet_internal_checkpoint"

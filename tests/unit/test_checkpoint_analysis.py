@@ -13,7 +13,7 @@ import pytest
 from conftest import CHECKPOINTS
 from gpuguard.checkpoint import Checkpoint, PodDevicesEntry, marshal, parse, render, spew, verify
 from gpuguard.checkpoint.spew import fnv1a_32
-from gpuguard.inventory import Gpu, Inventory, MigDevice
+from gpuguard.host.inventory import Gpu, Inventory, MigDevice
 from gpuguard.steps.checkpoint.reconcile import (
     DEFAULT_RESOURCES,
     DeleteCheckpoint,

@@ -12,10 +12,10 @@ import pytest
 
 from gpuguard.checkpoint import Checkpoint, PodDevicesEntry, dropped, marshal
 from gpuguard.checkpoint.spew import checksum
+from gpuguard.engine.snapshot import HostSnapshot
 from gpuguard.errors import BadInputError
-from gpuguard.log import EventLog
-from gpuguard.paths import DROPPED_ENTRIES_FILE, Root
-from gpuguard.snapshot import HostSnapshot
+from gpuguard.host.paths import DROPPED_ENTRIES_FILE, Root
+from gpuguard.journal.log import EventLog
 from gpuguard.steps.checkpoint.actuate import CheckpointActuator
 from gpuguard.steps.checkpoint.reconcile import DeleteCheckpoint, RewriteCheckpoint, sha256
 

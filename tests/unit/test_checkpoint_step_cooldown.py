@@ -12,12 +12,12 @@ from typing import Any, List, Optional
 import pytest
 
 from gpuguard.config import Config
+from gpuguard.engine.oneshot import OneShotServices
+from gpuguard.engine.passes import PassContext, Work
 from gpuguard.errors import KubeletError
-from gpuguard.inventory import Inventory, parse_inventory
-from gpuguard.log import EventLog
-from gpuguard.oneshot import OneShotServices
-from gpuguard.passes import PassContext, Work
-from gpuguard.paths import Root
+from gpuguard.host.inventory import Inventory, parse_inventory
+from gpuguard.host.paths import Root
+from gpuguard.journal.log import EventLog
 from gpuguard.steps import checkpoint as check
 from gpuguard.steps.checkpoint import CheckpointStep, CheckReport
 

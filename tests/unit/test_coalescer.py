@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from gpuguard.coalescer import Coalescer
-from gpuguard.passes import Work
+from gpuguard.engine.coalescer import Coalescer
+from gpuguard.engine.passes import Work
 
 A = frozenset({"checkpoint"})
 B = frozenset({"container_access"})

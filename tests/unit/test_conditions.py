@@ -8,13 +8,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gpuguard.conditions import CLEARED_KIND, Conditions, log_findings
 from gpuguard.config import load_config
-from gpuguard.daemon import Daemon
-from gpuguard.log import EventLog
+from gpuguard.engine.daemon import Daemon
+from gpuguard.host.notify import Notifier
+from gpuguard.host.paths import Root
+from gpuguard.journal.conditions import CLEARED_KIND, Conditions, log_findings
+from gpuguard.journal.log import EventLog
 from gpuguard.model import Finding
-from gpuguard.notify import Notifier
-from gpuguard.paths import Root
 
 
 def entries(stream: io.StringIO) -> list[dict[str, Any]]:

@@ -24,7 +24,7 @@ from gpuguard.config import (
 )
 from gpuguard.config.types import MAX_TIMESPAN_USEC, format_timespan, parse_timespan
 from gpuguard.errors import ConfigError
-from gpuguard.paths import CONFIG_DROPIN_DIR, CONFIG_FILE, Root
+from gpuguard.host.paths import CONFIG_DROPIN_DIR, CONFIG_FILE, Root
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -22,15 +22,15 @@ import pytest
 
 from gpuguard.config import Config
 from gpuguard.devices.rules import parse_devices_list
-from gpuguard.log import EventLog
-from gpuguard.oneshot import OneShotServices
-from gpuguard.passes import PassContext, Work
-from gpuguard.paths import Root
+from gpuguard.engine.oneshot import OneShotServices
+from gpuguard.engine.passes import PassContext, Work
+from gpuguard.host.paths import Root
+from gpuguard.host.systemd import Systemd
+from gpuguard.journal.log import EventLog
 from gpuguard.steps.container_access import ContainerAccessStep
 from gpuguard.steps.container_access.observe import AccessView
 from gpuguard.steps.container_access.reconcile import verdicts_from_rules
 from gpuguard.steps.container_access.settle import covered_denials
-from gpuguard.systemd import Systemd
 from unit.test_devices_audit import CID, CTL, GPU0, GPU1, RUNC_LIST, UVM, UVMT, _container, _ent
 
 # devices.list follows the writes as the kernel's would (tests/conftest.py)

@@ -13,10 +13,10 @@ from typing import Any, Optional
 
 from gpuguard.config import Config
 from gpuguard.devices.rules import parse_devices_list
-from gpuguard.log import EventLog
-from gpuguard.oneshot import OneShotServices
-from gpuguard.passes import PassContext, Work
-from gpuguard.paths import Root
+from gpuguard.engine.oneshot import OneShotServices
+from gpuguard.engine.passes import PassContext, Work
+from gpuguard.host.paths import Root
+from gpuguard.journal.log import EventLog
 from gpuguard.steps.container_access import ContainerAccessStep
 from gpuguard.steps.container_access.observe import AccessView
 from gpuguard.steps.container_access.reconcile import verdicts_from_rules

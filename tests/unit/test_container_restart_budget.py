@@ -9,9 +9,9 @@ from typing import Any
 
 from gpuguard.actuate.containers import ContainerStopper
 from gpuguard.config import Config
-from gpuguard.log import EventLog
-from gpuguard.oneshot import OneShotServices
-from gpuguard.paths import Root
+from gpuguard.engine.oneshot import OneShotServices
+from gpuguard.host.paths import Root
+from gpuguard.journal.log import EventLog
 from gpuguard.steps.container_access import ContainerAccessStep
 from gpuguard.steps.container_access.actuate import POD_RESTART_WINDOW
 from gpuguard.steps.container_access.reconcile import RestartContainer

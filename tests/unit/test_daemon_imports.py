@@ -22,10 +22,11 @@ cli._skip_unused_backends()
 import asyncio
 import dbus_next
 from dbus_next.aio import MessageBus
-from gpuguard.daemon import Daemon
+from gpuguard.engine.daemon import Daemon
 from gpuguard.steps.registry import build_steps
-from gpuguard.metrics_state import STATE_FILE, MetricsOutput, MetricsState
-from gpuguard.paths import Root
+from gpuguard.reporting.metrics_output import MetricsOutput
+from gpuguard.reporting.metrics_state import STATE_FILE, MetricsState
+from gpuguard.host.paths import Root
 build_steps()
 root = Root(Path(sys.argv[1]))
 def loaded():
@@ -36,7 +37,7 @@ out = MetricsOutput(MetricsState(), renderer=cli._load_renderer)
 assert out.publish({"number": 1, "duration_ms": 5.0}, {}, root, None) == []
 doc = json.loads(root.path(STATE_FILE).read_text())
 metrics = "ok" if doc["families"]["gpuguard_passes"][0]["value"] == 1.0 else "lost"
-from gpuguard.catalog import message_id
+from gpuguard.journal.catalog import message_id
 from gpuguard.steps.checkpoint.reconcile import sha256
 import hashlib, uuid
 assert sha256(b"x") == "2d711642b726b04401627ca9fbac32f5c8530fb1903cc4db02258717921a4881"
@@ -50,7 +51,7 @@ assert out.publish({"number": 2, "duration_ms": 5.0}, {}, root, "/textfile") == 
 import prometheus_client
 text = root.path("/textfile/gpuguard.prom").read_bytes()
 registry = prometheus_client.CollectorRegistry(auto_describe=False)
-registry.register(sys.modules["gpuguard.metrics"].StateCollector(json.loads(root.path(STATE_FILE).read_text())))
+registry.register(sys.modules["gpuguard.reporting.metrics"].StateCollector(json.loads(root.path(STATE_FILE).read_text())))
 textfile = "prometheus_client" if text == prometheus_client.generate_latest(registry) else "other"
 textfile += "+created" if b"gpuguard_passes_created" in text else ""
 print(default, asyncio.run(asyncio.sleep(0, "ran")), metrics, hashes, textfile,

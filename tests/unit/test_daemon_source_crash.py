@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from gpuguard.config import load_config
-from gpuguard.daemon import Daemon
-from gpuguard.log import EventLog
-from gpuguard.notify import Notifier
-from gpuguard.paths import Root
+from gpuguard.engine.daemon import Daemon
+from gpuguard.host.notify import Notifier
+from gpuguard.host.paths import Root
+from gpuguard.journal.log import EventLog
 
 
 class CrashingSource:

@@ -10,8 +10,8 @@ import pytest
 
 from gpuguard.devices import nodes
 from gpuguard.devices.nodes import DeviceNode, NvidiaMajors, list_nvidia_nodes
-from gpuguard.paths import Root
-from gpuguard.steps.device_plugin.observe import NodeInfo, list_nodes
+from gpuguard.devices.plugins import NodeInfo, list_nodes
+from gpuguard.host.paths import Root
 from unit.test_devices_support import fake_stat, make_node
 
 

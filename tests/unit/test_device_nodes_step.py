@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from conftest import require_root
-from gpuguard.inventory import Gpu, Inventory
-from gpuguard.log import EventLog
-from gpuguard.paths import Root
+from gpuguard.host.inventory import Gpu, Inventory
+from gpuguard.host.paths import Root
+from gpuguard.journal.log import EventLog
 from gpuguard.steps.device_nodes import apply_all, observe_nodes, plan_nodes
 from gpuguard.steps.device_nodes.actuate import DeviceNodeActuator, modprobe_args
 from gpuguard.steps.device_nodes.reconcile import CreateCharLink, CreateDeviceNode, plan

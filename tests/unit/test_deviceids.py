@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpuguard.inventory import Gpu, Inventory, MigDevice
+from gpuguard.host.inventory import Gpu, Inventory, MigDevice
 from gpuguard.steps.checkpoint.deviceids import Matcher, classify
 
 G0 = "GPU-0650a168-e770-3ea8-8ac3-8a1d419763e0"

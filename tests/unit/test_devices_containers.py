@@ -15,7 +15,7 @@ from gpuguard.devices.containers import (
     detect_layout,
     discover_containers,
 )
-from gpuguard.paths import Root
+from gpuguard.host.paths import Root
 
 CID1 = "90d6d4dbe64f821d43e4ef954808089d3f2f63af3fc9824d2c1e719768cd7d18"
 CID2 = "a" * 64

@@ -20,7 +20,7 @@ from gpuguard.devices.entitlement import (
     read_entitlement,
 )
 from gpuguard.devices.nodes import DeviceNode, NvidiaMajors, expected_nodes
-from gpuguard.paths import Root
+from gpuguard.host.paths import Root
 from unit.test_devices_support import fake_stat, make_node
 
 MAJORS = NvidiaMajors(195, 237, 238)

@@ -21,7 +21,7 @@ from gpuguard.devices.nodes import (
     read_loaded_modules,
     read_proc_devices,
 )
-from gpuguard.paths import Root
+from gpuguard.host.paths import Root
 from unit.test_devices_support import fake_stat, make_node
 
 # Driver >= 550.40 (nvidia/nvidiactl names; caps-imex-channels beside nvidia-caps, the

@@ -15,8 +15,8 @@ from gpuguard.doctor.facts import plugin_settings
 from gpuguard.doctor.model import BROKEN, EXPOSED, OK, UNKNOWN, Report
 from gpuguard.doctor.run import run_doctor
 from gpuguard.doctor.textconf import toml_scalars, yaml_top_scalars
-from gpuguard.inventory import Inventory
-from gpuguard.paths import KUBELET_CHECKPOINT, Root
+from gpuguard.host.inventory import Inventory
+from gpuguard.host.paths import KUBELET_CHECKPOINT, Root
 from unit.doctor_support import (
     INVENTORY,
     UUIDS,

@@ -21,11 +21,11 @@ from gpuguard.actuate.dropins import (
     remove_dropin,
     write_device_dropin,
 )
-from gpuguard.paths import Root
+from gpuguard.host.paths import Root
+from gpuguard.host.systemd import SystemdError
 from gpuguard.steps.container_access.actuate import apply_device_allow, apply_dropin_remove
 from gpuguard.steps.container_access.durable import plan_dropin_removal
 from gpuguard.steps.container_access.reconcile import UnitDeviceAllow
-from gpuguard.systemd import SystemdError
 from unit.test_new_scope_read import _scope
 
 UNIT = f"cri-containerd-{'c' * 64}.scope"

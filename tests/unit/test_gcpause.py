@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from gpuguard.config import load_config
-from gpuguard.daemon import Daemon
-from gpuguard.gcpause import collector_paused, freeze_long_lived, thaw
-from gpuguard.log import EventLog
-from gpuguard.notify import Notifier
-from gpuguard.paths import Root
+from gpuguard.engine.daemon import Daemon
+from gpuguard.engine.gcpause import collector_paused, freeze_long_lived, thaw
+from gpuguard.host.notify import Notifier
+from gpuguard.host.paths import Root
+from gpuguard.journal.log import EventLog
 
 SEEN: list[bool] = []
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from gpuguard.paths import KUBELET_CHECKPOINT, Root
+from gpuguard.host.paths import KUBELET_CHECKPOINT, Root
 from gpuguard.steps.gpu_count import observe_counts
 from gpuguard.steps.gpu_count.reconcile import GpuCounts, findings, registered_gpus
 from unit.doctor_support import INVENTORY, UUIDS, pci_gpu, write_checkpoint
@@ -44,9 +44,9 @@ def test_step_logs_and_appends_its_finding(tmp_path: Path) -> None:
     import json
 
     from gpuguard.config import load_config
-    from gpuguard.log import EventLog
-    from gpuguard.oneshot import OneShotServices
-    from gpuguard.passes import PassContext, Work
+    from gpuguard.engine.oneshot import OneShotServices
+    from gpuguard.engine.passes import PassContext, Work
+    from gpuguard.journal.log import EventLog
     from gpuguard.steps.gpu_count import GpuCountStep
 
     pci_gpu(tmp_path, "0000:10:00.0")

@@ -19,9 +19,9 @@ from typing import List, Optional
 import pytest
 
 from conftest import require_root
-from gpuguard.hooks import OUTPUT_LIMIT, HookResult, plan_hooks, run_hooks
+from gpuguard.engine.hooks import OUTPUT_LIMIT, HookResult, plan_hooks, run_hooks
+from gpuguard.host.paths import HOOKS_DIR, Root
 from gpuguard.model import Action, Finding, Outcome
-from gpuguard.paths import HOOKS_DIR, Root
 
 NOBODY = 65534
 

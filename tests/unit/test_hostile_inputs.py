@@ -28,7 +28,7 @@ from fakenode import (
     write,
 )
 from gpuguard import cli, exitcodes
-from gpuguard.numparse import parse_decimal
+from gpuguard.host.numparse import parse_decimal
 from gpuguard.steps.checkpoint.deviceids import classify
 
 STALE = CHECKPOINTS / "numa-blog-04.json"  # names a GPU the inventory below lacks

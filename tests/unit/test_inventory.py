@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from gpuguard.errors import BadInputError, NoDriverError
-from gpuguard.inventory import load_inventory_file, load_nvml_inventory
+from gpuguard.host.inventory import load_inventory_file, load_nvml_inventory
 
 GOOD = {
     "gpus": [

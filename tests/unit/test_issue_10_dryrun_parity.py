@@ -26,10 +26,11 @@ from gpuguard.checkpoint.spew import checksum
 from gpuguard.config import load_config
 from gpuguard.devices import nodes
 from gpuguard.devices.rules import RUNC_DEFAULT_RULES
-from gpuguard.log import EventLog
-from gpuguard.notify import Notifier
-from gpuguard.passes import STEP_ORDER, Work
-from gpuguard.paths import Root
+from gpuguard.engine.passes import Work
+from gpuguard.host.notify import Notifier
+from gpuguard.host.paths import Root
+from gpuguard.journal.log import EventLog
+from gpuguard.steps.registry import STEP_ORDER
 from unit.test_devices_support import fake_stat, make_node
 
 # devices.list follows the writes as the kernel's would (tests/conftest.py)
@@ -176,7 +177,7 @@ def test_issue_10_dry_run_parity_a_daemon_pass_after_the_repair_grants_nothing_d
     assert real["result"] == "repaired" and GPU_B_RULE not in _granted(root)
     _wiped_again(root)
 
-    from gpuguard.daemon import Daemon
+    from gpuguard.engine.daemon import Daemon
     from gpuguard.steps import build_steps
 
     steps = build_steps()

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import CHECKPOINTS, log_to_stderr
 from gpuguard import cli, exitcodes
-from gpuguard.paths import Root
+from gpuguard.host.paths import Root
 from gpuguard.steps.checkpoint import kubelet_hook as kh
 
 CHECKPOINT = "var/lib/kubelet/device-plugins/kubelet_internal_checkpoint"

@@ -11,8 +11,8 @@ import pytest
 
 from conftest import CHECKPOINTS, log_to_stderr
 from gpuguard import cli, exitcodes
-from gpuguard.inventory import parse_inventory
-from gpuguard.paths import Root
+from gpuguard.host.inventory import parse_inventory
+from gpuguard.host.paths import Root
 from gpuguard.steps.checkpoint import kubelet_hook as kh
 from gpuguard.steps.checkpoint import memo
 

@@ -20,7 +20,14 @@ from gpuguard.steps import registry
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "gpuguard"
 # Modules a reconciler must not import: the OS, commands, D-Bus, anything that writes.
-FORBIDDEN = ("os", "subprocess", "shutil", "gpuguard.commands", "gpuguard.systemd", "dbus_next")
+FORBIDDEN = (
+    "os",
+    "subprocess",
+    "shutil",
+    "gpuguard.host.commands",
+    "gpuguard.host.systemd",
+    "dbus_next",
+)
 # Pure helpers of a reconciler, held to the same rule.
 PURE = (
     SRC / "steps/checkpoint/deviceids.py",
@@ -88,9 +95,9 @@ def test_reconcile_modules_import_nothing_that_acts(path: Path) -> None:
         "import os.path",
         "from os import listdir",
         "import subprocess",
-        "from gpuguard.commands import run",
-        "from gpuguard import commands",
-        "from gpuguard.systemd import Systemd",
+        "from gpuguard.host.commands import run",
+        "from gpuguard.host import commands",
+        "from gpuguard.host.systemd import Systemd",
         "from gpuguard.steps.checkpoint.actuate import CheckpointActuator",
         "from gpuguard.steps.checkpoint import actuate",
         "from gpuguard.actuate.files import write_new",
@@ -108,7 +115,12 @@ def test_pure_imports_pass() -> None:
 
 # Libraries of host and format knowledge: the steps share them, they know no step.
 LIBRARIES = ("devices", "checkpoint")
-LIBRARY_FORBIDDEN = ("gpuguard.steps", "gpuguard.actuate", "gpuguard.systemd", "gpuguard.commands")
+LIBRARY_FORBIDDEN = (
+    "gpuguard.steps",
+    "gpuguard.actuate",
+    "gpuguard.host.systemd",
+    "gpuguard.host.commands",
+)
 
 
 @pytest.mark.parametrize(

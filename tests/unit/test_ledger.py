@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpuguard.ledger import RECENT_WINDOW, Ledger
 from gpuguard.model import Action, Finding, Outcome
+from gpuguard.reporting.ledger import RECENT_WINDOW, Ledger
 
 
 @dataclass(frozen=True)

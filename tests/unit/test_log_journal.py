@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuguard.catalog import message_id
-from gpuguard.log import FORMAT_ENV, EventLog, journal_sender
+from gpuguard.journal.catalog import message_id
+from gpuguard.journal.log import FORMAT_ENV, EventLog, journal_sender
 
 
 def parse_native(data: bytes) -> dict[str, str]:

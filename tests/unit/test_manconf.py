@@ -10,14 +10,16 @@ from pathlib import Path
 
 from conftest import REPO
 from gpuguard.config import KEYS, ConfigError, load_config
-from gpuguard.manconf import render
-from gpuguard.paths import Root
+from gpuguard.config.manconf import render
+from gpuguard.host.paths import Root
 
 MAN = REPO / "docs/gpuguard.conf.5"
 
 
 def test_man_page_is_current() -> None:
-    assert MAN.read_text() == render(), "run: python -m gpuguard.manconf > docs/gpuguard.conf.5"
+    assert MAN.read_text() == render(), (
+        "run: python -m gpuguard.config.manconf > docs/gpuguard.conf.5"
+    )
 
 
 def test_man_page_has_every_key_with_its_default() -> None:

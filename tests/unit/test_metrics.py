@@ -18,17 +18,17 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO
 from gpuguard import cli
-from gpuguard.metrics import render, render_file
-from gpuguard.metrics_http import CONTENT_TYPE, listen, make_server
-from gpuguard.metrics_state import (
+from gpuguard.host.paths import Root
+from gpuguard.reporting.metrics import render, render_file
+from gpuguard.reporting.metrics_http import CONTENT_TYPE, listen, make_server
+from gpuguard.reporting.metrics_output import MetricsOutput
+from gpuguard.reporting.metrics_state import (
     MISSING_LIBRARY,
     STATE_FILE,
     STATE_MAX,
     TEXTFILE_NAME,
-    MetricsOutput,
     MetricsState,
 )
-from gpuguard.paths import Root
 
 
 def outcome(kind: str, status: str) -> dict[str, Any]:
@@ -255,7 +255,7 @@ def test_cli_metrics_prints_the_rendered_state_or_one_line(
 def test_a_metrics_bug_is_logged_once_and_never_raised(tmp_path: Path) -> None:
     import io
 
-    from gpuguard.log import EventLog
+    from gpuguard.journal.log import EventLog
 
     class Broken(MetricsState):
         def observe_pass(self, last_pass: Any, status: Any) -> None:
@@ -276,8 +276,9 @@ import sys
 sys.modules["prometheus_client"] = None  # as on a host without python3-prometheus-client
 from pathlib import Path
 from gpuguard.cli import main
-from gpuguard.metrics_state import MetricsOutput, MetricsState
-from gpuguard.paths import Root
+from gpuguard.reporting.metrics_output import MetricsOutput
+from gpuguard.reporting.metrics_state import MetricsState
+from gpuguard.host.paths import Root
 root = Path(sys.argv[1])
 errors = MetricsOutput(MetricsState()).publish({"number": 1}, {}, Root(root), "/textfile")
 print(*errors, sep="\\n")

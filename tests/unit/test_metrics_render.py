@@ -15,15 +15,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuguard import __version__
-from gpuguard.metrics import render
-from gpuguard.metrics_state import (
+from gpuguard.reporting.metrics import render
+from gpuguard.reporting.metrics_state import (
     DENIED_KINDS,
     PASS_BUCKETS,
     RELOAD_BUCKETS,
     REPAIR_HISTOGRAM,
     MetricsState,
 )
-from gpuguard.npd import CONDITIONS, DEFAULT_MAX_AGE, OK, PROBLEM, evaluate
+from gpuguard.reporting.npd import CONDITIONS, DEFAULT_MAX_AGE, OK, PROBLEM, evaluate
 from gpuguard.steps.registry import CONTAINER_ACCESS, GPU_COUNT
 from unit.test_metrics import DENIED, a_pass, outcome
 

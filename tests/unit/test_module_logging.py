@@ -15,8 +15,8 @@ import pytest
 from gpuguard import cli
 from gpuguard.devices.containers import CgroupLayout, discover_containers
 from gpuguard.devices.nodes import read_proc_devices
-from gpuguard.log import EventLog
-from gpuguard.paths import Root
+from gpuguard.host.paths import Root
+from gpuguard.journal.log import EventLog
 
 
 def lines(out: io.StringIO) -> list[dict[str, Any]]:

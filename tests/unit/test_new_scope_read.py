@@ -11,7 +11,7 @@ import pytest
 
 from gpuguard.devices.containers import CgroupLayout, find_scope, with_fresh_pids
 from gpuguard.devices.entitlement import own_dev_pending
-from gpuguard.paths import Root
+from gpuguard.host.paths import Root
 from gpuguard.steps.container_access.newscope import PodDeviceIds, read_new_scope
 
 CID = "c" * 64
@@ -106,7 +106,7 @@ def test_durable_grants_off_leaves_new_scopes_to_the_pass() -> None:
     import dataclasses
 
     from gpuguard.config import Config
-    from gpuguard.log import EventLog
+    from gpuguard.journal.log import EventLog
     from gpuguard.steps.container_access import ContainerAccessStep
 
     cfg = Config()

@@ -11,9 +11,9 @@ from typing import Any, Optional
 import pytest
 
 from gpuguard.config import Config
-from gpuguard.log import EventLog
+from gpuguard.host.paths import Root
+from gpuguard.journal.log import EventLog
 from gpuguard.model import Outcome
-from gpuguard.paths import Root
 from gpuguard.steps.container_access import newscope
 from gpuguard.steps.container_access.durable import plan_durable
 from gpuguard.steps.container_access.newscope import NewScope, NewScopes

@@ -3,7 +3,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from gpuguard.notify import Notifier, watchdog_interval
+from gpuguard.host.notify import Notifier, watchdog_interval
 
 
 def test_notify_datagram(tmp_path: Path) -> None:

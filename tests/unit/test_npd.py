@@ -13,8 +13,10 @@ from typing import Any
 import jsonschema
 import pytest
 
-from gpuguard import cli, passes
-from gpuguard.npd import (
+from gpuguard import cli
+from gpuguard.engine import passes
+from gpuguard.host.paths import Root
+from gpuguard.reporting.npd import (
     CONDITIONS,
     DEFAULT_MAX_LENGTH,
     OK,
@@ -25,7 +27,6 @@ from gpuguard.npd import (
     monitor_config,
     one_line,
 )
-from gpuguard.paths import Root
 from unit.doctor_support import DAEMON_PID, status_file, write
 from unit.npd_schema import SCHEMA, npd_semantic_errors
 

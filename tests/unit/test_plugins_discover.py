@@ -9,14 +9,10 @@ from pathlib import Path
 import pytest
 
 from gpuguard.devices import nodes
-from gpuguard.paths import Root
-from gpuguard.steps.device_plugin.observe import (
-    container_init_pid,
-    discover_plugins,
-    kubelet_started,
-    parse_unix_table,
-    process_start,
-)
+from gpuguard.devices.plugins import discover_plugins, parse_unix_table
+from gpuguard.devices.processes import container_init_pid, process_start
+from gpuguard.host.paths import Root
+from gpuguard.steps.device_plugin.observe import kubelet_started
 
 BTIME = 1_700_000_000
 CID = "c" * 64

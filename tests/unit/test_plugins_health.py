@@ -8,17 +8,10 @@ from typing import Optional
 import pytest
 
 from gpuguard.devices.nodes import ROLE_OTHER
-from gpuguard.paths import Root
-from gpuguard.steps.device_plugin.observe import (
-    ContainerDev,
-    NodeInfo,
-    PluginInfo,
-    PluginObservation,
-    ProcessInfo,
-    classify_cgroup,
-    process_info,
-    resource_for_socket,
-)
+from gpuguard.devices.plugins import NodeInfo, PluginInfo, resource_for_socket
+from gpuguard.devices.processes import ProcessInfo, classify_cgroup, process_info
+from gpuguard.host.paths import Root
+from gpuguard.steps.device_plugin.observe import ContainerDev, PluginObservation
 from gpuguard.steps.device_plugin.reconcile import (
     CAUSE_STALE,
     CAUSE_UNREGISTERED,

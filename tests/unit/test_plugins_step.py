@@ -17,20 +17,17 @@ import gpuguard.steps.device_plugin as step_mod
 from gpuguard.actuate.containers import ContainerStopper
 from gpuguard.config import Config, DevicePluginConfig
 from gpuguard.devices.nodes import ROLE_OTHER
-from gpuguard.log import EventLog
+from gpuguard.devices.plugins import NodeInfo, PluginInfo
+from gpuguard.devices.processes import ProcessInfo
+from gpuguard.engine.oneshot import OneShotServices
+from gpuguard.engine.passes import Work
+from gpuguard.engine.snapshot import HostSnapshot
+from gpuguard.host.paths import Root
+from gpuguard.journal.log import EventLog
 from gpuguard.model import Finding, Outcome
-from gpuguard.oneshot import OneShotServices
-from gpuguard.passes import Work
-from gpuguard.paths import Root
-from gpuguard.snapshot import HostSnapshot
 from gpuguard.steps.device_plugin import DevicePluginStep
 from gpuguard.steps.device_plugin.actuate import PluginRestarter, RestartResult, Verification
-from gpuguard.steps.device_plugin.observe import (
-    NodeInfo,
-    PluginInfo,
-    PluginObservation,
-    ProcessInfo,
-)
+from gpuguard.steps.device_plugin.observe import PluginObservation
 from gpuguard.steps.device_plugin.reconcile import RestartPlugin
 
 T0 = 1_700_000_000.0

@@ -19,10 +19,10 @@ from dbus_next import Message, MessageType, Variant
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuguard.log import EventLog
+from gpuguard.host.systemd import MANAGER
+from gpuguard.journal.log import EventLog
 from gpuguard.sources.dbuswire import FIXED, WireError, auth_request, header, reloading
 from gpuguard.sources.reload_socket import PrivateReloadWatch
-from gpuguard.systemd import MANAGER
 
 PATH = "/org/freedesktop/systemd1"
 

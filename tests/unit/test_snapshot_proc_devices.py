@@ -11,12 +11,12 @@ import pytest
 
 from gpuguard.config import Config
 from gpuguard.devices import nodes
-from gpuguard.inventory import Inventory
-from gpuguard.log import EventLog
-from gpuguard.oneshot import OneShotServices
-from gpuguard.passes import PassContext, Work
-from gpuguard.paths import Root
-from gpuguard.snapshot import HostSnapshot
+from gpuguard.engine.oneshot import OneShotServices
+from gpuguard.engine.passes import PassContext, Work
+from gpuguard.engine.snapshot import HostSnapshot
+from gpuguard.host.inventory import Inventory
+from gpuguard.host.paths import Root
+from gpuguard.journal.log import EventLog
 from gpuguard.steps.registry import CONTAINER_ACCESS, DEVICE_NODES, STEPS, build_steps
 from unit.test_device_nodes_step import INV, _root
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gpuguard import cli
-from gpuguard.summary import render, summarize
+from gpuguard.reporting.summary import render, summarize
 from unit.doctor_support import status_file
 from unit.test_npd import finding, steps
 

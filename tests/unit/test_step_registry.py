@@ -12,15 +12,15 @@ from typing import Any
 import pytest
 
 from gpuguard.config import load_config
-from gpuguard.daemon import Daemon
-from gpuguard.log import EventLog
-from gpuguard.notify import Notifier
-from gpuguard.passes import STEP_ORDER, PassContext, Services, Work
-from gpuguard.paths import Root
+from gpuguard.engine.daemon import Daemon
+from gpuguard.engine.passes import PassContext, Services, Work
+from gpuguard.host.notify import Notifier
+from gpuguard.host.paths import Root
+from gpuguard.journal.log import EventLog
 from gpuguard.sources import systemd as systemd_source
 from gpuguard.sources import udev as udev_source
 from gpuguard.steps import registry
-from gpuguard.steps.registry import StepSpec, UnknownStepError, build_steps
+from gpuguard.steps.registry import STEP_ORDER, StepSpec, UnknownStepError, build_steps
 
 RAN: list[str] = []
 
@@ -149,7 +149,11 @@ def test_sources_and_the_daemon_spell_no_step_name_themselves() -> None:
     import ast
 
     src = Path(registry.__file__).resolve().parents[1]
-    files = [*sorted((src / "sources").glob("*.py")), src / "daemon.py", src / "oneshot.py"]
+    files = [
+        *sorted((src / "sources").glob("*.py")),
+        src / "engine/daemon.py",
+        src / "engine/oneshot.py",
+    ]
     found = []
     for path in files:
         for node in ast.walk(ast.parse(path.read_text())):

@@ -8,7 +8,7 @@ from typing import Any
 
 from dbus_next import Message, MessageType
 
-from gpuguard.systemd import MANAGER, Systemd
+from gpuguard.host.systemd import MANAGER, Systemd
 
 JOB = "/org/freedesktop/systemd1/job/42"
 ADDR = "unix:path=/nonexistent"  # never connected: call() is replaced

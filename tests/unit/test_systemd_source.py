@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 from dbus_next import Message, MessageType, Variant
 
-from gpuguard.log import EventLog
+from gpuguard.host.systemd import MANAGER, PROPS, UNIT
+from gpuguard.journal.log import EventLog
 from gpuguard.sources.systemd import ALL, SystemdSource, unit_object_path
-from gpuguard.systemd import MANAGER, PROPS, UNIT
 
 
 class Recorder:
@@ -188,7 +188,7 @@ def test_new_container_scope_is_announced_not_marked() -> None:
 def test_unit_new_is_not_listened_to() -> None:
     """A reload brings a UnitNew per unit, all parsed before its Reloading(false): the
     client no longer asks for them."""
-    from gpuguard.systemd import MANAGER_SIGNALS
+    from gpuguard.host.systemd import MANAGER_SIGNALS
 
     assert "UnitNew" not in MANAGER_SIGNALS and "JobRemoved" in MANAGER_SIGNALS
     src, rec = _source()
@@ -271,7 +271,7 @@ def test_every_delivery_is_counted_per_path_and_each_reload_acted_on_once() -> N
 
 def test_a_bug_in_the_private_watch_ends_the_source() -> None:
     """Not swallowed while the bus goes on: the daemon surfaces it and exits 70."""
-    from gpuguard.systemd import SystemdError
+    from gpuguard.host.systemd import SystemdError
 
     class Crashing(FakeWatch):
         async def run(self) -> None:

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from gpuguard import threadclock
-from gpuguard.threadclock import ThreadClock, thread_clock
+from gpuguard.host import threadclock
+from gpuguard.host.threadclock import ThreadClock, thread_clock
 
 
 def test_work_shows_as_time_on_a_cpu() -> None:

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from gpuguard.actuate.units import FAILED_KIND, UnitJob, UnitJobs, Verb
-from gpuguard.catalog import KINDS, message_id
-from gpuguard.log import EventLog
-from gpuguard.systemd import SystemdError, UnitState
+from gpuguard.host.systemd import SystemdError, UnitState
+from gpuguard.journal.catalog import KINDS, message_id
+from gpuguard.journal.log import EventLog
 
 
 class FakeSystemd:

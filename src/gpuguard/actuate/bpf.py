@@ -59,7 +59,7 @@ from gpuguard.devices.probe import (
     open_cgroup,
     query_device_programs,
 )
-from gpuguard.safeio import UnsafeFileError, read_kernel_text
+from gpuguard.host.safeio import UnsafeFileError, read_kernel_text
 
 BPF_F_ALLOW_MULTI = 2
 BPF_F_REPLACE = 4  # with ALLOW_MULTI: replace the program given by replace_bpf_fd

@@ -4,7 +4,7 @@ The one implementation, for the container access step's V2Remedy=restart-contain
 for device plugin restarts: ``crictl --runtime-endpoint EP stop --timeout N ID`` when
 crictl exists, else (or when crictl failed) containerd's own client,
 ``ctr --address SOCK -n NAMESPACE task kill -s SIGTERM ID`` (kubelet's containers live
-in containerd namespace ``k8s.io``). Every command runs with a timeout (commands.py).
+in containerd namespace ``k8s.io``). Every command runs with a timeout (host/commands.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from gpuguard.commands import run_async
+from gpuguard.host.commands import run_async
 
 
 @dataclass(frozen=True)

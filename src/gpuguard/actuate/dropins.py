@@ -35,8 +35,8 @@ from typing import Optional, Sequence
 
 from gpuguard.actuate.files import UnsafeDirError, write_new
 from gpuguard.devices.cgroupnames import ANY_CONTAINER_SCOPE, scope_of_dropin_dir
-from gpuguard.paths import Root
-from gpuguard.safeio import UnsafeFileError, read_bytes
+from gpuguard.host.paths import Root
+from gpuguard.host.safeio import UnsafeFileError, read_bytes
 
 DROPIN_DIR = "/run/systemd/system"
 DROPIN_NAME = "60-gpuguard-devices.conf"

@@ -12,7 +12,7 @@ with its reason:
   `kubelet-restart`, `plugin-restarted` ...) when systemd answers "done", else
   `unit-job-failed`, both with the reason, UNIT, JOB_RESULT and the caller's fields.
 
-A job is queued with mode "replace" and awaited to its end (systemd.py bounds the wait);
+A job is queued with mode "replace" and awaited to its end (host/systemd.py bounds the wait);
 a bus or systemd error becomes the result's `error`, never an exception, so each caller
 decides what a failed job means for its step (its own entry for that consequence).
 """
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Mapping, Optional
 
 if TYPE_CHECKING:  # dbus-next costs import time; a healthy node never needs it
-    from gpuguard.log import EventLog
-    from gpuguard.systemd import Systemd
+    from gpuguard.host.systemd import Systemd
+    from gpuguard.journal.log import EventLog
 
 Verb = Literal["restart", "stop", "start"]
 MEMBER = {"restart": "RestartUnit", "stop": "StopUnit", "start": "StartUnit"}
@@ -78,7 +78,7 @@ class UnitJobs:
         states = _ALREADY.get(job.verb)
         if states is None:
             return False
-        from gpuguard.systemd import SystemdError
+        from gpuguard.host.systemd import SystemdError
 
         try:
             state = await self.systemd.unit_state(job.unit)
@@ -87,12 +87,12 @@ class UnitJobs:
         return state.load_state == "loaded" and state.active_state in states
 
     async def run(self, job: UnitJob, *, timeout: Optional[float] = None) -> JobResult:
-        """Queue ``job`` and await its result (``timeout``: None, systemd.py's wait)."""
+        """Queue ``job`` and await its result (``timeout``: None, host/systemd.py's wait)."""
         if self.dry_run:
             return JobResult(job.verb, job.unit, "", dry_run=True)
         if await self._already(job):
             return JobResult(job.verb, job.unit, "done", already=True)
-        from gpuguard.systemd import SystemdError
+        from gpuguard.host.systemd import SystemdError
 
         call = {
             "restart": self.systemd.restart_unit,

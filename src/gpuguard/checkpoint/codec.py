@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from gpuguard.checkpoint import spew
 from gpuguard.checkpoint.model import Checkpoint, PodDevicesEntry
 from gpuguard.errors import BadInputError
-from gpuguard.numparse import clip, cut, parse_decimal
+from gpuguard.host.numparse import clip, cut, parse_decimal
 
 NEXT_STEP = "restore a backup from /var/lib/gpuguard/backups or let kubelet rebuild it"
 

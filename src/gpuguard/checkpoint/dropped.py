@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from gpuguard import safeio
 from gpuguard.checkpoint.model import PodDevicesEntry
 from gpuguard.errors import BadInputError
+from gpuguard.host import safeio
 
 MAX_RECORDS = 4096
 MAX_BYTES = 8 * 1024 * 1024

@@ -11,10 +11,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuguard import safeio
 from gpuguard.checkpoint import codec, spew
 from gpuguard.checkpoint.model import Checkpoint
 from gpuguard.errors import BadInputError
+from gpuguard.host import safeio
 
 DEFAULT_MAX_BYTES = safeio.CHECKPOINT_MAX
 

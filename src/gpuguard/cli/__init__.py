@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
         "problem is present), 2 unknown (no or unreadable status, daemon gone, result too "
         "old). The first output line is the message.",
     )
-    from gpuguard.npd import CONDITIONS, DEFAULT_MAX_AGE, DEFAULT_MAX_LENGTH
+    from gpuguard.reporting.npd import CONDITIONS, DEFAULT_MAX_AGE, DEFAULT_MAX_LENGTH
 
     npd.add_argument("condition", choices=[c.name for c in CONDITIONS])
     me = sub.add_parser(
@@ -220,16 +220,16 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_catalog(args: argparse.Namespace) -> int:
-    from gpuguard.catalog import render_catalog
+    from gpuguard.journal.catalog import render_catalog
 
     sys.stdout.write(render_catalog())
     return exitcodes.OK
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from gpuguard.commands import run
     from gpuguard.doctor.run import run_doctor
-    from gpuguard.inventory import load_inventory
+    from gpuguard.host.commands import run
+    from gpuguard.host.inventory import load_inventory
 
     root = _root(args)
     cfg = _config(args, root)
@@ -247,7 +247,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_npd(args: argparse.Namespace) -> int:
-    from gpuguard.npd import answer, one_line
+    from gpuguard.reporting.npd import answer, one_line
 
     code, message = answer(_root(args), args.condition, max_age=args.max_age)
     print(one_line(message, args.max_length))
@@ -255,8 +255,8 @@ def cmd_npd(args: argparse.Namespace) -> int:
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
-    from gpuguard.metrics_http import print_file, serve
-    from gpuguard.metrics_state import STATE_FILE
+    from gpuguard.reporting.metrics_http import print_file, serve
+    from gpuguard.reporting.metrics_state import STATE_FILE
 
     path = _root(args).path(STATE_FILE)
     return serve(path, args.listen) if args.serve else print_file(path)
@@ -296,7 +296,7 @@ def _debug_wanted(args: Optional[argparse.Namespace]) -> bool:
 def internal_error(e: BaseException, *, trace: bool) -> int:
     """The one line for a bug (exit 70, never 1: 1 means "problems left"); the trace only
     when asked for, since a hostile input must never print pages of Python."""
-    from gpuguard.numparse import cut
+    from gpuguard.host.numparse import cut
 
     if trace:
         import traceback

@@ -13,7 +13,7 @@ def _opt(args: argparse.Namespace, name: str, default: Any = None) -> Any:
 
 
 def _log(args: argparse.Namespace, cfg: Any = None, root: Any = None) -> Any:
-    from gpuguard.log import EventLog
+    from gpuguard.journal.log import EventLog
 
     default = cfg.daemon.log_level if cfg is not None else "info"
     log = EventLog.auto(
@@ -28,7 +28,7 @@ def _log(args: argparse.Namespace, cfg: Any = None, root: Any = None) -> Any:
 
 
 def _root(args: argparse.Namespace) -> Any:
-    from gpuguard.paths import Root
+    from gpuguard.host.paths import Root
 
     # abspath, not resolve(): /proc/<pid>/root (another mount namespace's root) is a
     # magic link that resolves to "/", which would silently mean this host's files.

@@ -36,7 +36,7 @@ def _simulation(args: argparse.Namespace) -> str:
 
 def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
     from gpuguard.errors import NoDriverError
-    from gpuguard.inventory import load_inventory
+    from gpuguard.host.inventory import load_inventory
 
     cfg = _config(args, root)
     k = cfg.kubelet
@@ -75,8 +75,8 @@ def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
         kubelet_stopped=args.kubelet_stopped,
         simulation=_simulation(args),
     )
-    from gpuguard.oneshot import driver_loaded
-    from gpuguard.snapshot import HostSnapshot
+    from gpuguard.engine.oneshot import driver_loaded
+    from gpuguard.engine.snapshot import HostSnapshot
 
     # One snapshot for the whole run, and the steps in the daemon's order
     # (registry.CHECK_ORDER): the device steps, then the checkpoint.
@@ -85,9 +85,9 @@ def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
     if args.only is None and driver_loaded(root) and _checkpoint_usable(snapshot):
         import asyncio
 
-        from gpuguard.oneshot import OneShotServices, run_device_steps
+        from gpuguard.engine.oneshot import OneShotServices, run_device_steps
+        from gpuguard.host.systemd import bus_address_for
         from gpuguard.steps.container_access.reconcile import FINDING_UNREADABLE
-        from gpuguard.systemd import bus_address_for
 
         svc = OneShotServices(
             root, cfg, log, settings.dry_run, _opt(args, "bus") or bus_address_for(root.prefix)

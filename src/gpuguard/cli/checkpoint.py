@@ -33,7 +33,7 @@ def _entry_json(e: Any) -> dict[str, Any]:
 def cmd_checkpoint_inspect(args: argparse.Namespace) -> int:
     from gpuguard.checkpoint import load
     from gpuguard.errors import BadInputError, NoDriverError
-    from gpuguard.inventory import load_inventory
+    from gpuguard.host.inventory import load_inventory
     from gpuguard.steps.checkpoint.reconcile import analyse
 
     root = _root(args)

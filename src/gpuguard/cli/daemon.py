@@ -10,7 +10,7 @@ from gpuguard.cli.args import _config, _log, _opt, _root
 from gpuguard.errors import GpuguardError
 
 if TYPE_CHECKING:
-    from gpuguard.metrics_state import Render
+    from gpuguard.reporting.metrics_state import Render
 
 # Optional backends the daemon's libraries load when they are installed and the daemon
 # never uses (RSS at idle, bench/README.md): dbus-next's GLib main loop (PyGObject, ~4 MB
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 # ~2 MB: the daemon speaks TLS to nobody). Marked absent before the first import, each
 # library takes the ImportError path it has for hosts without them. prometheus_client
 # needs `ssl` (its exposition module imports it): _load_renderer() lets it load for the
-# one configuration that renders in the daemon (metrics_state.py).
+# one configuration that renders in the daemon (reporting/metrics_state.py).
 UNUSED_IN_DAEMON = ("gi", "ssl")
 # OpenSSL's hashes (libcrypto, ~3 MB) where Python has its own sha1 and sha256 built in:
 # hashlib then uses those (MESSAGE_IDs, checkpoint digests: 5.6 ms per MB instead of 1.0).
@@ -39,7 +39,7 @@ def _load_renderer() -> Render:
     """metrics.render for `[Metrics] TextfileDirectory=`, `ssl` allowed back first."""
     if "ssl" in sys.modules and sys.modules["ssl"] is None:
         del sys.modules["ssl"]
-    from gpuguard.metrics_state import load_renderer
+    from gpuguard.reporting.metrics_output import load_renderer
 
     return load_renderer()
 
@@ -48,12 +48,13 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     _skip_unused_backends()
     import asyncio
 
-    from gpuguard.daemon import Daemon
-    from gpuguard.metrics_state import MetricsOutput, MetricsState
-    from gpuguard.notify import Notifier
+    from gpuguard.engine.daemon import Daemon
+    from gpuguard.host.notify import Notifier
+    from gpuguard.host.systemd import bus_address_for
+    from gpuguard.reporting.metrics_output import MetricsOutput
+    from gpuguard.reporting.metrics_state import MetricsState
     from gpuguard.sources import build_sources
     from gpuguard.steps.registry import build_steps
-    from gpuguard.systemd import bus_address_for
 
     root = _root(args)
     try:

@@ -17,9 +17,9 @@ MECHANISM_TEXT = {
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from gpuguard.engine.oneshot import container_status, daemon_status
     from gpuguard.errors import NoDriverError
-    from gpuguard.inventory import load_inventory
-    from gpuguard.oneshot import container_status, daemon_status
+    from gpuguard.host.inventory import load_inventory
 
     root = _root(args)
     cfg = _config(args, root)
@@ -27,7 +27,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         inventory = load_inventory(_inventory_path(args, cfg))
     except NoDriverError:
         inventory = None
-    from gpuguard.summary import node_summary, render
+    from gpuguard.reporting.summary import node_summary, render
 
     rows = container_status(root, cfg, inventory)
     daemon = daemon_status(root)

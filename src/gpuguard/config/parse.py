@@ -28,7 +28,6 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Dict, List, Sequence, Tuple
 
-from gpuguard import safeio
 from gpuguard.config.schema import (
     _BY_SECTION,
     _SECTIONS,
@@ -39,8 +38,9 @@ from gpuguard.config.schema import (
 )
 from gpuguard.config.types import format_timespan
 from gpuguard.errors import ConfigError
-from gpuguard.numparse import clip, cut
-from gpuguard.paths import CONFIG_DROPIN_DIR, CONFIG_FILE, Root
+from gpuguard.host import safeio
+from gpuguard.host.numparse import clip, cut
+from gpuguard.host.paths import CONFIG_DROPIN_DIR, CONFIG_FILE, Root
 
 
 @dataclass(frozen=True)

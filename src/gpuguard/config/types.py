@@ -13,7 +13,7 @@ import re
 from fractions import Fraction
 from typing import Any, Tuple
 
-from gpuguard.numparse import clip, cut, parse_decimal
+from gpuguard.host.numparse import clip, cut, parse_decimal
 
 
 class ValueType:

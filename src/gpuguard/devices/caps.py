@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Optional
 
 from gpuguard.devices.nodes import MAX_MINOR
-from gpuguard.numparse import parse_decimal
-from gpuguard.paths import Root
-from gpuguard.safeio import UnsafeFileError, read_kernel_text
+from gpuguard.host.numparse import parse_decimal
+from gpuguard.host.paths import Root
+from gpuguard.host.safeio import UnsafeFileError, read_kernel_text
 
 log = logging.getLogger(__name__)
 

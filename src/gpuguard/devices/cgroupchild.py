@@ -34,8 +34,8 @@ from typing import Callable, Optional, Sequence
 
 from gpuguard.devices.cgroupnames import parse_proc_cgroup
 from gpuguard.devices.containers import detect_layout
-from gpuguard.paths import Root
-from gpuguard.safeio import proc_text
+from gpuguard.host.paths import Root
+from gpuguard.host.safeio import proc_text
 
 # Report frame: status (1 byte), errno (int32), payload length (uint32), payload.
 _HEADER = struct.Struct("<BiI")

@@ -40,9 +40,9 @@ from gpuguard.devices.cgroupnames import (
     SYSTEMD_QOS,
     systemd_pod_uid,
 )
-from gpuguard.numparse import clip, parse_decimal
-from gpuguard.paths import Root
-from gpuguard.safeio import CGROUP_MAX, PROC_MAX, UnsafeFileError, read_bytes, read_kernel_text
+from gpuguard.host.numparse import clip, parse_decimal
+from gpuguard.host.paths import Root
+from gpuguard.host.safeio import CGROUP_MAX, PROC_MAX, UnsafeFileError, read_bytes, read_kernel_text
 
 log = logging.getLogger(__name__)
 

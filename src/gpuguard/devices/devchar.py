@@ -15,7 +15,7 @@ from typing import Sequence
 
 from gpuguard.devices import nodes as devnodes
 from gpuguard.devices.nodes import DeviceNode
-from gpuguard.paths import Root
+from gpuguard.host.paths import Root
 
 
 def dev_char_link(node: DeviceNode) -> tuple[str, str]:

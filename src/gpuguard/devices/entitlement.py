@@ -35,8 +35,8 @@ from gpuguard.devices.nodes import (
     NvidiaMajors,
     list_nvidia_nodes,
 )
-from gpuguard.paths import Root
-from gpuguard.safeio import PROC_MAX, UnsafeFileError, read_bytes
+from gpuguard.host.paths import Root
+from gpuguard.host.safeio import PROC_MAX, UnsafeFileError, read_bytes
 
 log = logging.getLogger(__name__)
 

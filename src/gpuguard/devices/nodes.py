@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional, Protocol, Sequence
 
 from gpuguard.devices.rules import allow_line
-from gpuguard.numparse import parse_decimal
-from gpuguard.paths import Root
-from gpuguard.safeio import read_kernel_text
+from gpuguard.host.numparse import parse_decimal
+from gpuguard.host.paths import Root
+from gpuguard.host.safeio import read_kernel_text
 
 log = logging.getLogger(__name__)
 MAX_MAJOR = 4095  # the kernel's majors are 12 bits
@@ -68,7 +68,7 @@ class MigLike(Protocol):
 
 
 class GpuLike(Protocol):
-    """What gpuguard needs of a GPU (gpuguard.inventory.Gpu fits)."""
+    """What gpuguard needs of a GPU (gpuguard.host.inventory.Gpu fits)."""
 
     @property
     def uuid(self) -> str: ...

@@ -12,8 +12,8 @@ import logging
 import os
 from dataclasses import dataclass
 
-from gpuguard.paths import Root
-from gpuguard.safeio import proc_text
+from gpuguard.host.paths import Root
+from gpuguard.host.safeio import proc_text
 
 log = logging.getLogger(__name__)
 

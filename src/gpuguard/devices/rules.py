@@ -27,7 +27,7 @@ import functools
 from dataclasses import dataclass, replace
 from typing import Iterable, Optional
 
-from gpuguard.numparse import clip
+from gpuguard.host.numparse import clip
 
 # Access bits, as DEVCG_ACC_* (mknod=1, read=2, write=4 in the kernel; only the
 # rendering order "rwm" is visible, so the values themselves do not matter here).

@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
-from gpuguard import safeio
 from gpuguard.devices.caps import read_cap_minors
 from gpuguard.devices.devchar import LinkState, check_dev_char_links
 from gpuguard.devices.nodes import (
@@ -29,9 +28,10 @@ from gpuguard.devices.nodes import (
 )
 from gpuguard.devices.pci import read_pci_gpus
 from gpuguard.doctor.textconf import toml_scalars, toml_tables, yaml_top_scalars
-from gpuguard.inventory import Inventory
-from gpuguard.passes import STATUS_FILE
-from gpuguard.paths import KUBELET_DROPIN, KUBELET_DROPIN_VENDOR, Root
+from gpuguard.engine.passes import STATUS_FILE
+from gpuguard.host import safeio
+from gpuguard.host.inventory import Inventory
+from gpuguard.host.paths import KUBELET_DROPIN, KUBELET_DROPIN_VENDOR, Root
 from gpuguard.steps.gpu_count.reconcile import GpuCounts, registered_gpus
 
 KUBELET_CONFIG = "/var/lib/kubelet/config.yaml"
@@ -48,7 +48,7 @@ SYSTEMD_SHARED = ("/usr/lib/systemd", "/usr/lib/*/systemd", "/usr/lib64/systemd"
 PLUGIN_COMMS = ("nvidia-device-p", "nvidia-device-plugin")  # comm is cut at 15 bytes
 MAX_CONFIG_BYTES = 1024 * 1024
 
-# argv -> stdout; raises gpuguard.commands.CommandError (or OSError) when it cannot run.
+# argv -> stdout; raises gpuguard.host.commands.CommandError (or OSError) when it cannot run.
 Runner = Callable[[Sequence[str]], str]
 
 

@@ -14,7 +14,7 @@ from typing import Optional
 
 from gpuguard.doctor.facts import ConfFile, Facts
 from gpuguard.doctor.model import BROKEN, EXPOSED, OK, UNKNOWN, Check, Report
-from gpuguard.passes import STATUS_FILE
+from gpuguard.engine.passes import STATUS_FILE
 from gpuguard.steps.gpu_count.reconcile import judge as judge_counts
 
 SPEC_MODES = ("cdi", "jit-cdi", "csv")

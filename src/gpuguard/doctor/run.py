@@ -8,8 +8,8 @@ from gpuguard.doctor.facts import Runner, gather
 from gpuguard.doctor.judge import judge
 from gpuguard.doctor.model import Report
 from gpuguard.errors import GpuguardError
-from gpuguard.inventory import Inventory
-from gpuguard.paths import Root
+from gpuguard.host.inventory import Inventory
+from gpuguard.host.paths import Root
 
 Registered = Sequence[tuple[str, Optional[Sequence[str]]]]
 

@@ -14,8 +14,8 @@ from gpuguard.steps.registry import CONTAINER_ACCESS
 
 if TYPE_CHECKING:
     from gpuguard.config import Config
-    from gpuguard.log import EventLog
-    from gpuguard.paths import Root
+    from gpuguard.host.paths import Root
+    from gpuguard.journal.log import EventLog
     from gpuguard.sources.systemd import SystemdSource
     from gpuguard.sources.timer import AuditTimer
     from gpuguard.sources.transient import TransientWatch
@@ -99,11 +99,11 @@ def build_sources(
     root: Root, config: Config, log: EventLog, bus_address: str, *, udev: bool
 ) -> Sources:
     """What main() hands the daemon; imports D-Bus, so only `gpuguard daemon` calls it."""
-    from gpuguard.log import stdlib_logger
+    from gpuguard.host.systemd import Systemd
+    from gpuguard.journal.log import stdlib_logger
     from gpuguard.sources.reload_socket import PrivateReloadWatch
     from gpuguard.sources.systemd import SystemdSource
     from gpuguard.sources.timer import AuditTimer
-    from gpuguard.systemd import Systemd
 
     sink = MarkSink()
     sources: Sources

@@ -11,7 +11,7 @@ import struct
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from gpuguard.systemd import MANAGER
+from gpuguard.host.systemd import MANAGER
 
 FIXED = 16  # endianness, type, flags, version, body length, serial, fields length
 MAX_MESSAGE = 16 * 1024 * 1024  # systemd's largest are property sets of ~100 KB

@@ -29,7 +29,7 @@ import os
 from pathlib import Path
 from typing import Callable, Optional
 
-from gpuguard.log import EventLog
+from gpuguard.journal.log import EventLog
 from gpuguard.sources.dbuswire import FIXED, WireError, auth_request, header, reloading
 
 AUTH_TIMEOUT = 5.0

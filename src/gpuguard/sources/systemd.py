@@ -34,10 +34,10 @@ from typing import Callable, Iterable, Optional
 from dbus_next import Message
 
 from gpuguard.devices.cgroupnames import ANY_CONTAINER_SCOPE
-from gpuguard.log import EventLog
+from gpuguard.host.systemd import MANAGER, PROPS, UNIT, Systemd, SystemdError, unit_object_path
+from gpuguard.journal.log import EventLog
 from gpuguard.sources.reload_socket import PrivateReloadWatch
 from gpuguard.steps.registry import ALL_STEPS, CHECKPOINT, CONTAINER_ACCESS, DEVICE_PLUGIN
-from gpuguard.systemd import MANAGER, PROPS, UNIT, Systemd, SystemdError, unit_object_path
 
 Mark = Callable[[frozenset[str], str, bool], None]
 VIA_BUS, VIA_PRIVATE = "bus", "private-socket"
@@ -47,7 +47,7 @@ ALL = ALL_STEPS
 ON_RUNTIME_START = frozenset({CONTAINER_ACCESS, DEVICE_PLUGIN})
 ON_KUBELET_START = frozenset({CHECKPOINT, CONTAINER_ACCESS, DEVICE_PLUGIN})
 ON_SCOPE_NEW = frozenset({CONTAINER_ACCESS})
-__all__ = ["SystemdSource", "unit_object_path"]  # the path's home is gpuguard.systemd
+__all__ = ["SystemdSource", "unit_object_path"]  # the path's home is gpuguard.host.systemd
 
 
 class SystemdSource:

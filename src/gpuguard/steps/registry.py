@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 if TYPE_CHECKING:
-    from gpuguard.passes import Step
+    from gpuguard.engine.passes import Step
 
 CONTAINER_ACCESS = "container_access"
 DEVICE_NODES = "device_nodes"

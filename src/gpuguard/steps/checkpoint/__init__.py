@@ -18,16 +18,16 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from gpuguard import exitcodes
 from gpuguard.errors import BadInputError, GpuguardError, KubeletError
-from gpuguard.paths import DROPPED_ENTRIES_FILE, Root
+from gpuguard.host.paths import DROPPED_ENTRIES_FILE, Root
 
 if TYPE_CHECKING:  # dbus-next costs import time; a healthy node never needs it
-    from gpuguard.inventory import Inventory
-    from gpuguard.log import EventLog
-    from gpuguard.passes import PassContext, Services
-    from gpuguard.snapshot import HostSnapshot
+    from gpuguard.engine.passes import PassContext, Services
+    from gpuguard.engine.snapshot import HostSnapshot
+    from gpuguard.host.inventory import Inventory
+    from gpuguard.host.systemd import Systemd
+    from gpuguard.journal.log import EventLog
     from gpuguard.steps.checkpoint.actuate import CheckpointActuator
     from gpuguard.steps.checkpoint.report import CheckReport, CheckSettings
-    from gpuguard.systemd import Systemd
 
 __all__ = ["CheckReport", "CheckSettings", "CheckpointStep", "check_checkpoint", "run_check"]
 
@@ -91,10 +91,10 @@ def analyse_checkpoint(
     """Read and analyse the checkpoint (from the pass's `snapshot`, so every step decides
     from the same read); the actuator comes back only when a repair that needs kubelet
     stopped is planned (the report is final otherwise)."""
-    from gpuguard.snapshot import HostSnapshot
+    from gpuguard.devices.processes import kubelet_pids
+    from gpuguard.engine.snapshot import HostSnapshot
     from gpuguard.steps.checkpoint import reconcile as ckpt
     from gpuguard.steps.checkpoint.actuate import CheckpointActuator
-    from gpuguard.steps.checkpoint.observe import kubelet_pids
     from gpuguard.steps.checkpoint.report import CheckReport, apply_repair
 
     path = root.path(s.checkpoint_path)

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
-from gpuguard import safeio
 from gpuguard.actuate.files import (
     UnsafeDirError,
     atomic_replace,
@@ -27,7 +26,8 @@ from gpuguard.actuate.files import (
 from gpuguard.checkpoint import dropped
 from gpuguard.checkpoint.reader import DEFAULT_MAX_BYTES as CHECKPOINT_MAX
 from gpuguard.errors import BadInputError
-from gpuguard.log import EventLog
+from gpuguard.host import safeio
+from gpuguard.journal.log import EventLog
 from gpuguard.model import Action, Outcome
 from gpuguard.steps.checkpoint.reconcile import DeleteCheckpoint, RewriteCheckpoint, sha256
 

@@ -16,8 +16,8 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from gpuguard.inventory import Inventory
-from gpuguard.numparse import parse_decimal
+from gpuguard.host.inventory import Inventory
+from gpuguard.host.numparse import parse_decimal
 
 # [0-9], never \d (which takes any Unicode digit), and bounded so every suffix fits
 # parse_decimal(): an ID past the bounds is "unknown" and its resource left alone.

@@ -9,19 +9,20 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from gpuguard import exitcodes
 from gpuguard.actuate.units import UnitJob, UnitJobs, Verb
+from gpuguard.devices.processes import kubelet_pids
 from gpuguard.errors import KubeletError
-from gpuguard.inventory import Inventory
-from gpuguard.log import EventLog
+from gpuguard.host.inventory import Inventory
+from gpuguard.host.paths import Root
+from gpuguard.journal.log import EventLog
 from gpuguard.model import Outcome
-from gpuguard.paths import Root
 from gpuguard.steps.checkpoint import kubelet_hook
 from gpuguard.steps.checkpoint import reconcile as ckpt
 from gpuguard.steps.checkpoint.actuate import CheckpointActuator
-from gpuguard.steps.checkpoint.observe import KubeletStatus, kubelet_pids, kubelet_status
+from gpuguard.steps.checkpoint.observe import KubeletStatus, kubelet_status
 from gpuguard.steps.checkpoint.report import CheckReport, CheckSettings, apply_repair
 
 if TYPE_CHECKING:  # dbus-next costs import time; a healthy node never needs it
-    from gpuguard.systemd import Systemd
+    from gpuguard.host.systemd import Systemd
 
 
 async def coordinate(
@@ -37,7 +38,7 @@ async def coordinate(
     k = _Kubelet(root, inventory, on_restart or (lambda: None))
     if systemd is not None:
         return await _coordinated(k, s, report, actuator, log, systemd)
-    from gpuguard.systemd import Systemd, SystemdError, bus_address_for
+    from gpuguard.host.systemd import Systemd, SystemdError, bus_address_for
 
     own = Systemd(s.bus_address or bus_address_for(root.prefix))
     try:

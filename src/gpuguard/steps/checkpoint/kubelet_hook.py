@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from gpuguard.actuate.files import write_new
-from gpuguard.paths import Root
+from gpuguard.host.paths import Root
 from gpuguard.steps.registry import CHECKPOINT
 
 if TYPE_CHECKING:  # the hook's healthy path parses and analyses nothing
-    from gpuguard.inventory import Inventory
-    from gpuguard.log import EventLog
+    from gpuguard.host.inventory import Inventory
+    from gpuguard.journal.log import EventLog
 
 REQUEST = "/run/gpuguard/kubelet-hook.request"
 RESULT = "/run/gpuguard/kubelet-hook.result"

@@ -17,10 +17,11 @@ import json
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from gpuguard import __version__, safeio
+from gpuguard import __version__
 from gpuguard.errors import BadInputError
-from gpuguard.inventory import Inventory
-from gpuguard.paths import STATE_DIR, Root
+from gpuguard.host import safeio
+from gpuguard.host.inventory import Inventory
+from gpuguard.host.paths import STATE_DIR, Root
 
 MEMO = f"{STATE_DIR}/kubelet-hook.memo.json"
 MEMO_MAX = 64 * 1024

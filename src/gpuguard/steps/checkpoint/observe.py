@@ -7,38 +7,16 @@ process it is not running, and the checkpoint may be repaired directly.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from gpuguard.numparse import parse_decimal
-from gpuguard.paths import Root
-from gpuguard.safeio import UnsafeFileError, read_bytes
+from gpuguard.devices.processes import kubelet_pids
+from gpuguard.host.paths import Root
 
 if TYPE_CHECKING:
-    from gpuguard.systemd import Systemd, UnitState
+    from gpuguard.host.systemd import Systemd, UnitState
 
 DROPIN_NAME = "10-gpuguard.conf"
-
-
-def kubelet_pids(root: Root) -> tuple[int, ...]:
-    proc = root.path("/proc")
-    pids = []
-    try:
-        names = os.listdir(proc)
-    except OSError:
-        return ()
-    for name in names:
-        pid = parse_decimal(name, lo=1, hi=2**22)
-        if pid is None:
-            continue
-        try:
-            comm, _st = read_bytes(proc / name / "comm", what="comm", max_bytes=4096)
-        except UnsafeFileError:  # the process exited while we looked, or not a comm file
-            continue
-        if comm.strip() == b"kubelet":
-            pids.append(pid)
-    return tuple(sorted(pids))
 
 
 @dataclass(frozen=True)
@@ -78,7 +56,7 @@ async def kubelet_status(root: Root, systemd: Optional[Systemd], unit: str) -> K
     pids = kubelet_pids(root)
     if systemd is None:
         return KubeletStatus(unit, pids, None, "not asked")
-    from gpuguard.systemd import SystemdError
+    from gpuguard.host.systemd import SystemdError
 
     try:
         state = await systemd.unit_state(unit)

@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from gpuguard.actuate.containers import ContainerStopper
 from gpuguard.actuate.dropins import list_dropins
-from gpuguard.conditions import Conditions, FindingId, finding_id, log_findings
 from gpuguard.devices.nodes import GpuLike
+from gpuguard.host.threadclock import thread_clock
+from gpuguard.journal.conditions import Conditions, FindingId, finding_id, log_findings
 from gpuguard.model import Action, Finding, Outcome
 from gpuguard.steps.container_access.actuate import (
     apply_device_allow,
@@ -66,11 +67,10 @@ from gpuguard.steps.container_access.reconcile import (
 from gpuguard.steps.container_access.reload import regrant, sweep_v1
 from gpuguard.steps.container_access.settle import confirm, outside_apply, settle
 from gpuguard.steps.registry import CONTAINER_ACCESS
-from gpuguard.threadclock import thread_clock
 
 if TYPE_CHECKING:
-    from gpuguard.passes import PassContext, Services
-    from gpuguard.systemd import Systemd
+    from gpuguard.engine.passes import PassContext, Services
+    from gpuguard.host.systemd import Systemd
 
 NAME = CONTAINER_ACCESS
 # Lasting states gpuguard cannot end itself: journaled when they appear, change or clear.

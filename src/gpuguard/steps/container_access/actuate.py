@@ -17,16 +17,16 @@ from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 from gpuguard.devices.rules import DeviceRules, allows, parse_rule, parsed_devices_list
 from gpuguard.errors import GpuguardError
+from gpuguard.host.safeio import CGROUP_MAX, UnsafeFileError, read_kernel_text
 from gpuguard.model import Outcome
-from gpuguard.safeio import CGROUP_MAX, UnsafeFileError, read_kernel_text
 from gpuguard.steps.container_access.actions import CgroupV1Allow, UnitDropInRemove
 
 if TYPE_CHECKING:
     from gpuguard.actuate.containers import ContainerStopper
+    from gpuguard.host.paths import Root
+    from gpuguard.host.systemd import Systemd
     from gpuguard.model import Action
-    from gpuguard.paths import Root
     from gpuguard.steps.container_access.reconcile import UnitDeviceAllow, V2ProgramReplace
-    from gpuguard.systemd import Systemd
 
 
 class CgroupWriteError(GpuguardError):
@@ -133,7 +133,7 @@ async def apply_device_allow(
     from dbus_next import Variant
 
     from gpuguard.actuate.dropins import DropInError, would_write, write_device_dropin
-    from gpuguard.systemd import SystemdError
+    from gpuguard.host.systemd import SystemdError
 
     paths = [d for d, _ in a.devices]
     if dry_run:

@@ -81,9 +81,9 @@ if TYPE_CHECKING:
     from gpuguard.devices.containers import ContainerCgroup
     from gpuguard.devices.entitlement import Entitlement
     from gpuguard.devices.nodes import DeviceNode
-    from gpuguard.passes import Services
+    from gpuguard.engine.passes import Services
+    from gpuguard.host.systemd import Systemd
     from gpuguard.steps.container_access.inplace import Backoff
-    from gpuguard.systemd import Systemd
 
 Pair = tuple["ContainerCgroup", "Entitlement"]  # a known container and what it was given
 Written = tuple[float, Outcome]  # when a bridge was made, and how it went
@@ -330,7 +330,7 @@ class Bridges:
         sweep of the scopes whose loss it had not applied yet (`rest`; `report` journals
         what it finds) and of those whose bridge failed then (`retry`), then every
         bridge's DeviceAllow= at once (not after the pass's other steps)."""
-        from gpuguard.systemd import SystemdError
+        from gpuguard.host.systemd import SystemdError
 
         grants: list[asyncio.Future[list[Outcome]]] = []
         made: list[Outcome] = []
@@ -359,7 +359,7 @@ class Bridges:
     async def detach_after(self, b: BridgeAttach, svc: Services) -> Optional[Outcome]:
         """Once systemd's program (from the DeviceAllow= just set) is attached, detach
         the bridge; left to the next pass if it does not come within a few seconds."""
-        from gpuguard.systemd import SystemdError
+        from gpuguard.host.systemd import SystemdError
 
         a = detach_of(b, "systemd applied the scope's DeviceAllow=: its program is attached")
         if svc.dry_run:

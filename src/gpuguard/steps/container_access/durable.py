@@ -80,7 +80,7 @@ class ReloadRepair:
     containers: int
     checked: int
     # The loop thread over the writes (on_reload's start to its sweep's end): on a CPU,
-    # and runnable but waiting for one (threadclock.py; None where the kernel does not say)
+    # and runnable but waiting for one (host/threadclock.py; None where the kernel does not say)
     cpu_ms: Optional[float] = None
     cpu_wait_ms: Optional[float] = None
     restored: Optional[float] = None  # the last write that was done (not failed)

@@ -33,15 +33,15 @@ from gpuguard.devices.containers import (
 from gpuguard.devices.entitlement import own_dev_pending, read_entitlement
 from gpuguard.devices.nodes import GpuLike, list_nvidia_nodes, nvidia_majors, read_proc_devices
 from gpuguard.errors import GpuguardError
+from gpuguard.host.paths import DROPPED_ENTRIES_FILE, Root
 from gpuguard.model import Outcome
-from gpuguard.paths import DROPPED_ENTRIES_FILE, Root
 from gpuguard.steps.container_access.observe import AccessView
 from gpuguard.steps.container_access.reconcile import UnitDeviceAllow
 from gpuguard.steps.container_access.scopequeue import ScopeQueue
 
 if TYPE_CHECKING:
-    from gpuguard.passes import Services
-    from gpuguard.systemd import Systemd
+    from gpuguard.engine.passes import Services
+    from gpuguard.host.systemd import Systemd
 
 # Scopes handled at once: each is a thread read and one D-Bus call, and systemd answers
 # one call at a time, so a few dozen keep it busy without queueing more than half of
@@ -84,7 +84,7 @@ class PodDeviceIds:
         self._ids: Mapping[str, frozenset[str]] = {}
 
     def get(self, root: Root) -> Mapping[str, frozenset[str]]:
-        from gpuguard.snapshot import HostSnapshot
+        from gpuguard.engine.snapshot import HostSnapshot
 
         key = (_identity(root, self.checkpoint_path), _identity(root, DROPPED_ENTRIES_FILE))
         if key != self._key:

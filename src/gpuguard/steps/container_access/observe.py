@@ -14,21 +14,21 @@ from gpuguard.devices.entitlement import Entitlement, read_entitlement, unreadab
 from gpuguard.devices.nodes import (
     list_nvidia_nodes,
 )
+from gpuguard.devices.plugins import discover_plugins
 from gpuguard.devices.probe import probe_open_all, query_device_programs
 from gpuguard.devices.rules import DeviceRules, parsed_devices_list
 from gpuguard.errors import GpuguardError
-from gpuguard.inventory import Inventory
-from gpuguard.paths import DEVICE_PLUGINS_DIR, Root
-from gpuguard.safeio import CGROUP_MAX, UnsafeFileError, read_kernel_text
+from gpuguard.host.inventory import Inventory
+from gpuguard.host.paths import DEVICE_PLUGINS_DIR, Root
+from gpuguard.host.safeio import CGROUP_MAX, UnsafeFileError, read_kernel_text
 from gpuguard.steps.container_access.reconcile import (
     AccessKey,
     verdicts_from_rules,
 )
-from gpuguard.steps.device_plugin.observe import discover_plugins
 
 if TYPE_CHECKING:
-    from gpuguard.snapshot import HostSnapshot
-    from gpuguard.systemd import Systemd
+    from gpuguard.engine.snapshot import HostSnapshot
+    from gpuguard.host.systemd import Systemd
 
 SCOPE_IFACE = "org.freedesktop.systemd1.Scope"
 
@@ -386,7 +386,7 @@ async def learn_durable(
 async def _learn_unit(sd: Systemd, unit: str, root: Root, durable: dict[str, set[str]]) -> None:
     """Add what the scope's DeviceAllow= holds to what we know of it (added, never
     replaced: a grant made meanwhile by the new-scope path must not be forgotten)."""
-    from gpuguard.systemd import PROPS, SystemdError, unit_object_path
+    from gpuguard.host.systemd import PROPS, SystemdError, unit_object_path
 
     try:
         (v,) = await sd.call(

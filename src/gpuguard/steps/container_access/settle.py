@@ -26,17 +26,17 @@ from typing import TYPE_CHECKING, AbstractSet, Awaitable, Callable, Mapping, Opt
 
 from gpuguard.devices.probe import probe_open
 from gpuguard.devices.rules import DeviceRules
-from gpuguard.safeio import UnsafeFileError
+from gpuguard.host.safeio import UnsafeFileError
 from gpuguard.steps.container_access.actuate import read_devices_list
 from gpuguard.steps.container_access.reconcile import AccessKey, verdicts_from_rules
 
 if TYPE_CHECKING:
     from gpuguard.devices.containers import ContainerCgroup
     from gpuguard.devices.entitlement import Entitlement
-    from gpuguard.log import EventLog
-    from gpuguard.paths import Root
+    from gpuguard.host.paths import Root
+    from gpuguard.host.systemd import Systemd
+    from gpuguard.journal.log import EventLog
     from gpuguard.steps.container_access.observe import AccessView
-    from gpuguard.systemd import Systemd
 
 # Seconds: above the longest window seen (8.8 ms, load average 11), for the runtime's own
 # writes; systemd's apply is awaited by the call that follows, however long it takes.
@@ -91,7 +91,7 @@ def outside_apply(
 
 async def settle(sd: Optional[Systemd], unit: str) -> None:
     """Wait until an apply in progress has ended: the runtime's writes, then systemd's."""
-    from gpuguard.systemd import SystemdError
+    from gpuguard.host.systemd import SystemdError
 
     await asyncio.sleep(SETTLE_DELAY)
     if sd is not None:

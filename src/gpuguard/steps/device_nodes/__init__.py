@@ -17,16 +17,16 @@ from gpuguard.devices.nodes import (
     read_loaded_modules,
     read_proc_devices,
 )
-from gpuguard.inventory import Inventory
+from gpuguard.host.inventory import Inventory
+from gpuguard.host.paths import Root
 from gpuguard.model import Action, Finding, Outcome
-from gpuguard.paths import Root
 from gpuguard.steps.device_nodes import reconcile as device_nodes
 from gpuguard.steps.device_nodes.actuate import DeviceNodeActuator
 from gpuguard.steps.registry import CONTAINER_ACCESS
 
 if TYPE_CHECKING:
-    from gpuguard.passes import PassContext, Services
-    from gpuguard.snapshot import Planned
+    from gpuguard.engine.passes import PassContext, Services
+    from gpuguard.engine.snapshot import Planned
 
 
 @dataclass(frozen=True)

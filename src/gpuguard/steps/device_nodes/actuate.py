@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from gpuguard.commands import CommandError, run
-from gpuguard.log import EventLog
+from gpuguard.host.commands import CommandError, run
+from gpuguard.host.paths import Root
+from gpuguard.journal.log import EventLog
 from gpuguard.model import Action, Outcome
-from gpuguard.paths import Root
 from gpuguard.steps.device_nodes.reconcile import CreateCharLink, CreateDeviceNode
 
 

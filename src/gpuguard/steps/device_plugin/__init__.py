@@ -24,22 +24,15 @@ import time
 from typing import TYPE_CHECKING, Callable, Optional
 
 from gpuguard.actuate.units import UnitJobs
-from gpuguard.conditions import Conditions, log_findings
+from gpuguard.devices.plugins import NodeInfo, discover_plugins, list_nodes
+from gpuguard.devices.processes import ProcessInfo, still_running
 from gpuguard.errors import GpuguardError
+from gpuguard.host.paths import Root
+from gpuguard.journal.conditions import Conditions, log_findings
 from gpuguard.model import Finding, Outcome
-from gpuguard.paths import Root
 from gpuguard.steps.device_plugin.actuate import PluginRestarter, check_new_plugin, verify
 from gpuguard.steps.device_plugin.limits import HOUR, why_not
-from gpuguard.steps.device_plugin.observe import (
-    NodeInfo,
-    PluginObservation,
-    ProcessInfo,
-    container_devs,
-    discover_plugins,
-    kubelet_started,
-    list_nodes,
-    still_running,
-)
+from gpuguard.steps.device_plugin.observe import PluginObservation, container_devs, kubelet_started
 from gpuguard.steps.device_plugin.reconcile import (
     K_DECLINED,
     K_FAILED,
@@ -55,9 +48,9 @@ from gpuguard.steps.device_plugin.state import read_states
 
 if TYPE_CHECKING:
     from gpuguard.config import DevicePluginConfig
-    from gpuguard.log import EventLog
-    from gpuguard.passes import PassContext, Services
-    from gpuguard.snapshot import HostSnapshot
+    from gpuguard.engine.passes import PassContext, Services
+    from gpuguard.engine.snapshot import HostSnapshot
+    from gpuguard.journal.log import EventLog
     from gpuguard.steps.device_plugin.nvml_probe import NvmlResult
 
 log = logging.getLogger(__name__)
@@ -131,7 +124,7 @@ class DevicePluginStep:
     ) -> PluginObservation:
         """``snapshot``: the pass's, whose kubepods walk container access shares."""
         if snapshot is None:  # a caller outside a pass (bench, tests)
-            from gpuguard.snapshot import HostSnapshot
+            from gpuguard.engine.snapshot import HostSnapshot
 
             snapshot = HostSnapshot(root, "")
         now = self.clock()
@@ -164,7 +157,7 @@ class DevicePluginStep:
         sd = svc.systemd
         if sd is None:
             return None
-        from gpuguard.systemd import SystemdError
+        from gpuguard.host.systemd import SystemdError
 
         try:
             st = await sd.unit_state(svc.config.kubelet.unit)

@@ -25,17 +25,9 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from gpuguard.actuate.containers import ContainerStopper
 from gpuguard.actuate.units import UnitJob
-from gpuguard.paths import Root
-from gpuguard.steps.device_plugin.observe import (
-    NodeInfo,
-    PluginInfo,
-    ProcessInfo,
-    container_init_pid,
-    discover_plugins,
-    find_plugin,
-    list_nodes,
-    still_running,
-)
+from gpuguard.devices.plugins import NodeInfo, PluginInfo, discover_plugins, find_plugin, list_nodes
+from gpuguard.devices.processes import ProcessInfo, container_init_pid, still_running
+from gpuguard.host.paths import Root
 from gpuguard.steps.device_plugin.reconcile import K_RESTARTED, RestartPlugin, view_gaps
 
 if TYPE_CHECKING:

@@ -63,8 +63,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from gpuguard.devices import cgroupchild
 from gpuguard.devices.cgroupchild import process_cgroup_dirs, run_in_cgroups
-from gpuguard.paths import Root
-from gpuguard.safeio import proc_bytes, proc_text
+from gpuguard.host.paths import Root
+from gpuguard.host.safeio import proc_bytes, proc_text
 
 if TYPE_CHECKING:
     from gpuguard.steps.device_plugin.observe import PluginObservation

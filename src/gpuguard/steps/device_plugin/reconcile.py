@@ -33,14 +33,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Optional
 
+from gpuguard.devices.plugins import UVM_PATH, NodeInfo, PluginInfo
+from gpuguard.devices.processes import ProcessInfo
 from gpuguard.model import Action, Finding
-from gpuguard.steps.device_plugin.observe import (
-    UVM_PATH,
-    NodeInfo,
-    PluginInfo,
-    PluginObservation,
-    ProcessInfo,
-)
+from gpuguard.steps.device_plugin.observe import PluginObservation
 from gpuguard.steps.registry import DEVICE_PLUGIN
 
 if TYPE_CHECKING:

@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from gpuguard import safeio
-from gpuguard.paths import STATE_DIR
-from gpuguard.steps.device_plugin.processes import ProcessInfo
+from gpuguard.devices.processes import ProcessInfo
+from gpuguard.host import safeio
+from gpuguard.host.paths import STATE_DIR
 
 if TYPE_CHECKING:
-    from gpuguard.log import EventLog
+    from gpuguard.journal.log import EventLog
 
 STATE_FILE = f"{STATE_DIR}/plugin-restarts.json"
 

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Optional
 
 from gpuguard.devices.pci import read_pci_gpus
 from gpuguard.errors import GpuguardError
-from gpuguard.inventory import Inventory
-from gpuguard.paths import Root
+from gpuguard.host.inventory import Inventory
+from gpuguard.host.paths import Root
 from gpuguard.steps.gpu_count.reconcile import GpuCounts, findings, registered_gpus
 
 if TYPE_CHECKING:
-    from gpuguard.passes import PassContext, Services
+    from gpuguard.engine.passes import PassContext, Services
 
 
 def observe_counts(root: Root, inventory: Optional[Inventory], checkpoint_path: str) -> GpuCounts:

@@ -9,19 +9,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Awaitable, Callable, Optional, Protocol
 
 from gpuguard.config import Config
-from gpuguard.inventory import Inventory
-from gpuguard.log import EventLog
+from gpuguard.host.inventory import Inventory
+from gpuguard.host.paths import Root
+from gpuguard.journal.log import EventLog
 from gpuguard.model import Finding, Outcome
-from gpuguard.paths import Root
-from gpuguard.steps.registry import STEP_ORDER  # the order and its reasons live there
 
 if TYPE_CHECKING:
-    from gpuguard.snapshot import HostSnapshot
-    from gpuguard.systemd import Systemd
+    from gpuguard.engine.snapshot import HostSnapshot
+    from gpuguard.host.systemd import Systemd
 
 STATUS_FILE = "/run/gpuguard/status.json"
 
-__all__ = ["STATUS_FILE", "STEP_ORDER", "PassContext", "Services", "Step", "Work"]
+__all__ = ["STATUS_FILE", "PassContext", "Services", "Step", "Work"]
 
 
 @dataclass(frozen=True)
@@ -64,7 +63,7 @@ class PassContext:
     def host(self, svc: Services) -> HostSnapshot:
         """The pass's host snapshot, shared by its steps."""
         if self.snapshot is None:
-            from gpuguard.snapshot import HostSnapshot
+            from gpuguard.engine.snapshot import HostSnapshot
 
             self.snapshot = HostSnapshot(svc.root, svc.config.kubelet.checkpoint_path)
         return self.snapshot

@@ -16,7 +16,7 @@ import contextlib
 import time
 from typing import Awaitable, Callable, Optional
 
-from gpuguard.passes import Work
+from gpuguard.engine.passes import Work
 
 RunPass = Callable[[Work], Awaitable[None]]
 

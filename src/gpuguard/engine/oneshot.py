@@ -8,20 +8,20 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from gpuguard import safeio
 from gpuguard.config import Config
 from gpuguard.devices.nodes import nvidia_majors, read_proc_devices
-from gpuguard.inventory import Inventory
-from gpuguard.log import EventLog
+from gpuguard.engine.passes import STATUS_FILE, PassContext, Work
+from gpuguard.engine.snapshot import HostSnapshot
+from gpuguard.host import safeio
+from gpuguard.host.inventory import Inventory
+from gpuguard.host.paths import Root
+from gpuguard.journal.log import EventLog
 from gpuguard.model import Finding, Outcome
-from gpuguard.passes import STATUS_FILE, PassContext, Work
-from gpuguard.paths import Root
-from gpuguard.snapshot import HostSnapshot
 from gpuguard.steps.registry import CHECK_ORDER, CHECKPOINT, CONTAINER_ACCESS, STEPS, build_steps
 
 if TYPE_CHECKING:
     from gpuguard.devices.containers import ContainerCgroup
-    from gpuguard.systemd import Systemd
+    from gpuguard.host.systemd import Systemd
 
 
 def driver_loaded(root: Root) -> bool:
@@ -49,7 +49,7 @@ async def run_device_steps(
 ) -> tuple[list[Finding], list[Outcome]]:
     """The device steps of `gpuguard check`, in the daemon's order (registry.CHECK_ORDER),
     deciding from `snapshot`, the one the checkpoint step of the same run uses."""
-    from gpuguard.systemd import Systemd, SystemdError
+    from gpuguard.host.systemd import Systemd, SystemdError
 
     async def load() -> Optional[Inventory]:
         return inventory

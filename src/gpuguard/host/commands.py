@@ -1,6 +1,6 @@
 """Every external command gpuguard runs goes through run() or run_async(): one place for
 timeouts, a fixed environment and no shell. (Operator hooks are the one exception:
-they get their own environment and JSON on stdin, see hooks.py.)"""
+they get their own environment and JSON on stdin, see engine/hooks.py.)"""
 
 from __future__ import annotations
 

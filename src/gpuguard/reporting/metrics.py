@@ -25,9 +25,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.utils import floatToGoString
 
-from gpuguard import safeio
 from gpuguard.errors import BadInputError
-from gpuguard.metrics_state import COUNTER, FAMILIES, FORMAT, GAUGE, STATE_MAX, Family
+from gpuguard.host import safeio
+from gpuguard.reporting.metrics_state import COUNTER, FAMILIES, FORMAT, GAUGE, STATE_MAX, Family
 
 go_float: Callable[[float], str] = floatToGoString  # how a Histogram spells its bounds
 

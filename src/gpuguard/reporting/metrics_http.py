@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 from gpuguard import exitcodes
 from gpuguard.errors import BadInputError, ConfigError, GpuguardError
-from gpuguard.metrics_state import MISSING_LIBRARY
+from gpuguard.reporting.metrics_state import MISSING_LIBRARY
 
 RenderFile = Callable[[Path], bytes]
 
@@ -41,7 +41,7 @@ def systemd_socket() -> Optional[socket.socket]:
 def load_render_file() -> Optional[RenderFile]:
     """metrics.render_file, or None without prometheus_client."""
     try:
-        from gpuguard.metrics import render_file
+        from gpuguard.reporting.metrics import render_file
     except ImportError as e:
         if not (e.name or "").startswith("prometheus_client"):
             raise

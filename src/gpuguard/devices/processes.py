@@ -16,9 +16,9 @@ from gpuguard.devices.cgroupnames import (
     parse_proc_cgroup,
     systemd_pod_uid,
 )
-from gpuguard.numparse import parse_decimal
-from gpuguard.paths import Root
-from gpuguard.safeio import proc_text
+from gpuguard.host.numparse import parse_decimal
+from gpuguard.host.paths import Root
+from gpuguard.host.safeio import UnsafeFileError, proc_text, read_bytes
 
 
 @dataclass(frozen=True)
@@ -208,3 +208,24 @@ def container_init_pid(root: Root, pid: int) -> Optional[int]:
         if v and v[-1] == "1":
             return p
     return None
+
+
+def kubelet_pids(root: Root) -> tuple[int, ...]:
+    """Every process whose comm is `kubelet` under the root's /proc."""
+    proc = root.path("/proc")
+    pids = []
+    try:
+        names = os.listdir(proc)
+    except OSError:
+        return ()
+    for name in names:
+        pid = parse_decimal(name, lo=1, hi=2**22)
+        if pid is None:
+            continue
+        try:
+            comm, _st = read_bytes(proc / name / "comm", what="comm", max_bytes=4096)
+        except UnsafeFileError:  # the process exited while we looked, or not a comm file
+            continue
+        if comm.strip() == b"kubelet":
+            pids.append(pid)
+    return tuple(sorted(pids))

@@ -16,22 +16,23 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from gpuguard.coalescer import Coalescer
 from gpuguard.config import Config, load_config
+from gpuguard.engine.coalescer import Coalescer
+from gpuguard.engine.gcpause import collector_paused, freeze_long_lived, thaw
+from gpuguard.engine.inventory_reader import InventoryReader
+from gpuguard.engine.passes import STATUS_FILE, PassContext, Step, Work
+from gpuguard.engine.snapshot import HostSnapshot, Planned
 from gpuguard.errors import ConfigError, GpuguardError
-from gpuguard.gcpause import collector_paused, freeze_long_lived, thaw
-from gpuguard.inventory import Inventory
-from gpuguard.inventory_reader import InventoryReader
-from gpuguard.ledger import Ledger
-from gpuguard.log import EventLog
-from gpuguard.metrics_state import REPAIR_HISTOGRAM, MetricsOutput
-from gpuguard.notify import Notifier, watchdog_interval
-from gpuguard.passes import STATUS_FILE, PassContext, Step, Work
-from gpuguard.paths import Root
-from gpuguard.snapshot import HostSnapshot, Planned
+from gpuguard.host.inventory import Inventory
+from gpuguard.host.notify import Notifier, watchdog_interval
+from gpuguard.host.paths import Root
+from gpuguard.host.systemd import Systemd, bus_address_for
+from gpuguard.journal.log import EventLog
+from gpuguard.reporting.ledger import Ledger
+from gpuguard.reporting.metrics_output import MetricsOutput
+from gpuguard.reporting.metrics_state import REPAIR_HISTOGRAM
 from gpuguard.sources import Sources
 from gpuguard.steps.registry import CONTAINER_ACCESS, STEP_ORDER, check_names
-from gpuguard.systemd import Systemd, bus_address_for
 
 PASS_STUCK_AFTER = 300.0  # a pass this old stops the watchdog pings: systemd restarts us
 
@@ -345,7 +346,7 @@ class Daemon:
         self.mark(key[0], key[1], False)
 
     async def _run_hooks(self, work: Work, ctx: PassContext) -> None:
-        from gpuguard.hooks import plan_hooks, run_hooks
+        from gpuguard.engine.hooks import plan_hooks, run_hooks
 
         runnable, refused = plan_hooks(self.root)
         for path, why in refused:

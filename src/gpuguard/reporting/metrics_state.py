@@ -20,18 +20,14 @@ rendered text is what the library's own Counter/Gauge/Histogram gave
 
 from __future__ import annotations
 
-import json
 import platform
 import time
 from collections import Counter as Tally
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping
 
 from gpuguard import __version__
-from gpuguard.log import EventLog
-from gpuguard.npd import CONDITIONS, DEFAULT_MAX_AGE, OK, PROBLEM, evaluate
-from gpuguard.paths import Root
+from gpuguard.reporting.npd import CONDITIONS, DEFAULT_MAX_AGE, OK, PROBLEM, evaluate
 from gpuguard.steps.registry import CONTAINER_ACCESS, GPU_COUNT
 
 STATE_FILE = "/run/gpuguard/metrics.json"
@@ -251,100 +247,3 @@ class MetricsState:
                 for k, v in self.values[f.name].items()
             ]
         return {"format": FORMAT, "families": families}
-
-
-def load_renderer() -> Render:
-    """metrics.render (ImportError without prometheus_client)."""
-    from gpuguard.metrics import render
-
-    return render
-
-
-class MetricsOutput:
-    """The daemon's side: count each pass, write the files, report an error once."""
-
-    def __init__(self, state: MetricsState, renderer: Callable[[], Render] = load_renderer):
-        self.state = state
-        self.load_renderer = renderer
-        self.render: Optional[Render] = None
-        self.errors: frozenset[str] = frozenset()
-        self.broken = False
-
-    def after_pass(
-        self,
-        last_pass: Mapping[str, Any],
-        status: Mapping[str, Any],
-        root: Root,
-        textfile_dir: Optional[str],
-        log: EventLog,
-    ) -> None:
-        """publish(), with its errors logged once; a bug here disables the metrics and is
-        logged, and never stops the daemon's repairs."""
-        if self.broken:
-            return
-        try:
-            errors = self.publish(last_pass, status, root, textfile_dir)
-        except Exception as e:
-            self.broken = True
-            log.event(
-                "metrics-failed",
-                f"metrics disabled: {type(e).__name__}: {e}",
-                level="error",
-                exc=e,
-            )
-            return
-        for error in errors:
-            log.warning(error)
-
-    def publish(
-        self,
-        last_pass: Mapping[str, Any],
-        status: Mapping[str, Any],
-        root: Root,
-        textfile_dir: Optional[str],
-    ) -> list[str]:
-        """Update and write; the errors not reported by the previous call."""
-        self.state.observe_pass(last_pass, status)
-        doc = self.state.to_json()
-        data = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
-        errors = export(data, [root.path(STATE_FILE)])
-        if textfile_dir:
-            textfile = root.path(textfile_dir) / TEXTFILE_NAME
-            render = self._renderer()
-            if render is None:
-                errors.append(f"cannot write metrics to {textfile}: {MISSING_LIBRARY}")
-            else:
-                errors += export(render(doc), [textfile])
-        new, self.errors = sorted(frozenset(errors) - self.errors), frozenset(errors)
-        return new
-
-    def _renderer(self) -> Optional[Render]:
-        """The renderer, imported at its first use; None while the library is missing."""
-        if self.render is None:
-            try:
-                self.render = self.load_renderer()
-            except ImportError as e:
-                if not (e.name or "").startswith("prometheus_client"):
-                    raise
-        return self.render
-
-
-def make_output() -> MetricsOutput:
-    """The daemon's metrics and their files."""
-    return MetricsOutput(MetricsState())
-
-
-def export(data: bytes, paths: list[Path]) -> list[str]:
-    """Replace each file atomically; the errors, one line each (the caller logs them).
-
-    Into directories that must already exist (node_exporter's textfile directory belongs
-    to its package and often to its user): never created here, never made root-only."""
-    from gpuguard.actuate.files import atomic_replace
-
-    errors = []
-    for p in paths:
-        try:
-            atomic_replace(p, data, mode=0o644, uid=None, gid=None)
-        except OSError as e:
-            errors.append(f"cannot write metrics to {p}: {e.strerror}")
-    return errors

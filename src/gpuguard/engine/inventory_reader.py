@@ -14,11 +14,11 @@ import asyncio
 from pathlib import Path
 from typing import Optional
 
-from gpuguard.conditions import Conditions
 from gpuguard.config import Config
 from gpuguard.errors import GpuguardError
-from gpuguard.inventory import Inventory, load_inventory
-from gpuguard.log import EventLog
+from gpuguard.host.inventory import Inventory, load_inventory
+from gpuguard.journal.conditions import Conditions
+from gpuguard.journal.log import EventLog
 
 
 class InventoryReader:

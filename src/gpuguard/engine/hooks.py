@@ -25,8 +25,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Dict, List, Mapping, Sequence, Tuple
 
+from gpuguard.host.paths import HOOKS_DIR, Root
 from gpuguard.model import Finding, Outcome
-from gpuguard.paths import HOOKS_DIR, Root
 
 OUTPUT_LIMIT = 64 * 1024  # bytes of each of stdout/stderr kept (the tail)
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

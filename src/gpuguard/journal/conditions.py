@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Collection, Iterable, Mapping, Optional
 
-from gpuguard.log import EventLog
+from gpuguard.journal.log import EventLog
 from gpuguard.model import Finding
 
 Key = tuple[str, ...]

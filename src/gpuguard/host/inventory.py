@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from gpuguard import safeio
 from gpuguard.errors import BadInputError, NoDriverError
-from gpuguard.numparse import clip, parse_decimal
+from gpuguard.host import safeio
+from gpuguard.host.numparse import clip, parse_decimal
 
 MAX_INVENTORY_BYTES = safeio.INVENTORY_MAX
 MAX_MINOR = 2**20 - 1  # the kernel's MINORMASK

@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from gpuguard.paths import Root
-from gpuguard.safeio import UnsafeFileError, read_bytes
+from gpuguard.host.paths import Root
+from gpuguard.host.safeio import UnsafeFileError, read_bytes
 from gpuguard.steps.registry import CHECKPOINT, CONTAINER_ACCESS, DEVICE_PLUGIN, GPU_COUNT
 
 # passes.STATUS_FILE, repeated so `gpuguard npd` imports nothing heavy (a test keeps them equal).

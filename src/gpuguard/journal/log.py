@@ -1,6 +1,6 @@
 """Structured event log: every entry to journald when the host has one, and to stderr.
 
-Every entry has a `kind` with a fixed MESSAGE_ID (see gpuguard.catalog), so
+Every entry has a `kind` with a fixed MESSAGE_ID (see gpuguard.journal.catalog), so
 `journalctl -x` can explain it and `journalctl MESSAGE_ID=...` can find it. Entries go
 to the journal whenever the root's journald socket exists, whatever stderr is: a
 person's `gpuguard check` on a terminal leaves the same record as the daemon. stderr
@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, TextIO
 
-from gpuguard.catalog import message_id
+from gpuguard.journal.catalog import message_id
 from gpuguard.model import Finding, Outcome
 
 LEVELS = {"debug": 7, "info": 6, "notice": 5, "warning": 4, "error": 3}

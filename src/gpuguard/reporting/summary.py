@@ -7,8 +7,8 @@ import time
 from collections import Counter
 from typing import Any, Mapping, Optional, Sequence
 
-from gpuguard.npd import CONDITIONS, DEFAULT_MAX_AGE, OK, PROBLEM, evaluate
-from gpuguard.paths import Root
+from gpuguard.host.paths import Root
+from gpuguard.reporting.npd import CONDITIONS, DEFAULT_MAX_AGE, OK, PROBLEM, evaluate
 
 
 def summarize(
@@ -108,7 +108,7 @@ def render(s: Mapping[str, Any]) -> list[str]:
 
 
 def node_summary(root: Root, containers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    from gpuguard.npd import read_status
+    from gpuguard.reporting.npd import read_status
 
     doc, why = read_status(root)
     return summarize(doc, why, containers)

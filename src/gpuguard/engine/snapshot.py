@@ -32,7 +32,7 @@ from gpuguard.checkpoint import Loaded, dropped, load
 from gpuguard.devices.containers import ContainerCgroup, discover_containers
 from gpuguard.devices.nodes import DeviceNode, NvidiaMajors, nvidia_majors, read_proc_devices
 from gpuguard.errors import BadInputError
-from gpuguard.paths import DROPPED_ENTRIES_FILE, Root
+from gpuguard.host.paths import DROPPED_ENTRIES_FILE, Root
 
 
 @dataclass
