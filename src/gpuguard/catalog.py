@@ -74,6 +74,52 @@ KINDS: dict[str, KindDoc] = {
         "recorded in /var/lib/gpuguard/checkpoint-dropped.json, so their pods' running containers "
         "keep being judged by what the entries said.",
     ),
+    "checkpoint-entry-remap": KindDoc(
+        "Checkpoint allocates to a pod GPUs that came back under new IDs",
+        _CHECKPOINT_WHY + " The GPU identity history (/var/lib/gpuguard/gpu-identity.json) "
+        "pairs each old GPU one to one with the GPU now in its place (same UUID, else same PCI "
+        "bus id, else same index when that is unambiguous). gpuguard rewrites this pod entry "
+        "while kubelet is stopped: its device IDs (@OLD_DEVICE_IDS@ become @NEW_DEVICE_IDS@), "
+        "their NUMA node and the saved allocation response, so the pod runs again on the GPU "
+        "of the same slot.",
+    ),
+    "checkpoint-entry-remapped": KindDoc(
+        "Pod entry remapped to the GPUs now in its GPUs' places",
+        "gpuguard rewrote the checkpoint entry of pod @POD_UID@ container @CONTAINER_NAME@ "
+        "(@RESOURCE@): @OLD_DEVICE_IDS@ -> @NEW_DEVICE_IDS@, with its NUMA node and allocation "
+        "response (NVIDIA_VISIBLE_DEVICES, device paths, annotations, CDI names) to match. "
+        "Kubelet reuses the entry when it re-admits the pod, so the pod keeps the GPU of the "
+        "same slot and nothing is allocated twice. The previous file is in the backups.",
+    ),
+    "checkpoint-entry-dropped": KindDoc(
+        "Pod entry dropped from the checkpoint",
+        "gpuguard removed the checkpoint entry of pod @POD_UID@ container @CONTAINER_NAME@ "
+        "(@RESOURCE@, @OLD_DEVICE_IDS@) because it could not be remapped: @DROP_REASON@. "
+        "Kubelet allocates the pod's devices afresh at its next admission; kubelet 1.20-1.26 "
+        "fails a pod admitted before the device plugin registers (UnexpectedAdmissionError), "
+        "see docs/checkpoint.md.",
+    ),
+    "checkpoint-remap-unavailable": KindDoc(
+        "Stale checkpoint entries are dropped, not remapped",
+        "gpuguard remaps a stale pod entry to the GPU now in its GPU's place only with a GPU "
+        "identity history that knows the old GPUs: @REASON@. The stale entries are dropped "
+        "as before this history existed. The history is recorded at every check once the "
+        "checkpoint matches the GPUs, so the next change of GPUs can be remapped.",
+    ),
+    "gpu-history-unusable": KindDoc(
+        "The GPU identity history cannot be used",
+        "@HISTORY@ is not a file gpuguard wrote (a link, a FIFO, too big, malformed or of "
+        "another version); see the message. gpuguard ignores it (no remap is possible from "
+        "it) and replaces it with the GPUs present at the next check that finds the "
+        "checkpoint matching them.",
+    ),
+    "gpu-history-recorded": KindDoc(
+        "GPUs recorded in the identity history",
+        "The checkpoint matches this host's GPUs, which differ from the newest generation "
+        "recorded in @HISTORY@ (or none was recorded): gpuguard recorded them (UUID, PCI bus "
+        "id, index, minor, NUMA node, MIG devices) as the newest generation, keeping the "
+        "previous ones, so that a later change of GPUs can be remapped.",
+    ),
     "checkpoint-deleted": KindDoc(
         "Kubelet checkpoint deleted (policy delete)",
         "With Policy=delete gpuguard removes the whole checkpoint, as Alibaba's gpuops does; "

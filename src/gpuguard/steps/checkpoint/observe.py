@@ -1,4 +1,6 @@
-"""Is kubelet running, and how can we get it stopped around a checkpoint repair?
+"""Is kubelet running, and how can we get it stopped around a checkpoint repair? And
+what the remap needs from the host: the GPU identity history, the GPUs' NUMA nodes, when
+this boot began.
 
 Kubelet counts as running when systemd reports its unit active, or when a process
 named `kubelet` exists under the root's /proc. With no systemd reachable and no such
@@ -11,9 +13,12 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from gpuguard.checkpoint import history
+from gpuguard.inventory import Inventory
 from gpuguard.numparse import parse_decimal
-from gpuguard.paths import Root
-from gpuguard.safeio import UnsafeFileError, read_bytes
+from gpuguard.paths import GPU_HISTORY_FILE, Root
+from gpuguard.safeio import UnsafeFileError, proc_text, read_bytes
+from gpuguard.steps.checkpoint.remap import RemapInputs
 
 if TYPE_CHECKING:
     from gpuguard.systemd import Systemd, UnitState
@@ -39,6 +44,52 @@ def kubelet_pids(root: Root) -> tuple[int, ...]:
         if comm.strip() == b"kubelet":
             pids.append(pid)
     return tuple(sorted(pids))
+
+
+def boot_time(root: Root) -> float:
+    """When this boot began (btime of /proc/stat, Unix seconds); 0 when unknown."""
+    try:
+        for line in proc_text(root.path("/proc/stat")).splitlines():
+            if line.startswith("btime "):
+                value = parse_decimal(line.split()[1])
+                return float(value) if value is not None else 0.0
+    except (OSError, IndexError):
+        pass
+    return 0.0
+
+
+def boot_id(root: Root) -> str:
+    try:
+        text = proc_text(root.path("/proc/sys/kernel/random/boot_id"), max_bytes=64).strip()
+    except OSError:
+        return ""
+    return text if len(text) <= 64 and text.isprintable() else ""
+
+
+def numa_nodes(root: Root, inventory: Inventory) -> dict[str, int]:
+    """The NUMA node of each GPU's PCI function, by bus id (sysfs form); GPUs whose node
+    is unknown or -1 (no NUMA) are left out."""
+    out: dict[str, int] = {}
+    for g in inventory.gpus:
+        bus = history.normal_bus_id(g.pci_bus_id)
+        if "/" in bus or bus.startswith("."):
+            continue
+        try:
+            text = proc_text(root.path(f"/sys/bus/pci/devices/{bus}/numa_node"), max_bytes=64)
+        except OSError:
+            continue
+        node = parse_decimal(text.strip(), hi=4095)
+        if node is not None:
+            out[bus] = node
+    return out
+
+
+def remap_inputs(root: Root, inventory: Inventory, checkpoint_mtime: float) -> RemapInputs:
+    path = root.path(GPU_HISTORY_FILE)
+    hist, problem = history.read(path)
+    return RemapInputs(
+        hist, problem, str(path), numa_nodes(root, inventory), checkpoint_mtime, boot_time(root)
+    )
 
 
 @dataclass(frozen=True)
