@@ -6,9 +6,10 @@ GPU of the current inventory, never two with the same one:
 1. the same UUID: the same board (its index or minor may have changed);
 2. else the same PCI bus id, when that bus id names exactly one GPU on each side: the
    GPU in the same physical slot (a new board, or the same one with a new UUID);
-3. else, for the GPUs still unpaired, the same NVML index, but only when both sides
-   have the same number of them with the same set of indices (one-to-one and
-   unambiguous: an instance replaced by one whose PCI layout differs).
+3. else the same NVML index, but only when no GPU of either side has a bus id the other
+   side has (an instance replaced by one whose PCI layout differs altogether) and both
+   sides have the same number of GPUs with the same set of indices: one to one and
+   unambiguous. On the same PCI layout an unpaired GPU is gone, whatever appeared.
 
 A GPU left unpaired is gone for good, and says why. A MIG device follows its parent,
 to the new parent's MIG device with the same (GPU instance, compute instance).
@@ -175,13 +176,20 @@ def build_map(gen: Generation, inventory: Inventory) -> GpuMap:
             rest.append(old)
     gone: list[Gone] = []
     if rest:
-        if len(rest) == len(free) and {g.index for g in rest} == {g.index for g in free}:
+        disjoint = not set(old_bus) & set(new_bus)
+        if (
+            disjoint
+            and len(rest) == len(free)
+            and {g.index for g in rest} == {g.index for g in free}
+        ):
             by_index = {g.index: g for g in free}
             matches += [Match(old, by_index[old.index], "index") for old in rest]
         else:
-            why = (
-                f"no GPU has its UUID or its PCI bus id now, and the {len(rest)} such "
-                f"GPU(s) cannot be paired one to one by index with the {len(free)} new one(s)"
+            why = "no GPU has its UUID or its PCI bus id now" + (
+                f", and the {len(rest)} such GPU(s) cannot be paired one to one by index "
+                f"with the {len(free)} new one(s)"
+                if disjoint
+                else " (the other GPUs are in their slots: not a new PCI layout)"
             )
             gone = [Gone(old, why) for old in rest]
     return GpuMap(gen, tuple(matches), tuple(gone))
