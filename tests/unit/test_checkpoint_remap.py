@@ -38,23 +38,20 @@ def new_uuid(u: str) -> str:
 
 def inventory(uuids: Sequence[Optional[str]], minors: Sequence[int] = (0, 1, 2)) -> Inventory:
     return Inventory(
-        tuple(
-            Gpu(u, i, minors[i], BUS[i])
-            for i, u in enumerate(uuids)
-            if u is not None
-        ),
+        tuple(Gpu(u, i, minors[i], BUS[i]) for i, u in enumerate(uuids) if u is not None),
         "test",
     )
 
 
 def inputs(
-    old: Inventory = inventory(OLD),
+    old: Optional[Inventory] = None,
     *,
     mtime: float = 5000.0,
     btime: float = 1000.0,
     numa: Optional[dict[str, int]] = None,
     recorded: float = 500.0,
 ) -> RemapInputs:
+    old = old or inventory(OLD)
     n = {f"0000:{b[9:]}": NUMA[i] for i, b in enumerate(BUS)} if numa is None else numa
     h = History((generation_of(old.gpus, n, when=recorded, boot_id="b", source="t"),))
     return RemapInputs(h, "", "/var/lib/gpuguard/gpu-identity.json", n, mtime, btime)
@@ -123,7 +120,7 @@ def test_one_gpu_gone_for_good_only_its_pods_are_dropped_and_say_why() -> None:
 
 
 def test_without_history_stale_entries_are_dropped_as_before_and_it_says_why() -> None:
-    raw, cp = load("numa-blog-04.json")
+    _raw, cp = load("numa-blog-04.json")
     now = inventory([new_uuid(u) for u in OLD])
     plain = analyse(cp, now, DEFAULT_RESOURCES)
     no_history = replace(inputs(), history=None)
@@ -167,9 +164,7 @@ def _index_checkpoint() -> tuple[bytes, Checkpoint]:
 def _renumbered() -> Inventory:
     # The same boards in the same slots, enumerated in another order after the reboot:
     # GPU 0 of the old numbering is index 1 (minor 1) now, and the other way round.
-    return Inventory(
-        (Gpu(G1, 0, 0, BUS[1]), Gpu(G0, 1, 1, BUS[0]), Gpu(G2, 2, 2, BUS[2])), "test"
-    )
+    return Inventory((Gpu(G1, 0, 0, BUS[1]), Gpu(G0, 1, 1, BUS[0]), Gpu(G2, 2, 2, BUS[2])), "test")
 
 
 def test_written_before_this_boot_index_ids_and_minors_follow_their_gpu() -> None:
@@ -197,7 +192,7 @@ def test_a_stale_index_written_in_this_boot_is_dropped_not_guessed() -> None:
 
 
 def test_a_new_id_already_allocated_to_another_pod_is_not_given_twice() -> None:
-    raw, cp = load("numa-blog-05.json")  # pod A on G0, pod B on G2
+    _raw, cp = load("numa-blog-05.json")  # pod A on G0, pod B on G2
     entries = cp.entries or ()
     # kubelet already gave pod A's old GPU, under its new UUID, to a new pod C
     c = replace(entries[0], pod_uid="pod-c", device_ids=((0, (new_uuid(G0),)),))
@@ -234,7 +229,10 @@ def test_mig_devices_follow_their_parent_and_caps_paths_refuse_a_new_minor() -> 
     raw = marshal(replace(cp, checksum=checksum(cp)))
     same_minor = Inventory((Gpu(new_uuid(G0), 0, 0, BUS[0], mig_new),), "t")
     a = analyse(parse(raw, source="m"), same_minor, DEFAULT_RESOURCES, inputs(old))
-    assert [r.new.all_device_ids() for r in a.remaps] == [("MIG-44444444-bbbb",), ("MIG-33333333-bbbb",)]
+    assert [r.new.all_device_ids() for r in a.remaps] == [
+        ("MIG-44444444-bbbb",),
+        ("MIG-33333333-bbbb",),
+    ]
     assert env(a.remaps[0].new) == "MIG-44444444-bbbb"
     new_minor = Inventory((Gpu(new_uuid(G0), 0, 5, BUS[0], mig_new),), "t")
     a = analyse(parse(raw, source="m"), new_minor, DEFAULT_RESOURCES, inputs(old))
@@ -242,7 +240,7 @@ def test_mig_devices_follow_their_parent_and_caps_paths_refuse_a_new_minor() -> 
 
 
 def test_an_unreadable_allocation_response_is_dropped_not_half_rewritten() -> None:
-    raw, cp = load("numa-blog-02.json")
+    _raw, cp = load("numa-blog-02.json")
     (e,) = cp.entries or ()
     cp = replace(cp, entries=(replace(e, alloc_resp=b"\x0a\x05ab"),))
     a = analyse(cp, inventory([new_uuid(u) for u in OLD]), DEFAULT_RESOURCES, inputs())

@@ -50,7 +50,10 @@ def _log(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
-    r = tmp_path / "node"
+    return make_root(tmp_path / "node")
+
+
+def make_root(r: Path) -> Path:
     (r / CHECKPOINT).parent.mkdir(parents=True)
     (r / CHECKPOINT).write_bytes((CHECKPOINTS / "numa-blog-04.json").read_bytes())
     (r / "etc/gpuguard").mkdir(parents=True)
@@ -68,11 +71,16 @@ def set_gpus(root: Path, uuids: list[str]) -> None:
     (root / "etc/gpuguard/inventory.json").write_text(json.dumps(inventory(uuids)))
 
 
-def check(root: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[int, Any, list[Any]]:
+def check_argv(root: Path) -> list[str]:
     inv = str(root / "etc/gpuguard/inventory.json")
-    argv = ["check", "--root", str(root), "--inventory", inv, "--only", "checkpoint",
-            "--log-json", "--json", *extra]  # fmt: skip
-    code = cli.main(argv)
+    return ["check", "--root", str(root), "--inventory", inv, "--only", "checkpoint",
+            "--log-json", "--json"]  # fmt: skip
+
+
+def check(
+    root: Path, capsys: pytest.CaptureFixture[str], *extra: str
+) -> tuple[int, Any, list[Any]]:
+    code = cli.main([*check_argv(root), *extra])
     out = capsys.readouterr()
     return code, json.loads(out.out), [json.loads(x) for x in out.err.splitlines() if x]
 
@@ -156,7 +164,7 @@ def test_one_gpu_gone_for_good_its_pod_is_dropped_and_says_so(
     inv = inventory([NEW[0], NEW[2]])
     inv["gpus"][1]["pci_bus_id"] = "00000000:84:00.0"  # GPU 2 still in its slot
     (root / "etc/gpuguard/inventory.json").write_text(json.dumps(inv))
-    code, doc, journal = check(root, capsys)
+    code, _doc, journal = check(root, capsys)
     assert code == exitcodes.OK
     (drop,) = kinds(journal, "checkpoint-entry-dropped")
     assert drop["POD_UID"] == "94283d1b-ce5a-4797-bff8-0cf0c7143b2b"
@@ -183,7 +191,7 @@ def test_a_bad_history_is_one_line_and_todays_drop_then_replaced(
     else:
         path.write_bytes(bad)
     set_gpus(root, NEW)
-    code, doc, journal = check(root, capsys)
+    code, _doc, journal = check(root, capsys)
     assert code == exitcodes.OK
     (line,) = kinds(journal, "gpu-history-unusable")
     assert str(path) in line["msg"]

@@ -65,7 +65,9 @@ def test_generation_of_an_inventory() -> None:
     gpus = [Gpu("GPU-a", 0, 0, "00000000:17:00.0", (MigDevice("MIG-a1", 1, 0),))]
     g = history.generation_of(gpus, {"0000:17:00.0": 0}, when=5.0, boot_id="b", source="nvml")
     assert g.gpus == (A,)
-    assert history.generation_of(gpus, {}, when=5.0, boot_id="b", source="x").gpus[0].numa_node == -1
+    assert (
+        history.generation_of(gpus, {}, when=5.0, boot_id="b", source="x").gpus[0].numa_node == -1
+    )
 
 
 def test_advance_records_only_a_change_and_keeps_the_newest_few() -> None:
@@ -124,8 +126,8 @@ BAD += [
     ("duplicate bus", _gpu_doc(pci_bus_id="0000:65:00.0"), "bus id is listed twice"),
     ("mig not a list", _gpu_doc(mig="MIG-x"), "not a list"),
     ("mig bad", _gpu_doc(mig=[{"uuid": "MIG-x", "gi": "1", "ci": 0}]), "gi"),
-    ("mig dup", _gpu_doc(mig=[{"uuid": "M-1", "gi": 1, "ci": 0}, {"uuid": "M-2", "gi": 1, "ci": 0}]),
-     "listed twice"),
+    ("mig dup", _gpu_doc(mig=[{"uuid": "M-1", "gi": 1, "ci": 0},
+                              {"uuid": "M-2", "gi": 1, "ci": 0}]), "listed twice"),
     ("numa string", _gpu_doc(numa_node="0"), "numa_node"),
     ("missing key", {"version": 1, "generations": [{"gpus": []}]}, "lacks"),
 ]  # fmt: skip

@@ -12,7 +12,9 @@ from gpuguard.steps.checkpoint.deviceids import classify
 from gpuguard.steps.checkpoint.gpumap import Gone, build_map
 
 
-def old(uuid: str, bus: str, index: int, minor: int, mig: tuple[MigIdentity, ...] = ()) -> GpuIdentity:
+def old(
+    uuid: str, bus: str, index: int, minor: int, mig: tuple[MigIdentity, ...] = ()
+) -> GpuIdentity:
     return GpuIdentity(uuid, bus, index, minor, -1, mig)
 
 

@@ -19,7 +19,7 @@ from gpuguard.checkpoint import Checkpoint, PodDevicesEntry, marshal
 from gpuguard.inventory import Inventory
 from gpuguard.model import Action, Finding
 from gpuguard.steps.checkpoint import remap
-from gpuguard.steps.checkpoint.deviceids import classify
+from gpuguard.steps.checkpoint.deviceids import Matcher, classify
 from gpuguard.steps.checkpoint.remap import EntryDrop, EntryRemap, RemapInputs
 from gpuguard.steps.registry import CHECKPOINT
 
@@ -126,17 +126,25 @@ def analyse(
                 },
             )
         )
+    matcher = Matcher(inventory)
     for d in result.drops:
         e = d.entry
+        gone = [i for i in e.all_device_ids() if not matcher.exists(classify(i))]
+        why = f"; not remapped: {d.why}" if remap_inputs is not None else ""
+        held = (
+            f"device(s) this host no longer has: {', '.join(gone)}"
+            if gone
+            else (f"{', '.join(e.all_device_ids())}")
+        )
         findings.append(
             Finding(
                 kind="checkpoint-stale-entry",
                 reconciler=NAME,
                 summary=f"pod {e.pod_uid} container {e.container_name} holds "
-                f"{e.resource_name} {', '.join(e.all_device_ids())}, not remapped: {d.why}",
+                f"{e.resource_name} {held}{why}",
                 fields={
                     **_entry_fields(e),
-                    "DEVICE_ID": next(iter(e.all_device_ids()), ""),
+                    "DEVICE_ID": (gone or list(e.all_device_ids()) or [""])[0],
                     "DROP_REASON": d.why,
                 },
             )
