@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import re
-from dataclasses import dataclass, replace
-from typing import Callable, List, Mapping, Optional, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Callable, List, Mapping, Optional, Sequence, Union
 
 from gpuguard.checkpoint import allocresp
 from gpuguard.checkpoint.history import History
@@ -113,6 +113,21 @@ class _Translator:
     older: Sequence[GpuMap]
     matcher: Matcher
     whole: bool
+    rewritten: dict[bytes, Union[bytes, _Failed]] = field(default_factory=dict)
+    translated: dict[str, Union[str, _Failed]] = field(default_factory=dict)
+
+    def raw_id(self, raw: str) -> str:
+        """id() of a raw ID, each translated once per plan."""
+        done = self.translated.get(raw)
+        if done is None:
+            try:
+                done = self.id(classify(raw))
+            except _Failed as why:
+                done = why
+            self.translated[raw] = done
+        if isinstance(done, _Failed):
+            raise done
+        return done
 
     def id(self, d: DeviceId) -> str:
         knows = (
@@ -172,7 +187,7 @@ class _Translator:
 def _regroup(t: _Translator, e: PodDevicesEntry, numa: Mapping[str, int]) -> PodDevicesEntry:
     """`e` with its IDs translated and each moved to its new GPU's NUMA node if known."""
     if e.shape == "v1":
-        return replace(e, device_ids=tuple(t.id(classify(i)) for i in e.all_device_ids()))
+        return replace(e, device_ids=tuple(t.raw_id(i) for i in e.all_device_ids()))
     groups: dict[int, Optional[list[str]]] = {}
     for node, listed in e.numa_pairs():
         if listed is None:  # a JSON null list stays null (it hashes differently from [])
@@ -181,7 +196,7 @@ def _regroup(t: _Translator, e: PodDevicesEntry, numa: Mapping[str, int]) -> Pod
         if groups.get(node) is None:
             groups[node] = []
         for raw in listed:
-            new = t.id(classify(raw))
+            new = t.raw_id(raw)
             target = node
             if new != raw and numa:
                 gpu = t.g.numa_now(_gpu_uuid(new, t), numa)
@@ -220,14 +235,22 @@ def _gpu_uuid(new_id: str, t: _Translator) -> str:
 def _remap_entry(t: _Translator, e: PodDevicesEntry, numa: Mapping[str, int]) -> PodDevicesEntry:
     new = _regroup(t, e, numa)
     if e.alloc_resp is not None:
-        try:
-            alloc = allocresp.rewrite(e.alloc_resp, t.text)
-        except allocresp.AllocRespError as err:
-            raise _Failed(
-                f"its allocation response is not a ContainerAllocateResponse gpuguard can "
-                f"read ({err})"
-            ) from None
-        new = replace(new, alloc_resp=alloc)
+        # Responses repeat across entries (the same GPUs, the same answer): rewrite once.
+        done = t.rewritten.get(e.alloc_resp)
+        if done is None:
+            try:
+                done = allocresp.rewrite(e.alloc_resp, t.text)
+            except allocresp.AllocRespError as err:
+                done = _Failed(
+                    f"its allocation response is not a ContainerAllocateResponse gpuguard can "
+                    f"read ({err})"
+                )
+            except _Failed as why:
+                done = why
+            t.rewritten[e.alloc_resp] = done
+        if isinstance(done, _Failed):
+            raise done
+        new = replace(new, alloc_resp=done)
     return new
 
 
@@ -260,6 +283,14 @@ def plan(
     numa = inputs.numa if inputs is not None else {}
     remaps: List[EntryRemap] = []
     drops: List[EntryDrop] = []
+    made: dict[tuple[int, bool], _Translator] = {}
+
+    def translator(g: GpuMap, whole: bool) -> _Translator:
+        key = (id(g), whole)
+        if key not in made:
+            made[key] = _Translator(g, [m for m in maps if m is not g], matcher, whole)
+        return made[key]
+
     for pos, e in enumerate(cp.entries or ()):
         if not in_scope(e.resource_name) or e.shape is None:
             continue
@@ -272,7 +303,7 @@ def plan(
             if unavailable:
                 raise _Failed(unavailable)
             if whole:
-                t = _Translator(maps[0], maps[1:], matcher, True)
+                t = translator(maps[0], True)
             else:
                 if any(d.form in _INDEX_FORMS for d in stale):
                     raise _Failed(
@@ -282,7 +313,7 @@ def plan(
                 g = newest_knowing(maps, stale)
                 if g is None:
                     raise _Failed(f"{stale[0].raw} is not in the GPU identity history")
-                t = _Translator(g, [m for m in maps if m is not g], matcher, False)
+                t = translator(g, False)
             new = _remap_entry(t, e, numa)
         except _Failed as why:
             drops.append(EntryDrop(pos, e, str(why), _evidence(t, e)))
@@ -323,33 +354,37 @@ def _how(t: Optional[_Translator]) -> str:
 def _no_double_allocation(
     cp: Checkpoint, remaps: List[EntryRemap], drops: List[EntryDrop]
 ) -> tuple[List[EntryRemap], List[EntryDrop]]:
-    """Drop each remapped entry whose new device another pod's entry holds."""
-    changed = {r.pos: r for r in remaps}
-    dropped = {d.pos for d in drops}
-    while True:
-        holders: dict[tuple[str, str], set[str]] = {}
-        for pos, e in enumerate(cp.entries or ()):
-            if pos in dropped:
-                continue
-            cur = changed[pos].new if pos in changed else e
-            for i in cur.all_device_ids():
-                holders.setdefault((cur.resource_name, i), set()).add(cur.pod_uid)
-        clash = None
-        for r in changed.values():
-            for i in r.new_ids():
-                others = holders[(r.new.resource_name, i)] - {r.new.pod_uid}
-                if others:
-                    clash = (r, i, sorted(others)[0])
-                    break
-            if clash:
-                break
-        if clash is None:
-            return list(changed.values()), drops
-        r, i, pod = clash
-        del changed[r.pos]
-        dropped.add(r.pos)
-        why = f"its device's new ID {i} is already allocated to pod {pod}"
-        drops.append(EntryDrop(r.pos, r.old, why, r.evidence))
+    """Drop each remapped entry whose new device another pod holds under another old ID
+    (kubelet gave it away since): a remap never makes two pods share a device that did
+    not already."""
+    changed = {r.pos for r in remaps}
+    gone = {d.pos for d in drops}
+    # (resource, device now) -> {(pod, the ID it held it by)}
+    holders: dict[tuple[str, str], set[tuple[str, str]]] = {}
+    for pos, e in enumerate(cp.entries or ()):
+        if pos not in changed and pos not in gone:
+            for i in e.all_device_ids():
+                holders.setdefault((e.resource_name, i), set()).add((e.pod_uid, i))
+    kept: List[EntryRemap] = []
+    for r in remaps:
+        pairs = list(zip(r.old_ids(), r.new_ids()))
+        clash = next(
+            (
+                (new, pod)
+                for old, new in pairs
+                for pod, by in holders.get((r.new.resource_name, new), ())
+                if pod != r.new.pod_uid and by != old
+            ),
+            None,
+        )
+        if clash is not None:
+            why = f"its device's new ID {clash[0]} is already allocated to pod {clash[1]}"
+            drops.append(EntryDrop(r.pos, r.old, why, r.evidence))
+            continue
+        kept.append(r)
+        for old, new in pairs:
+            holders.setdefault((r.new.resource_name, new), set()).add((r.new.pod_uid, old))
+    return kept, drops
 
 
 def _registered(
