@@ -115,6 +115,15 @@ class _Translator:
     whole: bool
     rewritten: dict[bytes, Union[bytes, _Failed]] = field(default_factory=dict)
     translated: dict[str, Union[str, _Failed]] = field(default_factory=dict)
+    nodes: dict[str, int] = field(default_factory=dict)
+    how: Optional[str] = None  # how its GPUs were paired, for the journal
+
+    def node_of(self, new_id: str, numa: Mapping[str, int]) -> int:
+        """The NUMA node of the GPU behind a translated ID (-1: unknown), once per ID."""
+        node = self.nodes.get(new_id)
+        if node is None:
+            node = self.nodes[new_id] = self.g.numa_now(_gpu_uuid(new_id, self), numa)
+        return node
 
     def raw_id(self, raw: str) -> str:
         """id() of a raw ID, each translated once per plan."""
@@ -199,7 +208,7 @@ def _regroup(t: _Translator, e: PodDevicesEntry, numa: Mapping[str, int]) -> Pod
             new = t.raw_id(raw)
             target = node
             if new != raw and numa:
-                gpu = t.g.numa_now(_gpu_uuid(new, t), numa)
+                gpu = t.node_of(new, numa)
                 target = gpu if gpu >= 0 else node
             group = groups.get(target)
             if group is None:
@@ -319,7 +328,9 @@ def plan(
             drops.append(EntryDrop(pos, e, str(why), _evidence(t, e)))
             continue
         if new != e:
-            remaps.append(EntryRemap(pos, e, new, _how(t), _evidence(t, e)))
+            if t.how is None:
+                t.how = _how(t)
+            remaps.append(EntryRemap(pos, e, new, t.how, _evidence(t, e)))
     remaps, drops = _no_double_allocation(cp, remaps, drops)
     reg, reg_remaps, reg_drops = _registered(cp, in_scope, matcher, maps, whole, unavailable)
     return RemapResult(
@@ -359,12 +370,12 @@ def _no_double_allocation(
     not already."""
     changed = {r.pos for r in remaps}
     gone = {d.pos for d in drops}
-    # (resource, device now) -> {(pod, the ID it held it by)}
-    holders: dict[tuple[str, str], set[tuple[str, str]]] = {}
+    # (resource, device now) -> {the ID it is held by: the pods holding it so}
+    holders: dict[tuple[str, str], dict[str, set[str]]] = {}
     for pos, e in enumerate(cp.entries or ()):
         if pos not in changed and pos not in gone:
             for i in e.all_device_ids():
-                holders.setdefault((e.resource_name, i), set()).add((e.pod_uid, i))
+                holders.setdefault((e.resource_name, i), {}).setdefault(i, set()).add(e.pod_uid)
     kept: List[EntryRemap] = []
     for r in remaps:
         pairs = list(zip(r.old_ids(), r.new_ids()))
@@ -372,8 +383,10 @@ def _no_double_allocation(
             (
                 (new, pod)
                 for old, new in pairs
-                for pod, by in holders.get((r.new.resource_name, new), ())
-                if pod != r.new.pod_uid and by != old
+                for by, pods in holders.get((r.new.resource_name, new), {}).items()
+                if by != old
+                for pod in pods
+                if pod != r.new.pod_uid
             ),
             None,
         )
@@ -383,7 +396,9 @@ def _no_double_allocation(
             continue
         kept.append(r)
         for old, new in pairs:
-            holders.setdefault((r.new.resource_name, new), set()).add((r.new.pod_uid, old))
+            holders.setdefault((r.new.resource_name, new), {}).setdefault(old, set()).add(
+                r.new.pod_uid
+            )
     return kept, drops
 
 
