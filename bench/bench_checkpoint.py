@@ -13,7 +13,8 @@ GPU 5 came back with a new UUID, so the entries holding it are stale and analyse
 returns a repaired checkpoint for marshal() to write (dropped: no GPU identity history).
 Then the remap: every GPU came back with a new UUID in its slot, the history knows the
 old ones, and every entry is remapped (IDs and AllocResp rewritten). Prints p50/p95 per
-phase. Figures only: nothing is asserted. Target: realistic total < 50 ms; remap, realistic total < 200 ms.
+phase. Figures only: nothing is asserted. Targets: realistic total < 50 ms; remap,
+realistic total < 200 ms.
 
     .venv/bin/python bench/bench_checkpoint.py [--runs N] [--entries N]
 """
@@ -192,7 +193,10 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--entries", type=int, default=1000)
     args = ap.parse_args()
-    print(f"python {sys.version.split()[0]}; target: realistic total < 50 ms; remap realistic total < 200 ms")
+    print(
+        f"python {sys.version.split()[0]}; targets: realistic total < 50 ms, "
+        "remap realistic total < 200 ms"
+    )
     for name, unique, all_new in (
         ("realistic", False, False),
         ("worst case (every AllocResp differs)", True, False),

@@ -206,7 +206,7 @@ def test_a_new_id_already_allocated_to_another_pod_is_not_given_twice() -> None:
 def test_a_device_two_entries_held_before_is_remapped_for_both() -> None:
     # an init container and an app container of one pod, and (in a hand-made file) two
     # pods holding one GPU: the remap keeps what was there and adds no sharing
-    raw, cp = load("numa-blog-02.json")
+    _raw, cp = load("numa-blog-02.json")
     (e,) = cp.entries or ()
     cp = replace(cp, entries=(e, replace(e, container_name="init"), replace(e, pod_uid="p2")))
     a = analyse(cp, inventory([new_uuid(u) for u in OLD]), DEFAULT_RESOURCES, inputs())
