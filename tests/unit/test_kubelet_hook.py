@@ -127,7 +127,8 @@ def test_no_checkpoint_exit_0_skipped(root: Path, capsys: pytest.CaptureFixture[
     (root / "etc/gpuguard/inventory.json").write_text(json.dumps(INVENTORY))
     code, log = hook(root, capsys, "--inventory", str(root / "etc/gpuguard/inventory.json"))
     assert code == exitcodes.OK
-    assert [e["kind"] for e in log] == ["kubelet-hook-skipped"]
+    # nothing to reconcile: the GPUs are recorded for a later remap (once)
+    assert [e["kind"] for e in log] == ["gpu-history-recorded", "kubelet-hook-skipped"]
     assert record(root)["outcome"] == "skipped"
 
 

@@ -31,6 +31,8 @@ FORBIDDEN = (
 # Pure helpers of a reconciler, held to the same rule.
 PURE = (
     SRC / "steps/checkpoint/deviceids.py",
+    SRC / "steps/checkpoint/gpumap.py",
+    SRC / "steps/checkpoint/remap.py",
     SRC / "steps/device_plugin/limits.py",
     SRC / "steps/container_access/inplace.py",
     SRC / "steps/container_access/durable.py",

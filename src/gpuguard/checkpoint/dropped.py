@@ -12,6 +12,15 @@ touched it.
 
 The newest MAX_RECORDS records are kept: a pod UID is never reused, so an old record
 cannot speak for a new pod, and a node runs a few hundred pods at most.
+
+An entry the repair remapped to the GPUs now in its GPUs' places (steps/checkpoint/
+remap.py) is recorded the same way, with `remapped_to`, the IDs it was given instead:
+while the checkpoint still holds exactly those for that container, the evidence is the
+record's (what the entry said before), not the new IDs. So a container that ran before
+the remap is judged as the check before the repair judged it, and a remap never makes
+evidence for a GPU the old entry did not name. A record's `device_ids` are the IDs as
+they read today (an index of an earlier numbering only once translated, never an index
+that now names another GPU); `original_ids` are what the checkpoint said, for people.
 """
 
 from __future__ import annotations
@@ -42,15 +51,22 @@ class DroppedEntry:
     resource_name: str
     device_ids: tuple[str, ...]
     dropped_at: str  # UTC, e.g. 2026-11-23T02:41:02Z
+    original_ids: tuple[str, ...] = ()  # as the checkpoint named them, when they differ
+    remapped_to: tuple[str, ...] = ()  # a remapped entry: the IDs it holds since
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "pod_uid": self.pod_uid,
             "container_name": self.container_name,
             "resource_name": self.resource_name,
             "device_ids": list(self.device_ids),
             "dropped_at": self.dropped_at,
         }
+        if self.original_ids and self.original_ids != self.device_ids:
+            out["original_ids"] = list(self.original_ids)
+        if self.remapped_to:
+            out["remapped_to"] = list(self.remapped_to)
+        return out
 
 
 def dropped_from(entries: Iterable[PodDevicesEntry], when: str) -> tuple[DroppedEntry, ...]:
@@ -77,9 +93,14 @@ def pod_device_ids(
     entries: Iterable[PodDevicesEntry], dropped: Iterable[DroppedEntry] = ()
 ) -> dict[str, frozenset[str]]:
     """pod UID -> every device ID its checkpoint entries name, dropped ones included."""
+    dropped = tuple(dropped)
+    remapped = {(r.pod_uid, r.container_name, r.resource_name, r.remapped_to) for r in dropped}
     out: dict[str, set[str]] = {}
     for e in entries:
-        out.setdefault(e.pod_uid, set()).update(e.all_device_ids())
+        ids = e.all_device_ids()
+        if (e.pod_uid, e.container_name, e.resource_name, ids) in remapped:
+            continue  # what gpuguard wrote: its record says what the entry said before
+        out.setdefault(e.pod_uid, set()).update(ids)
     for r in dropped:
         out.setdefault(r.pod_uid, set()).update(r.device_ids)
     return {pod: frozenset(ids) for pod, ids in out.items()}
@@ -114,6 +135,10 @@ def parse(raw: bytes, source: str) -> tuple[DroppedEntry, ...]:
             ids = d.get("device_ids")
             if not isinstance(ids, list) or not all(isinstance(x, str) for x in ids):
                 raise ValueError(f"{where}: device_ids is not a list of strings")
+            orig, moved = d.get("original_ids", []), d.get("remapped_to", [])
+            for name, v in (("original_ids", orig), ("remapped_to", moved)):
+                if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+                    raise ValueError(f"{where}: {name} is not a list of strings")
             out.append(
                 DroppedEntry(
                     _str(d, "pod_uid", where),
@@ -121,6 +146,8 @@ def parse(raw: bytes, source: str) -> tuple[DroppedEntry, ...]:
                     _str(d, "resource_name", where),
                     tuple(ids),
                     _str(d, "dropped_at", where),
+                    tuple(orig),
+                    tuple(moved),
                 )
             )
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeError too

@@ -77,11 +77,13 @@ class ProcessInfo:
 
 
 def boot_time(root: Root) -> float:
+    """When this boot began (btime of /proc/stat, Unix seconds); 0 when unknown."""
     try:
         for line in proc_text(root.path("/proc/stat")).splitlines():
             if line.startswith("btime "):
-                return float(line.split()[1])
-    except (OSError, ValueError, IndexError):
+                value = parse_decimal(line.split()[1])
+                return float(value) if value is not None else 0.0
+    except (OSError, IndexError):
         pass
     return 0.0
 

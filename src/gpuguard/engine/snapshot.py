@@ -12,9 +12,10 @@ daemon-reload repairs container access from its cache and must not wait for a
 the only step that changes the checkpoint decides from `checkpoint()` too: the snapshot
 is read before that write, whichever step asks first.
 
-Across passes, the repair records the entries it drops (checkpoint/dropped.py), and
-`pod_device_ids` is the checkpoint's entries plus those records: what the checkpoint
-said before gpuguard touched it.
+Across passes, the repair records the entries it drops or remaps (checkpoint/dropped.py),
+and `pod_device_ids` is the checkpoint's entries plus those records (a remapped entry's
+record in place of the IDs gpuguard wrote): what the checkpoint said before gpuguard
+touched it.
 
 Within a dry-run, `planned` holds what an earlier step would have created and did not
 (device nodes, /dev/char links), so later steps plan against the host as the real run

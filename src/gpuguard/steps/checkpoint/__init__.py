@@ -53,13 +53,13 @@ def run_check(
     """The CLI's entry. An event loop and a bus connection only when kubelet must be
     asked about: a healthy node never loads asyncio or D-Bus."""
     report, actuator = analyse_checkpoint(root, inventory, s, log, snapshot)
-    if actuator is None:
-        return report
-    import asyncio
+    if actuator is not None:
+        import asyncio
 
-    from gpuguard.steps.checkpoint.kubelet import coordinate
+        from gpuguard.steps.checkpoint.kubelet import coordinate
 
-    return asyncio.run(coordinate(root, s, report, actuator, log, None, inventory))
+        report = asyncio.run(coordinate(root, s, report, actuator, log, None, inventory))
+    return _remember_gpus(root, inventory, s, log, report)
 
 
 async def check_checkpoint(
@@ -74,11 +74,27 @@ async def check_checkpoint(
     """The same for the daemon, on its own bus connection (`systemd`). `on_restart` is
     called just before kubelet is restarted or stopped, whatever comes of it."""
     report, actuator = analyse_checkpoint(root, inventory, s, log, snapshot)
-    if actuator is None:
-        return report
-    from gpuguard.steps.checkpoint.kubelet import coordinate
+    if actuator is not None:
+        from gpuguard.steps.checkpoint.kubelet import coordinate
 
-    return await coordinate(root, s, report, actuator, log, systemd, inventory, on_restart)
+        report = await coordinate(root, s, report, actuator, log, systemd, inventory, on_restart)
+    return _remember_gpus(root, inventory, s, log, report)
+
+
+def _remember_gpus(
+    root: Root, inventory: Inventory, s: CheckSettings, log: EventLog, report: CheckReport
+) -> CheckReport:
+    """Record the GPUs as the history's newest generation once the checkpoint matches them
+    (healthy, repaired, or none yet): never before, so that the check after a reboot
+    still finds the generation the checkpoint was written under."""
+    from gpuguard import exitcodes
+
+    if s.dry_run or report.exit_code != exitcodes.OK or report.remap_inputs is None:
+        return report
+    from gpuguard.steps.checkpoint.actuate import record_history
+
+    record_history(root, inventory, report.remap_inputs, log, report.remap_inputs.path)
+    return report
 
 
 def analyse_checkpoint(
@@ -95,6 +111,7 @@ def analyse_checkpoint(
     from gpuguard.engine.snapshot import HostSnapshot
     from gpuguard.steps.checkpoint import reconcile as ckpt
     from gpuguard.steps.checkpoint.actuate import CheckpointActuator
+    from gpuguard.steps.checkpoint.observe import remap_inputs
     from gpuguard.steps.checkpoint.report import CheckReport, apply_repair
 
     path = root.path(s.checkpoint_path)
@@ -107,11 +124,21 @@ def analyse_checkpoint(
     except BadInputError as e:
         log.event("checkpoint-corrupt", e.message, level="error", fields={"CHECKPOINT": path})
         raise
+    inputs = remap_inputs(root, inventory, loaded.stat.st_mtime if loaded is not None else 0.0)
+    report.remap_inputs = inputs
+    if inputs.problem:
+        log.event(
+            "gpu-history-unusable",
+            f"{inputs.problem}; stale checkpoint entries can only be dropped, not remapped, "
+            "until the GPUs are recorded again",
+            level="warning",
+            fields={"GPUGUARD_RECONCILER": ckpt.NAME, "HISTORY": inputs.path},
+        )
     if loaded is None:
         report.result = "no checkpoint file (kubelet's device manager has not written one yet)"
         return report, None
     cp, raw = loaded.checkpoint, loaded.raw
-    analysis = ckpt.analyse(cp, inventory, s.resources)
+    analysis = ckpt.analyse(cp, inventory, s.resources, inputs)
     report.findings = list(analysis.findings)
     for f in report.findings:
         log.finding(f)

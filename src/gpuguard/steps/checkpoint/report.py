@@ -11,6 +11,7 @@ from gpuguard.steps.checkpoint.actuate import CheckpointActuator
 
 if TYPE_CHECKING:
     from gpuguard.config import KubeletConfig
+    from gpuguard.steps.checkpoint.remap import RemapInputs
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ class CheckReport:
     coordination: str = ""
     result: str = ""
     exit_code: int = exitcodes.OK
+    # what the remap read from the host (the history among it); not part of the report
+    remap_inputs: Optional[RemapInputs] = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -95,6 +98,7 @@ class CheckReport:
             lines.append(f"{f.severity + ':':9}  {f.summary}")
         for a in self.actions:
             lines.append(f"plan:       {a.describe()}")
+            lines += [f"            {d}" for d in getattr(a, "details", tuple)()]
         if self.kubelet:
             lines.append(f"kubelet:    {self.kubelet}")
         if self.coordination:
