@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from gpuguard import aio
 from gpuguard.coalescer import Coalescer
 from gpuguard.config import Config, load_config
 from gpuguard.errors import ConfigError, GpuguardError
@@ -74,7 +75,7 @@ class Daemon:
         self.inventory: Optional[Inventory] = None
         self._followups: dict[tuple[frozenset[str], str], float] = {}
         self._planned = Planned()  # a dry-run's nodes and links not made (snapshot.py)
-        self.first_pass_done = asyncio.Event()
+        self.first_pass_done = aio.Event()
         self.coalescer = self._make_coalescer()
         self.sources = sources
         self.sd_source = sources.systemd if sources is not None else None
