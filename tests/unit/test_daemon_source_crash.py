@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuguard import aio
 from gpuguard.config import load_config
 from gpuguard.daemon import Daemon
 from gpuguard.log import EventLog
@@ -21,7 +22,7 @@ class CrashingSource:
     daemon has started."""
 
     def __init__(self) -> None:
-        self.first_attempt_done = asyncio.Event()
+        self.first_attempt_done = aio.Event()  # built before the loop, as the real one
         self.client = None
         self.private = None
         self.stopped = False
