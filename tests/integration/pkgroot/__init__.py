@@ -33,7 +33,14 @@ from integration.harness.sysns import (
     NamespaceError,
     SystemdNamespace,
 )
-from integration.pkgroot.roots import CACHE, SUITES, debian_env, debian_root, root_path
+from integration.pkgroot.roots import (
+    CACHE,
+    DEBIAN_PATH,
+    SUITES,
+    debian_env,
+    debian_root,
+    root_path,
+)
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
@@ -188,9 +195,6 @@ class PackageRoot(SystemdNamespace):
             f"{src.resolve()}\t{dst}\trw\n" for dst, src in self.binds.items()
         ]
         (self.state / "binds.tsv").write_text("".join(rows))
-        # systemd 256 and 257 refuse cgroup v1 unless told (258 on refuse it outright).
-        args = "SYSTEMD_CGROUP_ENABLE_LEGACY_FORCE=1" if self.layout == "v1" else ""
-        (self.state / "systemd-args").write_text(args + "\n")
 
     def _launch(self) -> None:
         # The harness's launcher (cgroup moves, setpriv --pdeathsig, unshare
@@ -214,6 +218,7 @@ class PackageRoot(SystemdNamespace):
 
 __all__ = [
     "CACHE",
+    "DEBIAN_PATH",
     "DEFAULT_MASKS",
     "SUITES",
     "PackageRoot",

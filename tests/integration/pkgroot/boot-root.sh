@@ -84,17 +84,11 @@ cp "$S/machine-id" "$N/etc/machine-id"
 cp "$S/hostname" "$N/etc/hostname"
 hostname "$(cat "$S/hostname")"
 
-ARGS=$(cat "$S/systemd-args")
-
 # Detach the host root: from here on only the copy exists in this namespace
 # (/proc/PID/root and nsenter see the copy too).
 cd "$N"
 pivot_root . .
 umount -l .
 cd /
-# Extra arguments: in a container systemd reads its own command line as the kernel's
-# (e.g. SYSTEMD_CGROUP_ENABLE_LEGACY_FORCE=1, which systemd 256/257 want on v1).
-# shellcheck disable=SC2086
 exec /usr/bin/env -i container=gpuguard-pkgtest PATH=/usr/sbin:/usr/bin:/sbin:/bin \
-    /lib/systemd/systemd --system --unit=basic.target --show-status=no --log-target=journal \
-    $ARGS
+    /lib/systemd/systemd --system --unit=basic.target --show-status=no --log-target=journal
