@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -68,7 +69,7 @@ def wheelhouse() -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         res = subprocess.run(
             [
-                os.environ.get("PYTHON", str(REPO / ".venv/bin/python")),
+                sys.executable,
                 "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
                 *PIP_TARGET, "-d", str(tmp), *REQUIREMENTS, *BACKPORTS, *TOOLS,
             ],
