@@ -17,6 +17,7 @@ import time
 from typing import Awaitable, Callable, Optional
 
 from gpuguard.engine.passes import Work
+from gpuguard.host import aio
 
 RunPass = Callable[[Work], Awaitable[None]]
 
@@ -44,7 +45,7 @@ class Coalescer:
         self._last = 0.0
         self._urgent = False
         self._held_since: Optional[float] = None
-        self._wake = asyncio.Event()
+        self._wake = aio.Event()  # made in main, before the loop runs (aio.py)
         self._stopping = False
         self.passes = 0
         self.running = False

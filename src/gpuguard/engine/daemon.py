@@ -23,6 +23,7 @@ from gpuguard.engine.inventory_reader import InventoryReader
 from gpuguard.engine.passes import STATUS_FILE, PassContext, Step, Work
 from gpuguard.engine.snapshot import HostSnapshot, Planned
 from gpuguard.errors import ConfigError, GpuguardError
+from gpuguard.host import aio
 from gpuguard.host.inventory import Inventory
 from gpuguard.host.notify import Notifier, watchdog_interval
 from gpuguard.host.paths import Root
@@ -75,7 +76,7 @@ class Daemon:
         self.inventory: Optional[Inventory] = None
         self._followups: dict[tuple[frozenset[str], str], float] = {}
         self._planned = Planned()  # a dry-run's nodes and links not made (snapshot.py)
-        self.first_pass_done = asyncio.Event()
+        self.first_pass_done = aio.Event()
         self.coalescer = self._make_coalescer()
         self.sources = sources
         self.sd_source = sources.systemd if sources is not None else None

@@ -34,6 +34,7 @@ from typing import Callable, Iterable, Optional
 from dbus_next import Message
 
 from gpuguard.devices.cgroupnames import ANY_CONTAINER_SCOPE
+from gpuguard.host import aio
 from gpuguard.host.systemd import MANAGER, PROPS, UNIT, Systemd, SystemdError, unit_object_path
 from gpuguard.journal.log import EventLog
 from gpuguard.sources.reload_socket import PrivateReloadWatch
@@ -74,8 +75,8 @@ class SystemdSource:
         self.log = log
         self.clock = clock
         self.client: Optional[Systemd] = None
-        self.connected = asyncio.Event()
-        self.first_attempt_done = asyncio.Event()
+        self.connected = aio.Event()
+        self.first_attempt_done = aio.Event()
         self._stopping = False
         self._reloading = False
         self._reload_ended = -1e9
