@@ -16,6 +16,7 @@ from gpuguard.engine.gcpause import collector_paused, freeze_long_lived, thaw
 from gpuguard.host.notify import Notifier
 from gpuguard.host.paths import Root
 from gpuguard.journal.log import EventLog
+from gpuguard.steps.events import Event, EventKind
 
 SEEN: list[bool] = []
 
@@ -31,6 +32,9 @@ class FastStep:
         SEEN.append(gc.isenabled())
         if self.fail:
             raise RuntimeError("a bug in a fast path")
+
+    def fast_status(self) -> dict[str, object]:
+        return {}
 
 
 def daemon(tmp_path: Path, steps: dict[str, Any]) -> tuple[Daemon, io.StringIO]:
@@ -54,7 +58,7 @@ def test_reload_fast_paths_run_without_the_collector(tmp_path: Path) -> None:
     SEEN.clear()
     d, out = daemon(tmp_path, {"a": FastStep("a", fail=True), "b": FastStep("b")})
     assert gc.isenabled()
-    d.on_reloaded(1.0)
+    d.on_event(Event(EventKind.SYSTEMD_RELOADED, "systemd: reload", True, at=1.0))
     assert SEEN == [False, False]  # the second ran too, after the first raised
     assert gc.isenabled()
     assert "reload fast path raised RuntimeError" in out.getvalue()

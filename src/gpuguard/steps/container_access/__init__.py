@@ -22,7 +22,7 @@ import dataclasses
 import functools
 import os
 import time
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
 from gpuguard.actuate.containers import ContainerStopper
 from gpuguard.actuate.dropins import list_dropins
@@ -104,12 +104,13 @@ class ContainerAccessStep:
         self.bridges = Bridges(self.backoff, clock, self.durable, self._unit, self._carried.append)
         self._followup: Optional[asyncio.Future[None]] = None  # after a reload's bridges
 
-    def on_reload(self, svc: Services, signal: float) -> None:
+    def on_reload(self, svc: Services, signal: float) -> Optional[float]:
         """systemd ended a daemon-reload/reexec (`signal`: when that arrived): re-grant
         the last pass's v1 GPU containers now, before anything else runs on the loop, and
-        bridge its v2 scopes that lost a node (a task sets their DeviceAllow= next)."""
+        bridge its v2 scopes that lost a node (a task sets their DeviceAllow= next).
+        Returns when the last access it restored was back (None: it restored none)."""
         if not svc.config.devices.regrant:
-            return
+            return None
         clock0 = thread_clock()
         known = self.observer.known_v1
         swept = sweep_v1(known, self.observer.read_v1, self.durable, dry_run=svc.dry_run)
@@ -153,8 +154,9 @@ class ContainerAccessStep:
             self._carried += outcomes.values()
             self._carried_findings += findings
             self._carried_ids.update(finding_id(f) for f in findings)
+        return self.last_reload.restored
 
-    def fast_status(self) -> dict[str, object]:
+    def fast_status(self) -> Mapping[str, object]:
         """The fast paths' last figures, for the status file (and bench/)."""
         out: dict[str, object] = {"new_scopes": self.scopes.status()}
         if self.last_reload is not None:
