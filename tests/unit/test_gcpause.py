@@ -87,17 +87,12 @@ def test_a_crashed_bridge_follow_up_names_its_step() -> None:
     """The reload's bridge follow-up runs as a task nobody awaits: a bug there is
     journaled as reconciler-crashed with the step's name, as the catalog shows."""
     import asyncio
-    import time
     import types
 
-    from gpuguard.steps.container_access.bridge import Bridges
-    from gpuguard.steps.container_access.inplace import Backoff
-
-    async def grant(*_a: Any) -> Any:
-        raise AssertionError("not called")
+    from gpuguard.steps.container_access.cgroups import Cgroups
 
     out = io.StringIO()
-    bridges = Bridges(Backoff(), time.monotonic, {}, grant, lambda o: None)
+    bridges = Cgroups().v2.bridges
 
     async def boom(*_a: Any) -> None:
         raise RuntimeError("a bug in the follow-up")

@@ -223,6 +223,14 @@ def test_the_daemon_runs_the_fast_paths_its_steps_declare_then_marks(tmp_path: P
     assert doc["fast_paths"] == {"calls": 2}
 
 
+def test_the_container_access_step_declares_both_fast_paths_by_their_protocols() -> None:
+    from gpuguard.steps.container_access import ContainerAccessStep
+
+    step = ContainerAccessStep()
+    assert isinstance(step, registry.ReloadFastPath) and isinstance(step, registry.ScopeFastPath)
+    assert not isinstance(Recorder("x"), registry.ReloadFastPath)
+
+
 def test_a_woken_step_without_a_fast_path_is_marked_at_once(tmp_path: Path) -> None:
     d = daemon(tmp_path, SPECS)
     marks: list[frozenset[str]] = []

@@ -96,10 +96,12 @@ async def run_check_pass(
 def container_status(
     root: Root, cfg: Config, inventory: Optional[Inventory]
 ) -> list[dict[str, Any]]:
+    from gpuguard.steps.container_access.cgroups import Cgroups
     from gpuguard.steps.container_access.observe import AccessObserver
     from gpuguard.steps.container_access.reconcile import audit
 
-    view = AccessObserver().observe(
+    cgroups = Cgroups()
+    view = AccessObserver(cgroups).observe(
         root,
         inventory,
         HostSnapshot(root, cfg.kubelet.checkpoint_path),
@@ -111,6 +113,7 @@ def container_status(
         view.containers,
         view.entitlements,
         view.access,
+        cgroup_of=cgroups.of,
         device_rules=view.rules,
         plugin_containers=view.plugin_containers,
     )
