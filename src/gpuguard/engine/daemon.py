@@ -1,4 +1,8 @@
-"""`gpuguard daemon`: one asyncio loop, sources mark work, one coalesced pass at a time.
+"""`gpuguard daemon`: one asyncio loop, sources emit events, one coalesced pass at a time.
+
+An event wakes the steps the registry declares for its kind (steps/registry.py): the
+fast paths that serve it run first (found by their protocols), then those steps are
+marked; a pass runs them through the one runner (runner.py), as `gpuguard check` does.
 
 Start-up order matters: subscribe to udev and systemd FIRST, then run the initial
 full pass (so nothing that happens during start-up falls in between), and only then
