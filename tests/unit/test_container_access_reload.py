@@ -36,7 +36,9 @@ def sweep_v1(
     pairs: Sequence[Pair], durable: Mapping[str, AbstractSet[str]], *, dry_run: bool
 ) -> Swept:
     svc: Any = types.SimpleNamespace(dry_run=dry_run)
-    return Cgroups().v1.sweep(pairs, svc, durable)
+    layouts = Cgroups()
+    layouts.durable.update({u: set(n) for u, n in durable.items()})
+    return layouts.v1.sweep(pairs, svc)
 
 
 def _pair(tmp_path: Path, i: int, devices_list: str, unit: bool = True) -> Pair:

@@ -38,7 +38,7 @@ class Cgroups:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.durable: dict[str, set[str]] = {} if durable is None else durable
-        self.v1 = CgroupV1(self.grant)
+        self.v1 = CgroupV1(self.grant, self.durable)
         self.v2 = CgroupV2(self.grant, self.durable, clock, carry)
         self.all: tuple[DeviceCgroup, ...] = (self.v1, self.v2)
 

@@ -106,8 +106,9 @@ class CgroupV1:
     pass's reads, each container's list while it admitted everything it was given
     (a pass after a reload re-parses only what changed)."""
 
-    def __init__(self, grant: Grant) -> None:
+    def __init__(self, grant: Grant, durable: Mapping[str, AbstractSet[str]]) -> None:
         self.grant_durably = grant  # the scope's DeviceAllow= (cgroups.py)
+        self.durable = durable  # unit -> numbers gpuguard set in its DeviceAllow=
         # container_id -> the devices.list text that admitted all of that entitlement
         # (the observer's, kept while the host's nodes are unchanged: the same object)
         self._good: dict[str, tuple[str, Entitlement]] = {}
@@ -222,13 +223,12 @@ class CgroupV1:
 
     # -- the fast re-grant --------------------------------------------------------
 
-    def sweep(
-        self, pairs: Sequence[Pair], svc: Services, durable: Mapping[str, AbstractSet[str]]
-    ) -> Swept:
+    def sweep(self, pairs: Sequence[Pair], svc: Services) -> Swept:
         """Each of `pairs` read, then re-granted what it lost. A denial the scope's
         DeviceAllow= covers (`durable`, as gpuguard set it) is judged unknown and left to
         the full pass's settled re-read: a read inside systemd's own deny-all-then-allow
         apply is no loss (settle.py)."""
+        durable = self.durable
         s = Readings()
         writes: list[V1Write] = []
         for pair in pairs:

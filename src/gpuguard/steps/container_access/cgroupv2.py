@@ -268,12 +268,11 @@ class CgroupV2:
         """A bridge needs the DeviceAllow= that follows it: durable grants and a bus."""
         return svc.config.devices.durable_grants and svc.systemd is not None
 
-    def sweep(
-        self, pairs: Sequence[Pair], svc: Services, durable: Mapping[str, AbstractSet[str]]
-    ) -> Swept:
-        """The known scopes bridged where they lost a node (`durable`: the step's own,
-        which `_look` reads); then a follow-up task: more looks at the scopes systemd
-        had not re-applied yet, and every bridge's DeviceAllow= (bridge.py)."""
+    def sweep(self, pairs: Sequence[Pair], svc: Services) -> Swept:
+        """The known scopes bridged where they lost a node (a denial their DeviceAllow=
+        covers waits for the pass unless systemd's own program denies it: `_look`);
+        then a follow-up task: more looks at the scopes systemd had not re-applied yet,
+        and every bridge's DeviceAllow= (bridge.py)."""
         if not self._bridging(svc):
             return Swept()
         scopes = tuple(p for p in pairs if p[0].unit is not None)

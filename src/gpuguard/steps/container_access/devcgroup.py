@@ -29,7 +29,6 @@ from typing import (
     Awaitable,
     Callable,
     Container,
-    Mapping,
     Optional,
     Protocol,
     Sequence,
@@ -135,16 +134,11 @@ class DeviceCgroup(Protocol):
 
     # -- the fast re-grant --------------------------------------------------------
 
-    def sweep(
-        self,
-        pairs: Sequence[Pair],
-        svc: Services,
-        durable: Mapping[str, AbstractSet[str]],
-    ) -> Swept:
+    def sweep(self, pairs: Sequence[Pair], svc: Services) -> Swept:
         """A reload's end, inline on the loop: the last pass's containers of this
         layout (`pairs`) each looked at and re-granted at once where they lost a node;
-        a denial their scope's DeviceAllow= covers (`durable`) waits for the pass
-        (settle.py)."""
+        a denial their scope's DeviceAllow= covers (as gpuguard set it: the step's
+        `durable`, which each layout is given) waits for the pass (settle.py)."""
         ...
 
     def regrant_fast(self, view: AccessView, svc: Services) -> tuple[list[Outcome], bool]:

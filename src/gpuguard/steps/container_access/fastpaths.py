@@ -42,20 +42,20 @@ def on_reload(s: AccessState, svc: Services, signal: float) -> Optional[float]:
     if not svc.config.devices.regrant:
         return None
     clock0 = thread_clock()
-    swept = [(cg, cg.sweep(pairs, svc, s.durable)) for cg, pairs in s.observer.known]
+    swept = [cg.sweep(pairs, svc) for cg, pairs in s.observer.known]
     spent = clock.since(clock0) if clock0 and (clock := thread_clock()) else None
     written: Written = {}
     r = Readings()
-    for _cg, sw in swept:
+    for sw in swept:
         written.update(sw.written())  # v1's writes read back now that all are made
         r.access.update(sw.readings.access)
         r.rules.update(sw.readings.rules)
         r.broken.update(sw.readings.broken)
     report = functools.partial(s.late_findings, svc=svc)
-    for _cg, sw in swept:
+    for sw in swept:
         if sw.follow_up is not None:  # more looks, then DeviceAllow= for each bridge
             s.followup = asyncio.ensure_future(sw.follow_up(written, report))
-    looked = [p for _cg, sw in swept for p in sw.looked]
+    looked = [p for sw in swept for p in sw.looked]
     fast = AccessView.of(tuple(c for c, _ in looked), {c.key: e for c, e in looked}, r)
     times = [t for t, _ in written.values()]
     s.last_reload = ReloadRepair(
