@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Optional
 
 from gpuguard import exitcodes
 from gpuguard.cli.args import _config, _inventory_path, _log, _opt, _root
 from gpuguard.errors import GpuguardError
+
+if TYPE_CHECKING:  # loaded where used: a healthy kubelet hook stays fast
+    from gpuguard.engine.runner import StepResult
+    from gpuguard.engine.snapshot import HostSnapshot
+    from gpuguard.host.inventory import Inventory
+    from gpuguard.host.paths import Root
+    from gpuguard.journal.log import EventLog
+    from gpuguard.steps.checkpoint.kubelet_hook import HookRun
+    from gpuguard.steps.checkpoint.report import CheckReport
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -34,7 +43,7 @@ def _simulation(args: argparse.Namespace) -> str:
     )
 
 
-def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
+def _check(args: argparse.Namespace, root: Root, hook: Optional[HookRun]) -> int:
     from gpuguard.errors import NoDriverError
     from gpuguard.host.inventory import load_inventory
 
@@ -53,7 +62,7 @@ def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
             raise
         return int(hook.skipped(log or _log(args, cfg, root), e.message))
     memo_key = None
-    if fast:
+    if fast and hook is not None:
         # kubelet's pre-start hook: unchanged since the last verified healthy state?
         from gpuguard.steps.checkpoint import memo
 
@@ -62,7 +71,7 @@ def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
             memo_key = memo.memo_key(k.checkpoint_path, read[1], inventory, k.resources)
             if memo.unchanged(root, memo_key):
                 return _hook_unchanged(args, root, hook, inventory, k.checkpoint_path)
-    from gpuguard.steps.checkpoint import CheckSettings, run_check
+    from gpuguard.steps.checkpoint import CheckpointStep, CheckSettings
 
     log = log or _log(args, cfg, root)
     settings = CheckSettings.from_config(
@@ -79,28 +88,38 @@ def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
     from gpuguard.engine.snapshot import HostSnapshot
 
     # One snapshot for the whole run, and the steps in the daemon's order
-    # (registry.CHECK_ORDER): the device steps, then the checkpoint.
+    # (registry.CHECK_ORDER), through the daemon's runner: the device steps, then the
+    # checkpoint step, given this command's settings.
     snapshot = HostSnapshot(root, k.checkpoint_path)
-    devices = None
+    checkpoint = CheckpointStep(given=settings)
+    devices: Optional[list[StepResult]] = None
     if args.only is None and driver_loaded(root) and _checkpoint_usable(snapshot):
         import asyncio
 
-        from gpuguard.engine.oneshot import OneShotServices, run_device_steps
+        from gpuguard.engine.oneshot import OneShotServices, check_steps, run_check_pass
         from gpuguard.host.systemd import bus_address_for
-        from gpuguard.steps.container_access.reconcile import FINDING_UNREADABLE
+        from gpuguard.steps.registry import CHECKPOINT
 
         svc = OneShotServices(
             root, cfg, log, settings.dry_run, _opt(args, "bus") or bus_address_for(root.prefix)
         )
-        devices = asyncio.run(run_device_steps(svc, inventory, snapshot))
-    report = run_check(root, inventory, settings, log, snapshot)
+        steps = check_steps({CHECKPOINT: checkpoint})
+        results = asyncio.run(run_check_pass(svc, steps, inventory, snapshot))
+        devices = [r for r in results if r.name != CHECKPOINT]
+    else:  # the checkpoint alone: no event loop unless kubelet must be asked
+        checkpoint.run_alone(root, inventory, log, snapshot)
+    report = checkpoint.report
+    assert report is not None, "the checkpoint step ran"
     if hook is not None:
         _hook_result(hook, report, log)
         _remember_healthy(root, report, snapshot, memo_key)
     doc = report.to_json()
     code = report.exit_code
     if devices is not None:
-        findings, outcomes = devices
+        from gpuguard.steps.container_access.reconcile import FINDING_UNREADABLE
+
+        findings = [f for r in devices for f in r.findings]
+        outcomes = [o for r in devices for o in r.outcomes]
         doc["devices"] = {
             "findings": [f.to_json() for f in findings],
             "outcomes": [o.to_json() for o in outcomes],
@@ -122,7 +141,7 @@ def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
     return code
 
 
-def _hook_result(hook: Any, report: Any, log: Any) -> None:
+def _hook_result(hook: HookRun, report: CheckReport, log: EventLog) -> None:
     """What kubelet's pre-start hook leaves for the caller that restarted kubelet."""
     from gpuguard.steps.checkpoint import kubelet_hook as kh
 
@@ -140,7 +159,7 @@ def _hook_result(hook: Any, report: Any, log: Any) -> None:
 
 
 def _hook_unchanged(
-    args: argparse.Namespace, root: Any, hook: Any, inventory: Any, path: str
+    args: argparse.Namespace, root: Root, hook: HookRun, inventory: Inventory, path: str
 ) -> int:
     """The hook's healthy fast path: the checkpoint's bytes and the GPUs are those a full
     check last found healthy, so that verdict stands; the hook's result is still written."""
@@ -156,7 +175,9 @@ def _hook_unchanged(
     return exitcodes.OK
 
 
-def _remember_healthy(root: Any, report: Any, snapshot: Any, key: Any) -> None:
+def _remember_healthy(
+    root: Root, report: CheckReport, snapshot: HostSnapshot, key: Optional[dict[str, object]]
+) -> None:
     """After a full check that found the file healthy (no finding, no action), remember
     its digest and the inventory for the next kubelet start."""
     if key is None or report.exit_code != exitcodes.OK or report.findings or report.actions:
@@ -170,7 +191,7 @@ def _remember_healthy(root: Any, report: Any, snapshot: Any, key: Any) -> None:
         memo.write_memo(root, key)
 
 
-def _checkpoint_usable(snapshot: Any) -> bool:
+def _checkpoint_usable(snapshot: HostSnapshot) -> bool:
     """False when the checkpoint step will stop the run with exit 3 ("nothing was
     modified"): then the device steps must not act first."""
     from gpuguard.errors import BadInputError

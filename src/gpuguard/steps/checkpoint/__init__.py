@@ -1,4 +1,4 @@
-"""`gpuguard check`: the one-shot checkpoint repair (F1), coordinated with kubelet.
+"""The checkpoint step (F1): the daemon's and `gpuguard check`'s, coordinated with kubelet.
 
 Kubelet reads the checkpoint only at start-up and rewrites it from memory, so the
 file is changed only while kubelet is stopped:
@@ -29,7 +29,13 @@ if TYPE_CHECKING:  # dbus-next costs import time; a healthy node never needs it
     from gpuguard.steps.checkpoint.actuate import CheckpointActuator
     from gpuguard.steps.checkpoint.report import CheckReport, CheckSettings
 
-__all__ = ["CheckReport", "CheckSettings", "CheckpointStep", "check_checkpoint", "run_check"]
+__all__ = [
+    "CheckReport",
+    "CheckSettings",
+    "CheckpointStep",
+    "analyse_checkpoint",
+    "check_checkpoint",
+]
 
 
 def __getattr__(name: str) -> object:
@@ -43,25 +49,6 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def run_check(
-    root: Root,
-    inventory: Inventory,
-    s: CheckSettings,
-    log: EventLog,
-    snapshot: Optional[HostSnapshot] = None,
-) -> CheckReport:
-    """The CLI's entry. An event loop and a bus connection only when kubelet must be
-    asked about: a healthy node never loads asyncio or D-Bus."""
-    report, actuator = analyse_checkpoint(root, inventory, s, log, snapshot)
-    if actuator is not None:
-        import asyncio
-
-        from gpuguard.steps.checkpoint.kubelet import coordinate
-
-        report = asyncio.run(coordinate(root, s, report, actuator, log, None, inventory))
-    return _remember_gpus(root, inventory, s, log, report)
-
-
 async def check_checkpoint(
     root: Root,
     inventory: Inventory,
@@ -71,8 +58,9 @@ async def check_checkpoint(
     on_restart: Optional[Callable[[], None]] = None,
     snapshot: Optional[HostSnapshot] = None,
 ) -> CheckReport:
-    """The same for the daemon, on its own bus connection (`systemd`). `on_restart` is
-    called just before kubelet is restarted or stopped, whatever comes of it."""
+    """The check: the analysis, then kubelet's coordination where a repair needs kubelet
+    stopped, on the pass's bus connection (`systemd`; None: one of its own). `on_restart`
+    is called just before kubelet is restarted or stopped, whatever comes of it."""
     report, actuator = analyse_checkpoint(root, inventory, s, log, snapshot)
     if actuator is not None:
         from gpuguard.steps.checkpoint.kubelet import coordinate
@@ -176,41 +164,78 @@ def analyse_checkpoint(
 
 
 class CheckpointStep:
-    """The daemon's checkpoint step: the same check, on the daemon's bus connection.
+    """The checkpoint step, one for the daemon and for `gpuguard check`.
 
-    Restarting kubelet is rate limited here: at most once per KUBELET_RESTART_COOLDOWN,
+    The daemon's (`given` None) takes its settings from the configuration, and turns a
+    check that cannot go on (a corrupt checkpoint, kubelet that cannot be coordinated)
+    into a finding. `gpuguard check`'s is given the settings its options make, and lets
+    that error end the run with its exit code; its report (`report`) is what it prints.
+
+    Restarting kubelet is rate limited in the daemon: at most once per COOLDOWN,
     whatever the passes find, so a checkpoint that keeps coming back stale (a plugin
     re-registering old IDs?) is reported, never fought in a restart loop.
     """
 
     COOLDOWN = 600.0
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        given: Optional[CheckSettings] = None,
+    ) -> None:
         self.clock = clock
         self.last_restart = -1e18
+        self.given = given  # `gpuguard check`'s settings; None: the daemon's
+        self.report: Optional[CheckReport] = None  # the last check's
 
     def _restarting(self) -> None:
         # Counted when the restart is attempted, not when it succeeds: a restart whose
         # repair could not be verified must not be retried on the next pass either.
         self.last_restart = self.clock()
 
-    async def __call__(self, svc: Services, ctx: PassContext) -> None:
-        from gpuguard.model import Finding
-        from gpuguard.steps.checkpoint import reconcile as ckpt
+    def settings(self, svc: Services, ctx: PassContext) -> CheckSettings:
+        """`gpuguard check`'s given settings, or the daemon's from its configuration."""
+        if self.given is not None:
+            return self.given
         from gpuguard.steps.checkpoint.report import CheckSettings
 
-        inventory = await ctx.inventory()
-        if inventory is None:
-            return
-        k = svc.config.kubelet
         cooled = self.clock() - self.last_restart > self.COOLDOWN
-        settings = CheckSettings.from_config(
-            k,
+        return CheckSettings.from_config(
+            svc.config.kubelet,
             dry_run=svc.dry_run,
             reason="daemon: " + ctx.work.reasons[0],
             bus_address=svc.bus_address,
             may_restart=cooled,
         )
+
+    def run_alone(
+        self, root: Root, inventory: Inventory, log: EventLog, snapshot: HostSnapshot
+    ) -> CheckReport:
+        """`gpuguard check` when it runs no other step (kubelet's pre-start hook, a node
+        without the driver): the same check, with an event loop and a bus connection
+        only when kubelet must be asked about, so a healthy node never loads asyncio or
+        D-Bus."""
+        assert self.given is not None, "the daemon's step runs in a pass"
+        report, actuator = analyse_checkpoint(root, inventory, self.given, log, snapshot)
+        if actuator is not None:
+            import asyncio
+
+            from gpuguard.steps.checkpoint.kubelet import coordinate
+
+            done = coordinate(root, self.given, report, actuator, log, None, inventory)
+            report = asyncio.run(done)
+        self.report = _remember_gpus(root, inventory, self.given, log, report)
+        return self.report
+
+    async def __call__(self, svc: Services, ctx: PassContext) -> None:
+        from gpuguard.model import Finding
+        from gpuguard.steps.checkpoint import reconcile as ckpt
+
+        inventory = await ctx.inventory()
+        if inventory is None:
+            return
+        settings = self.settings(svc, ctx)
         try:
             report = await check_checkpoint(
                 svc.root,
@@ -222,6 +247,8 @@ class CheckpointStep:
                 snapshot=ctx.host(svc),
             )
         except GpuguardError as e:
+            if self.given is not None:
+                raise  # `gpuguard check`: the error is its exit code
             if isinstance(e, KubeletError) and settings.restart_kubelet and not svc.dry_run:
                 # A restart job that failed or was canceled (kubelet stopped meanwhile)
                 # counts too: otherwise every pass would try again, a restart loop.
@@ -233,5 +260,6 @@ class CheckpointStep:
             )
             ctx.findings.append(Finding(kind, ckpt.NAME, e.message, severity="error"))
             return
+        self.report = report
         ctx.findings += report.findings
         ctx.outcomes += report.outcomes

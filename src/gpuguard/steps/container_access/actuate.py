@@ -75,7 +75,7 @@ _parsed_rule = functools.lru_cache(maxsize=256)(parse_rule)
 def write_grants(cgroup_dir: Path, rules: Sequence[str], *, dry_run: bool) -> tuple[str, str]:
     """The direct re-grant: microseconds, CUDA works again at once. Returns an
     Outcome's status and detail; the caller builds the action after its last write
-    (reload.py: building one costs more than the write). A `done` from here is
+    (cgroupv1.py's reload sweep: building one costs more than the write). A `done` from here is
     provisional until `confirm_v1` has read it back: callers write every container
     first (each one's access back as soon as possible), then confirm them all."""
     if dry_run:

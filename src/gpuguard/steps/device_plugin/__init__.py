@@ -180,7 +180,6 @@ class DevicePluginStep:
             # F4 can only be judged once the grace period is over: ask for that pass.
             ctx.recheck(
                 k + cfg.registration_grace - obs.now + 0.2,
-                frozenset({RECONCILER}),
                 "device plugin registration grace period over",
             )
         for p in obs.plugins:
@@ -240,9 +239,7 @@ class DevicePluginStep:
                 # Nothing else announces the end of the cool-down: ask for that pass
                 # (the budget and back-off are checked again then).
                 ctx.recheck(
-                    a.process.start + cfg.cool_down - now + 0.2,
-                    frozenset({RECONCILER}),
-                    "device plugin cool-down over",
+                    a.process.start + cfg.cool_down - now + 0.2, "device plugin cool-down over"
                 )
             level = "info" if st.declined == code else "notice"
             st.declined = code
