@@ -34,13 +34,14 @@ NODES: Dict[str, Tuple[int, int]] = {
 }
 
 
-def fake_proc_devices(path: Path) -> Path:
-    """The host's /proc/devices plus what a loaded NVIDIA driver registers."""
+def fake_proc_devices(path: Path, *, uvm: bool = True) -> Path:
+    """The host's /proc/devices plus what a loaded NVIDIA driver registers (``uvm``:
+    with nvidia_uvm loaded). Rewriting it in place keeps a bind of it current."""
     text = Path("/proc/devices").read_text()
     head, _, tail = text.partition("\nBlock devices:")
-    path.write_text(
-        head.rstrip("\n") + f"\n195 nvidia\n{UVM_MAJOR} nvidia-uvm\n\nBlock devices:" + tail
-    )
+    ours = "\n195 nvidia\n" + (f"{UVM_MAJOR} nvidia-uvm\n" if uvm else "")
+    with open(path, "w") as f:  # in place (no rename): the same inode stays bound
+        f.write(head.rstrip("\n") + ours + "\nBlock devices:" + tail)
     return path
 
 

@@ -1,0 +1,185 @@
+"""F1 on the real kubelet 1.20.2: two GPU pods, then a reboot in which the GPUs come
+back with new UUIDs (integration/kubelet_node.py: the same PCI bus ids and indices).
+
+Three cases: every GPU changed its UUID (``all``); only the GPU of pod ``gpu-b``
+changed (``one``); every GPU changed and the one of ``gpu-b`` did not come back
+(``gone``). Two GPU static pods hold one GPU each, out of three.
+
+What kubelet 1.20 does (seen here): it re-admits its pods at start, before any plugin
+has registered, and reuses a pod's checkpointed allocation without checking it.
+
+* Without gpuguard the containers are started with the checkpointed, old
+  ``NVIDIA_VISIBLE_DEVICES``; the runtime hook refuses them ("device error:
+  GPU-...: unknown device") and they stay in CrashLoopBackOff.
+* With gpuguard as it is (it drops the stale entries): kubelet accepts the rewritten
+  file, finds no allocation for the pods, and fails them for good before the plugin
+  registers: ``UnexpectedAdmissionError ... Requested: 1, Available: 0``. That is
+  also what stays when gpuguard lost its state directory (no record of which UUID sat
+  in which slot): :func:`test_f1_state_lost_pods_fail_admission`.
+* The target, with the remap (an entry's old UUID rewritten to the new UUID of the
+  same slot, by PCI bus id): every pod that ran before runs again on the first kubelet
+  start, with the GPU of the same slot, and nothing is allocated twice (a third pod
+  gets the third GPU); with a GPU gone for good only its pod is left out. Those
+  assertions are written here and marked ``xfail(strict=True)`` until the remap is
+  merged: an unexpected pass fails, so the mark cannot outlive the fix.
+
+Each test prints its figures (``F1 figures: ...``: pods back / pods before, and the
+seconds from kubelet's start to every GPU pod Running; run with ``-s``).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import pytest
+
+from integration.harness import systemd_ns as systemd_ns
+from integration.harness.kubelet import Pod
+from integration.kubelet_node import GpuNode, api as api, boot, free_minor, gpu_pod, gpus
+
+pytestmark = pytest.mark.root
+
+CASES = ("all", "one", "gone")
+PODS = ("gpu-a", "gpu-b")
+REMAP_PENDING = pytest.mark.xfail(
+    strict=True, reason="remap not merged yet: gpuguard drops the stale entries"
+)
+
+
+def _two_pods(node: GpuNode) -> Dict[str, str]:
+    """gpu-a and gpu-b running; the PCI bus id of each one's GPU."""
+    for name in PODS:
+        node.write_pod(gpu_pod(name))
+    node.wait_pods(lambda p: all(n in p and p[n].running for n in PODS), 60, "two GPU pods")
+    return {name: node.slot(node.running(name)) for name in PODS}
+
+
+def _after(node: GpuNode, case: str, victim: str) -> List[Dict[str, Any]]:
+    """The GPUs the node comes back with (``victim``: the PCI bus id of gpu-b's GPU)."""
+    fresh = {g["pci_bus_id"]: g["uuid"] for g in gpus(len(node.inventory))}
+    out = []
+    for g in node.inventory:
+        if case == "gone" and g["pci_bus_id"] == victim:
+            continue
+        if case in ("all", "gone") or g["pci_bus_id"] == victim:
+            g = {**g, "uuid": fresh[g["pci_bus_id"]]}
+        out.append(g)
+    return out
+
+
+def _reboot(node: GpuNode, case: str, **kw: Any) -> tuple[Dict[str, str], Dict[str, str], float]:
+    slots = _two_pods(node)
+    before = {g["pci_bus_id"]: g["uuid"] for g in node.inventory}
+    t0 = node.reboot(_after(node, case, slots["gpu-b"]), **kw)
+    return slots, before, t0
+
+
+def _figures(case: str, gpuguard: str, back: int, seconds: Optional[float]) -> None:
+    """One line per run: pods back / pods before, seconds from kubelet's start."""
+    took = f"{seconds:.1f}" if seconds is not None else "-"
+    print(
+        f"\nF1 figures: case={case} gpuguard={gpuguard} pods_back={back}/{len(PODS)} "
+        f"seconds_to_running={took}"
+    )
+
+
+def _crash_looping(pod: Pod, old_uuid: str) -> bool:
+    waiting = [c["state"]["waiting"] for c in pod.containers.values() if "waiting" in c["state"]]
+    return (
+        bool(waiting)
+        and waiting[0].get("reason") == "CrashLoopBackOff"
+        and f"device error: {old_uuid}: unknown device" in pod.errors()
+    )
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_f1_without_gpuguard_pods_crash_loop(systemd_ns, tmp_path: Path, api: Path, case: str) -> None:  # type: ignore[no-untyped-def]
+    node = boot(systemd_ns, tmp_path, api, gpuguard=False)
+    slots, before, _t0 = _reboot(node, case)
+    changed = [p for p in PODS if case != "one" or p == "gpu-b"]
+    pods = node.wait_pods(
+        lambda p: all(n in p and _crash_looping(p[n], before[slots[n]]) for n in changed),
+        90,
+        f"{changed} in CrashLoopBackOff with the runtime hook's 'unknown device'",
+    )
+    if case == "one":  # the pod whose GPU kept its UUID runs on
+        pods = node.wait_pods(lambda p: p["gpu-a"].running, 30, "gpu-a running")
+    assert not any(pods[n].running for n in changed)
+    _figures(case, "none", sum(pods[n].running for n in PODS), None)
+
+
+def _gpu_pods_back(node: GpuNode, case: str, t0: float) -> Dict[str, Pod]:
+    """Wait for the target outcome: every pod whose GPU is still there Running (fail at
+    once when one fails for good), the others left out; print the figures."""
+    back = [p for p in PODS if case != "gone" or p != "gpu-b"]
+
+    def done(p: Dict[str, Pod]) -> bool:
+        return all(n in p and p[n].running for n in back)
+
+    def failed(p: Dict[str, Pod]) -> bool:  # a static pod failed at admission never returns
+        return any(n in p and p[n].phase == "Failed" for n in back)
+
+    try:
+        pods = node.wait_pods(done, 60, f"{back} Running again", never=failed)
+    except AssertionError:
+        _figures(case, "yes", 0, None)  # a pod failed for good: not every pod came back
+        raise
+    _figures(case, "yes", len(back), time.monotonic() - t0)
+    return pods
+
+
+@REMAP_PENDING
+@pytest.mark.parametrize("case", CASES)
+def test_f1_with_gpuguard_every_pod_back_on_its_slot(systemd_ns, tmp_path: Path, api: Path, case: str) -> None:  # type: ignore[no-untyped-def]
+    node = boot(systemd_ns, tmp_path, api, gpuguard=True)
+    slots, before, t0 = _reboot(node, case)
+    pods = _gpu_pods_back(node, case, t0)
+    back = [p for p in PODS if case != "gone" or p != "gpu-b"]
+    held = []
+    for name in back:
+        c = node.running(name)
+        assert node.slot(c) == slots[name], f"{name} moved from {slots[name]} to {node.slot(c)}"
+        assert c.visible != before[slots[name]] or case == "one"
+        mine = next(g["minor"] for g in node.inventory if g["uuid"] == c.visible)
+        verdicts = node.verdicts(c)
+        assert verdicts[mine] is True, f"{name}: its GPU denied: {verdicts}"
+        assert all(v is False for m, v in verdicts.items() if m != mine), verdicts
+        held.append(c)
+    if case == "gone":  # left out, and says why
+        assert pods["gpu-b"].phase == "Failed" and pods["gpu-b"].reason == "UnexpectedAdmissionError"
+    # nothing allocated twice: a new pod gets the one GPU nobody holds
+    node.write_pod(gpu_pod("gpu-c"))
+    node.wait_pods(lambda p: "gpu-c" in p and p["gpu-c"].running, 60, "gpu-c running")
+    c = node.running("gpu-c")
+    assert [g["minor"] for g in node.inventory if g["uuid"] == c.visible] == free_minor(node, held)
+    ids = [i for v in node.checkpoint_ids().values() for i in v]
+    assert len(ids) == len(set(ids)), f"a GPU allocated twice: {node.checkpoint_ids()}"
+
+
+@pytest.mark.parametrize("case", ("all", "one"))
+def test_f1_state_lost_pods_fail_admission(systemd_ns, tmp_path: Path, api: Path, case: str) -> None:  # type: ignore[no-untyped-def]
+    """gpuguard without its record of the GPUs (state directory lost with the reboot):
+    it can only drop the stale entries, and kubelet 1.20 then fails the re-admitted
+    pods whose GPU changed for good; with one changed, the other pod runs. Today this is
+    also the outcome with the state directory intact."""
+    node = boot(systemd_ns, tmp_path, api, gpuguard=True)
+    _slots, before, _t0 = _reboot(node, case, lose_state=True)
+    failing = ["gpu-a", "gpu-b"] if case == "all" else ["gpu-b"]
+    kept = [n for n in PODS if n not in failing]
+    pods = node.wait_pods(
+        lambda p: all(n in p and p[n].phase == "Failed" for n in failing)
+        and all(n in p and p[n].running for n in kept),
+        60,
+        f"{failing} Failed, {kept} running",
+    )
+    for name in failing:
+        assert pods[name].reason == "UnexpectedAdmissionError", pods[name]
+        assert "Requested: 1, Available: 0" in pods[name].message, pods[name]
+    # kubelet accepted the rewritten file: no stale ID left, no checksum complaint
+    stale = set(before.values()) - {g["uuid"] for g in node.inventory}
+    ids = {i for v in node.checkpoint_ids().values() for i in v}
+    assert not ids & stale, ids
+    assert "checksum" not in node.log(lines=400).lower()
+    _figures(case, "drop", len(kept), None)
