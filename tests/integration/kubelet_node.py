@@ -31,9 +31,9 @@ from integration.gpuguard_ns import settle
 from integration.harness import SystemdNamespace, require_systemd_ns
 from integration.harness.kubelet import (
     CHECKPOINT,
-    MANIFESTS,
     CONTAINERD_UNIT,
     INVENTORY,
+    MANIFESTS,
     PLUGIN_UNIT,
     REQUIRED_TOOLS,
     Container,
@@ -46,15 +46,21 @@ from integration.harness.kubelet import (
 )
 
 PLUGIN = "nvidia-device-plugin.service"
+NsFactory = Callable[..., SystemdNamespace]
 CONFIG = "[Inventory]\nFile=/etc/gpuguard/inventory.json\n"
 
 
 def gpus(n: int) -> List[Dict[str, Any]]:
     """``n`` GPUs in slots 0..n-1, each with a UUID of this boot."""
     return [
-        {"uuid": f"GPU-{uuid.uuid4()}", "index": i, "minor": i, "pci_bus_id": f"00000000:{0x1B + i:02X}:00.0"}
+        {
+            "uuid": f"GPU-{uuid.uuid4()}",
+            "index": i,
+            "minor": i,
+            "pci_bus_id": f"00000000:{0x1B + i:02X}:00.0",
+        }
         for i in range(n)
-    ]  # fmt: skip
+    ]
 
 
 def gpu_pod(name: str, n: int = 1, **limits: Any) -> Dict[str, Any]:
@@ -115,7 +121,8 @@ class GpuNode(KubeletNode):
     # -- services --------------------------------------------------------------------------
     def start_plugin(self, args: str = "") -> None:
         if args:
-            self.ns.write_unit(f"{PLUGIN}.d/args.conf", f"[Service]\nEnvironment=PLUGIN_ARGS={args}\n")
+            dropin = f"[Service]\nEnvironment=PLUGIN_ARGS={args}\n"
+            self.ns.write_unit(f"{PLUGIN}.d/args.conf", dropin)
             self.ns.systemctl("daemon-reload")
         self.ns.systemctl("start", PLUGIN)
         self.ns.wait_active(PLUGIN)
@@ -158,7 +165,7 @@ class GpuNode(KubeletNode):
 
 
 def boot(
-    factory: Callable[..., SystemdNamespace],
+    factory: NsFactory,
     tmp: Path,
     api: Path,
     *,
@@ -221,4 +228,3 @@ def free_minor(node: GpuNode, held: Sequence[Container]) -> List[int]:
 def hook_log(tmp: Path) -> List[Dict[str, Any]]:
     p = tmp / "kubelet/log/hook.log"
     return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
-

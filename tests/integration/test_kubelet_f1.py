@@ -37,7 +37,8 @@ import pytest
 
 from integration.harness import systemd_ns as systemd_ns
 from integration.harness.kubelet import Pod
-from integration.kubelet_node import GpuNode, api as api, boot, free_minor, gpu_pod, gpus
+from integration.kubelet_node import GpuNode, NsFactory, boot, free_minor, gpu_pod, gpus
+from integration.kubelet_node import api as api
 
 pytestmark = pytest.mark.root
 
@@ -95,7 +96,9 @@ def _crash_looping(pod: Pod, old_uuid: str) -> bool:
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_f1_without_gpuguard_pods_crash_loop(systemd_ns, tmp_path: Path, api: Path, case: str) -> None:  # type: ignore[no-untyped-def]
+def test_f1_without_gpuguard_pods_crash_loop(
+    systemd_ns: NsFactory, tmp_path: Path, api: Path, case: str
+) -> None:
     node = boot(systemd_ns, tmp_path, api, gpuguard=False)
     slots, before, _t0 = _reboot(node, case)
     changed = [p for p in PODS if case != "one" or p == "gpu-b"]
@@ -132,7 +135,9 @@ def _gpu_pods_back(node: GpuNode, case: str, t0: float) -> Dict[str, Pod]:
 
 @REMAP_PENDING
 @pytest.mark.parametrize("case", CASES)
-def test_f1_with_gpuguard_every_pod_back_on_its_slot(systemd_ns, tmp_path: Path, api: Path, case: str) -> None:  # type: ignore[no-untyped-def]
+def test_f1_with_gpuguard_every_pod_back_on_its_slot(
+    systemd_ns: NsFactory, tmp_path: Path, api: Path, case: str
+) -> None:
     node = boot(systemd_ns, tmp_path, api, gpuguard=True)
     slots, before, t0 = _reboot(node, case)
     pods = _gpu_pods_back(node, case, t0)
@@ -148,7 +153,7 @@ def test_f1_with_gpuguard_every_pod_back_on_its_slot(systemd_ns, tmp_path: Path,
         assert all(v is False for m, v in verdicts.items() if m != mine), verdicts
         held.append(c)
     if case == "gone":  # left out, and says why
-        assert pods["gpu-b"].phase == "Failed" and pods["gpu-b"].reason == "UnexpectedAdmissionError"
+        assert (pods["gpu-b"].phase, pods["gpu-b"].reason) == ("Failed", "UnexpectedAdmissionError")
     # nothing allocated twice: a new pod gets the one GPU nobody holds
     node.write_pod(gpu_pod("gpu-c"))
     node.wait_pods(lambda p: "gpu-c" in p and p["gpu-c"].running, 60, "gpu-c running")
@@ -159,7 +164,9 @@ def test_f1_with_gpuguard_every_pod_back_on_its_slot(systemd_ns, tmp_path: Path,
 
 
 @pytest.mark.parametrize("case", ("all", "one"))
-def test_f1_state_lost_pods_fail_admission(systemd_ns, tmp_path: Path, api: Path, case: str) -> None:  # type: ignore[no-untyped-def]
+def test_f1_state_lost_pods_fail_admission(
+    systemd_ns: NsFactory, tmp_path: Path, api: Path, case: str
+) -> None:
     """gpuguard without its record of the GPUs (state directory lost with the reboot):
     it can only drop the stale entries, and kubelet 1.20 then fails the re-admitted
     pods whose GPU changed for good; with one changed, the other pod runs. Today this is
@@ -169,8 +176,10 @@ def test_f1_state_lost_pods_fail_admission(systemd_ns, tmp_path: Path, api: Path
     failing = ["gpu-a", "gpu-b"] if case == "all" else ["gpu-b"]
     kept = [n for n in PODS if n not in failing]
     pods = node.wait_pods(
-        lambda p: all(n in p and p[n].phase == "Failed" for n in failing)
-        and all(n in p and p[n].running for n in kept),
+        lambda p: (
+            all(n in p and p[n].phase == "Failed" for n in failing)
+            and all(n in p and p[n].running for n in kept)
+        ),
         60,
         f"{failing} Failed, {kept} running",
     )

@@ -34,7 +34,12 @@ from concurrent import futures
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
-CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
+CONTROL_NODES = (
+    "/dev/nvidiactl",
+    "/dev/nvidia-uvm",
+    "/dev/nvidia-uvm-tools",
+    "/dev/nvidia-modeset",
+)
 SOCKET = "nvidia-gpu.sock"
 RESOURCE = "nvidia.com/gpu"
 
@@ -43,7 +48,8 @@ def generate(proto: Path, out: Path) -> Path:
     """api_pb2.py and api_pb2_grpc.py in ``out`` from kubelet's ``api.proto``."""
     out.mkdir(parents=True, exist_ok=True)
     text = proto.read_text()
-    text = re.sub(r'^import "github.com/gogo/protobuf/gogoproto/gogo.proto";\n', "", text, flags=re.M)
+    gogo = r'^import "github.com/gogo/protobuf/gogoproto/gogo.proto";\n'
+    text = re.sub(gogo, "", text, flags=re.M)
     text = re.sub(r"^option \(gogoproto\.[^;]*;\n", "", text, flags=re.M)
     if "gogoproto" in text:
         raise AssertionError(f"{proto}: gogoproto left after stripping its lines")

@@ -392,9 +392,7 @@ def _show(pods: Mapping[str, Pod]) -> str:
     )
 
 
-def busybox_pod(
-    name: str, uid: str, limits: Mapping[str, Any], **spec: Any
-) -> Dict[str, Any]:
+def busybox_pod(name: str, uid: str, limits: Mapping[str, Any], **spec: Any) -> Dict[str, Any]:
     """A static pod whose one container ``work`` sleeps, with these resource limits
     (and the same requests). ``spec`` adds to the pod spec."""
     return {
@@ -437,6 +435,6 @@ def plugin_pod(uid: str, args: Sequence[str] = ()) -> Dict[str, Any]:
     ctr["volumeMounts"] = [
         {"name": n, "mountPath": p, "readOnly": ro} for n, (p, ro) in mounts.items()
     ]
-    pod["spec"]["volumes"] = [{"name": n, "hostPath": {"path": p}} for n, (p, _ro) in mounts.items()]
+    pod["spec"]["volumes"] = [{"name": n, "hostPath": {"path": p}} for n, (p, _) in mounts.items()]
     pod["spec"]["terminationGracePeriodSeconds"] = 2
     return pod

@@ -26,6 +26,7 @@ Usage: nvidia_hook.py INVENTORY_JSON [LOG_FILE]
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
@@ -85,10 +86,8 @@ def main(argv: List[str]) -> int:
     cgroup = devices_cgroup(pid)
     for name, minor in nodes:
         node = f"/proc/{pid}/root{rootfs}/dev/{name}"
-        try:
+        with contextlib.suppress(FileExistsError):  # given by the plugin's specs too
             os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(GPU_MAJOR, minor))
-        except FileExistsError:
-            pass  # given by the plugin's device specs too
         with open(os.path.join(cgroup, "devices.allow"), "w") as f:
             f.write(f"c {GPU_MAJOR}:{minor} rw")
     if len(argv) > 2:
