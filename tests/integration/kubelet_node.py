@@ -33,6 +33,7 @@ from integration.harness.kubelet import (
     CHECKPOINT,
     CONTAINERD_UNIT,
     INVENTORY,
+    LOG,
     MANIFESTS,
     PLUGIN_UNIT,
     REQUIRED_TOOLS,
@@ -225,6 +226,7 @@ def free_minor(node: GpuNode, held: Sequence[Container]) -> List[int]:
     return sorted({g["minor"] for g in node.inventory} - used)
 
 
-def hook_log(tmp: Path) -> List[Dict[str, Any]]:
-    p = tmp / "kubelet/log/hook.log"
+def hook_log(node: GpuNode) -> List[Dict[str, Any]]:
+    """What the runtime hook granted: one entry (id, value, cgroup) per container."""
+    p = node.ns.path(f"{LOG}/hook.log")
     return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []

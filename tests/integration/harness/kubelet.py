@@ -226,6 +226,11 @@ class Container:
     status: str  # RUNNING, STOPPED, ... (ctr task ls), "" without a task
 
     @property
+    def scope(self) -> str:
+        """Its systemd scope unit (the systemd cgroup driver's name)."""
+        return f"cri-containerd-{self.id}.scope"
+
+    @property
     def visible(self) -> str:
         return self.env.get("NVIDIA_VISIBLE_DEVICES", "")
 
@@ -284,7 +289,7 @@ class KubeletNode:
     def devices_cgroup(self, c: Container) -> Path:
         """Host path of the v1 devices cgroup that the container's process is in."""
         systemd = self.ns.cgroup_dir("systemd")
-        (scope,) = systemd.glob(f"kubepods.slice/**/cri-containerd-{c.id}.scope")
+        (scope,) = systemd.glob(f"kubepods.slice/**/{c.scope}")
         pid = (scope / "cgroup.procs").read_text().split()[0]
         for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
             _hid, ctrls, path = line.split(":", 2)
