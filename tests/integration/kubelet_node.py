@@ -102,8 +102,10 @@ class GpuNode(KubeletNode):
         """nvidia_uvm loaded later: registered in /proc/devices, its nodes made (as
         nvidia-modprobe -u -c0 makes them the first time CUDA runs on the host)."""
         fake_proc_devices(self.proc_devices, uvm=True)
-        self.mknod("nvidia-uvm", UVM_MAJOR, 0)
-        self.mknod("nvidia-uvm-tools", UVM_MAJOR, 1)
+        for name, minor in (("nvidia-uvm", 0), ("nvidia-uvm-tools", 1)):
+            argv = ["mknod", "-m", "666", f"/dev/{name}", "c", str(UVM_MAJOR), str(minor)]
+            self.ns.run(argv)  # fails where gpuguard made it first
+            assert self.ns.path(f"/dev/{name}").exists()
 
     def slot(self, c: Container) -> str:
         """The PCI bus id of the GPU the container was given (by NVIDIA_VISIBLE_DEVICES)."""

@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -81,6 +82,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     import api_pb2_grpc  # type: ignore[import-not-found]
     import grpc
 
+    # as PID 1 of a pod a signal without a handler is ignored: stop on SIGTERM, as
+    # NVIDIA's plugin does, so that the runtime's stop (kubelet's, gpuguard's) works
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     gpus: List[Dict[str, Any]] = json.loads(Path(args.inventory).read_text())["gpus"]
     by_id = {str(g["uuid"]): g for g in gpus}
 

@@ -323,13 +323,18 @@ class KubeletNode:
         argv = ["journalctl", "--no-pager", "-o", "cat", f"_SYSTEMD_INVOCATION_ID={inv}"]
         return self.ns.run(argv, timeout=30).stdout
 
-    def wait_registered(self, resource: str = "nvidia.com/gpu", timeout: float = 30) -> None:
-        """Until this kubelet run has the device plugin of ``resource`` registered and its
-        devices pushed (a pod admitted before that gets no device in kubelet 1.20, which
-        then allocates at container start, racing other pods into a panic)."""
+    def registrations(self, resource: str = "nvidia.com/gpu") -> int:
+        """How often this kubelet run has had the plugin of ``resource`` register and
+        push its devices."""
+        return self.kubelet_log().count(f"State pushed for device plugin {resource}")
+
+    def wait_registered(self, more_than: int = 0, timeout: float = 30) -> None:
+        """Until this kubelet run has had the GPU plugin register (``more_than`` times
+        before). A pod admitted before that gets no device in kubelet 1.20, which then
+        allocates at container start, racing other pods into a panic."""
         deadline = time.monotonic() + timeout
-        while f"State pushed for device plugin {resource}" not in self.kubelet_log():
-            assert time.monotonic() < deadline, f"{resource} never registered:\n{self.log()}"
+        while self.registrations() <= more_than:
+            assert time.monotonic() < deadline, f"the GPU plugin never registered:\n{self.log()}"
             time.sleep(0.2)
 
     def stop_kubelet(self) -> None:
