@@ -83,8 +83,8 @@ class GpuNode(KubeletNode):
 
     def set_gpus(self, gpus: Sequence[Mapping[str, Any]]) -> None:
         """The inventory file (atomically) and the GPU nodes in the private /dev."""
-        old = {g["minor"] for g in (self.inventory if self.ns.path(INVENTORY).exists() else [])}
         path = self.ns.path(INVENTORY)
+        old = {g["minor"] for g in self.inventory} if path.exists() else set()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(".inventory.tmp")
         tmp.write_text(json.dumps({"gpus": list(gpus)}))
