@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import pytest
 
@@ -218,11 +218,6 @@ def api(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return api_code(tmp_path_factory.mktemp("deviceplugin-api"))
 
 
-def running_on(node: GpuNode, pods: Sequence[str]) -> Dict[str, Container]:
-    """Each pod's running container."""
-    return {p: node.running(p) for p in pods}
-
-
 def free_minor(node: GpuNode, held: Sequence[Container]) -> List[int]:
     used = {g["minor"] for g in node.inventory for c in held if g["uuid"] == c.visible}
     return sorted({g["minor"] for g in node.inventory} - used)
@@ -232,3 +227,40 @@ def hook_log(node: GpuNode) -> List[Dict[str, Any]]:
     """What the runtime hook granted: one entry (id, value, cgroup) per container."""
     p = node.ns.path(f"{LOG}/hook.log")
     return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
+
+
+# -- F1: two GPU pods, then a reboot into other UUIDs (test_kubelet_f1.py, bench) -------------
+
+F1_CASES = ("all", "one", "gone")
+F1_PODS = ("gpu-a", "gpu-b")
+
+
+def two_gpu_pods(node: GpuNode) -> Dict[str, str]:
+    """gpu-a and gpu-b running; the PCI bus id of each one's GPU."""
+    for name in F1_PODS:
+        node.write_pod(gpu_pod(name))
+    node.wait_pods(lambda p: all(n in p and p[n].running for n in F1_PODS), 60, "two GPU pods")
+    return {name: node.slot(node.running(name)) for name in F1_PODS}
+
+
+def gpus_after(node: GpuNode, case: str, victim: str) -> List[Dict[str, Any]]:
+    """The GPUs the node comes back with: every one with a new UUID (``all``), only the
+    one in slot ``victim`` (``one``), or every one new and ``victim``'s gone (``gone``)."""
+    fresh = {g["pci_bus_id"]: g["uuid"] for g in gpus(len(node.inventory))}
+    out = []
+    for g in node.inventory:
+        if case == "gone" and g["pci_bus_id"] == victim:
+            continue
+        if case in ("all", "gone") or g["pci_bus_id"] == victim:
+            g = {**g, "uuid": fresh[g["pci_bus_id"]]}
+        out.append(g)
+    return out
+
+
+def f1_reboot(node: GpuNode, case: str, **kw: Any) -> Tuple[Dict[str, str], Dict[str, str], float]:
+    """Two GPU pods, then the reboot of ``case`` (gpu-b's GPU the one that changes or
+    goes): (each pod's slot, slot -> UUID before, time.monotonic() at kubelet's start)."""
+    slots = two_gpu_pods(node)
+    before = {g["pci_bus_id"]: g["uuid"] for g in node.inventory}
+    t0 = node.reboot(gpus_after(node, case, slots["gpu-b"]), **kw)
+    return slots, before, t0

@@ -31,57 +31,36 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Dict, Optional
 
 import pytest
 
 from integration.harness import systemd_ns as systemd_ns
 from integration.harness.kubelet import Pod
-from integration.kubelet_node import GpuNode, NsFactory, boot, free_minor, gpu_pod, gpus
+from integration.kubelet_node import (
+    F1_CASES,
+    F1_PODS,
+    GpuNode,
+    NsFactory,
+    boot,
+    f1_reboot,
+    free_minor,
+    gpu_pod,
+)
 from integration.kubelet_node import api as api
 
 pytestmark = pytest.mark.root
 
-CASES = ("all", "one", "gone")
-PODS = ("gpu-a", "gpu-b")
 REMAP_PENDING = pytest.mark.xfail(
     strict=True, reason="remap not merged yet: gpuguard drops the stale entries"
 )
-
-
-def _two_pods(node: GpuNode) -> Dict[str, str]:
-    """gpu-a and gpu-b running; the PCI bus id of each one's GPU."""
-    for name in PODS:
-        node.write_pod(gpu_pod(name))
-    node.wait_pods(lambda p: all(n in p and p[n].running for n in PODS), 60, "two GPU pods")
-    return {name: node.slot(node.running(name)) for name in PODS}
-
-
-def _after(node: GpuNode, case: str, victim: str) -> List[Dict[str, Any]]:
-    """The GPUs the node comes back with (``victim``: the PCI bus id of gpu-b's GPU)."""
-    fresh = {g["pci_bus_id"]: g["uuid"] for g in gpus(len(node.inventory))}
-    out = []
-    for g in node.inventory:
-        if case == "gone" and g["pci_bus_id"] == victim:
-            continue
-        if case in ("all", "gone") or g["pci_bus_id"] == victim:
-            g = {**g, "uuid": fresh[g["pci_bus_id"]]}
-        out.append(g)
-    return out
-
-
-def _reboot(node: GpuNode, case: str, **kw: Any) -> tuple[Dict[str, str], Dict[str, str], float]:
-    slots = _two_pods(node)
-    before = {g["pci_bus_id"]: g["uuid"] for g in node.inventory}
-    t0 = node.reboot(_after(node, case, slots["gpu-b"]), **kw)
-    return slots, before, t0
 
 
 def _figures(case: str, gpuguard: str, back: int, seconds: Optional[float]) -> None:
     """One line per run: pods back / pods before, seconds from kubelet's start."""
     took = f"{seconds:.1f}" if seconds is not None else "-"
     print(
-        f"\nF1 figures: case={case} gpuguard={gpuguard} pods_back={back}/{len(PODS)} "
+        f"\nF1 figures: case={case} gpuguard={gpuguard} pods_back={back}/{len(F1_PODS)} "
         f"seconds_to_running={took}"
     )
 
@@ -95,13 +74,13 @@ def _crash_looping(pod: Pod, old_uuid: str) -> bool:
     )
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", F1_CASES)
 def test_f1_without_gpuguard_pods_crash_loop(
     systemd_ns: NsFactory, tmp_path: Path, api: Path, case: str
 ) -> None:
     node = boot(systemd_ns, tmp_path, api, gpuguard=False)
-    slots, before, _t0 = _reboot(node, case)
-    changed = [p for p in PODS if case != "one" or p == "gpu-b"]
+    slots, before, _t0 = f1_reboot(node, case)
+    changed = [p for p in F1_PODS if case != "one" or p == "gpu-b"]
     pods = node.wait_pods(
         lambda p: all(n in p and _crash_looping(p[n], before[slots[n]]) for n in changed),
         90,
@@ -110,13 +89,13 @@ def test_f1_without_gpuguard_pods_crash_loop(
     if case == "one":  # the pod whose GPU kept its UUID runs on
         pods = node.wait_pods(lambda p: p["gpu-a"].running, 30, "gpu-a running")
     assert not any(pods[n].running for n in changed)
-    _figures(case, "none", sum(pods[n].running for n in PODS), None)
+    _figures(case, "none", sum(pods[n].running for n in F1_PODS), None)
 
 
 def _gpu_pods_back(node: GpuNode, case: str, t0: float) -> Dict[str, Pod]:
     """Wait for the target outcome: every pod whose GPU is still there Running (fail at
     once when one fails for good), the others left out; print the figures."""
-    back = [p for p in PODS if case != "gone" or p != "gpu-b"]
+    back = [p for p in F1_PODS if case != "gone" or p != "gpu-b"]
 
     def done(p: Dict[str, Pod]) -> bool:
         return all(n in p and p[n].running for n in back)
@@ -134,14 +113,14 @@ def _gpu_pods_back(node: GpuNode, case: str, t0: float) -> Dict[str, Pod]:
 
 
 @REMAP_PENDING
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", F1_CASES)
 def test_f1_with_gpuguard_every_pod_back_on_its_slot(
     systemd_ns: NsFactory, tmp_path: Path, api: Path, case: str
 ) -> None:
     node = boot(systemd_ns, tmp_path, api, gpuguard=True)
-    slots, before, t0 = _reboot(node, case)
+    slots, before, t0 = f1_reboot(node, case)
     pods = _gpu_pods_back(node, case, t0)
-    back = [p for p in PODS if case != "gone" or p != "gpu-b"]
+    back = [p for p in F1_PODS if case != "gone" or p != "gpu-b"]
     held = []
     for name in back:
         c = node.running(name)
@@ -172,9 +151,9 @@ def test_f1_state_lost_pods_fail_admission(
     pods whose GPU changed for good; with one changed, the other pod runs. Today this is
     also the outcome with the state directory intact."""
     node = boot(systemd_ns, tmp_path, api, gpuguard=True)
-    _slots, before, _t0 = _reboot(node, case, lose_state=True)
+    _slots, before, _t0 = f1_reboot(node, case, lose_state=True)
     failing = ["gpu-a", "gpu-b"] if case == "all" else ["gpu-b"]
-    kept = [n for n in PODS if n not in failing]
+    kept = [n for n in F1_PODS if n not in failing]
     pods = node.wait_pods(
         lambda p: (
             all(n in p and p[n].phase == "Failed" for n in failing)

@@ -46,7 +46,7 @@ def test_restart_requested_by_gpuguard_is_verified_by_its_token(
     old = {g["uuid"] for g in node.inventory}
     new = gpus(len(old))
 
-    # the reboot, with the driver (here: the inventory) not up yet when kubelet starts
+    # the reboot, with the GPUs not up yet when kubelet starts
     node.stop_kubelet()
     node.ns.systemctl("stop", PLUGIN, "gpuguard.service")
     node.kill_all()
