@@ -11,6 +11,8 @@ Error" in the container). With gpuguard, the container's scope gets a durable
 
 The verdict is the kernel's: a probe open of the GPU's node from the container's own
 devices cgroup (EPERM: denied; ENXIO: allowed).
+
+On cgroup v1 only, like every real-kubelet test (harness/kubelet.py says why).
 """
 
 from __future__ import annotations

@@ -23,6 +23,11 @@ has registered, and reuses a pod's checkpointed allocation without checking it.
   assertions are written here and marked ``xfail(strict=True)`` until the remap is
   merged: an unexpected pass fails, so the mark cannot outlive the fix.
 
+On cgroup v1 (hybrid) only: on these machines runc cannot create a pod sandbox in a
+private unified hierarchy (the kernel keeps the cpu controller in v1, and containerd
+gives every sandbox CPU shares: ``cpu.weight: no such file or directory``; see
+harness/kubelet.py).
+
 Each test prints its figures (``F1 figures: ...``: pods back / pods before, and the
 seconds from kubelet's start to every GPU pod Running; run with ``-s``).
 """

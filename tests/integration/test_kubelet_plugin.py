@@ -14,6 +14,8 @@ F4: kubelet is restarted under a plugin (a host service) that never registers ag
 like old or forked plugins. Without gpuguard the node has no GPU for new pods
 (``UnexpectedAdmissionError``, Available: 0); with gpuguard the plugin is restarted
 once the grace period is over, registers, and a new GPU pod runs.
+
+On cgroup v1 only, like every real-kubelet test (harness/kubelet.py says why).
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ When the driver is up, the daemon's next pass finds the stale checkpoint under a
 running kubelet whose unit has gpuguard's drop-in: it writes a token, restarts
 kubelet through systemd, and reports the repair only because the hook's record carries
 that token and says ``repaired``, and the file kubelet runs on names no stale GPU.
+
+On cgroup v1 only, like every real-kubelet test (harness/kubelet.py says why).
 """
 
 from __future__ import annotations

@@ -27,8 +27,10 @@ pre-start hook runs at each kubelet start, as on a node (integration/kubelet_nod
   ``/dev/kmsg``, which its OOM watcher reads, is an empty file in the private /dev.
 
 Only v1: this machine's kernel keeps the cpu and memory controllers in their v1
-hierarchies, so a private cgroup2 has no ``cpu.weight`` and runc cannot create a pod
-sandbox there (``openat2 .../cpu.weight: no such file or directory``).
+hierarchies, so a private cgroup2 has no ``cpu.weight``, and runc cannot create a pod
+sandbox there: containerd gives every sandbox CPU shares, which runc writes as
+``cpu.weight`` (``openat2 .../cri-containerd-<id>.scope/cpu.weight: no such file or
+directory``, seen with ``layout="v2"``).
 """
 
 from __future__ import annotations
