@@ -37,7 +37,8 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "src"))
 
 from integration.harness import SystemdNamespace  # noqa: E402
-from integration.harness.kubelet import Pod, api_code  # noqa: E402
+from integration.harness.kubelet import api_code  # noqa: E402
+from integration.harness.pods import Pod  # noqa: E402
 from integration.kubelet_node import F1_PODS, boot, f1_reboot  # noqa: E402
 
 

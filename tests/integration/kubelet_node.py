@@ -32,7 +32,6 @@ from integration.harness import SystemdNamespace, require_systemd_ns
 from integration.harness.kubelet import (
     CHECKPOINT,
     CONTAINERD_UNIT,
-    INVENTORY,
     LOG,
     MANIFESTS,
     PLUGIN_UNIT,
@@ -40,11 +39,11 @@ from integration.harness.kubelet import (
     Container,
     KubeletNode,
     api_code,
-    busybox_pod,
     kubelet_binary,
     kubelet_unit,
     prepare,
 )
+from integration.harness.pods import INVENTORY, busybox_pod
 
 PLUGIN = "nvidia-device-plugin.service"
 NsFactory = Callable[..., SystemdNamespace]

@@ -41,7 +41,7 @@ from typing import Dict, Optional
 import pytest
 
 from integration.harness import systemd_ns as systemd_ns
-from integration.harness.kubelet import Pod
+from integration.harness.pods import Pod
 from integration.kubelet_node import (
     F1_CASES,
     F1_PODS,

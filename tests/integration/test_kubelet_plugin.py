@@ -28,7 +28,7 @@ import pytest
 from integration.gpu_scopes import UVM_MAJOR
 from integration.gpuguard_ns import events, wait_for
 from integration.harness import systemd_ns as systemd_ns
-from integration.harness.kubelet import plugin_pod
+from integration.harness.pods import plugin_pod
 from integration.kubelet_node import PLUGIN, GpuNode, NsFactory, boot, gpu_pod
 from integration.kubelet_node import api as api
 

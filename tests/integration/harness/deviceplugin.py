@@ -69,7 +69,7 @@ def say(**event: Any) -> None:
     print(json.dumps({"t": round(time.time(), 3), **event}), flush=True)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[List[str]] = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--api", required=True, help="directory of the generated api_pb2*.py")
     ap.add_argument("--inventory", required=True)
@@ -169,8 +169,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             except grpc.RpcError as e:  # kubelet not serving yet: try again
                 say(event="register-failed", error=str(e.code()))
         time.sleep(0.2)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -44,23 +44,18 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .deviceplugin import generate
 from .oci_image import busybox_image
+from .pods import API, BUSYBOX, DEVICE_PLUGINS, INVENTORY, PLUGIN_SCRIPT, VENV_PYTHON, Pod, show
 from .sysns import REPO, SystemdNamespace
 
 BUILD_SCRIPT = REPO / "scripts/build-kubelet"
-VENV_PYTHON = REPO / ".venv/bin/python"
-PLUGIN_SCRIPT = REPO / "tests/integration/harness/deviceplugin.py"
 HOOK_SCRIPT = REPO / "tests/integration/harness/nvidia_hook.py"
 INNER = "/run/gg-kubelet"  # the test's host dir, bound read-only inside
-API = "/run/gg-kubelet-api"  # the generated gRPC code, read-only
 LOG = "/run/gg-kubelet-log"  # where the hook writes what it did (read-write)
 MANIFESTS = "/etc/kubernetes/manifests"
-DEVICE_PLUGINS = "/var/lib/kubelet/device-plugins"
 CHECKPOINT = f"{DEVICE_PLUGINS}/kubelet_internal_checkpoint"
 CRI_SOCK = "/run/containerd/containerd.sock"
-INVENTORY = "/etc/gpuguard/inventory.json"
 NODE = "gpunode"
 PAUSE = "gpuguard.test/pause:1"
-BUSYBOX = "gpuguard.test/busybox:1"
 READ_ONLY_PORT = 10255
 #: kubelet 1.20's KernelTunableModify values (container_manager_linux.go)
 TUNABLES = {
@@ -183,37 +178,6 @@ def prepare(host_dir: Path, api_dir: Path) -> Tuple[Dict[str, Path], Dict[str, P
     ro = {INNER: host_dir, API: api_dir, "/dev/kmsg": host_dir / "kmsg"}
     ro |= {f"/proc/sys/{name}": host_dir / "sysctl" / name for name in TUNABLES}
     return {LOG: host_dir / "log"}, ro
-
-
-@dataclass(frozen=True)
-class Pod:
-    """A static pod as kubelet's /pods shows it."""
-
-    name: str
-    uid: str
-    phase: str
-    reason: str
-    message: str
-    containers: Dict[str, Dict[str, Any]]  # name -> containerStatus
-
-    @property
-    def running(self) -> bool:
-        return self.phase == "Running" and all(
-            "running" in c.get("state", {}) for c in self.containers.values()
-        )
-
-    @property
-    def restarts(self) -> int:
-        return sum(int(c.get("restartCount", 0)) for c in self.containers.values())
-
-    def errors(self) -> str:
-        """The containers' waiting and last-terminated messages, joined."""
-        out = []
-        for c in self.containers.values():
-            for state in (c.get("state", {}), c.get("lastState", {})):
-                for v in state.values():
-                    out.append(f"{v.get('reason', '')}: {v.get('message', '')}")
-        return "\n".join(out)
 
 
 @dataclass(frozen=True)
@@ -389,64 +353,10 @@ class KubeletNode:
             if cond(pods):
                 return pods
             if never is not None and never(pods):
-                raise AssertionError(f"{what}: never, pods are {_show(pods)}")
+                raise AssertionError(f"{what}: never, pods are {show(pods)}")
             time.sleep(0.2)
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}: {_show(pods)}")
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}: {show(pods)}")
 
     def log(self, unit: str = "kubelet.service", lines: int = 40) -> str:
         argv = ["journalctl", "--no-pager", "-o", "cat", "-u", unit, "-n", str(lines)]
         return self.ns.run(argv).stdout
-
-
-def _show(pods: Mapping[str, Pod]) -> str:
-    return "; ".join(
-        f"{p.name}: {p.phase} {p.reason} {p.message} [{p.errors()}]" for p in pods.values()
-    )
-
-
-def busybox_pod(name: str, uid: str, limits: Mapping[str, Any], **spec: Any) -> Dict[str, Any]:
-    """A static pod whose one container ``work`` sleeps, with these resource limits
-    (and the same requests). ``spec`` adds to the pod spec."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "namespace": "default", "uid": uid},
-        "spec": {
-            "hostNetwork": True,
-            "terminationGracePeriodSeconds": 1,
-            "containers": [
-                {
-                    "name": "work",
-                    "image": BUSYBOX,
-                    "imagePullPolicy": "Never",
-                    "command": ["/bin/sh", "-c", "trap 'exit 0' TERM; while :; do sleep 1; done"],
-                    "resources": {"limits": dict(limits), "requests": dict(limits)},
-                }
-            ],
-            **spec,
-        },
-    }
-
-
-def plugin_pod(uid: str, args: Sequence[str] = ()) -> Dict[str, Any]:
-    """The device plugin double as a privileged static pod (NVIDIA's DaemonSet runs it
-    privileged too): the host's /usr and this checkout give it python3 and grpc."""
-    mounts = {
-        "usr": ("/usr", True),
-        "checkout": (str(REPO), True),
-        "api": (API, True),
-        "gpuguard": ("/etc/gpuguard", True),
-        "plugins": (DEVICE_PLUGINS, False),
-    }
-    pod = busybox_pod(uid=uid, name="nvidia-device-plugin", limits={})
-    ctr = pod["spec"]["containers"][0]
-    ctr["name"] = "plugin"
-    ctr["command"] = [str(VENV_PYTHON), str(PLUGIN_SCRIPT), "--api", API, "--inventory", INVENTORY]
-    ctr["command"] += list(args)
-    ctr["securityContext"] = {"privileged": True}
-    ctr["volumeMounts"] = [
-        {"name": n, "mountPath": p, "readOnly": ro} for n, (p, ro) in mounts.items()
-    ]
-    pod["spec"]["volumes"] = [{"name": n, "hostPath": {"path": p}} for n, (p, _) in mounts.items()]
-    pod["spec"]["terminationGracePeriodSeconds"] = 2
-    return pod
