@@ -70,6 +70,8 @@ def gpu_pod(name: str, n: int = 1, **limits: Any) -> Dict[str, Any]:
 
 
 class GpuNode(KubeletNode):
+    """The kubelet node with its GPUs, plugin, gpuguard (or not), and reboots."""
+
     def __init__(self, ns: SystemdNamespace, devices: Path, *, gpuguard: bool) -> None:
         super().__init__(ns)
         self.gpuguard = gpuguard
@@ -94,16 +96,17 @@ class GpuNode(KubeletNode):
         for minor in sorted(new - old):
             self.mknod(f"nvidia{minor}", 195, minor)
 
-    def mknod(self, name: str, major: int, minor: int) -> None:
-        self.ns.run(["mknod", "-m", "666", f"/dev/{name}", "c", str(major), str(minor)], check=True)
+    def mknod(self, name: str, major: int, minor: int, *, check: bool = True) -> None:
+        """A node in the namespace's private /dev (never the host's)."""
+        argv = ["mknod", "-m", "666", f"/dev/{name}", "c", str(major), str(minor)]
+        self.ns.run(argv, check=check)
 
     def load_uvm(self) -> None:
         """nvidia_uvm loaded later: registered in /proc/devices, its nodes made (as
         nvidia-modprobe -u -c0 makes them the first time CUDA runs on the host)."""
         fake_proc_devices(self.proc_devices, uvm=True)
         for name, minor in (("nvidia-uvm", 0), ("nvidia-uvm-tools", 1)):
-            argv = ["mknod", "-m", "666", f"/dev/{name}", "c", str(UVM_MAJOR), str(minor)]
-            self.ns.run(argv)  # fails where gpuguard made it first
+            self.mknod(name, UVM_MAJOR, minor, check=False)  # gpuguard may have made it
             assert self.ns.path(f"/dev/{name}").exists()
 
     def slot(self, c: Container) -> str:

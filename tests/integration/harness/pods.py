@@ -33,10 +33,6 @@ class Pod:
             "running" in c.get("state", {}) for c in self.containers.values()
         )
 
-    @property
-    def restarts(self) -> int:
-        return sum(int(c.get("restartCount", 0)) for c in self.containers.values())
-
     def errors(self) -> str:
         """The containers' waiting and last-terminated messages, joined."""
         out = []
