@@ -26,7 +26,7 @@ import pytest
 
 from gpuguard.checkpoint import parse
 from gpuguard.devices.probe import probe_open
-from integration.gpu_scopes import UVM_MAJOR, fake_proc_devices, node_units
+from integration.gpu_scopes import UVM_MAJOR, fake_proc_devices, gpu_inventory, node_units
 from integration.gpuguard_ns import settle
 from integration.harness import SystemdNamespace, require_systemd_ns
 from integration.harness.kubelet import (
@@ -51,16 +51,8 @@ CONFIG = "[Inventory]\nFile=/etc/gpuguard/inventory.json\n"
 
 
 def gpus(n: int) -> List[Dict[str, Any]]:
-    """``n`` GPUs in slots 0..n-1, each with a UUID of this boot."""
-    return [
-        {
-            "uuid": f"GPU-{uuid.uuid4()}",
-            "index": i,
-            "minor": i,
-            "pci_bus_id": f"00000000:{0x1B + i:02X}:00.0",
-        }
-        for i in range(n)
-    ]
+    """``n`` GPUs in slots 0..n-1 (gpu_scopes' layout), each with a UUID of this boot."""
+    return [{**g, "uuid": f"GPU-{uuid.uuid4()}"} for g in gpu_inventory(n)["gpus"]]
 
 
 def gpu_pod(name: str, n: int = 1, **limits: Any) -> Dict[str, Any]:

@@ -64,23 +64,25 @@ def _cpus_set_at(node: GpuNode, c: Container) -> int:
     return dropin.stat().st_mtime_ns
 
 
-def test_cpu_manager_takes_the_gpu_without_gpuguard(
-    systemd_ns: NsFactory, tmp_path: Path, api: Path
-) -> None:
-    node = boot(systemd_ns, tmp_path, api, gpuguard=False, flags=FLAGS)
+def _through_reconciles(node: GpuNode) -> List[Any]:
+    """The Guaranteed GPU pod's verdicts on its GPU over 3 reconcile periods, at least
+    one of which updated the container."""
     c, minor = _guaranteed_gpu_pod(node)
     mark = _cpus_set_at(node, c)
     seen = _verdicts_over(node, c, minor, 3 * PERIOD)
     assert _cpus_set_at(node, c) > mark, "no reconcile updated the container"
+    return seen
+
+
+def test_cpu_manager_takes_the_gpu_without_gpuguard(
+    systemd_ns: NsFactory, tmp_path: Path, api: Path
+) -> None:
+    seen = _through_reconciles(boot(systemd_ns, tmp_path, api, gpuguard=False, flags=FLAGS))
     assert seen[-1] is False, f"still allowed after 3 reconcile periods: {seen}"
 
 
 def test_cpu_manager_keeps_the_gpu_with_gpuguard(
     systemd_ns: NsFactory, tmp_path: Path, api: Path
 ) -> None:
-    node = boot(systemd_ns, tmp_path, api, gpuguard=True, flags=FLAGS)
-    c, minor = _guaranteed_gpu_pod(node)
-    mark = _cpus_set_at(node, c)
-    seen = _verdicts_over(node, c, minor, 3 * PERIOD)
-    assert _cpus_set_at(node, c) > mark, "no reconcile updated the container"
+    seen = _through_reconciles(boot(systemd_ns, tmp_path, api, gpuguard=True, flags=FLAGS))
     assert all(seen), f"denied at some point: {seen}"

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import pytest
 
@@ -97,10 +97,15 @@ def test_f1_without_gpuguard_pods_crash_loop(
     _figures(case, "none", sum(pods[n].running for n in F1_PODS), None)
 
 
+def _still_there(case: str) -> List[str]:
+    """The pods whose GPU is still on the node after the reboot of ``case``."""
+    return [p for p in F1_PODS if case != "gone" or p != "gpu-b"]
+
+
 def _gpu_pods_back(node: GpuNode, case: str, t0: float) -> Dict[str, Pod]:
     """Wait for the target outcome: every pod whose GPU is still there Running (fail at
     once when one fails for good), the others left out; print the figures."""
-    back = [p for p in F1_PODS if case != "gone" or p != "gpu-b"]
+    back = _still_there(case)
 
     def done(p: Dict[str, Pod]) -> bool:
         return all(n in p and p[n].running for n in back)
@@ -125,9 +130,8 @@ def test_f1_with_gpuguard_every_pod_back_on_its_slot(
     node = boot(systemd_ns, tmp_path, api, gpuguard=True)
     slots, before, t0 = f1_reboot(node, case)
     pods = _gpu_pods_back(node, case, t0)
-    back = [p for p in F1_PODS if case != "gone" or p != "gpu-b"]
     held = []
-    for name in back:
+    for name in _still_there(case):
         c = node.running(name)
         assert node.slot(c) == slots[name], f"{name} moved from {slots[name]} to {node.slot(c)}"
         assert c.visible != before[slots[name]] or case == "one"
