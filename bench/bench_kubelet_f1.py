@@ -99,6 +99,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-kubelet-f1-") as tmp:
         api = api_code(Path(tmp) / "api")
         for mode in args.modes.split(","):
+            label = "yes" if mode == "gpuguard" else "no"
             for case in args.cases.split(","):
                 seconds: List[float] = []
                 for i in range(args.n):
@@ -107,7 +108,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     each = [f"{k}=Running@{v:.1f}s" for k, v in sorted(r["up"].items())]
                     each += [f"{k}={v}" for k, v in sorted(r["others"].items())]
                     print(
-                        f"case={case} gpuguard={'yes' if mode == 'gpuguard' else 'no'} "
+                        f"case={case} gpuguard={label} "
                         f"pods_back={r['back']}/{len(F1_PODS)} seconds_to_running={took} "
                         + " ".join(each),
                         flush=True,
@@ -116,9 +117,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         seconds.append(r["seconds"])
                 if seconds and args.n > 1:
                     print(
-                        f"case={case} gpuguard={mode}: seconds_to_running "
+                        f"case={case} gpuguard={label}: seconds_to_running "
                         f"median={statistics.median(seconds):.1f} max={max(seconds):.1f} "
-                        f"({len(seconds)}/{args.n} rounds with every pod back)"
+                        f"({len(seconds)}/{args.n} rounds with every pod whose GPU stayed back)"
                     )
     return 0
 
