@@ -36,12 +36,11 @@ NODES: Dict[str, Tuple[int, int]] = {
 
 def fake_proc_devices(path: Path, *, uvm: bool = True) -> Path:
     """The host's /proc/devices plus what a loaded NVIDIA driver registers (``uvm``:
-    with nvidia_uvm loaded). Rewriting it in place keeps a bind of it current."""
+    with nvidia_uvm loaded). Written in place, so a bind of it shows the new text."""
     text = Path("/proc/devices").read_text()
     head, _, tail = text.partition("\nBlock devices:")
     ours = "\n195 nvidia\n" + (f"{UVM_MAJOR} nvidia-uvm\n" if uvm else "")
-    with open(path, "w") as f:  # in place (no rename): the same inode stays bound
-        f.write(head.rstrip("\n") + ours + "\nBlock devices:" + tail)
+    path.write_text(head.rstrip("\n") + ours + "\nBlock devices:" + tail)
     return path
 
 
