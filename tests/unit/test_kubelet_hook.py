@@ -109,13 +109,13 @@ def record(root: Path) -> dict:  # type: ignore[type-arg]
 def test_no_driver_exit_0_said_once_per_state(
     root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    kh.write_request(Root(root), "tok")
+    kh.write_request(Root(root), "70c0")
     code, log = hook(root, capsys)
     assert code == exitcodes.OK
     assert [e["kind"] for e in log] == ["kubelet-hook-skipped"]
     assert "NVML" in log[0]["msg"] or "driver" in log[0]["msg"]
     rec = record(root)
-    assert rec["outcome"] == "skipped" and rec["token"] == "tok" and rec["exit_code"] == 0
+    assert rec["outcome"] == "skipped" and rec["token"] == "70c0" and rec["exit_code"] == 0
     assert rec["before_sha256"] == rec["after_sha256"] != ""
     assert (root / CHECKPOINT).read_bytes() == FIXTURE.read_bytes()
     code, log = hook(root, capsys)  # kubelet's next start on the same node: quiet
@@ -133,11 +133,11 @@ def test_no_checkpoint_exit_0_skipped(root: Path, capsys: pytest.CaptureFixture[
 
 def test_repair_records_digests_and_token(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (root / "etc/gpuguard/inventory.json").write_text(json.dumps(INVENTORY))
-    kh.write_request(Root(root), "tok")
+    kh.write_request(Root(root), "70c0")
     code, _ = hook(root, capsys, "--inventory", str(root / "etc/gpuguard/inventory.json"))
     assert code == exitcodes.OK
     rec = record(root)
-    assert rec["outcome"] == "repaired" and rec["token"] == "tok"
+    assert rec["outcome"] == "repaired" and rec["token"] == "70c0"
     assert rec["before_sha256"] == kh.file_sha256(FIXTURE)
     assert rec["after_sha256"] == kh.file_sha256(root / CHECKPOINT) != rec["before_sha256"]
 

@@ -16,17 +16,18 @@ cannot speak for a new pod, and a node runs a few hundred pods at most.
 
 from __future__ import annotations
 
-import errno
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Sequence
 
 from gpuguard.checkpoint.model import PodDevicesEntry
 from gpuguard.errors import BadInputError
-from gpuguard.host import safeio
+from gpuguard.host.echo import cut
+from gpuguard.host.paths import DROPPED_ENTRIES_FILE
+from gpuguard.host.statefile import Obj, SchemaError, StateFile, load
 
 MAX_RECORDS = 4096
+MAX_IDS = 4096  # device IDs of one entry
 MAX_BYTES = 8 * 1024 * 1024
 VERSION = 1
 NEXT_STEP = (
@@ -85,56 +86,47 @@ def pod_device_ids(
     return {pod: frozenset(ids) for pod, ids in out.items()}
 
 
+def _entry(v: Any, where: str) -> DroppedEntry:
+    o = Obj(v, where)
+    return DroppedEntry(
+        o.text("pod_uid", max_len=256),
+        o.text("container_name", max_len=1024),
+        o.text("resource_name", max_len=1024),
+        o.texts("device_ids", max_items=MAX_IDS, max_len=1024),
+        o.text("dropped_at", max_len=64),
+    )
+
+
+SPEC: StateFile[tuple[DroppedEntry, ...]] = StateFile(
+    path=DROPPED_ENTRIES_FILE,
+    what="dropped-entries record",
+    version=VERSION,
+    parse=lambda o: o.items("dropped", _entry, max_items=MAX_RECORDS),
+    render=lambda records: {"dropped": [r.to_json() for r in records]},
+    max_bytes=MAX_BYTES,
+    mode=0o600,
+    next_step=NEXT_STEP,
+)
+
+
 def render(records: Sequence[DroppedEntry]) -> bytes:
-    doc = {"version": VERSION, "dropped": [r.to_json() for r in records]}
-    return (json.dumps(doc, indent=1) + "\n").encode()
-
-
-def _str(d: Mapping[str, Any], key: str, where: str) -> str:
-    v = d.get(key)
-    if not isinstance(v, str):
-        raise ValueError(f"{where}: {key} is not a string")
-    return v
+    return SPEC.encode(tuple(records))
 
 
 def parse(raw: bytes, source: str) -> tuple[DroppedEntry, ...]:
     """The records of `raw`; any deviation from what render() writes is a BadInputError."""
     try:
-        doc = json.loads(raw.decode("utf-8"))
-        if not isinstance(doc, dict) or doc.get("version") != VERSION:
-            raise ValueError(f"not a version {VERSION} record file")
-        items = doc.get("dropped")
-        if not isinstance(items, list):
-            raise ValueError("'dropped' is not a list")
-        out = []
-        for i, d in enumerate(items):
-            where = f"record {i + 1}"
-            if not isinstance(d, dict):
-                raise ValueError(f"{where} is not an object")
-            ids = d.get("device_ids")
-            if not isinstance(ids, list) or not all(isinstance(x, str) for x in ids):
-                raise ValueError(f"{where}: device_ids is not a list of strings")
-            out.append(
-                DroppedEntry(
-                    _str(d, "pod_uid", where),
-                    _str(d, "container_name", where),
-                    _str(d, "resource_name", where),
-                    tuple(ids),
-                    _str(d, "dropped_at", where),
-                )
-            )
-    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeError too
-        raise BadInputError(f"{source}: unreadable ({str(e)[:200]}); {NEXT_STEP}") from None
-    return tuple(out)
+        return SPEC.decode(raw)
+    except SchemaError as e:
+        raise BadInputError(cut(f"{source}: unreadable ({e}); {NEXT_STEP}", 500)) from None
 
 
 def read(path: Path) -> tuple[DroppedEntry, ...]:
     """The records in `path`; () when it does not exist. Never follows a link, never
-    blocks on a FIFO, never reads past MAX_BYTES (safeio's reader)."""
-    try:
-        raw, _st = safeio.read_bytes(path, what="dropped-entries record", max_bytes=MAX_BYTES)
-    except safeio.UnsafeFileError as e:
-        if e.errno == errno.ENOENT:
-            return ()
-        raise BadInputError(f"{e.message}; {NEXT_STEP}") from None
-    return parse(raw, str(path))
+    blocks on a FIFO, never reads past MAX_BYTES (the state-file loader)."""
+    got = load(path, SPEC)
+    if got.value is not None:
+        return got.value
+    if got.absent:
+        return ()
+    raise BadInputError(got.why)

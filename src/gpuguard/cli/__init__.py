@@ -82,6 +82,17 @@ def _common() -> _CommandParser:
     return p
 
 
+def _deadline(text: str) -> float:
+    """--deadline: seconds, 0.1 to 3600."""
+    try:
+        value = float(text) if len(text) <= 16 and text.isascii() else -1.0
+    except ValueError:
+        value = -1.0
+    if not 0.1 <= value <= 3600:  # NaN fails this too
+        raise argparse.ArgumentTypeError("expected seconds between 0.1 and 3600")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = _common()
     parser = argparse.ArgumentParser(
@@ -114,6 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--kubelet-stopped",
         action="store_true",
         help="we run as kubelet's ExecStartPre= hook: repair in place, never restart kubelet",
+    )
+    c.add_argument(
+        "--deadline",
+        type=_deadline,
+        default=None,
+        metavar="SECONDS",
+        help="with --kubelet-stopped: give up after this long (default 10), so kubelet "
+        "starts whatever is on disk",
     )
     c.add_argument(
         "--no-restart", action="store_true", help="never restart or stop kubelet; report instead"

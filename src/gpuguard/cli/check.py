@@ -14,15 +14,19 @@ from gpuguard.errors import GpuguardError
 def cmd_check(args: argparse.Namespace) -> int:
     if not args.kubelet_stopped:
         return _check(args, _root(args), None)
-    from gpuguard.steps.checkpoint.kubelet_hook import FAILED, HookRun
+    from gpuguard.steps.checkpoint.kubelet_hook import DEADLINE, FAILED, HookRun
 
     root = _root(args)
     hook = HookRun(root)
+    # kubelet waits for this hook: whatever is on disk, it ends within the deadline
+    hook.arm(args.deadline or DEADLINE, getattr(args, "on_deadline", None))
     try:
         return _check(args, root, hook)
     except GpuguardError as e:
         hook.finish(FAILED, e.message, e.exit_code)
         raise
+    finally:
+        hook.disarm()
 
 
 def _simulation(args: argparse.Namespace) -> str:
@@ -166,7 +170,7 @@ def _remember_healthy(root: Any, report: Any, snapshot: Any, key: Any) -> None:
     loaded = snapshot.checkpoint()
     # Only the bytes the analysis read: a file changed between the two reads is not
     # remembered (the next start verifies it fully).
-    if loaded is not None and memo.digest(loaded.raw) == key["checkpoint_sha256"]:
+    if loaded is not None and memo.digest(loaded.raw) == key.checkpoint_sha256:
         memo.write_memo(root, key)
 
 

@@ -9,7 +9,6 @@ once the node has been repaired).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
@@ -31,6 +30,14 @@ from gpuguard.journal.log import EventLog
 from gpuguard.reporting.ledger import Ledger
 from gpuguard.reporting.metrics_output import MetricsOutput
 from gpuguard.reporting.metrics_state import REPAIR_HISTOGRAM
+from gpuguard.reporting.status import SPEC as STATUS_SPEC
+from gpuguard.reporting.status import (
+    FastPaths,
+    OutcomeRecord,
+    PassRecord,
+    ReloadSignal,
+    Status,
+)
 from gpuguard.sources import Sources
 from gpuguard.steps.registry import CONTAINER_ACCESS, STEP_ORDER, check_names
 
@@ -68,8 +75,8 @@ class Daemon:
         self.steps = {name: steps[name] for name in self.step_order if name in steps}
         self.passes = 0
         self.started_wall = time.time()
-        self.last_pass: dict[str, Any] = {}
-        self.first_pass: dict[str, Any] = {}
+        self.last_pass: Optional[PassRecord] = None
+        self.first_pass: Optional[PassRecord] = None
         self.ledger = Ledger()  # each step's latest result and the last hour's changes
         self.metrics = metrics
         self.inventory: Optional[Inventory] = None
@@ -265,6 +272,7 @@ class Daemon:
                 continue
             t_step = time.monotonic()
             n_findings, n_outcomes, error = len(ctx.findings), len(ctx.outcomes), None
+            n_unknown = len(ctx.unknown)
             gauges_before = set(ctx.gauges)
             try:
                 await step(self, ctx)
@@ -279,6 +287,7 @@ class Daemon:
                 ctx.outcomes[n_outcomes:],
                 error,
                 gauges={k: v for k, v in ctx.gauges.items() if k not in gauges_before},
+                unknown=ctx.unknown[n_unknown:],
             )
         duration = time.monotonic() - t0
         if self.dry_run and ctx.snapshot is not None:
@@ -286,20 +295,20 @@ class Daemon:
         if ctx.known_inventory is not None:
             self.inventory = ctx.known_inventory
         changed = [o for o in ctx.outcomes if o.status == "done"]
-        self.last_pass = {
-            "number": self.passes,
-            "reasons": list(work.reasons[:8]),
-            "reconcilers": sorted(work.reconcilers),
-            "first_mark_age_ms": round((t0 - work.first_mark) * 1000, 1),
-            "started": started_wall,
-            "ended": time.time(),
-            "duration_ms": round(duration * 1000, 2),
-            "steps_ms": steps_ms,
-            "findings": [f.to_json() for f in ctx.findings],
-            "outcomes": [o.to_json() for o in ctx.outcomes],
-            "gpus": len(self.inventory.gpus) if self.inventory else None,
-        }
-        if not self.first_pass:
+        self.last_pass = PassRecord(
+            number=self.passes,
+            reasons=tuple(work.reasons[:8]),
+            reconcilers=tuple(sorted(work.reconcilers)),
+            first_mark_age_ms=round((t0 - work.first_mark) * 1000, 1),
+            started=started_wall,
+            ended=time.time(),
+            duration_ms=round(duration * 1000, 2),
+            steps_ms=steps_ms,
+            findings=tuple(ctx.findings),
+            outcomes=tuple(OutcomeRecord.of(o) for o in ctx.outcomes),
+            gpus=len(self.inventory.gpus) if self.inventory else None,
+        )
+        if self.first_pass is None:
             self.first_pass = self.last_pass
         level = "notice" if ctx.findings or changed else "info"
         self.log.event(
@@ -368,55 +377,63 @@ class Daemon:
 
     def status_line(self) -> str:
         p = self.last_pass
-        if not p:
+        if p is None:
             return "starting"
-        gpus = "no GPU inventory" if p["gpus"] is None else f"{p['gpus']} GPU(s)"
+        gpus = "no GPU inventory" if p.gpus is None else f"{p.gpus} GPU(s)"
         bus = "bus ok" if self.systemd is not None else "bus down"
         return (
-            f"pass {p['number']}: {len(p['findings'])} finding(s), "
-            f"{sum(o['status'] == 'done' for o in p['outcomes'])} change(s); {gpus}; {bus}"
+            f"pass {p.number}: {len(p.findings)} finding(s), {p.changes} change(s); {gpus}; {bus}"
         )
 
-    def _reload_signal(self) -> dict[str, Any]:
+    def _reload_signal(self) -> ReloadSignal:
         """Where systemd's Reloading comes from (sources/reload_socket.py)."""
         sd = self.sd_source
-        private = sd.private if sd is not None else None
-        return {
-            "private_socket": private is not None and private.connected,
-            "last_via": sd.last_reload_via if sd is not None else "",
-            # every reload arrives on both paths and is acted on once
-            "reloads": sd.reloads_acted if sd is not None else 0,
-            "received": {
-                via: {"starts": n[0], "ends": n[1]}
-                for via, n in (sd.received.items() if sd is not None else ())
-            },
-        }
+        if sd is None:
+            return ReloadSignal()
+        private = sd.private
+        return ReloadSignal(
+            private_socket=private is not None and private.connected,
+            last_via=sd.last_reload_via,
+            reloads=sd.reloads_acted,  # every reload arrives on both paths, acted on once
+            received={via: (n[0], n[1]) for via, n in sd.received.items()},
+        )
 
-    def _write_status(self) -> None:
-        from gpuguard.actuate.files import write_new
+    def status(self) -> Status:
+        """The status file's model (reporting/status.py) as of now."""
+        from gpuguard.reporting.npd import judge_conditions
 
         fast_status = getattr(self.steps.get(CONTAINER_ACCESS), "fast_status", None)
-        doc = {
-            "pid": os.getpid(),
-            "started": self.started_wall,
-            "passes": self.passes,
-            "bus_connected": self.systemd is not None,
-            "reload_signal": self._reload_signal(),
-            "dry_run": self.dry_run,
-            "first_pass": self.first_pass,
-            "last_pass": self.last_pass,
-            "fast_paths": fast_status() if fast_status is not None else {},
-            **self.ledger.to_json(),
-        }
+        fast = FastPaths.parse(fast_status(), "fast_paths") if fast_status else FastPaths()
+        steps = dict(self.ledger.steps)
+        node, conditions = judge_conditions(steps, time.time())
+        return Status(
+            pid=os.getpid(),
+            started=self.started_wall,
+            passes=self.passes,
+            bus_connected=self.systemd is not None,
+            dry_run=self.dry_run,
+            reload_signal=self._reload_signal(),
+            first_pass=self.first_pass,
+            last_pass=self.last_pass,
+            fast_paths=fast,
+            steps=steps,
+            recent_changes=self.ledger.recent_changes(),
+            node=node,
+            conditions=conditions,
+        )
+
+    def _write_status(self) -> None:
+        from gpuguard.actuate.statefile import write_state
+
+        status = self.status()
         path = self.root.path(STATUS_FILE)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_new(path, json.dumps(doc, indent=1).encode(), mode=0o644)
+            write_state(path, STATUS_SPEC, status)
         except OSError as e:
             self.log.debug(f"cannot write {path}: {e}")
         except GpuguardError as e:  # a state directory that is a link or not root's
             self.log.warning(f"status file not written: {e.message}")
-        if self.metrics is not None:
+        if self.metrics is not None and self.last_pass is not None:
             self.metrics.after_pass(
-                self.last_pass, doc, self.root, self.config.metrics.textfile_directory, self.log
+                self.last_pass, status, self.root, self.config.metrics.textfile_directory, self.log
             )

@@ -3,7 +3,6 @@ reads the same observations without acting."""
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
@@ -12,11 +11,13 @@ from gpuguard.config import Config
 from gpuguard.devices.nodes import nvidia_majors, read_proc_devices
 from gpuguard.engine.passes import STATUS_FILE, PassContext, Work
 from gpuguard.engine.snapshot import HostSnapshot
-from gpuguard.host import safeio
 from gpuguard.host.inventory import Inventory
 from gpuguard.host.paths import Root
+from gpuguard.host.statefile import load
 from gpuguard.journal.log import EventLog
 from gpuguard.model import Finding, Outcome
+from gpuguard.reporting.status import SPEC as STATUS_SPEC
+from gpuguard.reporting.status import Status
 from gpuguard.steps.registry import CHECK_ORDER, CHECKPOINT, CONTAINER_ACCESS, STEPS, build_steps
 
 if TYPE_CHECKING:
@@ -167,30 +168,7 @@ def _unreadable_row(c: ContainerCgroup, why: str) -> dict[str, Any]:
     }
 
 
-def daemon_status(root: Root) -> Optional[dict[str, Any]]:
-    """The daemon's status file; None when it is absent or not one the daemon wrote."""
-    try:
-        raw, _st = safeio.read_bytes(
-            root.path(STATUS_FILE), what="status file", max_bytes=safeio.STATUS_MAX
-        )
-        doc = json.loads(raw)
-    except (safeio.UnsafeFileError, ValueError, RecursionError):
-        return None
-    return doc if _status_shape_ok(doc) else None
-
-
-def _status_shape_ok(doc: Any) -> bool:
-    """The fields `gpuguard status` prints have the types the daemon writes."""
-    if not isinstance(doc, dict) or type(doc.get("pid")) is not int:
-        return False
-    if type(doc.get("passes")) is not int:
-        return False
-    last = doc.get("last_pass")
-    if last is None:
-        return True
-    return (
-        isinstance(last, dict)
-        and isinstance(last.get("reasons", []), list)
-        and all(isinstance(r, str) for r in last.get("reasons", []))
-        and isinstance(last.get("findings", []), list)
-    )
+def daemon_status(root: Root) -> Optional[Status]:
+    """The daemon's status file (reporting/status.py's loader, whether its daemon still
+    runs or not); None when it is absent or not one this gpuguard writes."""
+    return load(root.path(STATUS_FILE), STATUS_SPEC).value

@@ -192,6 +192,10 @@ class ContainerAccessStep:
             self.observer.observe, svc.root, inventory, snapshot, cfg.device_plugin.socket_dir
         )
         if view is None:
+            ctx.unknown.append(
+                "the NVIDIA driver has registered no device (no nvidia major in "
+                "/proc/devices): GPU containers' access could not be judged"
+            )
             return
         # A node the scope's DeviceAllow= grants may be caught mid-apply: judged again.
         view = await confirm(view, self.durable, svc.root, svc.systemd, svc.log, self.settle)
