@@ -77,10 +77,24 @@ def merge(
 def pod_device_ids(
     entries: Iterable[PodDevicesEntry], dropped: Iterable[DroppedEntry] = ()
 ) -> dict[str, frozenset[str]]:
-    """pod UID -> every device ID its checkpoint entries name, dropped ones included."""
-    out: dict[str, set[str]] = {}
+    """pod UID -> the device IDs the checkpoint gives it: its live entries; for a pod
+    the checkpoint no longer names at all, the entries gpuguard dropped from it (what
+    the checkpoint said before gpuguard touched it). Never their union: a record can
+    stand in for a dropped entry, never widen a live one (see recorded_device_ids)."""
+    live: dict[str, set[str]] = {}
     for e in entries:
-        out.setdefault(e.pod_uid, set()).update(e.all_device_ids())
+        live.setdefault(e.pod_uid, set()).update(e.all_device_ids())
+    out = {pod: frozenset(ids) for pod, ids in live.items()}
+    for pod, ids in recorded_device_ids(dropped).items():
+        if pod not in live:
+            out[pod] = ids
+    return out
+
+
+def recorded_device_ids(dropped: Iterable[DroppedEntry]) -> dict[str, frozenset[str]]:
+    """pod UID -> every device ID its dropped entries named: evidence that can keep a
+    running container's existing access from being judged a conflict, never a grant."""
+    out: dict[str, set[str]] = {}
     for r in dropped:
         out.setdefault(r.pod_uid, set()).update(r.device_ids)
     return {pod: frozenset(ids) for pod, ids in out.items()}

@@ -227,7 +227,7 @@ class SystemdSource:
                 self.mark(ALL, "systemd: startup finished", False)
             elif member == "JobRemoved" and not self._reloading:
                 _id, _job, unit, result = msg.body
-                if result == "done" and ANY_CONTAINER_SCOPE.match(str(unit)):
+                if result == "done" and ANY_CONTAINER_SCOPE.fullmatch(str(unit)):
                     if self.scope_started is not None:
                         self.scope_started(str(unit))
                     else:
