@@ -16,6 +16,7 @@ from gpuguard.cli.checkpoint import cmd_checkpoint_canonical, cmd_checkpoint_ins
 from gpuguard.cli.daemon import cmd_daemon
 from gpuguard.cli.status import cmd_status
 from gpuguard.errors import GpuguardError
+from gpuguard.host.echo import cut
 
 __all__ = ["COMMANDS", "_log", "build_parser", "main"]
 
@@ -298,6 +299,7 @@ COMMANDS = {
 # The .deb/.rpm ship nvidia-ml-py (and dbus-next where the distribution lacks it) here.
 # Appended, not inserted: a distribution package of the same module wins.
 VENDOR_DIR = "/usr/lib/gpuguard/vendor"
+ERROR_MAX = 500  # characters of the one error line
 
 
 def _debug_wanted(args: Optional[argparse.Namespace]) -> bool:
@@ -342,7 +344,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             name = f"checkpoint-{args.checkpoint_command}"
         return COMMANDS[name](args)
     except GpuguardError as e:
-        print(f"gpuguard: {e.message}", file=sys.stderr)
+        # one line of a few hundred bytes, whatever the error echoes (host/echo.py)
+        print(f"gpuguard: {cut(e.message, ERROR_MAX)}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         return 130

@@ -14,7 +14,7 @@ from __future__ import annotations
 import unicodedata
 
 MAX_ECHO = 80  # characters of a value echoed in a message
-_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\\": "\\\\"}
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 _UNSAFE = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp", "Co", "Cn"})
 
 
@@ -22,7 +22,7 @@ def _escape_char(c: str) -> str:
     named = _NAMED.get(c)
     if named is not None:
         return named
-    if c.isascii() and c.isprintable():
+    if c.isprintable():
         return c
     if unicodedata.category(c) not in _UNSAFE:
         return c
@@ -37,6 +37,8 @@ def escape(text: str) -> str:
 
 def cut(text: str, limit: int = MAX_ECHO) -> str:
     """`text` itself (no quotes), escaped and cut to `limit` characters with an ellipsis."""
+    if len(text) <= limit and text.isprintable():  # C speed: almost every message
+        return text
     head = escape(text[: limit + 1])
     if len(head) <= limit and len(text) <= limit:
         return head
