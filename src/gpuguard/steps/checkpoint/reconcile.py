@@ -17,6 +17,7 @@ from typing import Mapping, Optional, Sequence
 
 from gpuguard.checkpoint import Checkpoint, PodDevicesEntry, marshal
 from gpuguard.host.inventory import Inventory
+from gpuguard.host.echo import cut
 from gpuguard.model import Action, Finding
 from gpuguard.steps.checkpoint.deviceids import Matcher, classify
 from gpuguard.steps.registry import CHECKPOINT
@@ -69,8 +70,8 @@ def analyse(cp: Checkpoint, inventory: Inventory, resources: Sequence[str]) -> A
                     kind="checkpoint-unknown-id",
                     reconciler=NAME,
                     severity="info",
-                    summary=f"resource {resource} has IDs of an unknown form "
-                    f"({', '.join(unknown[:3])}); left untouched",
+                    summary=f"resource {cut(resource)} has IDs of an unknown form "
+                    f"({', '.join(cut(u) for u in unknown[:3])}); left untouched",
                     fields={"RESOURCE": resource, "DEVICE_ID": unknown[0]},
                 )
             )
@@ -89,7 +90,7 @@ def analyse(cp: Checkpoint, inventory: Inventory, resources: Sequence[str]) -> A
                     Finding(
                         kind="checkpoint-stale-registered",
                         reconciler=NAME,
-                        summary=f"registered device {i} ({resource}) is not on this host",
+                        summary=f"registered device {cut(i)} ({cut(resource)}) is not on this host",
                         fields={"RESOURCE": resource, "DEVICE_ID": i},
                     )
                 )
@@ -106,8 +107,10 @@ def analyse(cp: Checkpoint, inventory: Inventory, resources: Sequence[str]) -> A
                 Finding(
                     kind="checkpoint-stale-entry",
                     reconciler=NAME,
-                    summary=f"pod {e.pod_uid} container {e.container_name} holds "
-                    f"{e.resource_name} device(s) this host no longer has: {', '.join(gone)}",
+                    summary=f"pod {cut(e.pod_uid)} container {cut(e.container_name)} holds "
+                    f"{cut(e.resource_name)} device(s) this host no longer has: "
+                    f"{', '.join(cut(i) for i in gone[:8])}"
+                    f"{f' (+{len(gone) - 8} more)' if len(gone) > 8 else ''}",
                     fields={
                         "POD_UID": e.pod_uid,
                         "CONTAINER_NAME": e.container_name,
