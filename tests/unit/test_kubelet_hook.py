@@ -65,15 +65,18 @@ def test_judge(
 
 def test_request_and_result_round_trip(tmp_path: Path) -> None:
     root = Root(tmp_path)
-    assert kh.read_request_token(root) == "" and kh.read_result(root) is None
+    assert kh.read_request_token(root) == ("", "") and kh.read_result(root) is None
     token = kh.new_token()
     kh.write_request(root, token)
-    assert kh.read_request_token(root) == token
+    assert kh.read_request_token(root) == (token, "")
     assert (tmp_path / "run/gpuguard/kubelet-hook.request").stat().st_mode & 0o777 == 0o600
     kh.write_result(root, result(token))
     assert kh.read_result(root) == result(token)
     kh.clear_request(root)
-    assert kh.read_request_token(root) == ""
+    assert kh.read_request_token(root) == ("", "")
+    (tmp_path / "run/gpuguard/kubelet-hook.request").write_text('{"version": 1, "token": 7}')
+    token, why = kh.read_request_token(root)
+    assert token == "" and "token: not a string" in why and len(why) <= 400
     (tmp_path / "run/gpuguard/kubelet-hook.result").write_text("{")
     assert kh.read_result(root) is None  # a torn or foreign record is no result
 
@@ -148,3 +151,43 @@ def test_bad_config_records_failed_exit_2(root: Path, capsys: pytest.CaptureFixt
     assert code == exitcodes.USAGE
     rec = record(root)
     assert rec["outcome"] == "failed" and "gpuguard.conf:2" in rec["detail"]
+
+
+def test_an_unusable_request_or_memo_is_said_once_and_the_full_check_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log_to_stderr(monkeypatch)
+    root = tmp_path
+    (root / CHECKPOINT).parent.mkdir(parents=True)
+    (root / CHECKPOINT).write_bytes(FIXTURE.read_bytes())
+    inv = root / "inv.json"
+    inv.write_text(json.dumps(INVENTORY))
+    (root / "run/gpuguard").mkdir(parents=True)
+    (root / "run/gpuguard/kubelet-hook.request").write_text("[" * 50_000)
+    (root / "var/lib/gpuguard").mkdir(parents=True)
+    (root / "var/lib/gpuguard/kubelet-hook.memo.json").write_text('{"format": 1e400}')
+    argv = ["check", "--only", "checkpoint", "--kubelet-stopped", "--root", str(root)]
+    assert cli.main([*argv, "--inventory", str(inv)]) == 0
+    err = capsys.readouterr().err
+    ignored = [line for line in err.splitlines() if "ignoring" in line]
+    assert len(ignored) == 1 and "kubelet-hook.request" in ignored[0], err
+    assert "nested too deep" in ignored[0]
+    rec = kh.read_result(Root(root))
+    assert rec is not None and rec.outcome == kh.REPAIRED and rec.token == ""
+
+
+def test_an_unusable_memo_is_said_once_and_the_full_check_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log_to_stderr(monkeypatch)
+    (tmp_path / CHECKPOINT).parent.mkdir(parents=True)
+    (tmp_path / CHECKPOINT).write_bytes(FIXTURE.read_bytes())
+    inv = tmp_path / "inv.json"
+    inv.write_text(json.dumps(INVENTORY))
+    (tmp_path / "var/lib/gpuguard").mkdir(parents=True)
+    (tmp_path / "var/lib/gpuguard/kubelet-hook.memo.json").write_text('{"format": 1e400}')
+    argv = ["check", "--only", "checkpoint", "--kubelet-stopped", "--root", str(tmp_path)]
+    assert cli.main([*argv, "--inventory", str(inv)]) == 0
+    ignored = [line for line in capsys.readouterr().err.splitlines() if "ignoring" in line]
+    assert len(ignored) == 1 and "kubelet-hook.memo.json" in ignored[0]
+    assert "out of range" in ignored[0]

@@ -47,6 +47,7 @@ def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
     # kubelet's pre-start hook with a healthy, unchanged checkpoint says nothing to the
     # journal: the event log (and its imports) only when something may be said.
     fast = hook is not None and args.only == "checkpoint" and not cfg.warnings
+    fast = fast and not hook.unusable
     log = None if fast else _log(args, cfg, root)
     if hook is not None:
         hook.start(root.path(k.checkpoint_path))
@@ -64,11 +65,13 @@ def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
         read = memo.checkpoint_sha256(root.path(k.checkpoint_path))
         if read is not None:
             memo_key = memo.memo_key(k.checkpoint_path, read[1], inventory, k.resources)
-            if memo.unchanged(root, memo_key):
+            if memo.unchanged(root, memo_key, hook.unusable):
                 return _hook_unchanged(args, root, hook, inventory, k.checkpoint_path)
     from gpuguard.steps.checkpoint import CheckSettings, run_check
 
     log = log or _log(args, cfg, root)
+    for why in hook.unusable if hook is not None else ():
+        log.warning(f"kubelet pre-start: ignoring {why}")  # one line per unusable file
     settings = CheckSettings.from_config(
         k,
         dry_run=args.dry_run or cfg.daemon.dry_run,

@@ -152,11 +152,14 @@ def clear_request(root: Root) -> None:
     root.path(REQUEST).unlink(missing_ok=True)
 
 
-def read_request_token(root: Root) -> str:
+def read_request_token(root: Root) -> tuple[str, str]:
     """The token a caller left for this run; "" without one (a plain kubelet start) or
-    when the record is unusable (a FIFO, /dev/zero, garbage: never waited on)."""
-    got = load(root.path(REQUEST), REQUEST_SPEC).value
-    return got.token if got is not None else ""
+    when the record is unusable (a FIFO, /dev/zero, garbage: never waited on), with
+    why in the second place ("" when it was fine or absent)."""
+    got = load(root.path(REQUEST), REQUEST_SPEC)
+    if got.value is None:
+        return "", "" if got.absent else got.why
+    return got.value.token, ""
 
 
 def write_result(root: Root, result: HookResult) -> None:
@@ -269,7 +272,9 @@ class HookRun:
 
     def __init__(self, root: Root) -> None:
         self.root = root
-        self.token = read_request_token(root)
+        self.token, why = read_request_token(root)
+        # state files it could not use, each said once in the journal by the run
+        self.unusable: list[str] = [why] if why else []
         self.checkpoint: Optional[Path] = None
         self.before = ""
         self._lock = threading.Lock()

@@ -24,7 +24,7 @@ from gpuguard.errors import BadInputError
 from gpuguard.host import safeio
 from gpuguard.host.inventory import Inventory
 from gpuguard.host.paths import STATE_DIR, Root
-from gpuguard.host.statefile import Obj, SchemaError, StateFile, load
+from gpuguard.host.statefile import Loaded, Obj, SchemaError, StateFile, load
 
 MEMO = f"{STATE_DIR}/kubelet-hook.memo.json"
 MEMO_MAX = 64 * 1024
@@ -92,13 +92,17 @@ def memo_key(
     )
 
 
-def read_memo(root: Root) -> Optional[MemoKey]:
-    """The recorded key; None when missing, unsafe or malformed (then: the full check)."""
-    return load(root.path(MEMO), SPEC).value
+def read_memo(root: Root) -> Loaded[MemoKey]:
+    """The recorded key; none when missing, unsafe or malformed (then: the full check,
+    and `why` for the journal when it was there and unusable)."""
+    return load(root.path(MEMO), SPEC)
 
 
-def unchanged(root: Root, key: MemoKey) -> bool:
-    return read_memo(root) == key
+def unchanged(root: Root, key: MemoKey, unusable: Optional[list[str]] = None) -> bool:
+    got = read_memo(root)
+    if got.value is None and not got.absent and unusable is not None:
+        unusable.append(got.why)
+    return got.value == key
 
 
 def write_memo(root: Root, key: MemoKey) -> bool:
