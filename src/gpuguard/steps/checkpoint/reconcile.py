@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from gpuguard.checkpoint import Checkpoint, PodDevicesEntry, marshal
-from gpuguard.host.inventory import Inventory
 from gpuguard.host.echo import cut
+from gpuguard.host.inventory import Inventory
 from gpuguard.model import Action, Finding
 from gpuguard.steps.checkpoint.deviceids import Matcher, classify
 from gpuguard.steps.registry import CHECKPOINT
