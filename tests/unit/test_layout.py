@@ -255,3 +255,31 @@ def test_every_reader_exception_is_still_needed() -> None:
 )
 def test_the_reader_check_catches_each_kind_of_read(line: str) -> None:
     assert read_calls(line)
+
+
+# -- one writer of gpuguard's state files (actuate/statefile.py) -----------------------
+
+WRITE_HELPERS = frozenset({"write_new", "atomic_replace"})
+# module -> why it may call the atomic-write helpers itself
+WRITERS: dict[str, str] = {
+    "actuate/files.py": "the helpers themselves",
+    "actuate/statefile.py": "the one writer of gpuguard's state files",
+    "actuate/dropins.py": "systemd drop-ins, unit files systemd reads (not state files)",
+    "steps/checkpoint/actuate.py": "kubelet's checkpoint, kubelet's file, with its backup",
+    "reporting/metrics_output.py": "node_exporter's textfile, in node_exporter's directory",
+}
+
+
+def test_state_files_are_written_only_through_the_state_file_actuator() -> None:
+    bad = []
+    for p in sorted(SRC.rglob("*.py")):
+        rel = str(p.relative_to(SRC))
+        if rel in WRITERS:
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.id if isinstance(f, ast.Name) else getattr(f, "attr", "")
+                if name in WRITE_HELPERS:
+                    bad.append(f"{rel}:{node.lineno}: {name}")
+    assert not bad, f"write state files with actuate.statefile.write_state: {bad}"

@@ -21,8 +21,8 @@ from gpuguard.actuate.files import (
     backup,
     fsync_dir,
     remove_stale_temps,
-    write_new,
 )
+from gpuguard.actuate.statefile import write_state
 from gpuguard.checkpoint import dropped
 from gpuguard.checkpoint.reader import DEFAULT_MAX_BYTES as CHECKPOINT_MAX
 from gpuguard.errors import BadInputError
@@ -100,7 +100,7 @@ class CheckpointActuator:
         when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         old = dropped.read(self.dropped_file)
         records = dropped.merge(old, dropped.dropped_from(action.dropped, when))
-        write_new(self.dropped_file, dropped.render(records), mode=0o600)
+        write_state(self.dropped_file, dropped.SPEC, records)
         return str(self.dropped_file)
 
     def _failed(self, action: Action, why: str) -> Outcome:
