@@ -30,7 +30,7 @@ from gpuguard.model import Finding, Outcome
 
 LEVELS = {"debug": 7, "info": 6, "notice": 5, "warning": 4, "error": 3}
 MESSAGE_MAX = 2000  # characters of one journal message: a few findings' worth
-FIELD_MAX = 4000  # of one structured field's value
+FIELD_MAX = 1000  # of one structured field's value
 
 Sender = Callable[..., None]
 

@@ -22,6 +22,8 @@ from gpuguard.model import Action, Finding
 from gpuguard.steps.checkpoint.deviceids import Matcher, classify
 from gpuguard.steps.registry import CHECKPOINT
 
+ID_MAX = 256  # characters of a device ID or resource echoed in a field
+
 NAME = CHECKPOINT
 DEFAULT_RESOURCES = ("nvidia.com/gpu", "nvidia.com/gpu.shared", "nvidia.com/mig-*")
 
@@ -72,7 +74,10 @@ def analyse(cp: Checkpoint, inventory: Inventory, resources: Sequence[str]) -> A
                     severity="info",
                     summary=f"resource {cut(resource)} has IDs of an unknown form "
                     f"({', '.join(cut(u) for u in unknown[:3])}); left untouched",
-                    fields={"RESOURCE": resource, "DEVICE_ID": unknown[0]},
+                    fields={
+                        "RESOURCE": cut(resource, ID_MAX),
+                        "DEVICE_ID": cut(unknown[0], ID_MAX),
+                    },
                 )
             )
 
@@ -91,7 +96,7 @@ def analyse(cp: Checkpoint, inventory: Inventory, resources: Sequence[str]) -> A
                         kind="checkpoint-stale-registered",
                         reconciler=NAME,
                         summary=f"registered device {cut(i)} ({cut(resource)}) is not on this host",
-                        fields={"RESOURCE": resource, "DEVICE_ID": i},
+                        fields={"RESOURCE": cut(resource, ID_MAX), "DEVICE_ID": cut(i, ID_MAX)},
                     )
                 )
         new_registered.append((resource, keep))
@@ -115,7 +120,7 @@ def analyse(cp: Checkpoint, inventory: Inventory, resources: Sequence[str]) -> A
                         "POD_UID": e.pod_uid,
                         "CONTAINER_NAME": e.container_name,
                         "RESOURCE": e.resource_name,
-                        "DEVICE_ID": gone[0],
+                        "DEVICE_ID": cut(gone[0], ID_MAX),
                     },
                 )
             )
