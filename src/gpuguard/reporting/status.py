@@ -57,10 +57,6 @@ def _str(v: Any, where: str) -> str:
     return string(v, where, 64 * 1024)
 
 
-def finding_json(f: Finding) -> dict[str, Any]:
-    return f.to_json()
-
-
 @dataclass(frozen=True)
 class OutcomeRecord:
     """An outcome as written: the action's kind, step, target, reason and fields,
@@ -156,6 +152,13 @@ class PassRecord:
         return sum(o.status == "done" for o in self.outcomes)
 
 
+def _gauge(v: Any, where: str) -> float:
+    """A step's figure: a count stays the integer it was written as."""
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) <= COUNT_MAX:
+        return v
+    return number(v, where)
+
+
 @dataclass(frozen=True)
 class StepResult:
     """A step's latest result (ledger.py): a pass runs only the steps its events marked."""
@@ -177,7 +180,7 @@ class StepResult:
             error=o.opt_text("error", max_len=4096),
             findings=o.items("findings", _finding, max_items=MAX_FINDINGS),
             outcomes=o.items("outcomes", OutcomeRecord.parse, max_items=MAX_FINDINGS),
-            gauges=o.mapping("gauges", lambda x, w: number(x, w), max_items=256, default={}),
+            gauges=o.mapping("gauges", _gauge, max_items=256, default={}),
             unknown=o.texts("unknown", max_items=64, max_len=4096, default=[]),
         )
 
@@ -255,14 +258,17 @@ class ReloadSignal:
         }
 
 
-Figure = Union[float, tuple[float, ...]]
+Figure = Union[int, float, tuple[float, ...]]
 
 
 def _figure(v: Any, where: str) -> Figure:
+    """A count (kept an integer, as written), a figure, or a few (p50, p99)."""
     if isinstance(v, list):
         if len(v) > 8:
             raise SchemaError(f"{where}: more than 8 numbers")
         return tuple(number(x, f"{where}[{i}]") for i, x in enumerate(v))
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) <= COUNT_MAX:
+        return v
     return number(v, where)
 
 
