@@ -13,7 +13,6 @@ which says in which of these cgroups a process is.
 from __future__ import annotations
 
 import re
-import unicodedata
 from typing import Optional
 
 KUBEPODS_SLICE = "kubepods.slice"  # systemd driver
@@ -45,6 +44,8 @@ def has_control(name: str) -> bool:
     that is not UTF-8 is only skipped: no pattern matches it.)"""
     if name.isprintable():  # C speed: every name a runtime makes
         return False
+    import unicodedata  # rare: kept off every command's start-up
+
     return any(unicodedata.category(c) in _CONTROL for c in name)
 
 

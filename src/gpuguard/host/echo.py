@@ -11,8 +11,6 @@ echoing a megabyte costs what echoing 80 characters does.
 
 from __future__ import annotations
 
-import unicodedata
-
 MAX_ECHO = 80  # characters of a value echoed in a message
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 _UNSAFE = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp", "Co", "Cn"})
@@ -24,6 +22,8 @@ def _escape_char(c: str) -> str:
         return named
     if c.isprintable():
         return c
+    import unicodedata  # only for what is not printable: rare, kept off the start-up
+
     if unicodedata.category(c) not in _UNSAFE:
         return c
     n = ord(c)
