@@ -165,7 +165,8 @@ def _apply(assignments: Sequence[_Assignment]) -> Config:
             why = (
                 f"is {len(a.value)} characters long (at most {VALUE_MAX})"
                 if len(a.value) > VALUE_MAX
-                else "has a control character"
+                else "has a character that is not printable (a control character, a "
+                "no-break or zero-width space)"
             )
             raise ConfigError(
                 f"{a.where}: the value {clip(a.value)} of {a.key} in [{a.section}] {why}; "

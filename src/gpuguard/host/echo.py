@@ -5,7 +5,8 @@ errors, findings, the journal and reports. Whatever they hold, the message stays
 readable line of bounded length: control characters (newlines, ESC, NUL, C1), line and
 paragraph separators, format characters (a right-to-left override) and lone
 surrogates are written as escapes (``\\n``, ``\\x1b``, ``\\u202e``), and the text is cut
-at `limit` characters with an ellipsis. Only the head of a long value is looked at, so
+at `limit` characters with an ellipsis (every character str.isprintable() refuses is
+escaped, a no-break space too). Only the head of a long value is looked at, so
 echoing a megabyte costs what echoing 80 characters does.
 """
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 MAX_ECHO = 80  # characters of a value echoed in a message
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
-_UNSAFE = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp", "Co", "Cn"})
 
 
 def _escape_char(c: str) -> str:
@@ -21,10 +21,6 @@ def _escape_char(c: str) -> str:
     if named is not None:
         return named
     if c.isprintable():
-        return c
-    import unicodedata  # only for what is not printable: rare, kept off the start-up
-
-    if unicodedata.category(c) not in _UNSAFE:
         return c
     n = ord(c)
     return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
