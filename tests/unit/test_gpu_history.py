@@ -93,18 +93,18 @@ def _write(path: Path, data: Any) -> None:
 
 
 BAD: list[tuple[str, Any, str]] = [
-    ("not json", b"{", "unusable"),
-    ("not utf-8", b"\xff\xfe", "unusable"),
+    ("not json", b"{", "not JSON"),
+    ("not utf-8", b"\xff\xfe", "not UTF-8"),
     ("a list", [], "not an object"),
     ("other version", doc(version=2), "version"),
     ("version true", doc(version=True), "version"),
-    ("no generations", {"version": 1}, "lacks 'generations'"),
-    ("too many generations", doc(generations=[doc()["generations"][0]] * 5), "more than 4"),
+    ("no generations", {"version": 1}, "generations: missing"),
+    ("too many generations", doc(generations=[doc()["generations"][0]] * 5), "(at most 4)"),
     ("gpus not a list", doc(generations=[{**doc()["generations"][0], "gpus": {}}]), "not a list"),
-    ("no gpu", doc(generations=[{**doc()["generations"][0], "gpus": []}]), "has no GPU"),
-    ("NaN time", b'{"version":1,"generations":[{"recorded_at":NaN}]}', "unusable"),
+    ("no gpu", doc(generations=[{**doc()["generations"][0], "gpus": []}]), ": no GPU"),
+    ("NaN time", b'{"version":1,"generations":[{"recorded_at":NaN}]}', "NaN"),
     ("huge number", b'{"version":1,"generations":[{"recorded_at":' + b"9" * 5000 + b"}]}",
-     "out of range"),
+     "5000-digit number"),
 ]  # fmt: skip
 
 
@@ -129,7 +129,7 @@ BAD += [
     ("mig dup", _gpu_doc(mig=[{"uuid": "M-1", "gi": 1, "ci": 0},
                               {"uuid": "M-2", "gi": 1, "ci": 0}]), "listed twice"),
     ("numa string", _gpu_doc(numa_node="0"), "numa_node"),
-    ("missing key", {"version": 1, "generations": [{"gpus": []}]}, "lacks"),
+    ("missing key", {"version": 1, "generations": [{"gpus": []}]}, "recorded_at: missing"),
 ]  # fmt: skip
 
 

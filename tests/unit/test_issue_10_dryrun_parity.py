@@ -196,7 +196,10 @@ def test_issue_10_dry_run_parity_a_daemon_pass_after_the_repair_grants_nothing_d
     now = time.monotonic()
     asyncio.run(daemon._run_pass(Work(frozenset(STEP_ORDER), ("start-up",), now, now)))
     last = daemon.last_pass
-    findings, actions = _access(last["findings"], last["outcomes"])
+    assert last is not None
+    findings, actions = _access(
+        [f.to_json() for f in last.findings], [o.to_json() for o in last.outcomes]
+    )
     assert (findings, actions) == (dry_findings, dry_actions)
     assert GPU_B_RULE not in _granted(root)
 

@@ -278,3 +278,128 @@ def test_the_any_check_finds_any() -> None:
     assert any_annotations("def f(x: Any) -> int: ...") == ["f"]
     assert any_annotations("def f(x: int) -> Optional[Any]: ...") == ["f"]
     assert any_annotations("def f(x: int) -> int: ...") == []
+
+
+# -- one way to read what gpuguard does not own (host/safeio.py) -----------------------
+
+# Calls that open, read or parse a file. Anywhere but the modules below, a host path is
+# read through safeio (non-blocking, regular files only, no links unless asked, bounded
+# by the bytes read) and a state file through host/statefile.py's loader.
+READ_CALLS = frozenset(
+    {"open", "os.open", "os.read", "os.fdopen", "io.open", "json.load", "json.loads"}
+)
+READ_METHODS = frozenset({"read_text", "read_bytes"})  # pathlib: unbounded, follows links
+# module under src/gpuguard -> (the calls it may make, why)
+READERS: dict[str, tuple[frozenset[str], str]] = {
+    "host/safeio.py": (frozenset({"os.open", "os.read"}), "the bounded reader itself"),
+    "host/statefile.py": (frozenset({"json.loads"}), "the state files' loader"),
+    "checkpoint/codec.py": (frozenset({"json.loads"}), "kubelet's format, from safeio bytes"),
+    "host/inventory.py": (frozenset({"json.loads"}), "the inventory file, from safeio bytes"),
+    "actuate/files.py": (frozenset({"os.open"}), "atomic writes: directories, temp files"),
+    "actuate/safewrite.py": (frozenset({"os.open"}), "control files, device nodes' handles"),
+    "actuate/bpf.py": (
+        frozenset({"os.open", "os.read"}),
+        "a cgroup's cgroup.events relative to its open directory: one read of a page, "
+        "regular file checked (the reload sweep's path)",
+    ),
+    "devices/probe.py": (frozenset({"os.open"}), "opening the device node is the probe"),
+    "devices/cgroupchild.py": (
+        frozenset({"os.open", "os.read"}),
+        "the forked child joins cgroups (no link, non-blocking); the parent reads its pipe",
+    ),
+    "steps/device_plugin/nvml_probe.py": (
+        frozenset({"os.open", "json.loads"}),
+        "the plugin's mount namespace for setns; the child's bounded report on a pipe",
+    ),
+    "sources/transient.py": (frozenset({"os.read"}), "its inotify descriptor"),
+    "host/threadclock.py": (
+        frozenset({"open"}),
+        "the calling thread's own schedstat, on the reload fast path (a kernel file of "
+        "this process, never a fake root's)",
+    ),
+}
+
+
+def read_calls(source: str) -> list[tuple[int, str]]:
+    """(line, call) for every call in `source` that opens, reads or parses a file."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Name) and f.id == "open":
+            out.append((node.lineno, "open"))
+        elif isinstance(f, ast.Attribute):
+            base = f.value.id if isinstance(f.value, ast.Name) else ""
+            name = f"{base}.{f.attr}"
+            if base == "safeio":  # the bounded reader's own read_bytes/read_text
+                continue
+            if name in READ_CALLS or f.attr in READ_METHODS:
+                out.append((node.lineno, name if name in READ_CALLS else f".{f.attr}"))
+    return out
+
+
+def test_host_files_are_read_only_through_the_bounded_reader() -> None:
+    bad = []
+    for p in sorted(SRC.rglob("*.py")):
+        rel = str(p.relative_to(SRC))
+        allowed = READERS.get(rel, (frozenset(), ""))[0]
+        bad += [
+            f"{rel}:{line}: {call}"
+            for line, call in read_calls(p.read_text())
+            if call not in allowed
+        ]
+    assert not bad, (
+        "read host files through gpuguard.host.safeio (state files through "
+        f"host/statefile.py's loader), or add the module to READERS with why: {bad}"
+    )
+
+
+def test_every_reader_exception_is_still_needed() -> None:
+    for rel, (calls, _why) in READERS.items():
+        found = {c for _line, c in read_calls((SRC / rel).read_text())}
+        assert calls <= found, f"{rel} no longer makes {sorted(calls - found)}: drop them"
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "open('/etc/x').read()",
+        "import os\nos.open('/x', os.O_RDONLY)",
+        "from pathlib import Path\nPath('/x').read_text()",
+        "p.read_bytes()",
+        "import json\njson.load(f)",
+        "import json\njson.loads(data)",
+        "def f():\n    with open(p, 'rb') as fh:\n        return fh",
+    ],
+)
+def test_the_reader_check_catches_each_kind_of_read(line: str) -> None:
+    assert read_calls(line)
+
+
+# -- one writer of gpuguard's state files (actuate/statefile.py) -----------------------
+
+WRITE_HELPERS = frozenset({"write_new", "atomic_replace"})
+# module -> why it may call the atomic-write helpers itself
+WRITERS: dict[str, str] = {
+    "actuate/files.py": "the helpers themselves",
+    "actuate/statefile.py": "the one writer of gpuguard's state files",
+    "actuate/dropins.py": "systemd drop-ins, unit files systemd reads (not state files)",
+    "steps/checkpoint/actuate.py": "kubelet's checkpoint, kubelet's file, with its backup",
+    "reporting/metrics_output.py": "node_exporter's textfile, in node_exporter's directory",
+}
+
+
+def test_state_files_are_written_only_through_the_state_file_actuator() -> None:
+    bad = []
+    for p in sorted(SRC.rglob("*.py")):
+        rel = str(p.relative_to(SRC))
+        if rel in WRITERS:
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.id if isinstance(f, ast.Name) else getattr(f, "attr", "")
+                if name in WRITE_HELPERS:
+                    bad.append(f"{rel}:{node.lineno}: {name}")
+    assert not bad, f"write state files with actuate.statefile.write_state: {bad}"

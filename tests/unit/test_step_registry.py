@@ -79,7 +79,7 @@ def test_a_new_step_is_one_line_and_runs_in_its_place(tmp_path: Path) -> None:
     run_pass(d, frozenset(s.name for s in WITH_DUMMY))
     assert RAN == ["container_access", "device_nodes", "checkpoint", "dummy",
                    "device_plugin", "gpu_count"]  # fmt: skip
-    assert d.ledger.to_json()["steps"].keys() >= {"dummy"}
+    assert d.ledger.steps.keys() >= {"dummy"}
     RAN.clear()
     run_pass(d, frozenset({"gpu_count", "dummy"}))  # only the marked ones, still in order
     assert RAN == ["dummy", "gpu_count"]
@@ -194,7 +194,7 @@ class FastStep(Recorder):
         return signal + 0.5
 
     def fast_status(self) -> dict[str, object]:
-        return {"calls": len(self.calls)}
+        return {"new_scopes": {"calls": len(self.calls)}}
 
     def on_new_scope(
         self, svc: Services, unit: str, gpus: Sequence[GpuLike], again: Callable[[str], None]
@@ -220,7 +220,7 @@ def test_the_daemon_runs_the_fast_paths_its_steps_declare_then_marks(tmp_path: P
     assert marks == [(frozenset({"container_access"}), False)]
     d._write_status()  # the fast paths' figures go to the status file
     doc = json.loads(d.root.path("/run/gpuguard/status.json").read_text())
-    assert doc["fast_paths"] == {"calls": 2}
+    assert doc["fast_paths"] == {"new_scopes": {"calls": 2}}
 
 
 def test_the_container_access_step_declares_both_fast_paths_by_their_protocols() -> None:

@@ -19,16 +19,15 @@ duplicates) is refused as a whole with one line saying what is wrong.
 
 from __future__ import annotations
 
-import errno
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from gpuguard.errors import BadInputError
-from gpuguard.host import safeio
-from gpuguard.host.numparse import clip, cut, parse_decimal
+from gpuguard.host.numparse import cut
+from gpuguard.host.paths import GPU_HISTORY_FILE
+from gpuguard.host.statefile import Obj, SchemaError, StateFile, load
 
 VERSION = 1
 MAX_BYTES = 1024 * 1024
@@ -125,9 +124,8 @@ def advance(history: Optional[History], gen: Generation) -> Optional[History]:
     return History(tuple([*kept, gen][-MAX_GENERATIONS:]))
 
 
-def render(history: History) -> bytes:
-    doc = {
-        "version": VERSION,
+def _render(history: History) -> dict[str, Any]:
+    return {
         "generations": [
             {
                 "recorded_at": round(g.recorded_at, 3),
@@ -148,130 +146,85 @@ def render(history: History) -> bytes:
             for g in history.generations
         ],
     }
-    return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
 
 
-# -- the typed loader -------------------------------------------------------------------
-
-
-def _int(text: str) -> int:
-    value = parse_decimal(text, lo=-(2**63), hi=2**63 - 1, signed=True)
-    if value is None:
-        raise ValueError(f"number {clip(text)} is out of range")
-    return value
-
-
-def _obj(v: Any, where: str, keys: Sequence[str]) -> dict[str, Any]:
-    if not isinstance(v, dict):
-        raise ValueError(f"{where} is not an object")
-    missing = [k for k in keys if k not in v]
-    if missing:
-        raise ValueError(f"{where} lacks {missing[0]!r}")
-    return v
-
-
-def _text(d: Mapping[str, Any], key: str, where: str, *, empty: bool = False) -> str:
-    v = d[key]
-    if not isinstance(v, str) or len(v) > MAX_TEXT or (not v and not empty):
-        raise ValueError(f"{where}.{key} is not a string of 1 to {MAX_TEXT} characters")
-    return v
-
-
-def _num(d: Mapping[str, Any], key: str, where: str, lo: int, hi: int) -> int:
-    v = d[key]
-    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-        raise ValueError(f"{where}.{key} is not a whole number {lo}..{hi}")
-    return v
-
-
-def _list(v: Any, where: str, most: int) -> list[Any]:
-    if not isinstance(v, list):
-        raise ValueError(f"{where} is not a list")
-    if len(v) > most:
-        raise ValueError(f"{where} has {len(v)} items, more than {most}")
-    return v
+# -- the typed loader (host/statefile.py) ---------------------------------------------
 
 
 def _unique(values: Sequence[Any], what: str, where: str) -> None:
     if len(set(values)) != len(values):
-        raise ValueError(f"{where}: a {what} is listed twice")
+        raise SchemaError(f"{where}: the same {what} is listed twice")
+
+
+def _text(o: Obj, key: str, *, empty: bool = False) -> str:
+    v = o.text(key, max_len=MAX_TEXT)
+    if not v and not empty:
+        raise SchemaError(f"{o.where}.{key}: empty")
+    return v
+
+
+def _mig(v: Any, where: str) -> MigIdentity:
+    o = Obj(v, where)
+    return MigIdentity(
+        _text(o, "uuid"), o.integer("gi", hi=MAX_INDEX), o.integer("ci", hi=MAX_INDEX)
+    )
 
 
 def _gpu(v: Any, where: str) -> GpuIdentity:
-    d = _obj(v, where, ("uuid", "pci_bus_id", "index", "minor", "numa_node", "mig"))
-    migs = []
-    for j, m in enumerate(_list(d["mig"], f"{where}.mig", MAX_MIG)):
-        mw = f"{where}.mig[{j}]"
-        md = _obj(m, mw, ("uuid", "gi", "ci"))
-        migs.append(
-            MigIdentity(_text(md, "uuid", mw), _num(md, "gi", mw, 0, MAX_INDEX),
-                        _num(md, "ci", mw, 0, MAX_INDEX))
-        )  # fmt: skip
+    o = Obj(v, where)
+    migs = o.items("mig", _mig, max_items=MAX_MIG)
     _unique([m.uuid for m in migs], "MIG uuid", where)
     _unique([(m.gi, m.ci) for m in migs], "MIG (gi, ci)", where)
     return GpuIdentity(
-        _text(d, "uuid", where),
-        normal_bus_id(_text(d, "pci_bus_id", where)),
-        _num(d, "index", where, 0, MAX_INDEX),
-        _num(d, "minor", where, 0, MAX_MINOR),
-        _num(d, "numa_node", where, -1, 4095),
-        tuple(migs),
+        _text(o, "uuid"),
+        normal_bus_id(_text(o, "pci_bus_id")),
+        o.integer("index", hi=MAX_INDEX),
+        o.integer("minor", hi=MAX_MINOR),
+        o.integer("numa_node", lo=-1, hi=4095),
+        migs,
     )
 
 
 def _generation(v: Any, where: str) -> Generation:
-    d = _obj(v, where, ("recorded_at", "boot_id", "source", "gpus"))
-    when = d["recorded_at"]
-    if isinstance(when, bool) or not isinstance(when, (int, float)) or not 0 <= when < 2**40:
-        raise ValueError(f"{where}.recorded_at is not a time")
-    gpus = tuple(
-        _gpu(g, f"{where}.gpus[{i}]")
-        for i, g in enumerate(_list(d["gpus"], f"{where}.gpus", MAX_GPUS))
-    )
+    o = Obj(v, where)
+    when = o.real("recorded_at")
+    boot, source = _text(o, "boot_id", empty=True), _text(o, "source", empty=True)
+    gpus = o.items("gpus", _gpu, max_items=MAX_GPUS)
     if not gpus:
-        raise ValueError(f"{where} has no GPU")
+        raise SchemaError(f"{where}: no GPU")
     for what, key in (("UUID", "uuid"), ("bus id", "pci_bus_id"), ("index", "index"),
                       ("minor", "minor")):  # fmt: skip
         _unique([getattr(g, key) for g in gpus], what, where)
     _unique([m.uuid for g in gpus for m in g.mig] + [g.uuid for g in gpus], "UUID", where)
-    return Generation(
-        gpus, float(when), _text(d, "boot_id", where, empty=True),
-        _text(d, "source", where, empty=True),
-    )  # fmt: skip
+    return Generation(gpus, when, boot, source)
+
+
+SPEC: StateFile[History] = StateFile(
+    path=GPU_HISTORY_FILE,
+    what="GPU identity history",
+    version=VERSION,
+    parse=lambda o: History(o.items("generations", _generation, max_items=MAX_GENERATIONS)),
+    render=_render,
+    max_bytes=MAX_BYTES,
+    mode=0o600,
+    next_step=NEXT_STEP,
+)
+
+
+def render(history: History) -> bytes:
+    return SPEC.encode(history)
 
 
 def parse(raw: bytes, source: str) -> History:
     """The history in `raw`; HistoryError (one line naming `source`) for anything else."""
     try:
-        doc = json.loads(raw.decode("utf-8"), parse_int=_int, parse_constant=_reject)
-        top = _obj(doc, "the file", ("version", "generations"))
-        if top["version"] != VERSION or isinstance(top["version"], bool):
-            raise ValueError(f"version is {clip(top['version'])}, not {VERSION}")
-        gens = _list(top["generations"], "generations", MAX_GENERATIONS)
-        out = tuple(_generation(g, f"generations[{i}]") for i, g in enumerate(gens))
-    except RecursionError:
-        raise HistoryError(f"{source}: nested too deeply; {NEXT_STEP}") from None
-    except (ValueError, TypeError) as e:  # JSONDecodeError and UnicodeError are ValueErrors
+        return SPEC.decode(raw)
+    except SchemaError as e:
         raise HistoryError(f"{source}: unusable ({cut(str(e), 200)}); {NEXT_STEP}") from None
-    return History(out)
-
-
-def _reject(name: str) -> Any:
-    raise ValueError(f"{name} is not a number here")
 
 
 def read(path: Path) -> tuple[Optional[History], str]:
     """(history, "") when usable; (None, "") when there is none; (None, why) when the
     file is unusable (a link, a FIFO, too big, malformed): then there is no history."""
-    try:
-        raw, _st = safeio.read_bytes(
-            path, what="GPU identity history", max_bytes=MAX_BYTES, next_step=NEXT_STEP
-        )
-    except safeio.UnsafeFileError as e:
-        if e.errno == errno.ENOENT:
-            return None, ""
-        return None, e.message
-    try:
-        return parse(raw, str(path)), ""
-    except HistoryError as e:
-        return None, e.message
+    got = load(path, SPEC)
+    return got.value, "" if got.absent else got.why

@@ -17,21 +17,26 @@ if TYPE_CHECKING:  # loaded where used: a healthy kubelet hook stays fast
     from gpuguard.host.paths import Root
     from gpuguard.journal.log import EventLog
     from gpuguard.steps.checkpoint.kubelet_hook import HookRun
+    from gpuguard.steps.checkpoint.memo import MemoKey
     from gpuguard.steps.checkpoint.report import CheckReport
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     if not args.kubelet_stopped:
         return _check(args, _root(args), None)
-    from gpuguard.steps.checkpoint.kubelet_hook import FAILED, HookRun
+    from gpuguard.steps.checkpoint.kubelet_hook import DEADLINE, FAILED, HookRun
 
     root = _root(args)
     hook = HookRun(root)
+    # kubelet waits for this hook: whatever is on disk, it ends within the deadline
+    hook.arm(args.deadline or DEADLINE, getattr(args, "on_deadline", None))
     try:
         return _check(args, root, hook)
     except GpuguardError as e:
         hook.finish(FAILED, e.message, e.exit_code)
         raise
+    finally:
+        hook.disarm()
 
 
 def _simulation(args: argparse.Namespace) -> str:
@@ -52,6 +57,7 @@ def _check(args: argparse.Namespace, root: Root, hook: Optional[HookRun]) -> int
     # kubelet's pre-start hook with a healthy, unchanged checkpoint says nothing to the
     # journal: the event log (and its imports) only when something may be said.
     fast = hook is not None and args.only == "checkpoint" and not cfg.warnings
+    fast = fast and hook is not None and not hook.unusable
     log = None if fast else _log(args, cfg, root)
     if hook is not None:
         hook.start(root.path(k.checkpoint_path))
@@ -69,11 +75,13 @@ def _check(args: argparse.Namespace, root: Root, hook: Optional[HookRun]) -> int
         read = memo.checkpoint_sha256(root.path(k.checkpoint_path))
         if read is not None:
             memo_key = memo.memo_key(k.checkpoint_path, read[1], inventory, k.resources)
-            if memo.unchanged(root, memo_key):
+            if memo.unchanged(root, memo_key, hook.unusable):
                 return _hook_unchanged(args, root, hook, inventory, k.checkpoint_path)
     from gpuguard.steps.checkpoint import CheckpointStep, CheckSettings
 
     log = log or _log(args, cfg, root)
+    for why in hook.unusable if hook is not None else ():
+        log.warning(f"kubelet pre-start: ignoring {why}")  # one line per unusable file
     settings = CheckSettings.from_config(
         k,
         dry_run=args.dry_run or cfg.daemon.dry_run,
@@ -176,7 +184,7 @@ def _hook_unchanged(
 
 
 def _remember_healthy(
-    root: Root, report: CheckReport, snapshot: HostSnapshot, key: Optional[dict[str, object]]
+    root: Root, report: CheckReport, snapshot: HostSnapshot, key: Optional[MemoKey]
 ) -> None:
     """After a full check that found the file healthy (no finding, no action), remember
     its digest and the inventory for the next kubelet start."""
@@ -187,7 +195,7 @@ def _remember_healthy(
     loaded = snapshot.checkpoint()
     # Only the bytes the analysis read: a file changed between the two reads is not
     # remembered (the next start verifies it fully).
-    if loaded is not None and memo.digest(loaded.raw) == key["checkpoint_sha256"]:
+    if loaded is not None and memo.digest(loaded.raw) == key.checkpoint_sha256:
         memo.write_memo(root, key)
 
 

@@ -27,23 +27,27 @@ def cmd_status(args: argparse.Namespace) -> int:
         inventory = load_inventory(_inventory_path(args, cfg))
     except NoDriverError:
         inventory = None
+    from gpuguard.host.echo import cut
+    from gpuguard.reporting.status import status_json
     from gpuguard.reporting.summary import node_summary, render
 
     rows = container_status(root, cfg, inventory)
     daemon = daemon_status(root)
     summary = node_summary(root, rows)
     if args.json:
-        print(json.dumps({"summary": summary, "daemon": daemon, "containers": rows}, indent=2))
+        doc = status_json(daemon) if daemon is not None else None
+        print(json.dumps({"summary": summary, "daemon": doc, "containers": rows}, indent=2))
     else:
         print("\n".join(render(summary)))
         if daemon is None:
-            print("daemon:     not running (no status file)")
+            print("daemon:     not running (no usable status file)")
         else:
-            last = daemon.get("last_pass") or {}
+            last = daemon.last_pass
+            reasons = ", ".join(cut(r, 120) for r in last.reasons[:2]) if last else "none"
+            found = len(last.findings) if last else 0
             print(
-                f"daemon:     pid {daemon['pid']}, {daemon['passes']} pass(es); last: "
-                f"{', '.join(last.get('reasons', [])[:2])} with "
-                f"{len(last.get('findings', []))} finding(s)"
+                f"daemon:     pid {daemon.pid}, {daemon.passes} pass(es); last: "
+                f"{reasons} with {found} finding(s)"
             )
         print(f"containers: {len(rows)} with GPUs")
         for r in rows:
@@ -54,6 +58,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 f" ({r['layout']}, {how})"
             )
             for p in r["problems"]:
-                print(f"    {p}")
-    bad = any(r["access"] != "ok" or r["missing"] for r in rows)
+                print(f"    {cut(p, 300)}")
+    # 1: a problem now (the daemon's latest results or a container read now); an
+    # unknown verdict is printed as UNKNOWN, never as OK, and is not a finding
+    bad = summary["verdict"] == "problem" or any(r["access"] != "ok" or r["missing"] for r in rows)
     return exitcodes.FINDINGS if bad else exitcodes.OK

@@ -13,7 +13,6 @@ once the node has been repaired).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
@@ -21,13 +20,14 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from gpuguard.config import Config, load_config
+from gpuguard.engine import report
 from gpuguard.engine.coalescer import Coalescer
 from gpuguard.engine.gcpause import collector_paused, freeze_long_lived, thaw
 from gpuguard.engine.inventory_reader import InventoryReader
-from gpuguard.engine.passes import STATUS_FILE, PassContext, Work
+from gpuguard.engine.passes import PassContext, Work
 from gpuguard.engine.runner import Due, PassRunner
 from gpuguard.engine.snapshot import HostSnapshot, Planned
-from gpuguard.errors import ConfigError, GpuguardError
+from gpuguard.errors import ConfigError
 from gpuguard.host import aio
 from gpuguard.host.inventory import Inventory
 from gpuguard.host.notify import Notifier, watchdog_interval
@@ -37,6 +37,7 @@ from gpuguard.journal.log import EventLog
 from gpuguard.reporting.ledger import Ledger
 from gpuguard.reporting.metrics_output import MetricsOutput
 from gpuguard.reporting.metrics_state import REPAIR_HISTOGRAM
+from gpuguard.reporting.status import OutcomeRecord, PassRecord, Status
 from gpuguard.sources import Sources
 from gpuguard.steps.events import Event, EventKind
 from gpuguard.steps.registry import (
@@ -88,8 +89,8 @@ class Daemon:
         self.wakes = wakes
         self.passes = 0
         self.started_wall = time.time()
-        self.last_pass: dict[str, Any] = {}
-        self.first_pass: dict[str, Any] = {}
+        self.last_pass: Optional[PassRecord] = None
+        self.first_pass: Optional[PassRecord] = None
         self.ledger = Ledger()  # each step's latest result and the last hour's changes
         self.metrics = metrics
         self.inventory: Optional[Inventory] = None
@@ -295,7 +296,13 @@ class Daemon:
         results = await self.runner.run(self, ctx, work.reconcilers)
         for r in results:
             self.ledger.record(
-                r.name, self.passes, list(r.findings), list(r.outcomes), r.error, gauges=r.gauges
+                r.name,
+                self.passes,
+                list(r.findings),
+                list(r.outcomes),
+                r.error,
+                gauges=r.gauges,
+                unknown=list(r.unknown),
             )
         steps_ms = {r.name: r.ms for r in results}
         duration = time.monotonic() - t0
@@ -304,20 +311,20 @@ class Daemon:
         if ctx.known_inventory is not None:
             self.inventory = ctx.known_inventory
         changed = [o for o in ctx.outcomes if o.status == "done"]
-        self.last_pass = {
-            "number": self.passes,
-            "reasons": list(work.reasons[:8]),
-            "reconcilers": sorted(work.reconcilers),
-            "first_mark_age_ms": round((t0 - work.first_mark) * 1000, 1),
-            "started": started_wall,
-            "ended": time.time(),
-            "duration_ms": round(duration * 1000, 2),
-            "steps_ms": steps_ms,
-            "findings": [f.to_json() for f in ctx.findings],
-            "outcomes": [o.to_json() for o in ctx.outcomes],
-            "gpus": len(self.inventory.gpus) if self.inventory else None,
-        }
-        if not self.first_pass:
+        self.last_pass = PassRecord(
+            number=self.passes,
+            reasons=tuple(work.reasons[:8]),
+            reconcilers=tuple(sorted(work.reconcilers)),
+            first_mark_age_ms=round((t0 - work.first_mark) * 1000, 1),
+            started=started_wall,
+            ended=time.time(),
+            duration_ms=round(duration * 1000, 2),
+            steps_ms=steps_ms,
+            findings=tuple(ctx.findings),
+            outcomes=tuple(OutcomeRecord.of(o) for o in ctx.outcomes),
+            gpus=len(self.inventory.gpus) if self.inventory else None,
+        )
+        if self.first_pass is None:
             self.first_pass = self.last_pass
         level = "notice" if ctx.findings or changed else "info"
         self.log.event(
@@ -386,58 +393,17 @@ class Daemon:
 
     def status_line(self) -> str:
         p = self.last_pass
-        if not p:
+        if p is None:
             return "starting"
-        gpus = "no GPU inventory" if p["gpus"] is None else f"{p['gpus']} GPU(s)"
+        gpus = "no GPU inventory" if p.gpus is None else f"{p.gpus} GPU(s)"
         bus = "bus ok" if self.systemd is not None else "bus down"
         return (
-            f"pass {p['number']}: {len(p['findings'])} finding(s), "
-            f"{sum(o['status'] == 'done' for o in p['outcomes'])} change(s); {gpus}; {bus}"
+            f"pass {p.number}: {len(p.findings)} finding(s), {p.changes} change(s); {gpus}; {bus}"
         )
 
-    def _reload_signal(self) -> dict[str, Any]:
-        """Where systemd's Reloading comes from (sources/reload_socket.py)."""
-        sd = self.sd_source
-        private = sd.private if sd is not None else None
-        return {
-            "private_socket": private is not None and private.connected,
-            "last_via": sd.last_reload_via if sd is not None else "",
-            # every reload arrives on both paths and is acted on once
-            "reloads": sd.reloads_acted if sd is not None else 0,
-            "received": {
-                via: {"starts": n[0], "ends": n[1]}
-                for via, n in (sd.received.items() if sd is not None else ())
-            },
-        }
+    def status(self) -> Status:
+        """The status file's model (reporting/status.py) as of now."""
+        return report.daemon_status(self)
 
     def _write_status(self) -> None:
-        from gpuguard.actuate.files import write_new
-
-        fast_paths: dict[str, object] = {}
-        for step in self.steps.values():
-            if isinstance(step, ReloadFastPath):
-                fast_paths.update(step.fast_status())
-        doc = {
-            "pid": os.getpid(),
-            "started": self.started_wall,
-            "passes": self.passes,
-            "bus_connected": self.systemd is not None,
-            "reload_signal": self._reload_signal(),
-            "dry_run": self.dry_run,
-            "first_pass": self.first_pass,
-            "last_pass": self.last_pass,
-            "fast_paths": fast_paths,
-            **self.ledger.to_json(),
-        }
-        path = self.root.path(STATUS_FILE)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_new(path, json.dumps(doc, indent=1).encode(), mode=0o644)
-        except OSError as e:
-            self.log.debug(f"cannot write {path}: {e}")
-        except GpuguardError as e:  # a state directory that is a link or not root's
-            self.log.warning(f"status file not written: {e.message}")
-        if self.metrics is not None:
-            self.metrics.after_pass(
-                self.last_pass, doc, self.root, self.config.metrics.textfile_directory, self.log
-            )
+        report.write_status(self)

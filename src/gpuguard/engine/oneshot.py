@@ -3,7 +3,6 @@ runner, `gpuguard status` reads the same observations without acting."""
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Optional
@@ -13,10 +12,12 @@ from gpuguard.devices.nodes import nvidia_majors, read_proc_devices
 from gpuguard.engine.passes import STATUS_FILE, PassContext, Work
 from gpuguard.engine.runner import PassRunner, StepResult
 from gpuguard.engine.snapshot import HostSnapshot
-from gpuguard.host import safeio
 from gpuguard.host.inventory import Inventory
 from gpuguard.host.paths import Root
+from gpuguard.host.statefile import load
 from gpuguard.journal.log import EventLog
+from gpuguard.reporting.status import SPEC as STATUS_SPEC
+from gpuguard.reporting.status import Status
 from gpuguard.steps.registry import CHECK_ORDER, STEPS, build_steps
 
 if TYPE_CHECKING:
@@ -169,30 +170,7 @@ def _unreadable_row(c: ContainerCgroup, why: str) -> dict[str, Any]:
     }
 
 
-def daemon_status(root: Root) -> Optional[dict[str, Any]]:
-    """The daemon's status file; None when it is absent or not one the daemon wrote."""
-    try:
-        raw, _st = safeio.read_bytes(
-            root.path(STATUS_FILE), what="status file", max_bytes=safeio.STATUS_MAX
-        )
-        doc = json.loads(raw)
-    except (safeio.UnsafeFileError, ValueError, RecursionError):
-        return None
-    return doc if _status_shape_ok(doc) else None
-
-
-def _status_shape_ok(doc: Any) -> bool:
-    """The fields `gpuguard status` prints have the types the daemon writes."""
-    if not isinstance(doc, dict) or type(doc.get("pid")) is not int:
-        return False
-    if type(doc.get("passes")) is not int:
-        return False
-    last = doc.get("last_pass")
-    if last is None:
-        return True
-    return (
-        isinstance(last, dict)
-        and isinstance(last.get("reasons", []), list)
-        and all(isinstance(r, str) for r in last.get("reasons", []))
-        and isinstance(last.get("findings", []), list)
-    )
+def daemon_status(root: Root) -> Optional[Status]:
+    """The daemon's status file (reporting/status.py's loader, whether its daemon still
+    runs or not); None when it is absent or not one this gpuguard writes."""
+    return load(root.path(STATUS_FILE), STATUS_SPEC).value

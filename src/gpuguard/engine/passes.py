@@ -71,6 +71,9 @@ class PassContext:
     step: str = ""  # the step running now (the runner sets it)
     # Figures a step measured (gpu_containers, gpus_pci, ...): the status file and metrics.
     gauges: dict[str, float] = field(default_factory=dict)
+    # What a step could not see (a layer it could not read, no GPU inventory): its
+    # verdict is "unknown" there, never "ok" (status file, npd, metrics).
+    unknown: list[str] = field(default_factory=list)
     _inventory: Optional[Inventory] = None
     _loaded: bool = False
 

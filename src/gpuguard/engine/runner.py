@@ -37,6 +37,7 @@ class StepResult:
     error: Optional[str] = None  # "Type: message" of a crash the runner contained
     ms: float = 0.0
     gauges: Mapping[str, float] = field(default_factory=dict)
+    unknown: tuple[str, ...] = ()  # what the step could not see (PassContext.unknown)
 
 
 class PassRunner:
@@ -67,6 +68,7 @@ class PassRunner:
                 continue
             t0 = time.monotonic()
             n_findings, n_outcomes, error = len(ctx.findings), len(ctx.outcomes), None
+            n_unknown = len(ctx.unknown)
             gauges_before = set(ctx.gauges)
             ctx.step = name
             try:
@@ -86,6 +88,7 @@ class PassRunner:
                     error,
                     round((time.monotonic() - t0) * 1000, 2),
                     {k: v for k, v in ctx.gauges.items() if k not in gauges_before},
+                    tuple(ctx.unknown[n_unknown:]),
                 )
             )
         return results
@@ -123,5 +126,7 @@ class PassRunner:
             outcomes = r.outcomes
             if svc.dry_run:
                 outcomes = tuple(o for o in outcomes if o.action not in planned)
-            results.append(StepResult(r.name, findings, outcomes, r.error, r.ms, r.gauges))
+            results.append(
+                StepResult(r.name, findings, outcomes, r.error, r.ms, r.gauges, r.unknown)
+            )
         return results

@@ -220,7 +220,7 @@ class SystemdSource:
                 self.emit(Event(EventKind.BOOT_FINISHED, "systemd: startup finished"))
             elif member == "JobRemoved" and not self._reloading:
                 _id, _job, unit, result = msg.body
-                if result == "done" and ANY_CONTAINER_SCOPE.match(str(unit)):
+                if result == "done" and ANY_CONTAINER_SCOPE.fullmatch(str(unit)):
                     why = f"systemd: new container scope {unit}"
                     self.emit(Event(EventKind.SCOPE_STARTED, why, unit=str(unit)))
         elif (

@@ -234,6 +234,10 @@ class CheckpointStep:
 
         inventory = await ctx.inventory()
         if inventory is None:
+            ctx.unknown.append(
+                "no GPU inventory (NVML unavailable): the checkpoint's device IDs cannot "
+                "be judged against this node's GPUs"
+            )
             return
         settings = self.settings(svc, ctx)
         try:

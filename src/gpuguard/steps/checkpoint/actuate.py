@@ -22,8 +22,8 @@ from gpuguard.actuate.files import (
     backup,
     fsync_dir,
     remove_stale_temps,
-    write_new,
 )
+from gpuguard.actuate.statefile import write_state
 from gpuguard.checkpoint import dropped, history
 from gpuguard.checkpoint.model import PodDevicesEntry
 from gpuguard.checkpoint.reader import DEFAULT_MAX_BYTES as CHECKPOINT_MAX
@@ -151,7 +151,7 @@ class CheckpointActuator:
         else:
             new = dropped.dropped_from(action.dropped, when)
         records = dropped.merge(old, new)
-        write_new(self.dropped_file, dropped.render(records), mode=0o600)
+        write_state(self.dropped_file, dropped.SPEC, records)
         return str(self.dropped_file)
 
     def _failed(self, action: Action, why: str) -> Outcome:
@@ -191,7 +191,7 @@ def record_history(
         return False
     target = Path(path)
     try:
-        write_new(target, history.render(new), mode=0o600)
+        write_state(target, history.SPEC, new)
     except (OSError, BadInputError) as e:
         why = e.message if isinstance(e, BadInputError) else e.strerror
         log.event(

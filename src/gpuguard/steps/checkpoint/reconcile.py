@@ -16,12 +16,15 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from gpuguard.checkpoint import Checkpoint, PodDevicesEntry, marshal
+from gpuguard.host.echo import cut
 from gpuguard.host.inventory import Inventory
 from gpuguard.model import Action, Finding
 from gpuguard.steps.checkpoint import remap
 from gpuguard.steps.checkpoint.deviceids import Matcher, classify
 from gpuguard.steps.checkpoint.remap import EntryDrop, EntryRemap, RemapInputs
 from gpuguard.steps.registry import CHECKPOINT
+
+ID_MAX = 256  # characters of a device ID or resource echoed in a field
 
 NAME = CHECKPOINT
 DEFAULT_RESOURCES = ("nvidia.com/gpu", "nvidia.com/gpu.shared", "nvidia.com/mig-*")
@@ -73,16 +76,29 @@ def _unknown_ids(cp: Checkpoint, resources: Sequence[str]) -> tuple[dict[str, bo
                     kind="checkpoint-unknown-id",
                     reconciler=NAME,
                     severity="info",
-                    summary=f"resource {resource} has IDs of an unknown form "
-                    f"({', '.join(unknown[:3])}); left untouched",
-                    fields={"RESOURCE": resource, "DEVICE_ID": unknown[0]},
+                    summary=f"resource {cut(resource)} has IDs of an unknown form "
+                    f"({', '.join(cut(u) for u in unknown[:3])}); left untouched",
+                    fields={
+                        "RESOURCE": cut(resource, ID_MAX),
+                        "DEVICE_ID": cut(unknown[0], ID_MAX),
+                    },
                 )
             )
     return understood, findings
 
 
 def _entry_fields(e: PodDevicesEntry) -> dict[str, str]:
-    return {"POD_UID": e.pod_uid, "CONTAINER_NAME": e.container_name, "RESOURCE": e.resource_name}
+    return {
+        "POD_UID": cut(e.pod_uid, ID_MAX),
+        "CONTAINER_NAME": cut(e.container_name, ID_MAX),
+        "RESOURCE": cut(e.resource_name, ID_MAX),
+    }
+
+
+def _ids(ids: Sequence[str], shown: int = 8) -> str:
+    """Device IDs for a message: each cut, at most `shown` of them and how many more."""
+    more = f" (+{len(ids) - shown} more)" if len(ids) > shown else ""
+    return ", ".join(cut(i) for i in ids[:shown]) + more
 
 
 def analyse(
@@ -106,8 +122,8 @@ def analyse(
             Finding(
                 kind="checkpoint-stale-registered",
                 reconciler=NAME,
-                summary=f"registered device {i} ({resource}) is not on this host",
-                fields={"RESOURCE": resource, "DEVICE_ID": i},
+                summary=f"registered device {cut(i)} ({cut(resource)}) is not on this host",
+                fields={"RESOURCE": cut(resource, ID_MAX), "DEVICE_ID": cut(i, ID_MAX)},
             )
         )
     for r in result.remaps:
@@ -116,13 +132,13 @@ def analyse(
             Finding(
                 kind="checkpoint-entry-remap",
                 reconciler=NAME,
-                summary=f"pod {r.old.pod_uid} container {r.old.container_name} holds "
-                f"{r.old.resource_name} {', '.join(old)}; the same GPU(s) are now "
-                f"{', '.join(new)}",
+                summary=f"pod {cut(r.old.pod_uid)} container {cut(r.old.container_name)} "
+                f"holds {cut(r.old.resource_name)} {_ids(old)}; the same GPU(s) are now "
+                f"{_ids(new)}",
                 fields={
                     **_entry_fields(r.old),
-                    "OLD_DEVICE_IDS": ",".join(old),
-                    "NEW_DEVICE_IDS": ",".join(new),
+                    "OLD_DEVICE_IDS": cut(",".join(old), ID_MAX),
+                    "NEW_DEVICE_IDS": cut(",".join(new), ID_MAX),
                 },
             )
         )
@@ -132,19 +148,17 @@ def analyse(
         gone = [i for i in e.all_device_ids() if not matcher.exists(classify(i))]
         why = f"; not remapped: {d.why}" if remap_inputs is not None else ""
         held = (
-            f"device(s) this host no longer has: {', '.join(gone)}"
-            if gone
-            else (f"{', '.join(e.all_device_ids())}")
+            f"device(s) this host no longer has: {_ids(gone)}" if gone else _ids(e.all_device_ids())
         )
         findings.append(
             Finding(
                 kind="checkpoint-stale-entry",
                 reconciler=NAME,
-                summary=f"pod {e.pod_uid} container {e.container_name} holds "
-                f"{e.resource_name} {held}{why}",
+                summary=f"pod {cut(e.pod_uid)} container {cut(e.container_name)} holds "
+                f"{cut(e.resource_name)} {held}{why}",
                 fields={
                     **_entry_fields(e),
-                    "DEVICE_ID": (gone or list(e.all_device_ids()) or [""])[0],
+                    "DEVICE_ID": cut((gone or list(e.all_device_ids()) or [""])[0], ID_MAX),
                     "DROP_REASON": d.why,
                 },
             )

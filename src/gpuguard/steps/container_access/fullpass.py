@@ -98,6 +98,10 @@ async def observe(s: AccessState, svc: Services, ctx: PassContext) -> Optional[A
     plugins = svc.config.device_plugin.socket_dir
     view = await asyncio.to_thread(s.observer.observe, svc.root, inventory, snapshot, plugins)
     if view is None:
+        ctx.unknown.append(
+            "the NVIDIA driver has registered no device (no nvidia major in "
+            "/proc/devices): GPU containers' access could not be judged"
+        )
         return None
     # A node the scope's DeviceAllow= grants may be caught mid-apply: judged again.
     view = await confirm(view, s.durable, svc.root, svc.systemd, svc.log, s.cgroups.of, s.settle)

@@ -100,7 +100,15 @@ class AccessObserver:
                 ents[c.key] = cached[1]
                 continue
             try:
-                ent = read_entitlement(root, c, host_nodes, majors, gpus, snapshot.pod_device_ids)
+                ent = read_entitlement(
+                    root,
+                    c,
+                    host_nodes,
+                    majors,
+                    gpus,
+                    snapshot.pod_device_ids,
+                    snapshot.pod_recorded_ids,
+                )
             except GpuguardError as e:  # its environ or /dev is not what it should be
                 broken[c.container_id] = e.message
                 ents[c.key] = unreadable_entitlement(c, e.message)

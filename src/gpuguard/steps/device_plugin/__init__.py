@@ -18,7 +18,6 @@ daemon restart, or a crash in the middle of one, does not reset it.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import TYPE_CHECKING, Callable, Optional
@@ -100,13 +99,12 @@ class DevicePluginStep:
         self.state = read_states(root.path(self.state_file), elog)
 
     def _save(self, root: Root, elog: EventLog) -> None:
-        from gpuguard.actuate.files import write_new
+        from gpuguard.actuate.statefile import write_state
+        from gpuguard.steps.device_plugin.state import SPEC
 
         path = root.path(self.state_file)
-        doc = {"version": 1, "plugins": {k: v.to_json() for k, v in sorted(self.state.items())}}
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_new(path, json.dumps(doc, indent=1).encode(), mode=0o644)
+            write_state(path, SPEC, self.state)
         except (OSError, GpuguardError) as e:
             elog.warning(f"cannot save plugin restart budgets to {path}: {e}")
 

@@ -12,7 +12,7 @@ from gpuguard.devices.pci import read_pci_gpus
 from gpuguard.errors import GpuguardError
 from gpuguard.host.inventory import Inventory
 from gpuguard.host.paths import Root
-from gpuguard.steps.gpu_count.reconcile import GpuCounts, findings, registered_gpus
+from gpuguard.steps.gpu_count.reconcile import GpuCounts, findings, registered_gpus, unknowns
 
 if TYPE_CHECKING:
     from gpuguard.engine.passes import PassContext, Services
@@ -55,3 +55,5 @@ class GpuCountStep:
         for f in found:
             svc.log.finding(f)
         ctx.findings += found
+        if not found:
+            ctx.unknown += unknowns(counts)
