@@ -16,9 +16,22 @@ hybrid hosts and /sys/fs/cgroup on unified ones. On a hybrid host BOTH apply to 
 device open (the kernel runs the cgroup2 BPF device programs, then the v1 controller),
 so a container is reported with both paths when both exist.
 
+Processes are followed wherever the runtime put them: runc runs the container's process
+in its scope (or cgroupfs directory), crun (1.8 and newer, systemd driver) in a
+sub-cgroup of it, ``SCOPE/container``, whose device policy (its own v1 list, or its own
+BPF program on v2) is what the kernel checks on top of the scope's. A container's
+record keeps both: the scope, which a durable grant (DeviceAllow=) changes, and the
+cgroup its process is in (`process_v2`, `process_v1`), which judges its opens. A scope
+that holds processes (``cgroup.events``: populated) none of which is found within
+`SUB_DEPTH` levels is a container that cannot be audited (`problem`), never one that
+is silently left out; a directory under kubepods that is no container, pod or QoS
+class is kept as a stray (`Kubepods.strays`): the container access step reports one
+whose processes hold NVIDIA nodes open.
+
 The walk never raises on odd trees: unknown names, undecodable names, vanished
 directories (a pod deleted mid-walk: ENOENT) are skipped with a debug reason. Depth is
-bounded by the layout (kubepods / qos / pod / container), so a deep tree costs nothing.
+bounded by the layout (kubepods / qos / pod / container, and `SUB_DEPTH` below a
+container), so a deep tree costs nothing.
 """
 
 from __future__ import annotations
@@ -40,9 +53,10 @@ from gpuguard.devices.cgroupnames import (
     SYSTEMD_QOS,
     systemd_pod_uid,
 )
-from gpuguard.host.numparse import clip, parse_decimal
+from gpuguard.devices.cgrouptree import SUB_DEPTH, dir_names, find_processes, populated, subdirs
+from gpuguard.devices.cgrouptree import read_pids as read_pids  # re-exported
 from gpuguard.host.paths import Root
-from gpuguard.host.safeio import CGROUP_MAX, PROC_MAX, UnsafeFileError, read_bytes, read_kernel_text
+from gpuguard.host.safeio import PROC_MAX, UnsafeFileError, read_bytes, read_kernel_text
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +96,10 @@ class ContainerCgroup:
     # Non-empty: this container's own files could not be read (a malformed cgroup.procs,
     # a FIFO where a file should be); it gets a finding, every other one goes on.
     problem: str = ""
+    # The cgroup its processes are in when the runtime put them below the scope or
+    # directory above (crun: SCOPE/container); None: that cgroup itself.
+    process_v2: Optional[Path] = None
+    process_v1: Optional[Path] = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -101,6 +119,16 @@ class ContainerCgroup:
         if self.cgroup_v1_devices is not None:
             return "v1-rule"
         return "scope-device-allow" if self.unit is not None else "own-program"
+
+    @property
+    def v2_dir(self) -> Optional[Path]:
+        """The cgroup2 directory its processes are in (its opens are judged there)."""
+        return self.process_v2 or self.cgroup_v2
+
+    @property
+    def v1_dir(self) -> Optional[Path]:
+        """The v1 devices directory its processes are in (the kernel checks that one)."""
+        return self.process_v1 or self.cgroup_v1_devices
 
 
 def detect_layout(root: Root) -> CgroupLayout:
@@ -148,106 +176,71 @@ class _Found:
     path: Path
 
 
-def _dir_names(d: str) -> list[str]:
-    """Names of `d`'s child directories ([] when it vanished; an odd entry skipped)."""
-    out = []
-    try:
-        with os.scandir(d) as it:
-            for e in it:
-                try:
-                    if e.is_dir(follow_symlinks=False):
-                        out.append(e.name)
-                except OSError:
-                    log.debug("skipping %s: cannot stat it", e.path)
-    except OSError as err:
-        log.debug("cannot list %s: %s", d, err.strerror)
-    return out
-
-
-def _subdirs(d: Path) -> list[tuple[str, Path]]:
-    """Child directories, sorted; [] with a debug reason when ``d`` vanished or is odd."""
-    return sorted((name, d / name) for name in _dir_names(os.fspath(d)))
-
-
-def _systemd_pods(kubepods: Path) -> Iterator[tuple[str, Path]]:
-    for name, path in _subdirs(kubepods):
+def _systemd_pods(kubepods: Path, strays: list[Path]) -> Iterator[tuple[str, Path]]:
+    strays.append(kubepods)
+    for name, path in subdirs(kubepods):
         uid = systemd_pod_uid(name)
         if uid:
             yield uid, path
         elif SYSTEMD_QOS.match(name):
-            for qname, qpath in _subdirs(path):
+            strays.append(path)
+            for qname, qpath in subdirs(path):
                 quid = systemd_pod_uid(qname)
                 if quid:
                     yield quid, qpath
                 else:
                     log.debug("skipping %s: not a pod slice", qpath)
+                    strays.append(qpath)
         else:
             log.debug("skipping %s: not a pod or QoS slice", path)
+            strays.append(path)
 
 
-def _cgroupfs_pods(kubepods: Path) -> Iterator[tuple[str, Path]]:
-    for name, path in _subdirs(kubepods):
+def _cgroupfs_pods(kubepods: Path, strays: list[Path]) -> Iterator[tuple[str, Path]]:
+    strays.append(kubepods)
+    for name, path in subdirs(kubepods):
         m = CGROUPFS_POD.match(name)
         if m:
             yield m.group(1), path
         elif name in CGROUPFS_QOS:
-            for qname, qpath in _subdirs(path):
+            strays.append(path)
+            for qname, qpath in subdirs(path):
                 qm = CGROUPFS_POD.match(qname)
                 if qm:
                     yield qm.group(1), qpath
                 else:
                     log.debug("skipping %s: not a pod directory", qpath)
+                    strays.append(qpath)
         else:
             log.debug("skipping %s: not a pod or QoS directory", path)
+            strays.append(path)
 
 
-def _walk(hierarchy: Path) -> Iterator[_Found]:
+def _walk(hierarchy: Path, strays: list[Path]) -> Iterator[_Found]:
+    """The containers under `hierarchy`; every other directory of the tree (kubepods,
+    QoS classes, pods, what no pattern names) into `strays`."""
     systemd = hierarchy / KUBEPODS_SLICE
-    for uid, pod in _systemd_pods(systemd) if systemd.is_dir() else ():
-        for name, path in _subdirs(pod):
+    for uid, pod in _systemd_pods(systemd, strays) if systemd.is_dir() else ():
+        strays.append(pod)
+        for name, path in subdirs(pod):
             m = SYSTEMD_CONTAINER.match(name)
             if not m:
                 # crio-conmon-<id>.scope is the monitor, not the container
                 log.debug("skipping %s: not a container scope", path)
+                strays.append(path)
                 continue
             yield _Found(uid, m.group(2), RUNTIME[m.group(1)], "systemd", name, path)
     cgroupfs = hierarchy / KUBEPODS_DIR
-    for uid, pod in _cgroupfs_pods(cgroupfs) if cgroupfs.is_dir() else ():
-        for name, path in _subdirs(pod):
+    for uid, pod in _cgroupfs_pods(cgroupfs, strays) if cgroupfs.is_dir() else ():
+        strays.append(pod)
+        for name, path in subdirs(pod):
             m = CGROUPFS_CONTAINER.match(name)
             if not m:
                 log.debug("skipping %s: not a container directory", path)
+                strays.append(path)
                 continue
             runtime = RUNTIME[m.group(1)] if m.group(1) else "unknown"
             yield _Found(uid, m.group(2), runtime, "cgroupfs", None, path)
-
-
-MAX_PID = 2**22  # the kernel's PID_MAX_LIMIT
-
-
-def read_pids(cgroup_dir: Path) -> tuple[int, ...]:
-    """cgroup.procs of a v1 or v2 directory; () if it vanished.
-
-    Anything but PIDs, one per line, raises UnsafeFileError naming the file (the caller
-    charges it to this container only)."""
-    path = cgroup_dir / "cgroup.procs"
-    text = read_kernel_text(path, what="cgroup.procs", max_bytes=CGROUP_MAX)
-    if text is None:
-        return ()
-    pids = []
-    for lineno, word in enumerate(text.split("\n"), 1):
-        if not word:
-            continue
-        pid = parse_decimal(word, hi=MAX_PID)
-        if pid == 0:  # a process outside our PID namespace: the kernel shows 0
-            continue
-        if pid is None:
-            raise UnsafeFileError(
-                f"{path}:{lineno}: {clip(word)} is not a process ID; the kernel writes one "
-                "PID per line — check what wrote this file"
-            )
-        pids.append(pid)
-    return tuple(pids)
 
 
 def _is_pause(root: Root, pids: tuple[int, ...]) -> bool:
@@ -274,23 +267,66 @@ def discover_containers(
     """Every kubepods container with its v1 devices and v2 directories, sorted by key.
 
     ``cgroup_root`` is kubelet's ``--cgroup-root`` (tests use a private sub-tree)."""
+    return discover_kubepods(root, layout, cgroup_root=cgroup_root, skip_pause=skip_pause)[0]
+
+
+Kubepods = tuple[tuple[ContainerCgroup, ...], tuple[Path, ...]]  # containers, strays
+
+
+def discover_kubepods(
+    root: Root,
+    layout: Optional[CgroupLayout] = None,
+    *,
+    cgroup_root: str = "/",
+    skip_pause: bool = True,
+) -> Kubepods:
+    """`discover_containers`, and the strays: every directory of the kubepods trees that
+    is no container (kubepods, QoS classes, pods, names no runtime gives), both
+    hierarchies (a caller looks for processes in them)."""
     layout = layout or detect_layout(root)
     sub = cgroup_root.strip("/")
     found: dict[tuple[str, str], dict[str, _Found]] = {}
+    strays: list[Path] = []
     for which, mount in (("v1", layout.v1_devices), ("v2", layout.v2)):
         if mount is None:
             continue
         base = root.path(mount)
         if sub:
             base = base / sub
-        for f in _walk(base):
+        for f in _walk(base, strays):
             found.setdefault((f.pod_uid, f.container_id), {})[which] = f
     out: list[ContainerCgroup] = []
     for key in sorted(found):
         c = _container(root, found[key], skip_pause)
         if c is not None:
             out.append(c)
-    return tuple(out)
+    return tuple(out), tuple(strays)
+
+
+def _placed(
+    v1: Optional[Path], v2: Optional[Path]
+) -> tuple[tuple[int, ...], Optional[Path], Optional[Path], str]:
+    """The container's processes, the cgroups below its scope that hold them in each
+    hierarchy (None: the scope itself), and why it cannot be audited ("" if it can).
+    Raises UnsafeFileError (a cgroup.procs that is not the kernel's)."""
+    pids: tuple[int, ...] = ()
+    where2 = where1 = None
+    if v2 is not None:
+        where2, pids = find_processes(v2)
+    if v1 is not None:
+        where1, pids1 = find_processes(v1)
+        pids = pids or pids1
+    problem = ""
+    if not pids and v2 is not None and populated(v2):
+        problem = (
+            f"{v2} holds processes (cgroup.events: populated 1) but none in it or "
+            f"within {SUB_DEPTH} levels below it: gpuguard cannot tell which is the "
+            "container's, so it judges and grants nothing; check where its runtime puts "
+            "the container's process"
+        )
+    sub2 = where2 if where2 is not None and where2 != v2 else None
+    sub1 = where1 if where1 is not None and where1 != v1 else None
+    return pids, sub1, sub2, problem
 
 
 def _container(root: Root, by: dict[str, _Found], skip_pause: bool) -> Optional[ContainerCgroup]:
@@ -298,11 +334,9 @@ def _container(root: Root, by: dict[str, _Found], skip_pause: bool) -> Optional[
     first = by.get("v1") or by["v2"]
     v1 = by["v1"].path if "v1" in by else None
     v2 = by["v2"].path if "v2" in by else None
-    problem = ""
+    sub1 = sub2 = None
     try:
-        pids = read_pids(v2) if v2 is not None else ()
-        if not pids and v1 is not None:
-            pids = read_pids(v1)
+        pids, sub1, sub2, problem = _placed(v1, v2)
     except UnsafeFileError as e:
         pids, problem = (), e.message
     if skip_pause and _is_pause(root, pids):
@@ -318,22 +352,25 @@ def _container(root: Root, by: dict[str, _Found], skip_pause: bool) -> Optional[
         unit=first.unit,
         pids=pids,
         problem=problem,
+        process_v2=sub2,
+        process_v1=sub1,
     )
 
 
 def with_fresh_pids(root: Root, c: ContainerCgroup) -> Optional[ContainerCgroup]:
-    """`c` with its cgroup.procs read again (a scope waiting for its process); None when
-    its cgroup is gone or its process turns out to be the pod's sandbox."""
+    """`c` with its processes found again (a scope waiting for its process: crun moves
+    it below the scope); None when its cgroup is gone or its process turns out to be
+    the pod's sandbox."""
     d = c.cgroup_v2 if c.cgroup_v2 is not None else c.cgroup_v1_devices
     if d is None or not d.is_dir():
         return None
     try:
-        pids = read_pids(c.cgroup_v2) if c.cgroup_v2 is not None else ()
-        if not pids and c.cgroup_v1_devices is not None:
-            pids = read_pids(c.cgroup_v1_devices)
+        pids, sub1, sub2, problem = _placed(c.cgroup_v1_devices, c.cgroup_v2)
     except UnsafeFileError as e:
         return replace(c, pids=(), problem=e.message)
-    return None if _is_pause(root, pids) else replace(c, pids=pids)
+    if _is_pause(root, pids):
+        return None
+    return replace(c, pids=pids, problem=problem, process_v1=sub1, process_v2=sub2)
 
 
 def _scope_under(kubepods: str, unit: str) -> Optional[tuple[str, str]]:
@@ -342,13 +379,13 @@ def _scope_under(kubepods: str, unit: str) -> Optional[tuple[str, str]]:
     burst of new scopes on a node of 200 pods asks this for each (pathlib objects and a
     sorted walk cost ~7 ms a lookup on a hybrid host, where both hierarchies were
     searched)."""
-    for name in _dir_names(kubepods):
+    for name in dir_names(kubepods):
         uid = systemd_pod_uid(name)
         if uid:
             if os.path.isdir(os.path.join(kubepods, name, unit)):
                 return uid, f"{name}/{unit}"
         elif SYSTEMD_QOS.match(name):
-            for qname in _dir_names(os.path.join(kubepods, name)):
+            for qname in dir_names(os.path.join(kubepods, name)):
                 quid = systemd_pod_uid(qname)
                 if quid and os.path.isdir(os.path.join(kubepods, name, qname, unit)):
                     return quid, f"{name}/{qname}/{unit}"

@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, AbstractSet, Optional, Sequence
 
+from gpuguard.devices.cgrouptree import read_pids
 from gpuguard.devices.entitlement import Entitlement, read_entitlement, unreadable_entitlement
 from gpuguard.devices.nodes import list_nvidia_nodes
 from gpuguard.devices.plugins import discover_plugins
+from gpuguard.devices.processes import open_nvidia_nodes
 from gpuguard.errors import GpuguardError
 from gpuguard.host.inventory import Inventory
 from gpuguard.host.paths import DEVICE_PLUGINS_DIR, Root
+from gpuguard.host.safeio import UnsafeFileError
 
 # The records, re-exported: the step, the CLI and tests import them from here.
 from gpuguard.steps.container_access.view import AccessView as AccessView
@@ -117,6 +121,7 @@ class AccessObserver:
         for c, _ent in gpu:
             if c.container_id in r.broken:  # never granted anything, even durably
                 ents[c.key] = unreadable_entitlement(c, r.broken[c.container_id])
+        strays = gpu_strays(root, snapshot.strays())
         plugins: frozenset[str] = frozenset()
         if any(e.missing or e.stale for _, e in gpu):  # rare: only then find the plugins
             plugins = frozenset(
@@ -124,7 +129,30 @@ class AccessObserver:
                 for p in discover_plugins(root, plugin_socket_dir)
                 if p.process is not None and p.process.container_id
             )
-        return AccessView.of(tuple(containers), ents, r, broken=broken, plugin_containers=plugins)
+        return AccessView.of(
+            tuple(containers), ents, r, broken=broken, plugin_containers=plugins, strays=strays
+        )
+
+
+Stray = tuple[str, tuple[int, ...], tuple[str, ...]]  # cgroup, pids, nodes open
+
+
+def gpu_strays(root: Root, dirs: Sequence[Path]) -> tuple[Stray, ...]:
+    """The kubepods cgroups no container is in (`dirs`: the walk's strays) whose
+    processes hold NVIDIA nodes open: a runtime or a layout gpuguard does not know put
+    them there, and it can neither judge nor repair their access."""
+    out = []
+    for d in dirs:
+        try:
+            pids = read_pids(d)
+        except UnsafeFileError:
+            continue  # not the kernel's file: nothing to say of it
+        holding = [(pid, open_nvidia_nodes(root, pid)) for pid in pids]
+        holding = [(pid, nodes) for pid, nodes in holding if nodes]
+        if holding:
+            nodes = tuple(sorted({n for _p, ns in holding for n in ns}))
+            out.append((str(d), tuple(p for p, _n in holding), nodes))
+    return tuple(out)
 
 
 def _numbers_of(root: Root, path: str) -> Optional[str]:
