@@ -4,8 +4,8 @@ Properties (hypothesis, bounded and derandomized for CI): a built program parses
 its rules (both kinds of access test: within the mask, and runc 1.0-rc93's any shared
 bit; a mask of 0, as crun writes first); ``grant_nodes`` never admits a request outside
 previous-admitted plus read/write on the granted char nodes, and admits all of those.
-Shapes gpuguard did not expect are refused (UnknownProgramShape), never guessed. The kernel's own verdict on the
-same programs is tests/integration/test_bpf_inplace.py.
+Shapes gpuguard did not expect are refused (UnknownProgramShape), never guessed. The
+kernel's own verdict on the same programs is tests/integration/test_bpf_inplace.py.
 """
 
 from __future__ import annotations
