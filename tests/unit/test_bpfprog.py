@@ -38,8 +38,10 @@ RULES = st.builds(
     st.one_of(st.none(), st.integers(min_value=0, max_value=7)),
     st.booleans(),
 ).filter(
-    lambda r: (r.kind, r.major, r.minor, r.access) != (None,) * 4
-    and (r.access is not None or not r.access_any)
+    lambda r: (
+        (r.kind, r.major, r.minor, r.access) != (None,) * 4
+        and (r.access is not None or not r.access_any)
+    )
 )
 PROGRAMS = st.builds(DeviceProgram, st.lists(RULES, max_size=8).map(tuple), st.booleans())
 NODES = st.lists(st.tuples(MAJORS, MINORS), max_size=4)
