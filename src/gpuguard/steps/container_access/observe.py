@@ -210,5 +210,8 @@ async def _learn_unit(sd: Systemd, unit: str, root: Root, durable: dict[str, set
         )
     except SystemdError:
         return
-    numbers = {_numbers_of(root, dev) for dev, _perm in v.value}
+    # only what it admits for reading and writing, as gpuguard grants: an entry of "m"
+    # or "w" alone is no grant of the node, and counting it would leave the node out of
+    # gpuguard's DeviceAllow=, whose re-apply then takes away the hook's read/write
+    numbers = {_numbers_of(root, dev) for dev, perm in v.value if {"r", "w"} <= set(perm)}
     durable.setdefault(unit, set()).update(n for n in numbers if n)

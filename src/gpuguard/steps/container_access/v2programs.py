@@ -89,14 +89,17 @@ def runtime_deniers(
     and the nodes it denies. A node that a program attached elsewhere denies too (above
     the scope) is left out: replacing the others would not give it back. `held`: the
     programs PID 1 holds open, asked only when an unnamed program denies."""
+    progs = {i: cache.get(i) for i in ids}
+    if any(p is None for p in progs.values()):
+        return ()  # a program gpuguard cannot read is never replaced (nor judged by)
     names = {i: cache.name(i) for i in ids}
     deny: dict[str, list[int]] = {}
     for n in ent.nodes:
         if verdicts.get((c.container_id, n.numbers)) is False:
             deny[n.numbers] = [
                 i
-                for i in ids
-                if not cache.admits_rw(i, cache.get(i), (n.major, n.minor))  # type: ignore[arg-type]
+                for i, p in progs.items()
+                if p is not None and not cache.admits_rw(i, p, (n.major, n.minor))
             ]
     if not deny:
         return ()
