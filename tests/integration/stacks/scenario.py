@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, FrozenSet, List, Tuple
 
-from integration.gpuguard_ns import passes, settle
+from integration.gpuguard_ns import events, passes, settle
 from integration.pkgroot import PackageRoot, built_packages, debian_root, source_version
 from integration.stacks.node import Ctr, Node, StackError, copy_debs, make_ctrs, prepare_host_dir
 
@@ -65,6 +65,9 @@ class Cell:
     notes: List[str] = field(default_factory=list)
     privileged: int = 0
     narrowed: int = 0  # privileged container-events that lost a device it had
+    # what gpuguard did with it running: its passes, and its changes by kind (node-wide)
+    passes: int = 0
+    changes: Dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -226,6 +229,13 @@ class Stack:
                     cell.narrowed += sum(p.runtime == rt for p in narrowed)
                 for c in lost:
                     node.hook_grant(c)  # each event judged on its own
+        changes: Dict[str, int] = {}
+        for e in events(ns):
+            if e.get("GPUGUARD_STATUS") == "done":
+                kind = str(e["GPUGUARD_KIND"])
+                changes[kind] = changes.get(kind, 0) + 1
+        for cell in self.cells.values():
+            cell.passes, cell.changes = passes(ns), changes
         found = set(found_by_gpuguard(node))
         for rt, cs in by_rt.items():
             mine = [*cs, *(p for p in privileged if p.runtime == rt)]
