@@ -114,9 +114,9 @@ def runtime_deniers(
         except OSError:
             return ()
     per: dict[int, list[str]] = {}
-    for numbers, progs in deny.items():
-        if not progs or any(i in theirs or i not in where for i in progs):
+    for numbers, deniers in deny.items():
+        if not deniers or any(i in theirs or i not in where for i in deniers):
             continue  # systemd's to repair (DeviceAllow=, a bridge), or not ours to
-        for i in progs:
+        for i in deniers:
             per.setdefault(i, []).append(numbers)
     return tuple((i, where[i], tuple(nums)) for i, nums in sorted(per.items()))
