@@ -178,10 +178,12 @@ class CgroupV2:
 
     @staticmethod
     def _scope_ids(cg: Path, scope: Path, ids: list[int], read: bool) -> Optional[Sequence[int]]:
-        """The programs the kernel runs for the scope's cgroup: those of the container's
-        own cgroup when it is the scope (`read`: they could be listed), else asked."""
-        if cg == scope:
-            return ids if read else None
+        """The programs the kernel runs for the scope's cgroup: those listed for the
+        container's own cgroup when it is the scope, else asked (None: they cannot be
+        listed). `read`: the container's verdicts were judged from `ids`; where they
+        were not and none was listed, the listing itself may have failed: asked again."""
+        if cg == scope and (read or ids):
+            return ids
         try:
             return effective_programs(scope)
         except OSError:
