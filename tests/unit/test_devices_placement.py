@@ -122,3 +122,23 @@ def test_a_stray_whose_processes_hold_nvidia_nodes_is_a_finding(tmp_path: Path) 
     (f,) = stray_findings(got)
     assert f.kind == FINDING_UNATTRIBUTED and str(gpu) in f.summary
     assert f.fields == {"CGROUP": str(gpu), "PIDS": "202", "DEVICE": "/dev/nvidia0,/dev/nvidiactl"}
+
+
+def test_a_containers_own_process_is_never_a_stray(tmp_path: Path) -> None:
+    """systemd 252/257 on a hybrid host may leave a container's process in its pod
+    slice's v1 devices cgroup; its cgroup2 scope says whose it is: no finding. Strays
+    are taken from cgroup2 where it is mounted."""
+    from gpuguard.steps.container_access.observe import gpu_strays
+
+    v1, v2 = tmp_path / "sys/fs/cgroup/devices", tmp_path / "sys/fs/cgroup/unified"
+    scope = f"{POD}/cri-containerd-{CID1}.scope"
+    _cg(v2, scope, (200,))
+    _cg(v1, scope)
+    _cg(v1, POD, (200,))  # left in the pod slice's v1 devices cgroup
+    _proc(tmp_path, 200, "/bin/busybox")
+    fd = tmp_path / "proc/200/fd"
+    fd.mkdir(parents=True)
+    (fd / "3").symlink_to("/dev/nvidia0")
+    (c,), strays = discover_kubepods(Root(tmp_path), HYBRID)
+    assert all(v2 in p.parents or p == v2 for p in strays), strays
+    assert gpu_strays(Root(tmp_path), [v1 / POD], set(c.pids)) == ()

@@ -280,9 +280,10 @@ def discover_kubepods(
     cgroup_root: str = "/",
     skip_pause: bool = True,
 ) -> Kubepods:
-    """`discover_containers`, and the strays: every directory of the kubepods trees that
-    is no container (kubepods, QoS classes, pods, names no runtime gives), both
-    hierarchies (a caller looks for processes in them)."""
+    """`discover_containers`, and the strays: every directory of the kubepods tree that
+    is no container (kubepods, QoS classes, pods, names no runtime gives), in cgroup2
+    where it is mounted, else in the v1 devices hierarchy (a caller looks for
+    processes in them)."""
     layout = layout or detect_layout(root)
     sub = cgroup_root.strip("/")
     found: dict[tuple[str, str], dict[str, _Found]] = {}
@@ -293,7 +294,11 @@ def discover_kubepods(
         base = root.path(mount)
         if sub:
             base = base / sub
-        for f in _walk(base, strays):
+        # every process is in one cgroup2 directory: its strays are enough where it is
+        # mounted (a hybrid host's v1 pod slices may hold a container's process that
+        # systemd left there, which its cgroup2 scope attributes)
+        keep: list[Path] = strays if which == "v2" or layout.v2 is None else []
+        for f in _walk(base, keep):
             found.setdefault((f.pod_uid, f.container_id), {})[which] = f
     out: list[ContainerCgroup] = []
     for key in sorted(found):
@@ -313,7 +318,9 @@ def _placed(
     where2 = where1 = None
     if v2 is not None:
         where2, pids = find_processes(v2)
-    if v1 is not None:
+    # v1 looked into only where cgroup2 does not say it is the scope itself (as it is
+    # with runc: one read per container, as before crun was followed)
+    if v1 is not None and (not pids or where2 != v2):
         where1, pids1 = find_processes(v1)
         pids = pids or pids1
     problem = ""

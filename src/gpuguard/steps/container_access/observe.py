@@ -121,7 +121,8 @@ class AccessObserver:
         for c, _ent in gpu:
             if c.container_id in r.broken:  # never granted anything, even durably
                 ents[c.key] = unreadable_entitlement(c, r.broken[c.container_id])
-        strays = gpu_strays(root, snapshot.strays())
+        known = {pid for c in containers for pid in c.pids}
+        strays = gpu_strays(root, snapshot.strays(), known)
         plugins: frozenset[str] = frozenset()
         if any(e.missing or e.stale for _, e in gpu):  # rare: only then find the plugins
             plugins = frozenset(
@@ -137,14 +138,17 @@ class AccessObserver:
 Stray = tuple[str, tuple[int, ...], tuple[str, ...]]  # cgroup, pids, nodes open
 
 
-def gpu_strays(root: Root, dirs: Sequence[Path]) -> tuple[Stray, ...]:
+def gpu_strays(
+    root: Root, dirs: Sequence[Path], known: AbstractSet[int] = frozenset()
+) -> tuple[Stray, ...]:
     """The kubepods cgroups no container is in (`dirs`: the walk's strays) whose
     processes hold NVIDIA nodes open: a runtime or a layout gpuguard does not know put
-    them there, and it can neither judge nor repair their access."""
+    them there, and it can neither judge nor repair their access. `known`: the
+    processes of the containers found (one a v1 pod slice holds is still theirs)."""
     out = []
     for d in dirs:
         try:
-            pids = read_pids(d)
+            pids = tuple(p for p in read_pids(d) if p not in known)
         except UnsafeFileError:
             continue  # not the kernel's file: nothing to say of it
         holding = [(pid, open_nvidia_nodes(root, pid)) for pid in pids]
