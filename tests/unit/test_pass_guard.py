@@ -53,7 +53,7 @@ def test_lasting_findings_without_changes_never_hold_a_pass_back() -> None:
 def test_a_self_waking_repair_runs_a_few_passes_not_hundreds() -> None:
     """Each pass 'sets a DeviceAllow=' that wakes the next one (as the transient watch
     does) and finds the same denial: with the guard's wait the coalescer runs a handful
-    of passes in 3 s, where it ran ~3 a second without end before."""
+    of passes in 3 s, where without it it ran one each quiet period, without end."""
 
     async def main() -> int:
         passes = 0
@@ -75,8 +75,9 @@ def test_a_self_waking_repair_runs_a_few_passes_not_hundreds() -> None:
         return passes
 
     n = asyncio.run(asyncio.wait_for(main(), timeout=20))
-    # waits 0.2, 0.4, 0.8, 1.6 s: at most 6 passes in 3 s (without the guard: ~100)
-    assert 3 <= n <= 6, n
+    # waits 0.2, 0.4, 0.8, 1.6 s: at most 6 passes in 3 s (without the guard, one every
+    # quiet period: hundreds)
+    assert 2 <= n <= 6, n
 
 
 def test_an_urgent_mark_is_not_held_back() -> None:
