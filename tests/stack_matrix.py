@@ -61,17 +61,26 @@ def result_text(c: Cell) -> str:
 def render_support(cells: List[Cell]) -> str:
     head = (
         "| release | systemd | containerd | runtime | Python | layout | gpuguard installed as "
-        "| result | containers | events | losses | over-grants | proven by |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| result | containers | found | events | losses | over-grants | narrowed | proven by |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
     for c in cells:
         v = c["versions"]
         layout = "v2 (unified)" if c["layout"] == "v2" else "v1 (hybrid)"
+        privileged = c.get("privileged", 0)
+        made = (
+            f"{c['containers']} + {privileged} privileged" if privileged else str(c["containers"])
+        )
         counts = (
-            ["", "", "", ""]
+            ["", "", "", "", "", ""]
             if c["result"] == "not run"
-            else [str(c[k]) for k in ("containers", "events", "losses", "over_grants")]
+            else [
+                made,
+                str(c["found"]),
+                *(str(c[k]) for k in ("events", "losses", "over_grants")),
+                str(c["narrowed"]) if "narrowed" in c else "",
+            ]
         )
         test = c["test"].split("::", 1)[1] if "::" in c["test"] else c["test"]
         rows.append(

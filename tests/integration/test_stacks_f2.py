@@ -12,13 +12,14 @@ container must open its GPU and must not open the one it was not given, and `gpu
 status` must list every container. Each cell writes its counts to build/stacks/ (the
 README's support matrix is rendered from them: scripts/stack-matrix).
 
-crun cells fail with today's gpuguard (issue 25): crun runs the container's process in
-``SCOPE/container`` with a device program of its own there, and gpuguard reads only
-``SCOPE/cgroup.procs``, so it finds none of them. They are written to the behaviour
-wanted and marked ``xfail(strict=True)``: once gpuguard finds them, they pass and the
-mark must go. So is Debian 11's runc cell on v2 (``LOOP_247``), a defect these runs
-found. crun 0.17 and 1.8 cannot make a container on v2 on these machines: those cells
-check that they still cannot, with the runtime's own error, and say so in the matrix.
+Each runtime also runs a privileged GPU container (a device plugin, dcgm-exporter or the
+GPU operator's pods run so): its scope admits every device, and after every event with
+gpuguard running it must still open every device it opened before (`/dev/kmsg` among
+them, and the GPUs): none narrowed. crun runs the container's process in
+``SCOPE/container`` with a device program of its own there (1.8 and newer); gpuguard
+must find it there and judge it by both programs. crun 0.17 and 1.8 cannot make a
+container on v2 on these machines: those cells check that they still cannot, with the
+runtime's own error, and say so in the matrix.
 """
 
 from __future__ import annotations
@@ -34,15 +35,6 @@ from integration.stacks.scenario import RUNTIMES, Stack
 pytestmark = pytest.mark.root
 
 RESULTS = REPO / "build" / "stacks"
-ISSUE25 = (
-    "issue 25: crun runs the process in SCOPE/container with its own device program; "
-    "gpuguard reads only SCOPE/cgroup.procs and finds no crun container"
-)
-LOOP_247 = (
-    "GPU lost at each runc update, passes without end: systemd 247 names no device "
-    "program and runc 1.0-rc93's update attaches one of its own; gpuguard's bridge cannot "
-    "tell them apart, so the GPU stays denied and its passes run on (about 3 a second)"
-)
 #: (release, layout) booted, in the order they run.
 STACKS: Tuple[Tuple[str, str], ...] = (
     ("bullseye", "v1"),
@@ -56,13 +48,8 @@ STACKS: Tuple[Tuple[str, str], ...] = (
 #: What each cell is expected to do today other than pass: an xfail reason, or
 #: ("not run", why) for a runtime that cannot make a container on these machines.
 EXPECTED: Dict[Tuple[str, str, str], Union[str, Tuple[str, str]]] = {
-    ("bullseye", "v2", "runc"): LOOP_247,
     ("bullseye", "v2", "crun"): ("not run", "CAP_SYS_RESOURCE"),
-    ("bookworm", "v1", "crun"): ISSUE25,
     ("bookworm", "v2", "crun"): ("not run", "CAP_SYS_RESOURCE"),
-    ("trixie", "v1", "crun"): ISSUE25,
-    ("trixie", "v2", "crun"): ISSUE25,
-    ("sid", "v2", "crun"): ISSUE25,
 }
 
 _stacks: Dict[Tuple[str, str], Union[Stack, BaseException]] = {}
@@ -112,9 +99,10 @@ def test_f2_cell(
     cell.write(RESULTS, test, want or "")
     print(f"\n{cell}")
     assert cell.placement, cell
-    assert cell.found == cell.containers, (
-        f"gpuguard status lists {cell.found} of {cell.containers} {runtime} containers"
-    )
+    made = cell.containers + cell.privileged
+    assert cell.found == made, f"gpuguard status lists {cell.found} of {made} {runtime} containers"
+    assert cell.privileged == 1, cell
     assert cell.losses == 0, f"{cell.losses} GPU(s) lost over {cell.events} events: {cell}"
     assert cell.over_grants == 0, f"{cell.over_grants} over-grant(s): {cell}"
+    assert cell.narrowed == 0, f"{cell.narrowed} privileged container-event(s) narrowed: {cell}"
     assert not cell.notes or all("did not go quiet" not in n for n in cell.notes), cell.notes

@@ -1,10 +1,11 @@
 """devices/bpfprog: runc/systemd-shaped device programs parsed, rebuilt and extended.
 
 Properties (hypothesis, bounded and derandomized for CI): a built program parses back to
-its rules; ``grant_nodes`` never admits a request outside previous-admitted plus
-read/write on the granted char nodes, and admits all of those. Shapes gpuguard did not
-expect are refused (UnknownProgramShape), never guessed. The kernel's own verdict on the
-same programs is tests/integration/test_bpf_inplace.py.
+its rules (both kinds of access test: within the mask, and runc 1.0-rc93's any shared
+bit; a mask of 0, as crun writes first); ``grant_nodes`` never admits a request outside
+previous-admitted plus read/write on the granted char nodes, and admits all of those.
+Shapes gpuguard did not expect are refused (UnknownProgramShape), never guessed. The
+kernel's own verdict on the same programs is tests/integration/test_bpf_inplace.py.
 """
 
 from __future__ import annotations
@@ -27,14 +28,21 @@ from gpuguard.devices.bpfprog import (
 
 MAJORS = st.sampled_from([1, 5, 136, 195, 234, 510])
 MINORS = st.integers(min_value=0, max_value=4)
+# access 0 (crun's first block) and runc 1.0-rc93's "any bit" tests included
 RULES = st.builds(
     DevRule,
     st.booleans(),
     st.one_of(st.none(), st.sampled_from(["c", "b"])),
     st.one_of(st.none(), MAJORS),
     st.one_of(st.none(), MINORS),
-    st.one_of(st.none(), st.integers(min_value=1, max_value=7)),
-).filter(lambda r: (r.kind, r.major, r.minor, r.access) != (None,) * 4)
+    st.one_of(st.none(), st.integers(min_value=0, max_value=7)),
+    st.booleans(),
+).filter(
+    lambda r: (
+        (r.kind, r.major, r.minor, r.access) != (None,) * 4
+        and (r.access is not None or not r.access_any)
+    )
+)
 PROGRAMS = st.builds(DeviceProgram, st.lists(RULES, max_size=8).map(tuple), st.booleans())
 NODES = st.lists(st.tuples(MAJORS, MINORS), max_size=4)
 REQUESTS = [

@@ -121,6 +121,35 @@ def daemon_pass(tmp: Path) -> Entries:
     return logged(emit)
 
 
+def repair_loop(tmp: Path) -> Entries:
+    """pass-backoff: two passes in a row that change something and find the same."""
+    from gpuguard.model import Outcome
+    from gpuguard.steps.container_access.reconcile import UnitDeviceAllow
+
+    async def same(svc: Any, ctx: PassContext) -> None:
+        ctx.findings.append(Finding("container-device-denied", "same", "still denied"))
+        ctx.outcomes.append(Outcome(UnitDeviceAllow("same", "again", "x.scope"), "done", "set"))
+
+    def emit(log: EventLog) -> None:
+        root = Root(tmp / "loop")
+        d = Daemon(root=root, config=load_config(root), config_path=None, log=log,
+                   notifier=Notifier(""), inventory_path=tmp / "none.json",
+                   bus_address="unix:path=/nonexistent", steps={"same": same},
+                   step_order=("same",))  # fmt: skip
+        now = time.monotonic()
+        for _ in range(2):
+            asyncio.run(d._run_pass(Work(frozenset({"same"}), ("test",), now, now)))
+
+    return logged(emit)
+
+
+def strays() -> Entries:
+    from gpuguard.steps.container_access.reconcile import stray_findings
+
+    cg = "/sys/fs/cgroup/kubepods.slice/kubepods-pod1.slice/other-1.scope"
+    return findings(stray_findings(((cg, (42, 43), ("/dev/nvidia0", "/dev/nvidiactl")),)))
+
+
 def conditions() -> Entries:
     def emit(log: EventLog) -> None:
         c = Conditions()
@@ -188,6 +217,8 @@ def entries(tmp_path_factory: pytest.TempPathFactory) -> Entries:
         + checkpoint_changes(tmp)
         + remap_changes(tmp)
         + daemon_pass(tmp)
+        + repair_loop(tmp)
+        + strays()
         + conditions()
         + plugin_restarts()
         + unit_jobs()

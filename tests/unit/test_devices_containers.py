@@ -198,7 +198,7 @@ def test_odd_names_are_skipped(tmp_path: Path, caplog: pytest.LogCaptureFixture)
     deep = v1 / f"kubepods/pod{UID}/{CID2}"
     _cg(deep, "/".join(["x"] * 60))  # a very deep tree below a container: never walked
     (v1 / "kubepods.slice").write_text("a file where a slice should be")
-    with caplog.at_level(logging.DEBUG, logger="gpuguard.devices.containers"):
+    with caplog.at_level(logging.DEBUG, logger="gpuguard.devices"):
         got = discover_containers(Root(tmp_path), CgroupLayout("/sys/fs/cgroup/devices", None))
     assert sorted(c.container_id for c in got) == sorted([CID1, CID2])
     assert "not a container directory" in caplog.text

@@ -174,7 +174,7 @@ ACCESS = SRC / "steps" / "container_access"
 # that may ask which layout a container is on.
 LAYOUT_IMPLEMENTATIONS = {"cgroupv1.py", "cgroupv2.py"}
 # Which hierarchy's path a container has: the layout itself
-LAYOUT_PATHS = {"cgroup_v1_devices", "cgroup_v2"}
+LAYOUT_PATHS = {"cgroup_v1_devices", "cgroup_v2", "process_v1", "process_v2", "v1_dir", "v2_dir"}
 # What a layout or a mechanism is called (ContainerCgroup.layout, .mechanism,
 # CgroupLayout.kind): compared with one of these, it is a branch on the layout
 LAYOUT_NAMES = {"v1", "v2", "hybrid", "unified", "legacy",

@@ -190,3 +190,13 @@ def test_plugin_script_runs_gpuguard_npd_or_says_unknown() -> None:
     assert os.access(SCRIPT, os.X_OK)
     assert 'exec /usr/bin/gpuguard npd "$@"' in text
     assert "exit 2" in text
+
+
+@pytest.mark.parametrize("kind", ["container-unreadable", "gpu-process-unattributed"])
+def test_a_container_gpuguard_cannot_audit_is_never_ok(tmp_path: Path, kind: str) -> None:
+    """A scope whose processes gpuguard cannot place, or GPU processes in a kubepods
+    cgroup that is no container it knows (issue 25: crun's containers went unseen while
+    the node said OK): the device-access condition is a problem, with the path."""
+    cg = "/sys/fs/cgroup/kubepods.slice/x.scope"
+    status_file(tmp_path, steps=steps(container_access={"findings": [finding(kind, cg)]}))
+    assert answer(Root(tmp_path), "device-access") == (PROBLEM, cg)

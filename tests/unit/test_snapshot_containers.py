@@ -31,13 +31,13 @@ def test_one_walk_of_the_kubepods_tree_per_pass(
     (tmp_path / "sys/fs/cgroup/devices/devices.list").write_text("a *:* rwm\n")
     _proc(tmp_path, 100, "/usr/bin/python3")
     walks: list[Path] = []
-    real = containers._walk
+    real = containers.walk
 
     def counting(base: Path, *a: Any, **kw: Any) -> Iterator[Any]:
         walks.append(base)
         return real(base, *a, **kw)
 
-    monkeypatch.setattr(containers, "_walk", counting)
+    monkeypatch.setattr(containers, "walk", counting)
     cfg = Config()
     svc = OneShotServices(root, cfg, EventLog(level="error"), dry_run=True, bus_address="")
     steps = build_steps([s for s in STEPS if s.name in (CONTAINER_ACCESS, DEVICE_PLUGIN)])

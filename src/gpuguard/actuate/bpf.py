@@ -216,8 +216,10 @@ def replace_device_program(
     verify: Callable[[], bool],
     *,
     dry_run: bool,
+    program_id: int = 0,
 ) -> Replacement:
-    """Give ``cgroup_dir`` read/write on the char ``nodes`` on top of its program.
+    """Give ``cgroup_dir`` read/write on the char ``nodes`` on top of its program
+    (``program_id``: that one of those attached, which must still be; 0: the only one).
 
     Raises BpfReplaceError (the old program attached, as before) on any failure,
     including ``verify()`` returning False after the swap."""
@@ -232,12 +234,20 @@ def replace_device_program(
         ids = query_device_programs(cgroup_dir)
     except OSError as e:
         raise BpfReplaceError(f"{where}BPF_PROG_QUERY failed: {e.strerror}") from None
-    if len(ids) != 1:
+    if program_id:
+        if program_id not in ids:
+            raise BpfReplaceError(
+                f"{where}program {program_id} is no longer attached (replaced meanwhile); "
+                "nothing changed, the next pass judges the container again"
+            )
+        old_id = program_id
+    elif len(ids) != 1:
         raise BpfReplaceError(
             f"{where}{len(ids)} device programs attached; gpuguard replaces only a single one "
             "(runc's or systemd's); restart the container (V2Remedy=restart-container)"
         )
-    (old_id,) = ids
+    else:
+        (old_id,) = ids
     try:
         old_fd = _fd_by_id(old_id)
     except OSError as e:

@@ -203,8 +203,14 @@ class DevicesConfig:
         "DurableGrants",
         Bool(),
         "yes",
-        "Also record re-granted access with systemd (on the container's scope) so "
-        "that the next daemon-reload does not revoke it again.",
+        "Make a GPU container's grant durable on its systemd scope (DeviceAllow=, "
+        "written first as the scope's drop-in) so that the next daemon-reload does "
+        "not revoke it again. no: on cgroup v1 gpuguard still writes a lost node back "
+        "to devices.allow (until the next reload); on cgroup v2 a scope whose systemd "
+        "program denies a node is only reported, since DeviceAllow= is the repair "
+        "there (no bridge either); a runtime's own program in the scope is still "
+        "repaired under V2Remedy=. A scope that admits every device (a privileged "
+        "container's) never gets a DeviceAllow=, whatever this says.",
     )
     v2_remedy: str = _key(
         "V2Remedy",

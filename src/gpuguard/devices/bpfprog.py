@@ -9,7 +9,12 @@ ends its blocks with a jump to one shared verdict instead: a rule ``goto accept`
 default ``r0 = 0; goto exit``, and the program ``accept: r0 = 1; exit: exit``.
 
 `parse` accepts exactly that shape and raises `UnknownProgramShape` for anything else:
-an unexpected program is a finding, never a guess. `build` writes the same shape, so a
+an unexpected program is a finding, never a guess. Two variants of the access test are
+read as the kernel runs them: runc before 1.0 (1.0.0-rc93, Debian 11) skips a block when
+the request shares no bit with its mask (``if (access & mask) == 0 goto next``, so "m"
+also matches "rwm"), later runc, crun and systemd when the request is not within it;
+crun writes a block with mask 0 first (it never matches an open, whose access is never
+empty). `build` writes the same shape, so a
 parsed program rebuilt admits what it admitted. `grant_nodes` puts allow blocks for the
 given char nodes (read and write, no mknod) in front of the previous rules: the result
 admits the previous program's set plus exactly those nodes. Pure code: no syscalls.
@@ -29,6 +34,7 @@ ACC_MKNOD = 1
 ACC_READ = 2
 ACC_WRITE = 4
 ACC_RW = ACC_READ | ACC_WRITE
+ACC_ALL = ACC_MKNOD | ACC_READ | ACC_WRITE
 
 _LDX_W = 0x61  # r_dst = *(u32 *)(r_src + off)
 _AND32_K = 0x54
@@ -38,6 +44,7 @@ _MOV32_K = 0xB4
 _MOV64_K = 0xB7
 _JNE_K = 0x55
 _JNE_X = 0x5D
+_JEQ_K = 0x15  # runc before 1.0: ``if (access & mask) == 0 goto next``
 _JA = 0x05  # goto pc + 1 + off (systemd: a matching rule jumps to its shared verdict)
 _EXIT = 0x95
 
@@ -57,14 +64,28 @@ class DevRule:
     major: Optional[int] = None
     minor: Optional[int] = None
     access: Optional[int] = None  # ACC_* mask; the request must lie within it
+    # runc before 1.0: the request need only share a bit with the mask
+    access_any: bool = False
 
     def matches(self, kind: str, major: int, minor: int, access: int) -> bool:
         return (
             (self.kind is None or self.kind == kind)
             and (self.major is None or self.major == major)
             and (self.minor is None or self.minor == minor)
-            and (self.access is None or access & self.access == access)
+            and (self.access is None or self._access_matches(access))
         )
+
+    def _access_matches(self, access: int) -> bool:
+        assert self.access is not None
+        if self.access_any:
+            return access & self.access != 0
+        return access & self.access == access
+
+    @property
+    def matches_all(self) -> bool:
+        """Every request matches (no type, number or access limit)."""
+        full = self.access is None or (self.access == ACC_ALL and not self.access_any)
+        return (self.kind, self.major, self.minor) == (None, None, None) and full
 
 
 @dataclass(frozen=True)
@@ -78,9 +99,22 @@ class DeviceProgram:
                 return r.allow
         return self.default_allow
 
+    @property
+    def admits_all(self) -> bool:
+        """Every device, every access: what a privileged container's program says (crun
+        ends it with an allow-all block). A deny rule before the first rule that matches
+        everything may refuse something: then False."""
+        for r in self.rules:
+            if not r.allow:
+                return False
+            if r.matches_all:
+                return True
+        return self.default_allow
+
     def describe(self) -> str:
         def one(r: DevRule) -> str:
-            acc = "" if r.access is None else " " + _acc_text(r.access)
+            acc = "" if r.access is None else " " + (_acc_text(r.access) or "-")
+            acc += " (any)" if r.access_any else ""
             num = f"{'*' if r.major is None else r.major}:{'*' if r.minor is None else r.minor}"
             return f"{'allow' if r.allow else 'deny'} {r.kind or 'a'} {num}{acc}"
 
@@ -199,11 +233,11 @@ def parse(code: bytes) -> DeviceProgram:
                 and (i.dst, regs.get(i.src)) == (1, "access")
                 and pc + 2 < len(insns)
                 and (insns[pc + 1].code, insns[pc + 1].dst) == (_AND32_K, 1)
-                and insns[pc + 2].code == _JNE_X
-                and (insns[pc + 2].dst, insns[pc + 2].src) == (1, i.src)
                 and "access" not in f
+                and _access_test(insns[pc + 2], i.src) is not None
             ):
                 f["access"] = insns[pc + 1].imm
+                f["any"] = int(_access_test(insns[pc + 2], i.src) == "any")
                 jumps.append(pc + 3 + insns[pc + 2].off)
                 pc += 3
             else:
@@ -218,7 +252,7 @@ def parse(code: bytes) -> DeviceProgram:
         kind = f.get("type")
         if kind is not None and kind not in _KINDS:
             raise UnknownProgramShape(f"block at {start}: device type {kind} unknown")
-        if "access" in f and not 0 < f["access"] < 8:
+        if "access" in f and not 0 <= f["access"] < 8:
             raise UnknownProgramShape(f"block at {start}: access mask {f['access']} unknown")
         rules.append(
             DevRule(
@@ -227,8 +261,19 @@ def parse(code: bytes) -> DeviceProgram:
                 f.get("major"),
                 f.get("minor"),
                 f.get("access"),
+                bool(f.get("any")),
             )
         )
+
+
+def _access_test(i: _Insn, access_reg: int) -> Optional[str]:
+    """The jump that ends an access test: "within" (``r1 != access``), "any" (runc
+    before 1.0: ``r1 == 0``), None: not an access test."""
+    if i.code == _JNE_X and (i.dst, i.src) == (1, access_reg):
+        return "within"
+    if i.code == _JEQ_K and (i.dst, i.imm) == (1, 0):
+        return "any"
+    return None
 
 
 # --- encoding
@@ -257,7 +302,7 @@ def _block(r: DevRule) -> bytes:
         tests.append(([], _JNE_K, 2, 0, DEVCG_CHAR if r.kind == "c" else DEVCG_BLOCK))
     if r.access is not None:
         pre = [_insn(_MOV32_X, 1, 3), _insn(_AND32_K, 1, imm=r.access)]
-        tests.append((pre, _JNE_X, 1, 3, 0))
+        tests.append((pre, _JEQ_K, 1, 0, 0) if r.access_any else (pre, _JNE_X, 1, 3, 0))
     if r.major is not None:
         tests.append(([], _JNE_K, 4, 0, r.major))
     if r.minor is not None:

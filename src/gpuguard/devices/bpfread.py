@@ -27,6 +27,9 @@ from gpuguard.devices.probe import (
     bpf_syscall,
     query_device_programs,
 )
+from gpuguard.host.numparse import parse_decimal
+from gpuguard.host.paths import Root
+from gpuguard.host.safeio import UnsafeFileError, read_kernel_text
 
 BRIDGE_NAME = "gpuguard_bridge"  # gpuguard's bridges (steps/container_access/bridge.py)
 SYSTEMD_NAME = "sd_devices"  # the program systemd builds from a unit's DeviceAllow=
@@ -108,6 +111,35 @@ def read_rules(
 
 
 BPF_F_QUERY_EFFECTIVE = 1
+BPF_PROG_LINK = "anon_inode:bpf-prog"
+MAX_PID1_FDS = 1 << 16  # fds of PID 1 looked at, at most
+
+
+def systemd_held(root: Root) -> frozenset[int]:
+    """The ids of the BPF programs PID 1 (systemd) holds open: systemd keeps each unit's
+    installed device program by its fd, so these are its programs, on every version
+    (before 249 it loads them unnamed, like runc 1.0-rc93). Empty when PID 1's fds
+    cannot be read (no CAP_SYS_PTRACE)."""
+    fd_dir = root.path("/proc/1/fd")
+    out: set[int] = set()
+    try:
+        fds = os.listdir(fd_dir)
+    except OSError:
+        return frozenset()
+    for fd in fds[:MAX_PID1_FDS]:
+        try:
+            if os.readlink(fd_dir / fd) != BPF_PROG_LINK:
+                continue
+            text = read_kernel_text(root.path(f"/proc/1/fdinfo/{fd}"), what="fdinfo")
+        except (OSError, UnsafeFileError):
+            continue
+        for line in (text or "").splitlines():
+            key, _, value = line.partition(":")
+            if key == "prog_id":
+                prog_id = parse_decimal(value.strip(), hi=2**32 - 1)
+                if prog_id is not None:
+                    out.add(prog_id)
+    return frozenset(out)
 
 
 def effective_programs(cgroup_dir: Path, fd: Optional[int] = None) -> Tuple[int, ...]:

@@ -16,9 +16,22 @@ hybrid hosts and /sys/fs/cgroup on unified ones. On a hybrid host BOTH apply to 
 device open (the kernel runs the cgroup2 BPF device programs, then the v1 controller),
 so a container is reported with both paths when both exist.
 
+Processes are followed wherever the runtime put them: runc runs the container's process
+in its scope (or cgroupfs directory), crun (1.8 and newer, systemd driver) in a
+sub-cgroup of it, ``SCOPE/container``, whose device policy (its own v1 list, or its own
+BPF program on v2) is what the kernel checks on top of the scope's. A container's
+record keeps both: the scope, which a durable grant (DeviceAllow=) changes, and the
+cgroup its process is in (`process_v2`, `process_v1`), which judges its opens. A scope
+that holds processes (``cgroup.events``: populated) none of which is found within
+`SUB_DEPTH` levels is a container that cannot be audited (`problem`), never one that
+is silently left out; a directory under kubepods that is no container, pod or QoS
+class is kept as a stray (`Kubepods.strays`): the container access step reports one
+whose processes hold NVIDIA nodes open.
+
 The walk never raises on odd trees: unknown names, undecodable names, vanished
 directories (a pod deleted mid-walk: ENOENT) are skipped with a debug reason. Depth is
-bounded by the layout (kubepods / qos / pod / container), so a deep tree costs nothing.
+bounded by the layout (kubepods / qos / pod / container, and `SUB_DEPTH` below a
+container), so a deep tree costs nothing.
 """
 
 from __future__ import annotations
@@ -27,24 +40,21 @@ import logging
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 from gpuguard.devices.cgroupnames import (
-    CGROUPFS_CONTAINER,
-    CGROUPFS_POD,
-    CGROUPFS_QOS,
-    KUBEPODS_DIR,
     KUBEPODS_SLICE,
     RUNTIME,
     SYSTEMD_CONTAINER,
     SYSTEMD_QOS,
-    has_control,
     systemd_pod_uid,
 )
+from gpuguard.devices.cgrouptree import SUB_DEPTH, dir_names, find_processes, populated
+from gpuguard.devices.cgrouptree import read_pids as read_pids  # re-exported
+from gpuguard.devices.kubepods import Found, walk
 from gpuguard.host.echo import cut
-from gpuguard.host.numparse import clip, parse_decimal
 from gpuguard.host.paths import Root
-from gpuguard.host.safeio import CGROUP_MAX, PROC_MAX, UnsafeFileError, read_bytes, read_kernel_text
+from gpuguard.host.safeio import PROC_MAX, UnsafeFileError, read_bytes, read_kernel_text
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +94,10 @@ class ContainerCgroup:
     # Non-empty: this container's own files could not be read (a malformed cgroup.procs,
     # a FIFO where a file should be); it gets a finding, every other one goes on.
     problem: str = ""
+    # The cgroup its processes are in when the runtime put them below the scope or
+    # directory above (crun: SCOPE/container); None: that cgroup itself.
+    process_v2: Optional[Path] = None
+    process_v1: Optional[Path] = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -103,6 +117,16 @@ class ContainerCgroup:
         if self.cgroup_v1_devices is not None:
             return "v1-rule"
         return "scope-device-allow" if self.unit is not None else "own-program"
+
+    @property
+    def v2_dir(self) -> Optional[Path]:
+        """The cgroup2 directory its processes are in (its opens are judged there)."""
+        return self.process_v2 or self.cgroup_v2
+
+    @property
+    def v1_dir(self) -> Optional[Path]:
+        """The v1 devices directory its processes are in (the kernel checks that one)."""
+        return self.process_v1 or self.cgroup_v1_devices
 
 
 def detect_layout(root: Root) -> CgroupLayout:
@@ -140,127 +164,6 @@ def detect_layout(root: Root) -> CgroupLayout:
     return CgroupLayout(v1, v2)
 
 
-@dataclass(frozen=True)
-class _Found:
-    pod_uid: str
-    container_id: str
-    runtime: str
-    driver: str
-    unit: Optional[str]
-    path: Path
-
-
-def _dir_names(d: str) -> list[str]:
-    """Names of `d`'s child directories ([] when it vanished; an odd entry skipped)."""
-    out = []
-    try:
-        with os.scandir(d) as it:
-            for e in it:
-                try:
-                    if e.is_dir(follow_symlinks=False):
-                        out.append(e.name)
-                except OSError:
-                    log.debug("skipping %s: cannot stat it", e.path)
-    except OSError as err:
-        log.debug("cannot list %s: %s", d, err.strerror)
-    return out
-
-
-def _subdirs(d: Path, refused: Optional[list[Path]] = None) -> list[tuple[str, Path]]:
-    """Child directories, sorted; [] with a debug reason when ``d`` vanished or is odd.
-    A name with a control character is never matched against a pattern: it goes to
-    `refused` (a finding), or is skipped."""
-    out = []
-    for name in _dir_names(os.fspath(d)):
-        if has_control(name):
-            if refused is not None:
-                refused.append(d / name)
-            continue
-        out.append((name, d / name))
-    return sorted(out)
-
-
-def _systemd_pods(kubepods: Path, refused: list[Path]) -> Iterator[tuple[str, Path]]:
-    for name, path in _subdirs(kubepods, refused):
-        uid = systemd_pod_uid(name)
-        if uid:
-            yield uid, path
-        elif SYSTEMD_QOS.fullmatch(name):
-            for qname, qpath in _subdirs(path, refused):
-                quid = systemd_pod_uid(qname)
-                if quid:
-                    yield quid, qpath
-                else:
-                    log.debug("skipping %s: not a pod slice", qpath)
-        else:
-            log.debug("skipping %s: not a pod or QoS slice", path)
-
-
-def _cgroupfs_pods(kubepods: Path, refused: list[Path]) -> Iterator[tuple[str, Path]]:
-    for name, path in _subdirs(kubepods, refused):
-        m = CGROUPFS_POD.fullmatch(name)
-        if m:
-            yield m.group(1), path
-        elif name in CGROUPFS_QOS:
-            for qname, qpath in _subdirs(path, refused):
-                qm = CGROUPFS_POD.fullmatch(qname)
-                if qm:
-                    yield qm.group(1), qpath
-                else:
-                    log.debug("skipping %s: not a pod directory", qpath)
-        else:
-            log.debug("skipping %s: not a pod or QoS directory", path)
-
-
-def _walk(hierarchy: Path, refused: list[Path]) -> Iterator[_Found]:
-    systemd = hierarchy / KUBEPODS_SLICE
-    for uid, pod in _systemd_pods(systemd, refused) if systemd.is_dir() else ():
-        for name, path in _subdirs(pod, refused):
-            m = SYSTEMD_CONTAINER.fullmatch(name)
-            if not m:
-                # crio-conmon-<id>.scope is the monitor, not the container
-                log.debug("skipping %s: not a container scope", path)
-                continue
-            yield _Found(uid, m.group(2), RUNTIME[m.group(1)], "systemd", name, path)
-    cgroupfs = hierarchy / KUBEPODS_DIR
-    for uid, pod in _cgroupfs_pods(cgroupfs, refused) if cgroupfs.is_dir() else ():
-        for name, path in _subdirs(pod, refused):
-            m = CGROUPFS_CONTAINER.fullmatch(name)
-            if not m:
-                log.debug("skipping %s: not a container directory", path)
-                continue
-            runtime = RUNTIME[m.group(1)] if m.group(1) else "unknown"
-            yield _Found(uid, m.group(2), runtime, "cgroupfs", None, path)
-
-
-MAX_PID = 2**22  # the kernel's PID_MAX_LIMIT
-
-
-def read_pids(cgroup_dir: Path) -> tuple[int, ...]:
-    """cgroup.procs of a v1 or v2 directory; () if it vanished.
-
-    Anything but PIDs, one per line, raises UnsafeFileError naming the file (the caller
-    charges it to this container only)."""
-    path = cgroup_dir / "cgroup.procs"
-    text = read_kernel_text(path, what="cgroup.procs", max_bytes=CGROUP_MAX)
-    if text is None:
-        return ()
-    pids = []
-    for lineno, word in enumerate(text.split("\n"), 1):
-        if not word:
-            continue
-        pid = parse_decimal(word, hi=MAX_PID)
-        if pid == 0:  # a process outside our PID namespace: the kernel shows 0
-            continue
-        if pid is None:
-            raise UnsafeFileError(
-                f"{path}:{lineno}: {clip(word)} is not a process ID; the kernel writes one "
-                "PID per line — check what wrote this file"
-            )
-        pids.append(pid)
-    return tuple(pids)
-
-
 def _is_pause(root: Root, pids: tuple[int, ...]) -> bool:
     """True when the cgroup's only process is the pause binary (the pod sandbox)."""
     if len(pids) != 1:
@@ -285,9 +188,27 @@ def discover_containers(
     """Every kubepods container with its v1 devices and v2 directories, sorted by key.
 
     ``cgroup_root`` is kubelet's ``--cgroup-root`` (tests use a private sub-tree)."""
+    return discover_kubepods(root, layout, cgroup_root=cgroup_root, skip_pause=skip_pause)[0]
+
+
+Kubepods = tuple[tuple[ContainerCgroup, ...], tuple[Path, ...]]  # containers, strays
+
+
+def discover_kubepods(
+    root: Root,
+    layout: Optional[CgroupLayout] = None,
+    *,
+    cgroup_root: str = "/",
+    skip_pause: bool = True,
+) -> Kubepods:
+    """`discover_containers`, and the strays: every directory of the kubepods tree that
+    is no container (kubepods, QoS classes, pods, names no runtime gives), in cgroup2
+    where it is mounted, else in the v1 devices hierarchy (a caller looks for
+    processes in them)."""
     layout = layout or detect_layout(root)
     sub = cgroup_root.strip("/")
-    found: dict[tuple[str, str], dict[str, _Found]] = {}
+    found: dict[tuple[str, str], dict[str, Found]] = {}
+    strays: list[Path] = []
     refused: list[Path] = []
     for which, mount in (("v1", layout.v1_devices), ("v2", layout.v2)):
         if mount is None:
@@ -295,14 +216,18 @@ def discover_containers(
         base = root.path(mount)
         if sub:
             base = base / sub
-        for f in _walk(base, refused):
+        # every process is in one cgroup2 directory: its strays are enough where it is
+        # mounted (a hybrid host's v1 pod slices may hold a container's process that
+        # systemd left there, which its cgroup2 scope attributes)
+        keep: list[Path] = strays if which == "v2" or layout.v2 is None else []
+        for f in walk(base, keep, refused):
             found.setdefault((f.pod_uid, f.container_id), {})[which] = f
     out: list[ContainerCgroup] = []
     for key in sorted(found):
         c = _container(root, found[key], skip_pause)
         if c is not None:
             out.append(c)
-    return tuple(out) + _refused(refused)
+    return tuple(out) + _refused(refused), tuple(strays)
 
 
 def _refused(paths: list[Path]) -> tuple[ContainerCgroup, ...]:
@@ -332,16 +257,42 @@ def _refused(paths: list[Path]) -> tuple[ContainerCgroup, ...]:
     return tuple(out[k] for k in sorted(out))
 
 
-def _container(root: Root, by: dict[str, _Found], skip_pause: bool) -> Optional[ContainerCgroup]:
+def _placed(
+    v1: Optional[Path], v2: Optional[Path]
+) -> tuple[tuple[int, ...], Optional[Path], Optional[Path], str]:
+    """The container's processes, the cgroups below its scope that hold them in each
+    hierarchy (None: the scope itself), and why it cannot be audited ("" if it can).
+    Raises UnsafeFileError (a cgroup.procs that is not the kernel's)."""
+    pids: tuple[int, ...] = ()
+    where2 = where1 = None
+    if v2 is not None:
+        where2, pids = find_processes(v2)
+    # v1 looked into only where cgroup2 does not say it is the scope itself (as it is
+    # with runc: one read per container, as before crun was followed)
+    if v1 is not None and (not pids or where2 != v2):
+        where1, pids1 = find_processes(v1)
+        pids = pids or pids1
+    problem = ""
+    if not pids and v2 is not None and populated(v2):
+        problem = (
+            f"{v2} holds processes (cgroup.events: populated 1) but none in it or "
+            f"within {SUB_DEPTH} levels below it: gpuguard cannot tell which is the "
+            "container's, so it judges and grants nothing; check where its runtime puts "
+            "the container's process"
+        )
+    sub2 = where2 if where2 is not None and where2 != v2 else None
+    sub1 = where1 if where1 is not None and where1 != v1 else None
+    return pids, sub1, sub2, problem
+
+
+def _container(root: Root, by: dict[str, Found], skip_pause: bool) -> Optional[ContainerCgroup]:
     """One container from what the walk found of it in each hierarchy; None: the sandbox."""
     first = by.get("v1") or by["v2"]
     v1 = by["v1"].path if "v1" in by else None
     v2 = by["v2"].path if "v2" in by else None
-    problem = ""
+    sub1 = sub2 = None
     try:
-        pids = read_pids(v2) if v2 is not None else ()
-        if not pids and v1 is not None:
-            pids = read_pids(v1)
+        pids, sub1, sub2, problem = _placed(v1, v2)
     except UnsafeFileError as e:
         pids, problem = (), e.message
     if skip_pause and _is_pause(root, pids):
@@ -357,22 +308,25 @@ def _container(root: Root, by: dict[str, _Found], skip_pause: bool) -> Optional[
         unit=first.unit,
         pids=pids,
         problem=problem,
+        process_v2=sub2,
+        process_v1=sub1,
     )
 
 
 def with_fresh_pids(root: Root, c: ContainerCgroup) -> Optional[ContainerCgroup]:
-    """`c` with its cgroup.procs read again (a scope waiting for its process); None when
-    its cgroup is gone or its process turns out to be the pod's sandbox."""
+    """`c` with its processes found again (a scope waiting for its process: crun moves
+    it below the scope); None when its cgroup is gone or its process turns out to be
+    the pod's sandbox."""
     d = c.cgroup_v2 if c.cgroup_v2 is not None else c.cgroup_v1_devices
     if d is None or not d.is_dir():
         return None
     try:
-        pids = read_pids(c.cgroup_v2) if c.cgroup_v2 is not None else ()
-        if not pids and c.cgroup_v1_devices is not None:
-            pids = read_pids(c.cgroup_v1_devices)
+        pids, sub1, sub2, problem = _placed(c.cgroup_v1_devices, c.cgroup_v2)
     except UnsafeFileError as e:
         return replace(c, pids=(), problem=e.message)
-    return None if _is_pause(root, pids) else replace(c, pids=pids)
+    if _is_pause(root, pids):
+        return None
+    return replace(c, pids=pids, problem=problem, process_v1=sub1, process_v2=sub2)
 
 
 def _scope_under(kubepods: str, unit: str) -> Optional[tuple[str, str]]:
@@ -381,13 +335,13 @@ def _scope_under(kubepods: str, unit: str) -> Optional[tuple[str, str]]:
     burst of new scopes on a node of 200 pods asks this for each (pathlib objects and a
     sorted walk cost ~7 ms a lookup on a hybrid host, where both hierarchies were
     searched)."""
-    for name in _dir_names(kubepods):
+    for name in dir_names(kubepods):
         uid = systemd_pod_uid(name)
         if uid:
             if os.path.isdir(os.path.join(kubepods, name, unit)):
                 return uid, f"{name}/{unit}"
         elif SYSTEMD_QOS.fullmatch(name):
-            for qname in _dir_names(os.path.join(kubepods, name)):
+            for qname in dir_names(os.path.join(kubepods, name)):
                 quid = systemd_pod_uid(qname)
                 if quid and os.path.isdir(os.path.join(kubepods, name, qname, unit)):
                     return quid, f"{name}/{qname}/{unit}"
@@ -410,7 +364,7 @@ def find_scope(
         return None
     layout = layout or detect_layout(root)
     sub = cgroup_root.strip("/")
-    by: dict[str, _Found] = {}
+    by: dict[str, Found] = {}
     found: Optional[tuple[str, str]] = None  # pod UID, path under kubepods.slice
     for which, mount in (("v1", layout.v1_devices), ("v2", layout.v2)):
         if mount is None:
@@ -422,5 +376,5 @@ def find_scope(
         if found is not None:
             uid, rel = found
             path = Path(kubepods, rel)
-            by[which] = _Found(uid, m.group(2), RUNTIME[m.group(1)], "systemd", unit, path)
+            by[which] = Found(uid, m.group(2), RUNTIME[m.group(1)], "systemd", unit, path)
     return _container(root, by, skip_pause=True) if by else None

@@ -231,3 +231,27 @@ def kubelet_pids(root: Root) -> tuple[int, ...]:
         if comm.strip() == b"kubelet":
             pids.append(pid)
     return tuple(sorted(pids))
+
+
+MAX_FDS = 4096  # a process's fds looked at, at most
+NVIDIA_PREFIX = "/dev/nvidia"
+
+
+def open_nvidia_nodes(root: Root, pid: int) -> tuple[str, ...]:
+    """The NVIDIA device nodes the process holds open (its /proc/PID/fd links, as its
+    own mount namespace names them: /dev/nvidia0, /dev/nvidiactl, /dev/nvidia-uvm ...),
+    sorted; () when it is gone or its fds cannot be read."""
+    fd_dir = root.path(f"/proc/{pid}/fd")
+    try:
+        fds = os.listdir(fd_dir)
+    except OSError:
+        return ()
+    found = set()
+    for fd in fds[:MAX_FDS]:
+        try:
+            link = os.readlink(fd_dir / fd)
+        except OSError:
+            continue
+        if link.startswith(NVIDIA_PREFIX):
+            found.add(link)
+    return tuple(sorted(found))

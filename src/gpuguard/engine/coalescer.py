@@ -7,7 +7,9 @@ hundreds of signals becomes one pass), but never later than max_delay after the
 first pending mark. Urgent marks (systemd's Reloading end, a reexec) use the short
 quiet period, and the pass they bring says so (`Work.urgent`). Marks arriving during
 a pass are kept for the next one. While held (systemd is in the middle of a reload:
-units are in flux) no pass starts, up to max_hold.
+units are in flux) no pass starts, up to max_hold. After a pass whose changes repaired
+nothing (passguard.py), no pass starts before `hold_off`'s time unless an urgent mark
+asks for it.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Awaitable, Callable, Optional
+from typing import Awaitable, Callable, Hashable, Optional
 
 from gpuguard.engine.passes import Work
+from gpuguard.engine.passguard import RepairLoopGuard, Verdict
 from gpuguard.host import aio
 
 RunPass = Callable[[Work], Awaitable[None]]
@@ -46,6 +49,8 @@ class Coalescer:
         self._last = 0.0
         self._urgent = False
         self._held_since: Optional[float] = None
+        self._not_before = 0.0  # hold_off: no non-urgent pass before this time
+        self.loop_guard = RepairLoopGuard()
         self._wake = aio.Event()  # made in main, before the loop runs (aio.py)
         self._stopping = False
         self.passes = 0
@@ -68,6 +73,20 @@ class Coalescer:
         self._held_since = self.clock() if on else None
         self._wake.set()
 
+    def after_pass(self, acted: bool, findings: frozenset[Hashable]) -> Verdict:
+        """A pass ended (`acted`: it changed or tried to change something; `findings`:
+        what it found, by identity): never a repair loop (passguard.py), the next
+        non-urgent pass waits as long as the guard says."""
+        v = self.loop_guard.after_pass(acted, findings)
+        self.hold_off(v.wait)
+        return v
+
+    def hold_off(self, seconds: float) -> None:
+        """No pass before `seconds` from now unless an urgent mark asks for one (a
+        repair loop's back-off: passguard.py); 0 ends it."""
+        self._not_before = self.clock() + seconds if seconds > 0 else 0.0
+        self._wake.set()
+
     def stop(self) -> None:
         """Finish the pass in progress (if any), then return from run()."""
         self._stopping = True
@@ -83,6 +102,8 @@ class Coalescer:
         due = min(self._last + quiet, self._first + self.max_delay)
         if self._held_since is not None:
             due = max(due, self._held_since + self.max_hold)
+        if not self._urgent:
+            due = max(due, self._not_before)
         return due
 
     async def run(self) -> None:

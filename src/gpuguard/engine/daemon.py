@@ -33,6 +33,7 @@ from gpuguard.host.inventory import Inventory
 from gpuguard.host.notify import Notifier, watchdog_interval
 from gpuguard.host.paths import Root
 from gpuguard.host.systemd import Systemd, bus_address_for
+from gpuguard.journal.conditions import finding_id
 from gpuguard.journal.log import EventLog
 from gpuguard.reporting.ledger import Ledger
 from gpuguard.reporting.metrics_output import MetricsOutput
@@ -340,6 +341,10 @@ class Daemon:
                 "DURATION_MS": f"{duration * 1000:.2f}",
             },
         )
+        acted = any(o.status in ("done", "failed") for o in ctx.outcomes)
+        v = self.coalescer.after_pass(acted, frozenset(map(finding_id, ctx.findings)))
+        if v.wait:  # never a repair loop (passguard.py)
+            self.log.event("pass-backoff", v.message(len(ctx.findings)), **v.entry())
         self._write_status()
         self._schedule_followups(self.runner.due(ctx))
         self.notifier.status(self.status_line())

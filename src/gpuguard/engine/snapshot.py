@@ -28,10 +28,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 from typing import Mapping, Optional, Union
 
 from gpuguard.checkpoint import Loaded, dropped, load
-from gpuguard.devices.containers import ContainerCgroup, discover_containers
+from gpuguard.devices.containers import ContainerCgroup, Kubepods, discover_kubepods
 from gpuguard.devices.nodes import DeviceNode, NvidiaMajors, nvidia_majors, read_proc_devices
 from gpuguard.errors import BadInputError
 from gpuguard.host.paths import DROPPED_ENTRIES_FILE, Root
@@ -108,15 +109,24 @@ class HostSnapshot:
         return nvidia_majors(read_proc_devices(self.root))
 
     @cached_property
-    def _containers(self) -> dict[str, tuple[ContainerCgroup, ...]]:
+    def _kubepods(self) -> dict[str, Kubepods]:
         return {}
+
+    def _walk(self, cgroup_root: str) -> Kubepods:
+        got = self._kubepods.get(cgroup_root)
+        if got is None:
+            got = self._kubepods[cgroup_root] = discover_kubepods(
+                self.root, cgroup_root=cgroup_root
+            )
+        return got
 
     def containers(self, cgroup_root: str = "/") -> tuple[ContainerCgroup, ...]:
         """The kubepods containers under kubelet's ``cgroup_root``, walked once per pass
         for every step (container access and the device plugin step both judge them)."""
-        got = self._containers.get(cgroup_root)
-        if got is None:
-            got = self._containers[cgroup_root] = discover_containers(
-                self.root, cgroup_root=cgroup_root
-            )
-        return got
+        return self._walk(cgroup_root)[0]
+
+    def strays(self, cgroup_root: str = "/") -> tuple[Path, ...]:
+        """The directories of the same walk that are no container (kubepods, QoS
+        classes, pods, names no runtime gives): where a process gpuguard cannot
+        attribute to a container would be."""
+        return self._walk(cgroup_root)[1]

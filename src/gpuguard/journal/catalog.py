@@ -106,6 +106,16 @@ KINDS: dict[str, KindDoc] = {
         "nor grants this container anything; every other container is still audited and repaired. "
         "The message above names the file: check what wrote it, or recreate the container.",
     ),
+    "gpu-process-unattributed": KindDoc(
+        "Processes with GPU nodes open in a kubepods cgroup gpuguard cannot place",
+        "The cgroup @CGROUP@ is in the kubepods tree but is no container gpuguard knows (a "
+        "runtime or cgroup layout whose names it does not recognise, or a process placed in a "
+        "pod or QoS cgroup itself), and its processes (@PIDS@) hold @DEVICE@ open. gpuguard "
+        "cannot tell what they were given, so it neither judges nor repairs their access, and "
+        "the node is not reported healthy while they run. Find what made the cgroup "
+        "(`systemd-cgls @CGROUP@`, the runtime's configuration) and report it with the path. "
+        "Reported when it appears, changes and clears.",
+    ),
     "container-program-unexpected": KindDoc(
         "A container's cgroup v2 has several device programs: no in-place repair",
         "The container (cgroup v2, no systemd scope) lost GPU nodes, but more than one device "
@@ -179,6 +189,16 @@ KINDS: dict[str, KindDoc] = {
     # daemon (issue: event-driven daemon)
     "daemon-started": KindDoc("gpuguard daemon started", "The daemon finished its first pass."),
     "daemon-stopping": KindDoc("gpuguard daemon stopping", "SIGTERM received; finishing the pass."),
+    "pass-backoff": KindDoc(
+        "gpuguard holds back its next pass: its repairs changed nothing",
+        "@PASSES@ pass(es) in a row changed something (or tried to) and then found exactly "
+        "what the pass before found: their repairs did not take. A pass's own changes can wake "
+        "the next one (a DeviceAllow= it sets is a scope change), so without this the daemon "
+        "would repair the same thing in a loop. The next pass waits @WAIT_S@ s, twice as long "
+        "after each such pass up to 5 min; a daemon-reload, a reexec or a reconnection still "
+        "brings one at once, as does the audit. The findings of the passes before say what "
+        "does not take; the streak ends with the first pass that finds something else.",
+    ),
     "pass-complete": KindDoc(
         "gpuguard pass complete",
         "A coalesced reconciliation pass ran: @FINDINGS@ finding(s), @ACTIONS@ action(s). The "

@@ -54,6 +54,9 @@ CONDITIONS: tuple[Condition, ...] = (
                 "v2-report-only",
                 "container-device-missing",
                 "container-missing-uvm",
+                # a container or GPU process gpuguard cannot audit: never "OK" about it
+                "container-unreadable",
+                "gpu-process-unattributed",
             }
         ),
         "GPUDeviceAccessLost",

@@ -15,6 +15,10 @@ runc and crun, and GPU containers granted their nodes behind the runtime's back.
 * The kernel judges: a child placed in the container's own cgroup (where the kernel
   says its process is, ``/proc/PID/cgroup``) opens the fake node: EPERM denied, ENXIO
   admitted (``gpuguard.devices.probe``).
+* A privileged container (every device allowed, as ``--privileged`` and a device
+  plugin's pod have it) is judged on every device of `PROBES` and the GPUs: what it
+  opened at the start it must open after every event (``/dev/kmsg`` among them: a
+  DeviceAllow= on its scope, which admits everything, would make it a closed list).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from gpuguard.devices.probe import probe_open
+from gpuguard.devices.probe import probe_open, probe_open_all
 from integration.gpu_scopes import fake_proc_devices, gpu_inventory
 from integration.harness.bpfdev import DEFAULT_RULES, replace_programs
 from integration.harness.containerd import busybox_rootfs
@@ -43,6 +47,13 @@ NODES: Dict[str, Tuple[int, int]] = {
     "nvidia-uvm-tools": (UVM_MAJOR, 1),
 }
 CONTROL = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
+#: Devices a privileged container must keep, as nodes in the namespace's /dev (the
+#: kernel's driver answers an open of each: kmsg, null, fuse without its module)
+PROBES: Dict[str, Tuple[int, int]] = {
+    "gg-kmsg": (1, 11),
+    "gg-null": (1, 3),
+    "gg-fuse": (10, 229),
+}
 RUNC_ROOT = "/run/containerd/runc/default"
 ROOTFS = "/run/host/rootfs"
 FAKE_DRIVER = "[Service]\nBindReadOnlyPaths=/run/fake/devices:/proc/devices\n"
@@ -67,6 +78,7 @@ class Ctr:
     pod_uid: str
     container_id: str
     gpu: int
+    privileged: bool = False
 
     @property
     def unit(self) -> str:
@@ -80,13 +92,14 @@ class Ctr:
         return [NODES[f"nvidia{self.gpu}"], *(NODES[n] for n in CONTROL)]
 
 
-def make_ctrs(runtime: str, n: int, salt: str) -> List[Ctr]:
+def make_ctrs(runtime: str, n: int, salt: str, *, privileged: bool = False) -> List[Ctr]:
     return [
         Ctr(
             runtime,
             str(uuid.uuid5(uuid.NAMESPACE_OID, f"{salt}-{runtime}-{i}")),
             hashlib.sha256(f"{salt}-{runtime}-{i}".encode()).hexdigest(),
             i % 2,
+            privileged,
         )
         for i in range(n)
     ]
@@ -127,7 +140,7 @@ class Node:
     def prepare(self) -> None:
         """The driver's nodes and registration, gpuguard's configuration and the
         containerd overrides: before the package is installed (it starts the daemon)."""
-        for name, (ma, mi) in NODES.items():
+        for name, (ma, mi) in {**NODES, **PROBES}.items():
             self.ns.run(["mknod", "-m", "666", f"/dev/{name}", "c", str(ma), str(mi)], check=True)
         self.write("/run/fake/devices", fake_proc_devices(self.tmp / "devices").read_text())
         # `gpuguard status` run here reads the same registration as the daemon's unit
@@ -164,17 +177,26 @@ class Node:
         return res.stdout
 
     def run(self, c: Ctr) -> None:
-        argv = ["run", "-d", "--null-io", "--rootfs", "--runc-systemd-cgroup"]
+        argv = ["run", "-d", "--null-io", "--runc-systemd-cgroup"]
         argv.append(f"--cgroup={c.pod_slice}:cri-containerd:{c.container_id}")
+        argv += ["--config", self._privileged_spec(c)] if c.privileged else ["--rootfs"]
         if c.runtime != "runc":
             argv.append(f"--runc-binary=/usr/bin/{c.runtime}")
-        if self.ns.layout == "v2" and "--cpu-shares" in self.ctr("run", "--help"):
+        if (
+            not c.privileged
+            and self.ns.layout == "v2"
+            and "--cpu-shares" in self.ctr("run", "--help")
+        ):
             # this kernel keeps cpu in its v1 hierarchies: cgroup2 has no cpu.weight,
             # which ctr's default 1024 shares would make the runtime write
             argv.append("--cpu-shares=0")
-        for n in [f"nvidia{c.gpu}", *CONTROL]:
-            argv.append(f"--mount=type=bind,src=/dev/{n},dst=/dev/{n},options=rbind:rw")
-        argv += [ROOTFS, c.container_id, "/bin/busybox", "sleep", "3000"]
+        if not c.privileged:
+            for n in [f"nvidia{c.gpu}", *CONTROL]:
+                argv.append(f"--mount=type=bind,src=/dev/{n},dst=/dev/{n},options=rbind:rw")
+            argv.append(ROOTFS)
+        argv.append(c.container_id)
+        if not c.privileged:
+            argv += ["/bin/busybox", "sleep", "3000"]
         self.ctr(*argv)
         self.ctrs.append(c)
         self.check_runtime(c)
@@ -185,6 +207,26 @@ class Node:
             self.moved.append(f"{c.runtime}: {self.placement(c)}")
             (self.device_scope(c) / "cgroup.procs").write_text(str(self.host_pid(c)))
             self._cgroup.pop(c.container_id)
+
+    def _privileged_spec(self, c: Ctr) -> str:
+        """An OCI spec (ctr's default) that allows every device, as ``--privileged``
+        does, with the GPU bound in; the default capabilities, since runc 1.0-rc93
+        refuses ``--privileged``'s full set where the bounding set lacks one (these
+        machines lack CAP_SYS_RESOURCE). Returns its path inside the namespace."""
+        spec = json.loads(self.ctr("oci", "spec"))
+        spec["root"] = {"path": ROOTFS, "readonly": False}
+        spec["process"].update(args=["/bin/busybox", "sleep", "3000"], terminal=False)
+        linux = spec["linux"]
+        linux["cgroupsPath"] = f"{c.pod_slice}:cri-containerd:{c.container_id}"
+        linux["resources"] = {"devices": [{"allow": True, "access": "rwm"}]}
+        spec["mounts"] += [
+            {"destination": f"/dev/{n}", "type": "bind", "source": f"/dev/{n}",
+             "options": ["rbind", "rw"]}
+            for n in [f"nvidia{c.gpu}", *CONTROL]
+        ]  # fmt: skip
+        path = f"/run/host-spec-{c.container_id[:12]}.json"
+        self.write(path, json.dumps(spec))
+        return path
 
     def check_runtime(self, c: Ctr) -> None:
         """Fail unless ``c`` was made by the runtime asked for: runc keeps state.json in
@@ -263,6 +305,14 @@ class Node:
 
     def verdict(self, c: Ctr, minor: int) -> Optional[bool]:
         return probe_open(self.ns.path(f"/dev/nvidia{minor}"), [self.cgroup(c)]).verdict
+
+    def admitted(self, c: Ctr) -> frozenset[Tuple[int, int]]:
+        """Which of `PROBES` and the GPU nodes the kernel lets ``c`` open (one child in
+        its cgroup); a node without a verdict counts as not admitted."""
+        nodes = {**PROBES, **NODES}
+        paths = [self.ns.path(f"/dev/{name}") for name in nodes]
+        res = probe_open_all(paths, [self.cgroup(c)])
+        return frozenset(n for n, r in zip(nodes.values(), res) if r.verdict is True)
 
     def lacking(self, ctrs: List[Ctr]) -> List[Ctr]:
         return [c for c in ctrs if self.verdict(c, c.gpu) is not True]

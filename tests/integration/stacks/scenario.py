@@ -7,7 +7,10 @@
    on its own: docs/devices.md's table of what each systemd version does at a reload.
 2. gpuguard running: the same events, ``ROUNDS`` times; after each, once gpuguard's
    passes have gone quiet, every container's GPU must open (a loss otherwise) and the
-   GPU it was not given must not (an over-grant otherwise).
+   GPU it was not given must not (an over-grant otherwise), and each runtime's
+   privileged container must open every device it opened at the start (narrowed
+   otherwise). The privileged ones take the reloads and the runtime's update, not the
+   ``DeviceAllow=`` reset, which itself would make their scope a closed list.
 """
 
 from __future__ import annotations
@@ -16,14 +19,15 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, FrozenSet, List, Tuple
 
-from integration.gpuguard_ns import passes, settle
+from integration.gpuguard_ns import events, passes, settle
 from integration.pkgroot import PackageRoot, built_packages, debian_root, source_version
 from integration.stacks.node import Ctr, Node, StackError, copy_debs, make_ctrs, prepare_host_dir
 
 RUNTIMES = ("runc", "crun")
 PER_RUNTIME = 3  # containers of each runtime
+PRIVILEGED = 1  # and privileged ones
 ROUNDS = 2
 QUIET_WITHIN = 20.0  # seconds for gpuguard's passes to go quiet after an event
 EVENTS = ("daemon-reload", "daemon-reexec", "runtime-update", "device-allow-reset")
@@ -54,18 +58,24 @@ class Cell:
     placement: List[str]  # where each container's process is, relative to its scope
     exposure: Dict[str, int]  # event -> containers that lost their GPU without gpuguard
     containers: int = 0
-    found: int = 0  # of them, listed by `gpuguard status`
+    found: int = 0  # of them and the privileged ones, listed by `gpuguard status`
     events: int = 0
     losses: int = 0
     over_grants: int = 0
     notes: List[str] = field(default_factory=list)
+    privileged: int = 0
+    narrowed: int = 0  # privileged container-events that lost a device it had
+    # what gpuguard did with it running: its passes, and its changes by kind (node-wide)
+    passes: int = 0
+    changes: Dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return (
-            self.found == self.containers
+            self.found == self.containers + self.privileged
             and not self.losses
             and not self.over_grants
+            and not self.narrowed
             and not any("did not go quiet" in n for n in self.notes)
         )
 
@@ -165,6 +175,7 @@ class Stack:
         bad = node.lacking(everyone) + node.over_granted(everyone)
         if bad:
             raise StackError(f"the hook's grant did not take: {[c.unit for c in bad]}")
+        privileged = self._privileged(node, list(by_rt))
         for rt, cs in by_rt.items():
             moved = sum(m.startswith(rt) for m in node.moved)
             self.cells[rt] = Cell(
@@ -177,6 +188,7 @@ class Stack:
                 {},
                 containers=len(cs),
                 notes=[MOVED.format(moved)] if moved else [],
+                privileged=sum(p.runtime == rt for p in privileged),
             )
         # 1. what the release does on its own
         for event in EVENTS:
@@ -193,6 +205,8 @@ class Stack:
         for _ in range(ROUNDS):
             for event in EVENTS:
                 self._apply(node, event, everyone)
+                if event != "device-allow-reset":
+                    self._apply(node, event, list(privileged))
                 before = passes(ns)
                 try:
                     settle(ns, timeout=QUIET_WITHIN)
@@ -206,17 +220,41 @@ class Stack:
                             cell.notes.append(note)
                 lost = self._still_lacking(node, everyone)
                 over = node.over_granted(everyone)
+                narrowed = [p for p, had in privileged.items() if not had <= node.admitted(p)]
                 for rt, cs in by_rt.items():
                     cell = self.cells[rt]
                     cell.events += 1
                     cell.losses += sum(c in lost for c in cs)
                     cell.over_grants += sum(c in over for c in cs)
+                    cell.narrowed += sum(p.runtime == rt for p in narrowed)
                 for c in lost:
                     node.hook_grant(c)  # each event judged on its own
+        changes: Dict[str, int] = {}
+        for e in events(ns):
+            if e.get("GPUGUARD_STATUS") == "done":
+                kind = str(e["GPUGUARD_KIND"])
+                changes[kind] = changes.get(kind, 0) + 1
+        for cell in self.cells.values():
+            cell.passes, cell.changes = passes(ns), changes
         found = set(found_by_gpuguard(node))
         for rt, cs in by_rt.items():
-            self.cells[rt].found = sum(c.container_id in found for c in cs)
+            mine = [*cs, *(p for p in privileged if p.runtime == rt)]
+            self.cells[rt].found = sum(c.container_id in found for c in mine)
         node.remove_all()
+
+    def _privileged(self, node: Node, runtimes: List[str]) -> Dict[Ctr, FrozenSet[Tuple[int, int]]]:
+        """A privileged GPU container of each runtime, and what it opens now (every
+        device of node.PROBES and the GPUs, or the namespace does not run what the test
+        asks for)."""
+        out = {}
+        for rt in runtimes:
+            for p in make_ctrs(rt, PRIVILEGED, f"{self.suite}-{self.layout}-p", privileged=True):
+                node.run(p)
+                had = node.admitted(p)
+                if (1, 11) not in had or (195, p.gpu) not in had:
+                    raise StackError(f"{p.unit}: privileged, yet it cannot open {sorted(had)}")
+                out[p] = had
+        return out
 
     def write_not_run(self, runtime: str, directory: Path, test: str) -> Path:
         """The cell of a runtime that could not make a container here, and why."""

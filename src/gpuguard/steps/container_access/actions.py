@@ -57,6 +57,9 @@ class ContainerDeviceAction(Action):
 class CgroupV1Allow(ContainerDeviceAction):
     cgroup_dir: str = ""  # the container's v1 devices directory (under the root)
     rules: tuple[str, ...] = ()  # lines for devices.allow, one write each
+    # the cgroups above it written first, the scope down (its process below the scope:
+    # a v1 cgroup admits only what its parent does)
+    through: tuple[str, ...] = ()
 
     @property
     def kind(self) -> str:
@@ -94,16 +97,23 @@ class V2ReportOnly(ContainerDeviceAction):
 
 @dataclass(frozen=True)
 class V2ProgramReplace(ContainerDeviceAction):
-    """Replace the cgroup's device program: its previous rules + read/write on ``numbers``."""
+    """Replace the cgroup's device program: its previous rules + read/write on ``numbers``.
+
+    ``program_id``: which one (a runtime's program next to systemd's in a scope; 0: the
+    one program attached, a scope-less container's); ``probe_dir``: where the
+    container's process is, whose opens prove it (default: ``cgroup_dir``)."""
 
     cgroup_dir: str = ""
+    program_id: int = 0
+    probe_dir: str = ""
 
     @property
     def kind(self) -> str:
         return ACTION_V2_REPLACE
 
     def fields(self) -> Mapping[str, str]:
-        return {**super().fields(), "CGROUP": self.cgroup_dir}
+        extra = {"BPF_PROGRAM": str(self.program_id)} if self.program_id else {}
+        return {**super().fields(), "CGROUP": self.cgroup_dir, **extra}
 
 
 @dataclass(frozen=True)

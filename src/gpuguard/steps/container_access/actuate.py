@@ -76,24 +76,29 @@ def read_devices_list(cgroup_dir: Path) -> Optional[DeviceRules]:
 _parsed_rule = functools.lru_cache(maxsize=256)(parse_rule)
 
 
-def write_grants(cgroup_dir: Path, rules: Sequence[str], *, dry_run: bool) -> tuple[str, str]:
+def write_grants(
+    cgroup_dir: Path, rules: Sequence[str], *, dry_run: bool, through: Sequence[Path] = ()
+) -> tuple[str, str]:
     """The direct re-grant: microseconds, CUDA works again at once. Returns an
     Outcome's status and detail; the caller builds the action after its last write
     (cgroupv1.py's reload sweep: building one costs more than the write). A `done` from here is
     provisional until `confirm_v1` has read it back: callers write every container
     first (each one's access back as soon as possible), then confirm them all."""
+    above = "".join(f" (and first to {d})" for d in through)
     if dry_run:
-        return "dry-run", "would write " + "; ".join(rules)
+        return "dry-run", "would write " + "; ".join(rules) + above
     try:
-        write_allow(cgroup_dir, rules)
+        for d in (*through, cgroup_dir):
+            write_allow(d, rules)
     except (CgroupWriteError, OSError) as e:
         return "failed", str(e)
-    return "done", "wrote " + "; ".join(rules)
+    return "done", "wrote " + "; ".join(rules) + above
 
 
 def write_v1(a: CgroupV1Allow, *, dry_run: bool) -> Outcome:
     """`write_grants` for an action planned by a pass."""
-    return Outcome(a, *write_grants(Path(a.cgroup_dir), a.rules, dry_run=dry_run))
+    through = [Path(d) for d in a.through]
+    return Outcome(a, *write_grants(Path(a.cgroup_dir), a.rules, dry_run=dry_run, through=through))
 
 
 def confirm_v1(o: Outcome) -> Outcome:
@@ -183,14 +188,15 @@ def apply_program_replace(a: V2ProgramReplace, root: Root, *, dry_run: bool) -> 
     from gpuguard.devices.probe import probe_open_all
 
     cg = Path(a.cgroup_dir)
+    where = Path(a.probe_dir or a.cgroup_dir)  # where the container's process is
     numbers = [(int(ma), int(mi)) for ma, mi in (n.split(":") for n in a.numbers)]
 
     def verify() -> bool:  # the kernel's word on every node, from one child in the cgroup
-        res = probe_open_all([root.path(n) for n in a.nodes], [cg])
+        res = probe_open_all([root.path(n) for n in a.nodes], [where])
         return all(r.verdict is True for r in res)
 
     try:
-        r = replace_device_program(cg, numbers, verify, dry_run=dry_run)
+        r = replace_device_program(cg, numbers, verify, dry_run=dry_run, program_id=a.program_id)
     except BpfReplaceError as e:
         return Outcome(a, "failed", str(e))
     except OSError as e:  # the old program is attached until the detach, which is last

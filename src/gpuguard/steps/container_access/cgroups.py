@@ -50,6 +50,12 @@ class Cgroups:
                 return cg
         return None
 
+    def admits_all(self, c: ContainerCgroup) -> bool:
+        """Whether `c`'s scope admits every device now (blocking: a thread): a new
+        scope's grant asks before it sets a DeviceAllow= (durable.py: never narrow)."""
+        cg = self.of(c)
+        return cg is not None and cg.admits_all(c)
+
     def group(self, pairs: Sequence[Pair]) -> list[tuple[DeviceCgroup, list[Pair]]]:
         """`pairs` by the layout that serves each, in the layouts' order (the pairs no
         layout serves left out)."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, AbstractSet, Container, Mapping, Optional, Sequence
 
-from gpuguard.devices.rules import DeviceRules, looks_runc_written, parsed_devices_list
+from gpuguard.devices.rules import ALLOW_ALL, DeviceRules, looks_runc_written, parsed_devices_list
 from gpuguard.host.safeio import CGROUP_MAX, UnsafeFileError, read_kernel_text
 from gpuguard.model import Action, Finding, Outcome
 from gpuguard.steps.container_access.actions import CgroupV1Allow
@@ -40,7 +40,7 @@ from gpuguard.steps.container_access.reconcile import (
     verdicts_from_rules,
 )
 from gpuguard.steps.container_access.settle import outside_apply
-from gpuguard.steps.container_access.view import Access, AccessView, Pair, Readings
+from gpuguard.steps.container_access.view import Access, AccessView, Denier, Pair, Readings
 
 if TYPE_CHECKING:
     from gpuguard.devices.containers import ContainerCgroup
@@ -52,12 +52,16 @@ if TYPE_CHECKING:
 
 
 def v1_allow(c: ContainerCgroup, cgroup_dir: Path, denied: Sequence[DeviceNode]) -> CgroupV1Allow:
-    """The direct re-grant of `denied` (entitled nodes the cgroup refuses) for `c`."""
+    """The direct re-grant of `denied` (entitled nodes the cgroup refuses) for `c`; where
+    its process is below its scope (crun's SCOPE/container), the scope is written first:
+    a v1 cgroup admits only what its parent does."""
     what = ", ".join(n.path for n in denied)
+    above = c.cgroup_v1_devices
     return CgroupV1Allow(
         reason=f"re-grant {what} given to the container and denied by its cgroup",
         target=str(cgroup_dir),
         cgroup_dir=str(cgroup_dir),
+        through=(str(above),) if above is not None and above != cgroup_dir else (),
         rules=tuple(n.allow_line("rw") for n in denied),
         reconciler=RECONCILER,
         pod_uid=c.pod_uid,
@@ -97,8 +101,13 @@ def regrant(
     if not denied:
         return None
     rules = [n.allow_line("rw") for n in denied]
-    status, detail = write_grants(cgroup_dir, rules, dry_run=dry_run)
+    above = c.cgroup_v1_devices
+    through = (above,) if above is not None and above != cgroup_dir else ()
+    status, detail = write_grants(cgroup_dir, rules, dry_run=dry_run, through=through)
     return V1Write(c, cgroup_dir, denied, time.monotonic(), status, detail)
+
+
+ALLOW_ALL_LINE = ALLOW_ALL.render()  # "a *:* rwm": what the kernel lists for allow-all
 
 
 class CgroupV1:
@@ -118,8 +127,31 @@ class CgroupV1:
         return c.cgroup_v1_devices is not None
 
     def _dir(self, c: ContainerCgroup) -> Path:
-        assert c.cgroup_v1_devices is not None, "a container of this layout"
-        return c.cgroup_v1_devices
+        """The devices cgroup its process is in, which the kernel checks (crun's
+        SCOPE/container, below the scope's, which admits at least as much)."""
+        d = c.v1_dir
+        assert d is not None, "a container of this layout"
+        return d
+
+    @staticmethod
+    def _open_scope(c: ContainerCgroup, own: str) -> bool:
+        """The scope's devices.list is "a *:* rwm" (`own`: the list read where the
+        process is; the scope's is read when it is another cgroup)."""
+        scope = c.cgroup_v1_devices
+        text: Optional[str] = own
+        if scope is not None and c.process_v1 is not None:
+            try:
+                text = read_kernel_text(scope / "devices.list", what="devices.list")
+            except UnsafeFileError:
+                return False
+        return (text or "").split("\n", 1)[0].strip() == ALLOW_ALL_LINE
+
+    def admits_all(self, c: ContainerCgroup) -> bool:
+        try:
+            text = read_kernel_text(self._dir(c) / "devices.list", what="devices.list")
+        except UnsafeFileError:
+            return False
+        return text is not None and self._open_scope(c, text)
 
     # -- read the verdicts --------------------------------------------------------
 
@@ -132,7 +164,7 @@ class CgroupV1:
         full: bool,
         planned: Container[str] = (),
     ) -> None:
-        self._read(pairs, into.access, into.rules, into.broken, remember=True)
+        self._read(pairs, into, remember=True)
         if full:  # every container of this layout: forget the others, and the unreadable
             seen = {c.container_id for c, _ in pairs} - set(into.broken)
             for gone in set(self._good) - seen:
@@ -141,15 +173,16 @@ class CgroupV1:
     def _read(
         self,
         pairs: Sequence[Pair],
-        access: Access,
-        rules: dict[str, DeviceRules],
-        broken: dict[str, str],
+        into: Readings,
         remember: bool,
+        access: Optional[Access] = None,
     ) -> None:
-        """`pairs`' devices.list read into `access`, `rules` and `broken`. `remember`
-        (what was last seen intact) only within a pass: its read in the pass's thread,
-        or its fast read on the loop before that thread starts; a reload's sweep, which
-        can run while a pass's thread does, reads without it."""
+        """`pairs`' devices.list read into `into` (`access`: the verdicts elsewhere).
+        `remember` (what was last seen intact) only within a pass: its read in the
+        pass's thread, or its fast read on the loop before that thread starts; a
+        reload's sweep, which can run while a pass's thread does, reads without it."""
+        rules, broken = into.rules, into.broken
+        access = into.access if access is None else access
         for c, ent in pairs:
             path = self._dir(c) / "devices.list"
             try:
@@ -159,6 +192,8 @@ class CgroupV1:
                 continue
             if text is None:
                 continue  # the container went away
+            if self._open_scope(c, text):
+                into.unconfined.add(c.container_id)
             good = self._good.get(c.container_id)
             if good is not None and good[0] == text and good[1] is ent:  # still fine
                 access.update({(c.container_id, n.numbers): True for n in ent.nodes})
@@ -201,7 +236,11 @@ class CgroupV1:
     # -- grant --------------------------------------------------------------------
 
     def plan_regrant(
-        self, c: ContainerCgroup, denied: Sequence[DeviceNode], remedy: str
+        self,
+        c: ContainerCgroup,
+        denied: Sequence[DeviceNode],
+        remedy: str,
+        deniers: Sequence[Denier] = (),
     ) -> tuple[Action, ...]:
         return (v1_allow(c, self._dir(c), denied),)
 
@@ -234,7 +273,7 @@ class CgroupV1:
         for pair in pairs:
             c, ent = pair
             seen: Access = {}
-            self._read((pair,), seen, s.rules, s.broken, remember=False)
+            self._read((pair,), s, remember=False, access=seen)
             seen = outside_apply((c,), {c.key: ent}, seen, durable, frozenset()) or seen
             s.access.update(seen)
             w = regrant(c, self._dir(c), ent.nodes, seen, dry_run=svc.dry_run)

@@ -14,7 +14,18 @@ says whether it is replaced in place (inplace.py's checks and back-off), the con
 restarted, or reported.
 
 Which cgroup's programs decide for a container is `CgroupV2.program_dir`: the scope's
-own with runc.
+own with runc, crun's ``SCOPE/container`` (its own program there, the scope's above it).
+systemd's program, which a DeviceAllow= rebuilds and a bridge stands in for, is on the
+scope (`scope_dir`). A program of the runtime's that denies what systemd's programs
+admit (crun's in SCOPE/container, runc 1.0-rc93's after its update, next to systemd's)
+is not repaired by a DeviceAllow=: with V2Remedy=inplace it is replaced in place, like
+a scope-less container's (`deniers`). Which programs are systemd's: named
+``sd_devices`` (systemd 249 and newer), or held open by PID 1 (older ones load theirs
+unnamed: devices/bpfread.systemd_held).
+
+The read also says which scopes admit every device already (`unconfined`): no device
+program on the scope, or only ones that admit all (a privileged container's): those
+are never given a DeviceAllow= (durable.py).
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, AbstractSet, Callable, Container, Mapping, Optional, Sequence
 
-from gpuguard.devices.bpfread import BRIDGE_NAME, SYSTEMD_NAME, ProgramCache, judge
+from gpuguard.devices.bpfread import BRIDGE_NAME, ProgramCache, effective_programs, systemd_held
 from gpuguard.devices.probe import probe_open, probe_open_all, query_device_programs
 from gpuguard.model import Action, Finding, Outcome
 from gpuguard.steps.container_access.actions import (
@@ -37,10 +48,18 @@ from gpuguard.steps.container_access.actions import (
 from gpuguard.steps.container_access.actuate import apply_program_replace
 from gpuguard.steps.container_access.bridge import Bridges
 from gpuguard.steps.container_access.devcgroup import Grant, Report, Swept, Written
+from gpuguard.steps.container_access.durable import keep_open
 from gpuguard.steps.container_access.inplace import Backoff, hold_back
 from gpuguard.steps.container_access.reconcile import CAUSE_REWRITE_V2, RECONCILER
 from gpuguard.steps.container_access.settle import outside_apply
-from gpuguard.steps.container_access.view import AccessKey, AccessView, Pair, Readings
+from gpuguard.steps.container_access.v2programs import (
+    admit_all,
+    attached_from,
+    runtime_deniers,
+    scope_verdicts,
+    systemd_denied,
+)
+from gpuguard.steps.container_access.view import AccessKey, AccessView, Denier, Pair, Readings
 
 if TYPE_CHECKING:
     from gpuguard.devices.containers import ContainerCgroup
@@ -49,38 +68,6 @@ if TYPE_CHECKING:
     from gpuguard.devices.rules import DeviceRules
     from gpuguard.engine.passes import Services
     from gpuguard.host.paths import Root
-
-
-def scope_verdicts(
-    cache: ProgramCache,
-    c: ContainerCgroup,
-    cgroup_dir: Path,
-    ent: Entitlement,
-    ids: list[int],
-    fd: Optional[int] = None,
-) -> Optional[dict[AccessKey, bool]]:
-    """Whether the device programs the kernel runs for `cgroup_dir` admit each node `c`
-    was given (None: not readable, ask a probe); `ids` receives those programs' ids.
-    `fd`: the cgroup's directory, open."""
-    nodes = [(n.major, n.minor) for n in ent.nodes]
-    verdicts = judge(cache, cgroup_dir, nodes, ids, fd)
-    if verdicts is None:
-        return None
-    return {(c.container_id, n.numbers): verdicts[(n.major, n.minor)] for n in ent.nodes}
-
-
-def systemd_denied(
-    cache: ProgramCache, c: ContainerCgroup, ent: Entitlement, ids: Sequence[int]
-) -> set[AccessKey]:
-    """The nodes given to `c` that a program of systemd's among `ids` denies."""
-    sd = [(i, cache.get(i)) for i in ids if cache.name(i) == SYSTEMD_NAME]
-    if not sd:
-        return set()
-    return {
-        (c.container_id, n.numbers)
-        for n in ent.nodes
-        if any(p and not cache.admits_rw(i, p, (n.major, n.minor)) for i, p in sd)
-    }
 
 
 class CgroupV2:
@@ -101,7 +88,7 @@ class CgroupV2:
         self.cache = ProgramCache()  # the pass's reads (its thread, its fast read)
         # the bridges, with their own cache for reads on the loop outside a pass
         self.bridges = Bridges(
-            self.backoff, clock, grant, carry, dir_of=self.program_dir, look=self._look
+            self.backoff, clock, grant, carry, dir_of=self.scope_dir, look=self._look
         )
 
     def claims(self, c: ContainerCgroup) -> bool:
@@ -110,10 +97,18 @@ class CgroupV2:
         return c.cgroup_v2 is not None and c.cgroup_v1_devices is None
 
     def program_dir(self, c: ContainerCgroup) -> Path:
-        """The cgroup whose device programs decide for the container's processes: its
-        scope's (or its cgroupfs directory) with runc. The one place that says so: a
-        runtime that confines the process in a sub-cgroup with a program of its own
-        (crun's SCOPE/container) is chosen here."""
+        """The cgroup whose device programs decide for the container's processes (its
+        own and every ancestor's, BPF_F_QUERY_EFFECTIVE): the scope's (or the cgroupfs
+        directory) with runc; with crun, SCOPE/container, where its process is, below a
+        program of crun's own. The one place that says so (devices/containers.py finds
+        where the runtime put the process)."""
+        d = c.v2_dir
+        assert d is not None, "a container of this layout"
+        return d
+
+    def scope_dir(self, c: ContainerCgroup) -> Path:
+        """The scope's cgroup (or the cgroupfs directory): where systemd's program is,
+        which a DeviceAllow= rebuilds and a bridge stands in for."""
         assert c.cgroup_v2 is not None, "a container of this layout"
         return c.cgroup_v2
 
@@ -134,17 +129,35 @@ class CgroupV2:
         cgroup has attached (for the in-place repair's checks) and the containers with
         a bridge attached; in the fast read the nodes systemd's own program denies.
         `planned`: nodes a dry-run only planned, not on the host: a probe has nothing to
-        open there (the container's own node is a path it controls), so unknown."""
+        open there (the container's own node is a path it controls), so unknown. Both
+        reads say which scopes admit every device (`unconfined`); the full read, which
+        runtime programs deny what systemd's admit (`deniers`)."""
         cache = self.cache
+        held: list[frozenset[int]] = []  # PID 1's programs, read once if asked
+
+        def pid1() -> frozenset[int]:
+            if not held:
+                held.append(systemd_held(root))
+            return held[0]
+
         for c, ent in pairs:
-            cg = self.program_dir(c)
+            cg, scope = self.program_dir(c), self.scope_dir(c)
             ids: list[int] = []
             verdicts = scope_verdicts(cache, c, cg, ent, ids)
-            into.effective[c.container_id] = tuple(ids)
+            scope_ids = self._scope_ids(cg, scope, ids, verdicts is not None)
+            into.effective[c.container_id] = tuple(scope_ids or ())
+            if admit_all(cache, scope_ids):
+                into.unconfined.add(c.container_id)
             if full and any(cache.name(i) == BRIDGE_NAME for i in ids):
                 into.bridged.add(c.container_id)
             if not full and verdicts is not None:
                 into.systemd_denies |= systemd_denied(cache, c, ent, ids)
+            if full and verdicts is not None and c.unit is not None and False in verdicts.values():
+                dirs = attached_from(cg, scope)
+                found = runtime_deniers(cache, c, ent, ids, verdicts, dirs, pid1)
+                if found:
+                    into.deniers[c.container_id] = found
+                    into.programs[c.container_id] = tuple(ids)
             if verdicts is not None:
                 into.access.update(verdicts)
             elif full:
@@ -163,6 +176,28 @@ class CgroupV2:
         if full:
             cache.forget_unseen()
 
+    @staticmethod
+    def _scope_ids(cg: Path, scope: Path, ids: list[int], read: bool) -> Optional[Sequence[int]]:
+        """The programs the kernel runs for the scope's cgroup: those listed for the
+        container's own cgroup when it is the scope, else asked (None: they cannot be
+        listed). `read`: the container's verdicts were judged from `ids`; where they
+        were not and none was listed, the listing itself may have failed: asked again."""
+        if cg == scope and (read or ids):
+            return ids
+        try:
+            return effective_programs(scope)
+        except OSError:
+            return None
+
+    def admits_all(self, c: ContainerCgroup) -> bool:
+        """Whether `c`'s scope admits every device now (its own read, for a new scope's
+        grant outside a pass: blocking, call from a thread)."""
+        try:
+            ids = effective_programs(self.scope_dir(c))
+        except OSError:
+            return False
+        return admit_all(ProgramCache(), ids)
+
     def reread(self, root: Root, pairs: Sequence[Pair]) -> Readings:
         out = Readings()
         for c, ent in pairs:
@@ -173,8 +208,9 @@ class CgroupV2:
 
     def end_of_pass(self, view: AccessView) -> None:
         """Forget the back-off of cgroups that are gone (a new container starts clean)."""
+        mine = [c for c in view.containers if self.claims(c)]
         self.backoff.keep_only(
-            {str(self.program_dir(c)) for c in view.containers if self.claims(c)}
+            {str(self.program_dir(c)) for c in mine} | {str(self.scope_dir(c)) for c in mine}
         )
 
     def _look(
@@ -184,7 +220,7 @@ class CgroupV2:
         denial its DeviceAllow= covers waits for the pass unless systemd's own program
         denies it (settle.outside_apply)."""
         cache = self.bridges.cache
-        seen = scope_verdicts(cache, c, self.program_dir(c), ent, ids, fd)
+        seen = scope_verdicts(cache, c, self.scope_dir(c), ent, ids, fd)
         if seen is None:
             return {}
         if not (c.unit in self.durable and False in seen.values()):
@@ -196,12 +232,18 @@ class CgroupV2:
     # -- grant --------------------------------------------------------------------
 
     def plan_regrant(
-        self, c: ContainerCgroup, denied: Sequence[DeviceNode], remedy: str
+        self,
+        c: ContainerCgroup,
+        denied: Sequence[DeviceNode],
+        remedy: str,
+        deniers: Sequence[Denier] = (),
     ) -> tuple[Action, ...]:
-        """In a scope: nothing in place (its DeviceAllow= is the repair, a bridge stands
-        in until it applies). Without one, what V2Remedy= says."""
+        """In a scope: its DeviceAllow= is the repair (a bridge stands in until it
+        applies), and with V2Remedy=inplace each program of the runtime's that denies
+        what systemd's admit (`deniers`) is replaced in place. Without one, what
+        V2Remedy= says."""
         if c.unit is not None:
-            return ()
+            return self._replace_deniers(c, denied, deniers) if remedy == "inplace" else ()
         cg = str(self.program_dir(c))
         what = ", ".join(n.path for n in denied)
         common = dict(
@@ -237,6 +279,32 @@ class CgroupV2:
                 **common,  # type: ignore[arg-type]
             ),
         )
+
+    def _replace_deniers(
+        self, c: ContainerCgroup, denied: Sequence[DeviceNode], deniers: Sequence[Denier]
+    ) -> tuple[Action, ...]:
+        out: list[Action] = []
+        for prog_id, where, numbers in deniers:
+            nodes = [n for n in denied if n.numbers in numbers]
+            if not nodes:
+                continue
+            what = ", ".join(n.path for n in nodes)
+            out.append(
+                V2ProgramReplace(
+                    reason=f"the runtime's device program {prog_id} on {where} denies {what}, "
+                    "which systemd's program admits: add them to it (DeviceAllow= cannot)",
+                    target=where,
+                    cgroup_dir=where,
+                    program_id=prog_id,
+                    probe_dir=str(self.program_dir(c)),
+                    reconciler=RECONCILER,
+                    pod_uid=c.pod_uid,
+                    container_id=c.container_id,
+                    nodes=tuple(n.path for n in nodes),
+                    numbers=tuple(n.numbers for n in nodes),
+                )
+            )
+        return tuple(out)
 
     def rewrite_cause(self, rules: Optional[DeviceRules]) -> Optional[str]:
         return CAUSE_REWRITE_V2
@@ -327,7 +395,7 @@ class CgroupV2:
         planned = {a.unit for a in units}
         units += [a for u, (_b, a) in self.bridges.pending.items() if u not in planned]
         self.bridges.release()
-        return units
+        return keep_open(view, units, self.durable, actions)
 
     # -- make durable -------------------------------------------------------------
 

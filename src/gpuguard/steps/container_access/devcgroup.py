@@ -35,7 +35,7 @@ from typing import (
 )
 
 from gpuguard.model import Action, Finding, Outcome
-from gpuguard.steps.container_access.view import AccessView, Pair, Readings
+from gpuguard.steps.container_access.view import AccessView, Denier, Pair, Readings
 
 if TYPE_CHECKING:
     from gpuguard.devices.containers import ContainerCgroup
@@ -106,11 +106,23 @@ class DeviceCgroup(Protocol):
     # -- grant --------------------------------------------------------------------
 
     def plan_regrant(
-        self, c: ContainerCgroup, denied: Sequence[DeviceNode], remedy: str
+        self,
+        c: ContainerCgroup,
+        denied: Sequence[DeviceNode],
+        remedy: str,
+        deniers: Sequence[Denier] = (),
     ) -> tuple[Action, ...]:
         """Pure: what re-grants `denied` (entitled nodes its cgroup refuses) on `c` in
         place now, besides the scope's DeviceAllow= (planned for every layout);
-        `remedy`: V2Remedy= (report, inplace, restart-container)."""
+        `remedy`: V2Remedy= (report, inplace, restart-container); `deniers`: what the
+        read found denying them that a DeviceAllow= cannot change (v2: a runtime's
+        program in the scope)."""
+        ...
+
+    def admits_all(self, c: ContainerCgroup) -> bool:
+        """Whether `c`'s scope admits every device now (read afresh: blocking, call
+        from a thread); a new scope's grant asks it, as the pass's read says it
+        (`Readings.unconfined`)."""
         ...
 
     def rewrite_cause(self, rules: Optional[DeviceRules]) -> Optional[str]:

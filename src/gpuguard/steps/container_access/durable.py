@@ -1,18 +1,48 @@
 """Which container scopes still need their grant made durable, and what a reload's
-re-grant did (pure: no OS access, no writes)."""
+re-grant did (pure: no OS access, no writes).
+
+Never narrow: a scope that admits every device already (a privileged container's:
+DevicePolicy=auto and no DeviceAllow= entries, so on v1 "a *:* rwm" and on v2 no device
+program, or crun's allow-all one) has nothing to repair, and a DeviceAllow= on it would
+turn "everything" into a closed list (systemd then admits the entries and its few
+pseudo-devices: /dev/kmsg became EPERM in a privileged pod). Such a scope gets none,
+whatever asked for it (the audit, the durable grant of a new or known container); its
+layout's read says which they are (`AccessView.unconfined`).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import AbstractSet, Mapping, Optional
+from typing import AbstractSet, Mapping, Optional, Sequence
 
 from gpuguard.model import Action
-from gpuguard.steps.container_access.actions import UnitDropInRemove
+from gpuguard.steps.container_access.actions import UnitDropInRemove, V2ProgramReplace
 from gpuguard.steps.container_access.reconcile import UnitDeviceAllow
 from gpuguard.steps.container_access.view import AccessView
 from gpuguard.steps.registry import CONTAINER_ACCESS
 
 NAME = CONTAINER_ACCESS
+
+
+def keep_open(
+    view: AccessView,
+    units: Sequence[UnitDeviceAllow],
+    durable: Optional[Mapping[str, AbstractSet[str]]] = None,
+    in_place: Sequence[Action] = (),
+) -> list[UnitDeviceAllow]:
+    """`units` without those that would narrow a scope that admits everything, nor
+    those that only repeat what the scope's DeviceAllow= has (`durable`) while the
+    runtime's own program that denies is repaired in place (`in_place`: the pass's
+    V2ProgramReplace actions): setting it again would change nothing."""
+    fixed = {a.container_id for a in in_place if isinstance(a, V2ProgramReplace)}
+    out = []
+    for a in units:
+        if a.container_id in view.unconfined:
+            continue
+        if a.container_id in fixed and set(a.numbers) <= set((durable or {}).get(a.unit, ())):
+            continue
+        out.append(a)
+    return out
 
 
 def plan_durable(
@@ -21,16 +51,23 @@ def plan_durable(
     durable: Mapping[str, AbstractSet[str]],
     links: AbstractSet[str],
 ) -> tuple[UnitDeviceAllow, ...]:
-    """DeviceAllow= for GPU containers whose scope does not carry their grant yet.
+    """Every DeviceAllow= to set: the planned ones (`planned`: the audit's, for denied
+    nodes) kept by `keep_open`, then one for each GPU container whose scope does not
+    carry its grant yet. Never for a scope that admits every device (module doc).
 
     `durable`: unit -> device numbers its DeviceAllow= already has (only units we
     know); `links`: the /dev/char paths that exist (systemd resolves through them).
     """
-    already = {a.unit: set(a.numbers) for a in planned if isinstance(a, UnitDeviceAllow)}
-    out: list[UnitDeviceAllow] = []
+    units = [a for a in planned if isinstance(a, UnitDeviceAllow)]
+    out = keep_open(view, units, durable, planned)
+    already: dict[str, set[str]] = {}
+    for a in units:
+        already.setdefault(a.unit, set()).update(a.numbers)
     for c in view.containers:
         ent = view.entitlements.get(c.key)
         if c.unit is None or ent is None or not ent.readable or not ent.is_gpu_container:
+            continue
+        if c.container_id in view.unconfined:
             continue
         have = set(durable.get(c.unit, ())) | already.get(c.unit, set())
         todo = [n for n in ent.nodes if n.numbers not in have and n.dev_char in links]

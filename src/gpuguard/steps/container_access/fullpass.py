@@ -28,7 +28,7 @@ from gpuguard.journal.conditions import FindingId, finding_id, log_findings
 from gpuguard.model import Action, Finding, Outcome
 from gpuguard.steps.container_access.actuate import apply_dropin_remove, decline_or_restart
 from gpuguard.steps.container_access.devcgroup import DeviceCgroup
-from gpuguard.steps.container_access.durable import plan_dropin_removal, plan_durable
+from gpuguard.steps.container_access.durable import keep_open, plan_dropin_removal, plan_durable
 from gpuguard.steps.container_access.fastpaths import repair_known
 from gpuguard.steps.container_access.inplace import FINDING_BACKOFF, FINDING_UNEXPECTED
 from gpuguard.steps.container_access.observe import learn_durable
@@ -36,10 +36,12 @@ from gpuguard.steps.container_access.reconcile import (
     FINDING_CONFLICT,
     FINDING_MISSING,
     FINDING_STALE,
+    FINDING_UNATTRIBUTED,
     RECONCILER,
     RestartContainer,
     UnitDeviceAllow,
     V2ReportOnly,
+    stray_findings,
     unreadable_findings,
 )
 from gpuguard.steps.container_access.settle import confirm
@@ -51,7 +53,14 @@ if TYPE_CHECKING:
 
 # Lasting states gpuguard cannot end itself: journaled when they appear, change or clear.
 CONDITION_KINDS = frozenset(
-    {FINDING_MISSING, FINDING_STALE, FINDING_CONFLICT, FINDING_UNEXPECTED, FINDING_BACKOFF}
+    {
+        FINDING_MISSING,
+        FINDING_STALE,
+        FINDING_CONFLICT,
+        FINDING_UNEXPECTED,
+        FINDING_BACKOFF,
+        FINDING_UNATTRIBUTED,
+    }
 )
 
 
@@ -116,6 +125,7 @@ def reconcile(
     """The audit, and each layout's hold-backs (a finding each)."""
     findings, actions = s.audit(view, remedy=svc.config.devices.v2_remedy)
     findings += unreadable_findings(view.containers, view.broken)
+    findings += stray_findings(view.strays)
     now = s.clock()
     for cg in s.cgroups.all:
         actions, held = cg.hold_back(actions, view, now)
@@ -163,11 +173,15 @@ async def make_durable(
     then). DurableGrants=no: none at all. Not for the scopes a fast path is granting,
     nor those it set moments ago (`fast_units`: systemd may still apply them)."""
     durable_grants, sd = svc.config.devices.durable_grants, svc.systemd
-    units = [
+    # the audit's DeviceAllow= (none under DurableGrants=no, none for the scopes a fast
+    # path set) and the in-place repairs they come with
+    asked = tuple(
         a
         for a in actions
-        if isinstance(a, UnitDeviceAllow) and durable_grants and a.unit not in fast_units
-    ]
+        if not isinstance(a, UnitDeviceAllow) or (durable_grants and a.unit not in fast_units)
+    )
+    asked_units = [a for a in asked if isinstance(a, UnitDeviceAllow)]
+    units = keep_open(view, asked_units, s.durable, asked)  # never narrow (durable.py)
     outcomes: list[Outcome] = []
     if durable_grants and sd is not None:
         await learn_durable(sd, view, svc.root, s.durable, s.scopes.busy())
@@ -176,7 +190,7 @@ async def make_durable(
         # a lookup per container's node cost ~15 ms a pass during a burst of starts.
         named = {n.dev_char for e in view.entitlements.values() for n in e.nodes}
         links = {d for d in named if d in planned or os.path.lexists(svc.root.path(d))}
-        units += plan_durable(view, tuple(units), s.durable, links)
+        units = list(plan_durable(view, asked, s.durable, links))
         busy = s.busy()  # new scopes the fast path is handling get their grant there
         units = [a for a in units if a.unit not in busy]
         repairing = frozenset(a.unit for a in units)

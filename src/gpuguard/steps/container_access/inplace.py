@@ -4,7 +4,9 @@ A scope-less v2 container's device policy is the one program its runtime attache
 gpuguard replaces it only when exactly one program is attached to the container's
 cgroup: with several (another tool's, or a hook's next to runc's) it cannot know which
 one denies, and replacing any of them could never be judged safe, so the container gets
-a finding (`container-program-unexpected`) and nothing changes.
+a finding (`container-program-unexpected`) and nothing changes. In a scope every
+program the kernel runs was read, and the one replaced is named by its id: a runtime's
+that denies what systemd's programs admit (cgroupv2.py); its back-off is the same.
 
 A replacement that failed (no CAP_BPF/CAP_SYS_ADMIN, BPF_PROG_QUERY refused, a frozen
 cgroup whose probe cannot confirm, an unknown program shape) is not tried again on every
@@ -85,7 +87,8 @@ def hold_back(
             continue
         short = a.container_id[:12]
         ids = programs.get(a.container_id, ())
-        if ids is not None and len(ids) > 1:
+        # a program named by its id (a runtime's in a scope) is one gpuguard judged
+        if ids is not None and len(ids) > 1 and not a.program_id:
             findings.append(
                 Finding(
                     kind=FINDING_UNEXPECTED,

@@ -5,7 +5,9 @@ the runtime's init, not yet the container (see devices.entitlement.own_dev_pendi
 so the scope is tried again briefly until its process has the container's /dev and
 environment. Then this one container is judged as a pass judges it (read_entitlement,
 then plan_durable: the same code, restricted to one container) and its DeviceAllow= set
-through the same actuator, with the same journal entry. The full pass stays the
+through the same actuator, with the same journal entry. A scope that admits every
+device already (a privileged container's) gets none: its layout is asked, as the
+pass's read would say (durable.py: never narrow). The full pass stays the
 backstop: it leaves alone the scopes queued here and does not grant again what was
 granted here (the step's `durable` record, shared).
 
@@ -108,9 +110,11 @@ def read_new_scope(
     gpus: Sequence[GpuLike],
     pod_ids: PodDeviceIds,
     known: Optional[ContainerCgroup] = None,
+    admits_all: Callable[[ContainerCgroup], bool] = lambda c: False,
 ) -> NewScope:
     """One scope's container and entitlement (blocking: /proc and cgroupfs reads);
-    `known`: where an earlier try found it, so a retry reads its cgroup.procs only."""
+    `known`: where an earlier try found it, so a retry reads its cgroup.procs only;
+    `admits_all`: whether its scope admits every device (its layout's read)."""
     c = find_scope(root, unit, layout) if known is None else with_fresh_pids(root, known)
     if c is None:
         return NewScope(skip="no container cgroup: gone, or the pod's sandbox", gone=True)
@@ -132,7 +136,9 @@ def read_new_scope(
     if not ent.is_gpu_container:
         return NewScope(skip="not a GPU container")
     links = frozenset(n.dev_char for n in ent.nodes if os.path.lexists(root.path(n.dev_char)))
-    return NewScope(view=AccessView((c,), {c.key: ent}, {}, {}), links=links)
+    unconfined = frozenset({c.container_id}) if admits_all(c) else frozenset()
+    view = AccessView((c,), {c.key: ent}, {}, {}, unconfined=unconfined)
+    return NewScope(view=view, links=links)
 
 
 class NewScopes:
@@ -148,8 +154,10 @@ class NewScopes:
         *,
         concurrency: int = CONCURRENCY,
         give_up_after: float = GIVE_UP_AFTER,
+        admits_all: Callable[[ContainerCgroup], bool] = lambda c: False,
     ) -> None:
         self.plan, self.grant = plan, grant
+        self.admits_all = admits_all
         self.durable = durable
         self.carry = carry
         self.queue = ScopeQueue(
@@ -233,6 +241,7 @@ class NewScopes:
             self._gpus,
             self._pod_ids,
             self._found.get(unit),
+            self.admits_all,
         )
         if found.pending:
             svc.log.debug(f"new scope {unit}: not ready yet: {found.pending}")

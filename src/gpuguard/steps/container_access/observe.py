@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, AbstractSet, Optional, Sequence
 
+from gpuguard.devices.cgrouptree import read_pids
 from gpuguard.devices.entitlement import Entitlement, read_entitlement, unreadable_entitlement
 from gpuguard.devices.nodes import list_nvidia_nodes
 from gpuguard.devices.plugins import discover_plugins
+from gpuguard.devices.processes import open_nvidia_nodes
 from gpuguard.errors import GpuguardError
 from gpuguard.host.inventory import Inventory
 from gpuguard.host.paths import DEVICE_PLUGINS_DIR, Root
+from gpuguard.host.safeio import UnsafeFileError
 
 # The records, re-exported: the step, the CLI and tests import them from here.
 from gpuguard.steps.container_access.view import AccessView as AccessView
@@ -125,6 +129,8 @@ class AccessObserver:
         for c, _ent in gpu:
             if c.container_id in r.broken:  # never granted anything, even durably
                 ents[c.key] = unreadable_entitlement(c, r.broken[c.container_id])
+        known = {pid for c in containers for pid in c.pids}
+        strays = gpu_strays(root, snapshot.strays(), known)
         plugins: frozenset[str] = frozenset()
         if any(e.missing or e.stale for _, e in gpu):  # rare: only then find the plugins
             plugins = frozenset(
@@ -132,7 +138,33 @@ class AccessObserver:
                 for p in discover_plugins(root, plugin_socket_dir)
                 if p.process is not None and p.process.container_id
             )
-        return AccessView.of(tuple(containers), ents, r, broken=broken, plugin_containers=plugins)
+        return AccessView.of(
+            tuple(containers), ents, r, broken=broken, plugin_containers=plugins, strays=strays
+        )
+
+
+Stray = tuple[str, tuple[int, ...], tuple[str, ...]]  # cgroup, pids, nodes open
+
+
+def gpu_strays(
+    root: Root, dirs: Sequence[Path], known: AbstractSet[int] = frozenset()
+) -> tuple[Stray, ...]:
+    """The kubepods cgroups no container is in (`dirs`: the walk's strays) whose
+    processes hold NVIDIA nodes open: a runtime or a layout gpuguard does not know put
+    them there, and it can neither judge nor repair their access. `known`: the
+    processes of the containers found (one a v1 pod slice holds is still theirs)."""
+    out = []
+    for d in dirs:
+        try:
+            pids = tuple(p for p in read_pids(d) if p not in known)
+        except UnsafeFileError:
+            continue  # not the kernel's file: nothing to say of it
+        holding = [(pid, open_nvidia_nodes(root, pid)) for pid in pids]
+        holding = [(pid, nodes) for pid, nodes in holding if nodes]
+        if holding:
+            nodes = tuple(sorted({n for _p, ns in holding for n in ns}))
+            out.append((str(d), tuple(p for p, _n in holding), nodes))
+    return tuple(out)
 
 
 def _numbers_of(root: Root, path: str) -> Optional[str]:
@@ -190,5 +222,8 @@ async def _learn_unit(sd: Systemd, unit: str, root: Root, durable: dict[str, set
         )
     except SystemdError:
         return
-    numbers = {_numbers_of(root, dev) for dev, _perm in v.value}
+    # only what it admits for reading and writing, as gpuguard grants: an entry of "m"
+    # or "w" alone is no grant of the node, and counting it would leave the node out of
+    # gpuguard's DeviceAllow=, whose re-apply then takes away the hook's read/write
+    numbers = {_numbers_of(root, dev) for dev, perm in v.value if {"r", "w"} <= set(perm)}
     durable.setdefault(unit, set()).update(n for n in numbers if n)

@@ -29,6 +29,7 @@ from gpuguard.steps.container_access.actions import UnitDeviceAllow as UnitDevic
 from gpuguard.steps.container_access.actions import V2ProgramReplace as V2ProgramReplace
 from gpuguard.steps.container_access.actions import V2ReportOnly as V2ReportOnly
 from gpuguard.steps.container_access.view import AccessKey as AccessKey
+from gpuguard.steps.container_access.view import Denier
 from gpuguard.steps.registry import CONTAINER_ACCESS
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ FINDING_MISSING = "container-device-missing"
 FINDING_STALE = "container-device-stale"
 FINDING_CONFLICT = "container-device-conflict"
 FINDING_UNREADABLE = "container-unreadable"
+FINDING_UNATTRIBUTED = "gpu-process-unattributed"
 
 CAUSE_REWRITE = "daemon-reload/reexec or CPU manager rewrote the cgroup"
 CAUSE_REWRITE_V2 = (
@@ -112,6 +114,29 @@ def unreadable_findings(
     )
 
 
+def stray_findings(
+    strays: Sequence[tuple[str, tuple[int, ...], tuple[str, ...]]],
+) -> tuple[Finding, ...]:
+    """One finding per kubepods cgroup that is no container gpuguard knows and whose
+    processes hold NVIDIA nodes open (`strays`: cgroup, pids, nodes)."""
+    return tuple(
+        Finding(
+            kind=FINDING_UNATTRIBUTED,
+            reconciler=RECONCILER,
+            summary=f"{cgroup}: process(es) {', '.join(map(str, pids[:8]))} hold "
+            f"{', '.join(nodes)} open in a kubepods cgroup that is no container gpuguard "
+            "knows: it cannot judge or repair their access; find what made this cgroup",
+            fields={
+                "CGROUP": cgroup,
+                "PIDS": ",".join(map(str, pids[:64])),
+                "DEVICE": ",".join(nodes),
+            },
+            severity="warning",
+        )
+        for cgroup, pids, nodes in strays
+    )
+
+
 def _finding(
     kind: str,
     c: ContainerCgroup,
@@ -148,6 +173,7 @@ def audit(
     device_rules: Optional[Mapping[str, DeviceRules]] = None,
     remedy: str = "report",
     plugin_containers: AbstractSet[str] = frozenset(),
+    deniers: Optional[Mapping[str, Sequence[Denier]]] = None,
 ) -> tuple[tuple[Finding, ...], tuple[Action, ...]]:
     """Findings and actions for every GPU container.
 
@@ -158,8 +184,11 @@ def audit(
     container_id, for cause heuristics; ``remedy``: V2Remedy=, what a cgroup with no
     re-grant in place gets (a report, a restart, a program replaced in place);
     ``plugin_containers``: IDs of device plugins' own containers, whose
-    view of the host's nodes the device plugin step judges (and restarts them for)."""
+    view of the host's nodes the device plugin step judges (and restarts them for);
+    ``deniers``: by container_id, the runtime's programs in its scope that deny what
+    systemd's admit (v2: replaced in place, cgroupv2.py)."""
     rules_by_id = device_rules or {}
+    deniers = deniers or {}
     findings: list[Finding] = []
     actions: list[Action] = []
     for c in containers:
@@ -233,7 +262,7 @@ def audit(
         numbers = tuple(n.numbers for n in denied)
         what = ", ".join(n.path for n in denied)
         if cg is not None:  # the re-grant in place first: the fastest repair
-            actions += cg.plan_regrant(c, denied, remedy)
+            actions += cg.plan_regrant(c, denied, remedy, deniers.get(c.container_id, ()))
         if c.unit is not None:
             actions.append(
                 UnitDeviceAllow(

@@ -73,7 +73,11 @@ class AccessState:
         self.cgroups = Cgroups(self.durable, self.carried.outcome, clock)
         self.observer = AccessObserver(self.cgroups)
         self.scopes = NewScopes(
-            plan_durable, self.cgroups.grant, self.durable, self.carried.outcome
+            plan_durable,
+            self.cgroups.grant,
+            self.durable,
+            self.carried.outcome,
+            admits_all=self.cgroups.admits_all,
         )
         self.conditions = Conditions()
         self.pod_restarts: dict[str, float] = {}  # pod UID -> when we last stopped one
@@ -100,6 +104,7 @@ class AccessState:
             device_rules=view.rules,
             remedy=remedy,
             plugin_containers=view.plugin_containers,
+            deniers=view.deniers,
         )
 
     def report(

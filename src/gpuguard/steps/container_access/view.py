@@ -13,6 +13,10 @@ if TYPE_CHECKING:
     from gpuguard.devices.rules import DeviceRules
 
 AccessKey = tuple[str, str]  # (container_id, "MAJ:MIN")
+# v2, a container in a scope: a device program that is not systemd's (the runtime's,
+# crun's in SCOPE/container, runc 1.0-rc93's after its update) denying entitled nodes
+# that systemd's programs admit: (program id, the cgroup it is attached to, "MAJ:MIN"s)
+Denier = tuple[int, str, tuple[str, ...]]
 Pair = tuple["ContainerCgroup", "Entitlement"]  # a GPU container and what it was given
 Access = dict[AccessKey, Optional[bool]]  # True admitted, False denied, None unknown
 
@@ -34,6 +38,10 @@ class Readings:
     bridged: set[str] = field(default_factory=set)
     systemd_denies: set[AccessKey] = field(default_factory=set)
     effective: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # containers whose scope admits every device (v1: its devices.list is "a *:* rwm";
+    # v2: no device program, or only ones that admit all): a DeviceAllow= would narrow it
+    unconfined: set[str] = field(default_factory=set)
+    deniers: dict[str, tuple[Denier, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -54,9 +62,17 @@ class AccessView:
     # the v2 (container, node) pairs that a program of systemd's itself denies
     bridged: frozenset[str] = frozenset()
     systemd_denies: frozenset[AccessKey] = frozenset()
-    # v2 containers: the ids of every device program the kernel runs for their cgroup
-    # (a failed bridge waits until these change: bridge.py)
+    # v2 containers: the ids of every device program the kernel runs for their scope's
+    # cgroup (a failed bridge waits until these change: bridge.py)
     effective: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    # containers whose scope already admits every device: never given a DeviceAllow=,
+    # which would turn "everything" into a list (durable.plan_durable)
+    unconfined: frozenset[str] = frozenset()
+    # v2 containers in a scope: the runtime's programs that deny what systemd's admit
+    deniers: Mapping[str, tuple[Denier, ...]] = field(default_factory=dict)
+    # kubepods cgroups no container is in whose processes hold NVIDIA nodes open:
+    # (cgroup, pids, the nodes), each a finding (gpuguard cannot judge or repair them)
+    strays: tuple[tuple[str, tuple[int, ...], tuple[str, ...]], ...] = ()
 
     @classmethod
     def of(
@@ -67,6 +83,7 @@ class AccessView:
         *,
         broken: Optional[Mapping[str, str]] = None,
         plugin_containers: frozenset[str] = frozenset(),
+        strays: tuple[tuple[str, tuple[int, ...], tuple[str, ...]], ...] = (),
     ) -> AccessView:
         """A view of `containers` from what their layouts read (`r`); `broken`: the
         containers whose own files could not be read (r.broken added)."""
@@ -81,4 +98,7 @@ class AccessView:
             frozenset(r.bridged),
             frozenset(r.systemd_denies),
             r.effective,
+            frozenset(r.unconfined),
+            r.deniers,
+            strays,
         )
