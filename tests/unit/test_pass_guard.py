@@ -40,6 +40,17 @@ def test_what_ends_a_streak() -> None:
     assert g.after_pass(False, DENIED).wait == 0 and g.streak == 0
 
 
+def test_a_loss_that_comes_back_later_is_repaired_each_time_without_a_wait() -> None:
+    """kubelet's CPU manager rewrites a container's devices at each reconcile (every
+    10 s): each pass finds the same loss and repairs it, brought by marks that came
+    long after the previous pass ended. That is no loop: never held back. The same
+    passes brought at once (a pass's own change waking the next) are."""
+    g = RepairLoopGuard()
+    assert all(g.after_pass(True, DENIED, prompt=False).wait == 0 for _ in range(20))
+    assert g.streak == 0
+    assert g.after_pass(True, DENIED, prompt=True).wait == BASE
+
+
 def test_lasting_findings_without_changes_never_hold_a_pass_back() -> None:
     """A finding gpuguard cannot end (a container without uvm) and passes that change
     nothing: no back-off, each pass runs when it is asked for."""
@@ -78,6 +89,41 @@ def test_a_self_waking_repair_runs_a_few_passes_not_hundreds() -> None:
     # waits 0.2, 0.4, 0.8, 1.6 s: at most 6 passes in 3 s (without the guard, one every
     # quiet period: hundreds)
     assert 2 <= n <= 6, n
+
+
+def test_the_same_loss_coming_back_later_is_never_held_back() -> None:
+    """The same finding and a change in every pass, but each pass brought by a mark that
+    comes 0.3 s after the previous pass ended (an outside cause, here with PROMPT made
+    0.1 s): every one runs when asked, none waits."""
+
+    async def main() -> tuple[int, list[float]]:
+        passes = 0
+        waits: list[float] = []
+        c: Coalescer
+
+        async def run(w: Work) -> None:
+            nonlocal passes
+            passes += 1
+            waits.append(c.after_pass(True, DENIED).wait)
+
+        c = Coalescer(run, quiet=0.01, max_delay=0.05)
+        task = asyncio.create_task(c.run())
+        for _ in range(6):
+            c.mark(STEP, "systemd: scope devices set by the runtime")
+            await asyncio.sleep(0.3)
+        c.stop()
+        await task
+        return passes, waits
+
+    import gpuguard.engine.coalescer as coalescer
+
+    saved = coalescer.PROMPT
+    coalescer.PROMPT = 0.1
+    try:
+        n, waits = asyncio.run(asyncio.wait_for(main(), timeout=20))
+    finally:
+        coalescer.PROMPT = saved
+    assert n == 6 and waits == [0.0] * 6, (n, waits)
 
 
 def test_an_urgent_mark_is_not_held_back() -> None:

@@ -20,7 +20,7 @@ import time
 from typing import Awaitable, Callable, Hashable, Optional
 
 from gpuguard.engine.passes import Work
-from gpuguard.engine.passguard import RepairLoopGuard, Verdict
+from gpuguard.engine.passguard import PROMPT, RepairLoopGuard, Verdict
 from gpuguard.host import aio
 
 RunPass = Callable[[Work], Awaitable[None]]
@@ -56,6 +56,8 @@ class Coalescer:
         self.passes = 0
         self.running = False
         self.pass_started = 0.0
+        self._ended: Optional[float] = None  # when the previous pass ended
+        self._prompt = False  # this pass's marks began within PROMPT of that end
 
     def mark(self, reconcilers: frozenset[str], why: str, urgent: bool = False) -> None:
         now = self.clock()
@@ -77,7 +79,7 @@ class Coalescer:
         """A pass ended (`acted`: it changed or tried to change something; `findings`:
         what it found, by identity): never a repair loop (passguard.py), the next
         non-urgent pass waits as long as the guard says."""
-        v = self.loop_guard.after_pass(acted, findings)
+        v = self.loop_guard.after_pass(acted, findings, self._prompt)
         self.hold_off(v.wait)
         return v
 
@@ -132,8 +134,10 @@ class Coalescer:
             self._urgent = False
             self.running = True
             self.pass_started = self.clock()
+            self._prompt = self._ended is not None and work.first_mark - self._ended < PROMPT
             try:
                 await self.run_pass(work)
             finally:
                 self.running = False
                 self.passes += 1
+                self._ended = self.clock()

@@ -9,12 +9,17 @@ wakes the one after: without this guard, passes without end (Debian 11's systemd
 with runc 1.0-rc93 on cgroup v2 ran about three a second).
 
 The rule, whatever step or event is involved: a pass that acted (an outcome done or
-failed) and was followed by a pass that found exactly the same findings repaired
-nothing, and so does that one; each such pass in a row doubles how long the next pass
-that no outside event asks for urgently (a daemon-reload, a reexec, start-up, a
-reconnection) waits after it: `BASE`, twice that, ... up to `CAP`. A pass that finds
-something else, or acts on nothing, ends the streak. The periodic audit and urgent
-events still run passes, so a repair that becomes possible is made, just not in a loop.
+failed) and was followed at once by a pass that found exactly the same findings
+repaired nothing, and so does that one; each such pass in a row doubles how long the
+next pass that no outside event asks for urgently (a daemon-reload, a reexec, start-up,
+a reconnection) waits after it: `BASE`, twice that, ... up to `CAP`. "At once": the
+marks that brought the next pass began within `PROMPT` of the previous pass's end, as
+a pass's own change wakes the next one within milliseconds. A loss that comes back
+later (kubelet's CPU manager rewriting a container's devices at each reconcile, every
+10 s by default) was repaired, lost again and is repaired again: never held back. A
+pass that finds something else, acts on nothing, or was brought by marks that came
+later ends the streak. The periodic audit and urgent events still run passes, so a
+repair that becomes possible is made, just not in a loop.
 
 Pure: the daemon feeds it each pass and hands the wait to the coalescer.
 """
@@ -26,6 +31,9 @@ from typing import Any, Hashable, Optional
 
 BASE = 1.0  # seconds the next pass waits after the first pass that repaired nothing
 CAP = 300.0  # the longest wait (the default audit interval)
+# Marks this soon after a pass ended are its own doing (a change it made woke them); a
+# repair loop's next pass is marked within milliseconds, an outside cause comes later.
+PROMPT = 1.0
 
 
 @dataclass(frozen=True)
@@ -55,10 +63,14 @@ class RepairLoopGuard:
         self._findings: Optional[frozenset[Hashable]] = None
         self.streak = 0
 
-    def after_pass(self, acted: bool, findings: frozenset[Hashable]) -> Verdict:
+    def after_pass(
+        self, acted: bool, findings: frozenset[Hashable], prompt: bool = True
+    ) -> Verdict:
         """Record a pass (`acted`: it changed or tried to change something; `findings`:
-        what it found, by identity); the wait before the next non-urgent pass."""
-        fruitless = self._acted and bool(findings) and findings == self._findings
+        what it found, by identity; `prompt`: its marks began within PROMPT of the
+        previous pass's end); the wait before the next non-urgent pass."""
+        same = bool(findings) and findings == self._findings
+        fruitless = self._acted and same and prompt
         self.streak = self.streak + 1 if fruitless else 0
         self._acted, self._findings = acted, findings
         if not self.streak or not acted:
