@@ -73,7 +73,7 @@ def test_a_self_waking_repair_runs_a_few_passes_not_hundreds() -> None:
         async def run(w: Work) -> None:
             nonlocal passes
             passes += 1
-            c.after_pass(True, DENIED)
+            c.after_pass(True, DENIED, w.first_mark)
             c.mark(STEP, "systemd: scope devices set")  # the pass's own change wakes one
 
         c = Coalescer(run, quiet=0.01, max_delay=0.05)
@@ -104,7 +104,7 @@ def test_the_same_loss_coming_back_later_is_never_held_back() -> None:
         async def run(w: Work) -> None:
             nonlocal passes
             passes += 1
-            waits.append(c.after_pass(True, DENIED).wait)
+            waits.append(c.after_pass(True, DENIED, w.first_mark).wait)
 
         c = Coalescer(run, quiet=0.01, max_delay=0.05)
         task = asyncio.create_task(c.run())

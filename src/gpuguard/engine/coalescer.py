@@ -56,8 +56,7 @@ class Coalescer:
         self.passes = 0
         self.running = False
         self.pass_started = 0.0
-        self._ended: Optional[float] = None  # when the previous pass ended
-        self._prompt = False  # this pass's marks began within PROMPT of that end
+        self._ended: Optional[float] = None  # when the previous pass ended (after_pass)
 
     def mark(self, reconcilers: frozenset[str], why: str, urgent: bool = False) -> None:
         now = self.clock()
@@ -75,11 +74,14 @@ class Coalescer:
         self._held_since = self.clock() if on else None
         self._wake.set()
 
-    def after_pass(self, acted: bool, findings: frozenset[Hashable]) -> Verdict:
+    def after_pass(self, acted: bool, findings: frozenset[Hashable], first_mark: float) -> Verdict:
         """A pass ended (`acted`: it changed or tried to change something; `findings`:
-        what it found, by identity): never a repair loop (passguard.py), the next
-        non-urgent pass waits as long as the guard says."""
-        v = self.loop_guard.after_pass(acted, findings, self._prompt)
+        what it found, by identity; `first_mark`: when the marks that brought it began,
+        Work.first_mark): never a repair loop (passguard.py), the next non-urgent pass
+        waits as long as the guard says."""
+        prompt = self._ended is not None and first_mark - self._ended < PROMPT
+        v = self.loop_guard.after_pass(acted, findings, prompt)
+        self._ended = self.clock()
         self.hold_off(v.wait)
         return v
 
@@ -134,10 +136,8 @@ class Coalescer:
             self._urgent = False
             self.running = True
             self.pass_started = self.clock()
-            self._prompt = self._ended is not None and work.first_mark - self._ended < PROMPT
             try:
                 await self.run_pass(work)
             finally:
                 self.running = False
                 self.passes += 1
-                self._ended = self.clock()

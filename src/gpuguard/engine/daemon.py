@@ -342,7 +342,8 @@ class Daemon:
             },
         )
         acted = any(o.status in ("done", "failed") for o in ctx.outcomes)
-        v = self.coalescer.after_pass(acted, frozenset(map(finding_id, ctx.findings)))
+        findings = frozenset(map(finding_id, ctx.findings))
+        v = self.coalescer.after_pass(acted, findings, work.first_mark)
         if v.wait:  # never a repair loop (passguard.py)
             self.log.event("pass-backoff", v.message(len(ctx.findings)), **v.entry())
         self._write_status()

@@ -191,8 +191,9 @@ KINDS: dict[str, KindDoc] = {
     "daemon-stopping": KindDoc("gpuguard daemon stopping", "SIGTERM received; finishing the pass."),
     "pass-backoff": KindDoc(
         "gpuguard holds back its next pass: its repairs changed nothing",
-        "@PASSES@ pass(es) in a row changed something (or tried to) and then found exactly "
-        "what the pass before found: their repairs did not take. A pass's own changes can wake "
+        "@PASSES@ pass(es) in a row changed something (or tried to) and then, brought at once "
+        "by what the pass before did, found exactly what that pass found: their repairs did not "
+        "take. A pass's own changes can wake "
         "the next one (a DeviceAllow= it sets is a scope change), so without this the daemon "
         "would repair the same thing in a loop. The next pass waits @WAIT_S@ s, twice as long "
         "after each such pass up to 5 min; a daemon-reload, a reexec or a reconnection still "
