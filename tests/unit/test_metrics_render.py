@@ -107,6 +107,20 @@ class Reference:
             ["condition"],
             registry=r,
         )
+        # added after the library was dropped: the same Gauges it would have had
+        self.disabled = Gauge(
+            "gpuguard_disabled",
+            "1 while the off switch /etc/gpuguard/disabled is set (`gpuguard disable`: "
+            "gpuguard changes nothing), else 0.",
+            registry=r,
+        )
+        self.mode = Gauge(
+            "gpuguard_mode",
+            "1 for the mode the daemon runs in: repair, or observe (Mode=observe: it reports "
+            "and changes nothing).",
+            ["mode"],
+            registry=r,
+        )
         build = Gauge(
             "gpuguard_build_info",
             "gpuguard's version and the Python running it (always 1).",
@@ -147,6 +161,9 @@ class Reference:
         for layer in ("pci", "nvml", "kubelet"):
             if counts.get(f"gpus_{layer}") is not None:
                 self.gpus.labels(layer).set(counts[f"gpus_{layer}"])
+        self.mode.clear()
+        self.mode.labels("observe" if status.get("dry_run") else "repair").set(1)
+        self.disabled.set(1 if status.get("off_switch") else 0)
         self.condition.clear()
         now = float(last_pass.get("ended", 0.0))
         for c in CONDITIONS:

@@ -12,11 +12,16 @@ from gpuguard.errors import GpuguardError
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    if not args.kubelet_stopped:
-        return _check(args, _root(args), None)
-    from gpuguard.steps.checkpoint.kubelet_hook import FAILED, HookRun
+    from gpuguard.host.offswitch import read_off_switch
 
     root = _root(args)
+    off = read_off_switch(root)  # before the configuration: it works with a broken one
+    if off is not None:
+        return _disabled(args, root, off)
+    if not args.kubelet_stopped:
+        return _check(args, root, None)
+    from gpuguard.steps.checkpoint.kubelet_hook import FAILED, HookRun
+
     hook = HookRun(root)
     try:
         return _check(args, root, hook)
@@ -25,13 +30,34 @@ def cmd_check(args: argparse.Namespace) -> int:
         raise
 
 
-def _simulation(args: argparse.Namespace) -> str:
-    if _opt(args, "inventory") is None or args.allow_kubelet_restart:
-        return ""
-    return (
-        "the GPU inventory comes from --inventory (a simulation), so a running kubelet is "
-        "not restarted or stopped; pass --allow-kubelet-restart to allow it"
+def _disabled(args: argparse.Namespace, root: Any, off: Any) -> int:
+    """The off switch is set: kubelet's pre-start hook checks nothing and writes nothing
+    (no result file either); a person's `gpuguard check` runs as a dry run."""
+    log = _log(args, None, root)
+    if args.kubelet_stopped:
+        log.event(
+            "disabled-skip",
+            f"kubelet pre-start: {off.describe()}; the kubelet checkpoint was not checked",
+            level="notice",
+            fields={"REASON": off.reason, "OFF_SWITCH": off.path},
+        )
+        return exitcodes.OK
+    log.event(
+        "disabled-skip",
+        f"{off.describe()}: this check is a dry run and changes nothing "
+        "(`gpuguard enable` turns repairs back on)",
+        level="notice",
+        fields={"REASON": off.reason, "OFF_SWITCH": off.path},
     )
+    args.dry_run = True
+    return _check(args, root, None)
+
+
+def _simulation(args: argparse.Namespace, cfg: Any, inventory: Any) -> str:
+    from gpuguard.steps.checkpoint.report import simulation
+
+    cli = _opt(args, "inventory") is not None
+    return simulation(inventory.source, cli, cfg.inventory, allow=args.allow_kubelet_restart)
 
 
 def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
@@ -65,15 +91,17 @@ def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
     from gpuguard.steps.checkpoint import CheckSettings, run_check
 
     log = log or _log(args, cfg, root)
+    log.facts_as_text = False  # the report below prints them: each fact once
     settings = CheckSettings.from_config(
         k,
-        dry_run=args.dry_run or cfg.daemon.dry_run,
+        dry_run=args.dry_run or cfg.daemon.observe,
         reason=args.reason,
         bus_address=_opt(args, "bus"),
         policy=args.policy or "",
         may_restart=not args.no_restart,
         kubelet_stopped=args.kubelet_stopped,
-        simulation=_simulation(args),
+        simulation=_simulation(args, cfg, inventory),
+        kubelet_units=cfg.systemd.kubelet_units,
     )
     from gpuguard.engine.oneshot import driver_loaded
     from gpuguard.engine.snapshot import HostSnapshot
@@ -114,12 +142,46 @@ def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
-        print(report.render())
-        for f in doc.get("devices", {}).get("findings", []):
-            print(f"{f['severity'] + ':':11} {f['summary']}")
-        for o in doc.get("devices", {}).get("outcomes", []):
-            print(f"{o['status'] + ':':11} {o['kind']} {o['target']}: {o['detail']}")
+        _print_report(root, report, doc, journaled=hook is not None and _stdout_is_journal(log))
     return code
+
+
+def _stdout_is_journal(log: Any) -> bool:
+    """kubelet's pre-start hook: stdout is kubelet's journal stream, which already has
+    every finding and change as the hook's own journal entries."""
+    import sys
+
+    from gpuguard.journal.log import under_journald
+
+    return log.journal is not None and under_journald(sys.stdout)
+
+
+def _print_report(root: Any, report: Any, doc: dict[str, Any], *, journaled: bool) -> None:
+    """The report, each fact once (the log prints none of them as text: `_check`), pods
+    by namespace/name where the runtime knows them. `journaled`: the findings and
+    changes are in the same journal already; only the summary lines are printed."""
+    from gpuguard.devices.podnames import name_pod, pod_names
+
+    if journaled:
+        report = report.summary_only()
+    devices = doc.get("devices", {})
+    items = [*devices.get("findings", []), *devices.get("outcomes", [])]
+    fields = [i.get("fields", {}) for i in items] + [f.fields for f in report.findings]
+    names = pod_names(root, (f.get("CONTAINER_ID", "") for f in fields))
+    by_uid = {p.uid: p for p in names.values() if p.uid}
+
+    def named(text: str, f: dict[str, Any]) -> str:
+        uid = f.get("POD_UID", "")
+        return name_pod(text, uid, names.get(f.get("CONTAINER_ID", "")) or by_uid.get(uid))
+
+    print("\n".join(named(line, f) for line, f in report.lines()))
+    if journaled:
+        return
+    for f in devices.get("findings", []):
+        print(named(f"{f['severity'] + ':':11} {f['summary']}", f.get("fields", {})))
+    for o in devices.get("outcomes", []):
+        line = f"{o['status'] + ':':11} {o['kind']} {o['target']}: {o['detail']}"
+        print(named(line, o.get("fields", {})))
 
 
 def _hook_result(hook: Any, report: Any, log: Any) -> None:

@@ -20,6 +20,7 @@ from gpuguard.config import Config, load_config
 from gpuguard.engine.coalescer import Coalescer
 from gpuguard.engine.gcpause import collector_paused, freeze_long_lived, thaw
 from gpuguard.engine.inventory_reader import InventoryReader
+from gpuguard.engine.operation import OffSwitchGate, journal_observe
 from gpuguard.engine.passes import STATUS_FILE, PassContext, Step, Work
 from gpuguard.engine.snapshot import HostSnapshot, Planned
 from gpuguard.errors import ConfigError, GpuguardError
@@ -63,7 +64,8 @@ class Daemon:
         self.notifier = notifier
         self.inventory_reader = InventoryReader(log, config, inventory_path)  # each pass's GPUs
         self.bus_address = bus_address or bus_address_for(root.prefix)
-        self.dry_run = dry_run or config.daemon.dry_run
+        self.cli_dry_run = dry_run  # --dry-run: kept across reloads
+        self.dry_run = dry_run or config.daemon.observe  # Mode=observe, DryRun=yes
         self.step_order = tuple(step_order)
         self.steps = {name: steps[name] for name in self.step_order if name in steps}
         self.passes = 0
@@ -85,6 +87,7 @@ class Daemon:
             )
         self.udev: Any = None
         self.transient: Any = None  # sources/transient.py, once started
+        self.off_switch = OffSwitchGate(root, log)  # once seen, the daemon stops
 
     @property
     def systemd(self) -> Optional[Systemd]:
@@ -102,6 +105,8 @@ class Daemon:
         """systemd ended a daemon-reload/reexec: each step's reload fast path, inline on
         the loop, now (the pass that repairs the rest is marked next, urgently), with no
         garbage collection in between (gcpause.py)."""
+        if self.switched_off():
+            return
         with collector_paused():
             for name, step in self.steps.items():
                 fast = getattr(step, "on_reload", None)
@@ -120,6 +125,8 @@ class Daemon:
     def on_scope_started(self, unit: str) -> None:
         """A container scope's job ended: its step handles that scope on its own, and
         asks for a pass when it is done (or marks one at once when it has no fast path)."""
+        if self.switched_off():
+            return
         step = self.steps.get(CONTAINER_ACCESS)
         fast = getattr(step, "on_new_scope", None)
 
@@ -158,6 +165,10 @@ class Daemon:
                 await asyncio.wait_for(self.sd_source.first_attempt_done.wait(), timeout=10)
             except asyncio.TimeoutError:
                 self.log.warning("systemd did not answer in 10s; going on without it for now")
+        if self.switched_off():
+            return 0
+        if self.dry_run:
+            journal_observe(self.log, "start-up")
         self.mark(frozenset(self.step_order), "start-up", True)
         pass_task = asyncio.create_task(self.coalescer.run())
         first = asyncio.create_task(self.first_pass_done.wait())
@@ -213,12 +224,24 @@ class Daemon:
                 "reset is seen at the next audit"
             )
 
+    def switched_off(self) -> bool:
+        """The off switch is set: nothing more is written, and the daemon stops."""
+        if self.off_switch.seen is None and self.off_switch.check() is not None:
+            self.dry_run = True
+            self._write_status()
+            self.notifier.stopping("stopping: gpuguard is disabled (gpuguard enable)")
+            self.coalescer.stop()
+        return self.off_switch.seen is not None
+
     def stop(self, why: str = "stop") -> None:
+        self.dry_run = self.dry_run or self.off_switch.check() is not None  # disable: no writes
         self.log.event("daemon-stopping", f"{why}: finishing the current pass and exiting")
         self.notifier.stopping(f"stopping ({why})")
         self.coalescer.stop()
 
     def reload_config(self) -> None:
+        if self.switched_off():
+            return
         self.notifier.reloading()
         try:
             new = load_config(self.root, path=self.config_path)
@@ -232,7 +255,9 @@ class Daemon:
         for warning in new.warnings:
             self.log.warning(warning)  # a deprecated key, still read
         self.inventory_reader.reconfigure(new)
-        self.dry_run = new.daemon.dry_run
+        was, self.dry_run = self.dry_run, self.cli_dry_run or new.daemon.observe
+        if self.dry_run and not was:
+            journal_observe(self.log, "configuration reloaded")
         self.log.set_level(new.daemon.log_level)
         c, d = self.coalescer, new.daemon
         c.quiet, c.urgent_quiet, c.max_delay = d.quiet_period, d.reload_quiet_period, d.max_delay
@@ -253,6 +278,8 @@ class Daemon:
     # -- passes ----------------------------------------------------------------
 
     async def _run_pass(self, work: Work) -> None:
+        if self.switched_off():
+            return
         started_wall, t0 = time.time(), time.monotonic()
         self.passes += 1
         ctx = PassContext(work, self.inventory_reader.read, previous_inventory=self.inventory)
@@ -403,6 +430,7 @@ class Daemon:
             "bus_connected": self.systemd is not None,
             "reload_signal": self._reload_signal(),
             "dry_run": self.dry_run,
+            "off_switch": self.off_switch.seen.to_json() if self.off_switch.seen else None,
             "first_pass": self.first_pass,
             "last_pass": self.last_pass,
             "fast_paths": fast_status() if fast_status is not None else {},

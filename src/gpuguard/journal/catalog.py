@@ -11,6 +11,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
+from gpuguard.journal.catalog_ops import OPS_KINDS
+
 NAMESPACE = uuid.UUID("5b0f3c2e-8d7a-4c1e-9f55-6a1d2b3c4e5f")
 
 
@@ -419,6 +421,8 @@ KINDS: dict[str, KindDoc] = {
         "plugin pod (kubectl describe) and how its /dev is populated.",
     ),
 }
+
+KINDS.update({kind: KindDoc(*doc) for kind, doc in OPS_KINDS.items()})
 
 
 def render_catalog() -> str:

@@ -107,6 +107,10 @@ class EventLog:
         self.static = dict(static_fields or {})
         self.stream_format = stream_format
         self._routed: list[logging.Logger] = []  # module loggers sent here (route_modules)
+        # False: findings and outcomes are not written to stderr as text, because the
+        # command prints them itself (`gpuguard check`'s report): each fact once. The
+        # journal and --log-json still get every entry.
+        self.facts_as_text = True
 
     @classmethod
     def auto(
@@ -150,6 +154,7 @@ class EventLog:
         level: str = "info",
         fields: Optional[Mapping[str, Any]] = None,
         exc: Optional[BaseException] = None,
+        fact: bool = False,
     ) -> None:
         prio = LEVELS[level]
         if prio > self.threshold:
@@ -176,7 +181,7 @@ class EventLog:
         fmt = self.stream_format
         if fmt == "none" and not sent:
             fmt = "text"
-        if fmt == "text":
+        if fmt == "text" and (self.facts_as_text or not fact):
             self.stream.write(f"gpuguard: {level}: {msg} [{kind}]\n" + tb)
             self.stream.flush()
         if fmt != "json":
@@ -199,6 +204,7 @@ class EventLog:
             f.summary,
             level=f.severity,
             fields={"GPUGUARD_RECONCILER": f.reconciler, **f.fields},
+            fact=True,
         )
 
     def outcome(self, o: Outcome) -> None:
@@ -216,6 +222,7 @@ class EventLog:
                 "GPUGUARD_STATUS": o.status,
                 **a.fields(),
             },
+            fact=True,
         )
 
     def crashed(self, reconciler: str, what: str, exc: BaseException) -> None:

@@ -12,6 +12,7 @@ raises ImportError and the callers say so (metrics_state.MISSING_LIBRARY).
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -129,17 +130,28 @@ def render(doc: Mapping[str, Any]) -> bytes:
     return generate_latest(registry)
 
 
-def render_file(path: Path) -> bytes:
-    """render() of the file the daemon wrote; MetricsFileError, one line, otherwise."""
-    data, _st = safeio.read_bytes(
-        path,
-        what="metrics state",
-        max_bytes=STATE_MAX,
-        missing="does not exist — is gpuguard.service running?",
-        next_step="gpuguard.service writes it after every pass; restart it",
-    )
+def render_file(path: Path, disabled: bool = False) -> bytes:
+    """render() of the file the daemon wrote, with gpuguard_disabled as the off switch is
+    now; MetricsFileError, one line, otherwise. With the switch set and no file (the
+    daemon does not run), the families without values: gpuguard_disabled 1 still says
+    why."""
     try:
-        return render(json.loads(data))
+        data, _st = safeio.read_bytes(
+            path,
+            what="metrics state",
+            max_bytes=STATE_MAX,
+            missing="does not exist — is gpuguard.service running?",
+            next_step="gpuguard.service writes it after every pass; restart it",
+        )
+    except safeio.UnsafeFileError as e:
+        if not disabled or e.errno != errno.ENOENT:
+            raise
+        data = json.dumps({"format": FORMAT, "families": {}}).encode()
+    try:
+        doc = json.loads(data)
+        if isinstance(doc, dict) and isinstance(doc.get("families"), dict):
+            doc["families"]["gpuguard_disabled"] = [{"labels": [], "value": float(disabled)}]
+        return render(doc)
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError included
         raise MetricsFileError(
             f"{path}: not gpuguard's metrics ({e}) — gpuguard.service rewrites it after its "

@@ -123,6 +123,19 @@ FAMILIES = (
         ("condition",),
     ),
     Family(
+        "gpuguard_disabled",
+        GAUGE,
+        "1 while the off switch /etc/gpuguard/disabled is set (`gpuguard disable`: gpuguard "
+        "changes nothing), else 0.",
+    ),
+    Family(
+        "gpuguard_mode",
+        GAUGE,
+        "1 for the mode the daemon runs in: repair, or observe (Mode=observe: it reports and "
+        "changes nothing).",
+        ("mode",),
+    ),
+    Family(
         "gpuguard_build_info",
         GAUGE,
         "gpuguard's version and the Python running it (always 1).",
@@ -149,6 +162,7 @@ class MetricsState:
         self.buckets = {f.name: [0] * (len(f.buckets) + 1) for f in FAMILIES if f.buckets}
         self.sums = {name: 0.0 for name in self.buckets}
         self.start = start
+        self.counted: Any = None  # the number of the last pass counted
         self.set("gpuguard_build_info", 1, __version__, platform.python_version())
 
     def _series(self, name: str, labels: Key) -> dict[Key, float]:
@@ -187,17 +201,12 @@ class MetricsState:
         self.observe("gpuguard_pass_duration_seconds", seconds)
 
     def observe_pass(self, last_pass: Mapping[str, Any], status: Mapping[str, Any]) -> None:
-        """Count one pass (the daemon's last_pass document) and refresh the gauges from
-        the status document (each step's latest result)."""
-        self.inc("gpuguard_passes")
-        self.observe_duration(float(last_pass.get("duration_ms", 0.0)) / 1000.0)
-        self.set("gpuguard_last_pass_timestamp_seconds", float(last_pass.get("ended", 0.0)))
-        for f in last_pass.get("findings", ()):
-            self.inc("gpuguard_findings", f["kind"], f["reconciler"])
-        for o in last_pass.get("outcomes", ()):
-            self.inc("gpuguard_actions", o["kind"], o["status"])
-            if o["kind"] == "restart-plugin":
-                self.inc("gpuguard_plugin_restarts", o["status"])
+        """Count one pass (the daemon's last_pass document; each pass once, by its
+        number) and refresh the gauges from the status document (each step's latest
+        result, the mode, the off switch)."""
+        if last_pass.get("number") != self.counted:
+            self.counted = last_pass.get("number")
+            self._count(last_pass)
         steps: Mapping[str, Any] = status.get("steps") or {}
         self.clear("gpuguard_open_findings")
         for name, st in steps.items():
@@ -218,12 +227,26 @@ class MetricsState:
         for layer in ("pci", "nvml", "kubelet"):
             if counts.get(f"gpus_{layer}") is not None:
                 self.set("gpuguard_gpus", counts[f"gpus_{layer}"], layer)
+        self.clear("gpuguard_mode")
+        self.set("gpuguard_mode", 1, "observe" if status.get("dry_run") else "repair")
+        self.set("gpuguard_disabled", 1 if status.get("off_switch") else 0)
         self.clear("gpuguard_node_condition")
         now = float(last_pass.get("ended", 0.0))
         for c in CONDITIONS:
             code, _ = evaluate(c, {"steps": steps}, now, DEFAULT_MAX_AGE)
             if code in (OK, PROBLEM):
                 self.set("gpuguard_node_condition", 1 if code == PROBLEM else 0, c.type)
+
+    def _count(self, last_pass: Mapping[str, Any]) -> None:
+        self.inc("gpuguard_passes")
+        self.observe_duration(float(last_pass.get("duration_ms", 0.0)) / 1000.0)
+        self.set("gpuguard_last_pass_timestamp_seconds", float(last_pass.get("ended", 0.0)))
+        for f in last_pass.get("findings", ()):
+            self.inc("gpuguard_findings", f["kind"], f["reconciler"])
+        for o in last_pass.get("outcomes", ()):
+            self.inc("gpuguard_actions", o["kind"], o["status"])
+            if o["kind"] == "restart-plugin":
+                self.inc("gpuguard_plugin_restarts", o["status"])
 
     def to_json(self) -> dict[str, Any]:
         """metrics.json: per family, its series in the order they appeared; a counter's

@@ -170,7 +170,7 @@ class CheckpointStep:
     async def __call__(self, svc: Services, ctx: PassContext) -> None:
         from gpuguard.model import Finding
         from gpuguard.steps.checkpoint import reconcile as ckpt
-        from gpuguard.steps.checkpoint.report import CheckSettings
+        from gpuguard.steps.checkpoint.report import CheckSettings, simulation
 
         inventory = await ctx.inventory()
         if inventory is None:
@@ -183,6 +183,8 @@ class CheckpointStep:
             reason="daemon: " + ctx.work.reasons[0],
             bus_address=svc.bus_address,
             may_restart=cooled,
+            simulation=simulation(inventory.source, False, svc.config.inventory),
+            kubelet_units=svc.config.systemd.kubelet_units,
         )
         try:
             report = await check_checkpoint(
