@@ -278,10 +278,9 @@ def cmd_npd(args: argparse.Namespace) -> int:
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
+    from gpuguard.host.offswitch import read_off_switch
     from gpuguard.reporting.metrics_http import print_file, serve
     from gpuguard.reporting.metrics_state import STATE_FILE
-
-    from gpuguard.host.offswitch import read_off_switch
 
     root = _root(args)
     path = root.path(STATE_FILE)

@@ -328,7 +328,7 @@ class Daemon:
         }
         if not self.first_pass:
             self.first_pass = self.last_pass
-        level = "notice" if ctx.findings or changed else "info"
+        level = "notice" if changed else "debug"  # findings are journaled by their steps
         self.log.event(
             "pass-complete",
             f"pass {self.passes} ({work.reasons[0]}{', ...' if len(work.reasons) > 1 else ''}): "

@@ -19,6 +19,7 @@ import socket
 import stat
 import struct
 import sys
+import time
 import traceback
 from datetime import datetime, timezone
 from pathlib import Path
@@ -111,6 +112,11 @@ class EventLog:
         # command prints them itself (`gpuguard check`'s report): each fact once. The
         # journal and --log-json still get every entry.
         self.facts_as_text = True
+        # The daemon's: an outcome that is not a change (a dry-run plan, a declined or
+        # failed action) said again within this many seconds goes to debug, so a plan
+        # repeated by every pass is journaled once an hour. None: every time (one-shots).
+        self.repeat_window: Optional[float] = None
+        self._repeats: dict[tuple[str, ...], float] = {}
 
     @classmethod
     def auto(
@@ -211,6 +217,8 @@ class EventLog:
         """One journal entry per change (or declined/failed change), with its reason."""
         a = o.action
         level = {"done": "notice", "failed": "error", "declined": "warning"}.get(o.status, "info")
+        if o.status != "done" and self._repeated((a.kind, a.target, o.status, o.detail)):
+            level = "debug"
         detail = f": {o.detail}" if o.detail else ""
         self.event(
             a.kind,
@@ -224,6 +232,19 @@ class EventLog:
             },
             fact=True,
         )
+
+    def _repeated(self, key: tuple[str, ...]) -> bool:
+        """Whether `key` was journaled within repeat_window (and if not: it is now)."""
+        if self.repeat_window is None:
+            return False
+        now = time.monotonic()
+        last = self._repeats.get(key)
+        if last is not None and now - last < self.repeat_window:
+            return True
+        if len(self._repeats) > 4096:  # forget what is long past
+            self._repeats = {k: t for k, t in self._repeats.items() if now - t < self.repeat_window}
+        self._repeats[key] = now
+        return False
 
     def crashed(self, reconciler: str, what: str, exc: BaseException) -> None:
         """A bug in a step (`what` raised `exc`): the step's name and the traceback; the

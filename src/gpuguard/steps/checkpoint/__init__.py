@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # dbus-next costs import time; a healthy node never needs it
     from gpuguard.engine.snapshot import HostSnapshot
     from gpuguard.host.inventory import Inventory
     from gpuguard.host.systemd import Systemd
+    from gpuguard.journal.conditions import Conditions
     from gpuguard.journal.log import EventLog
     from gpuguard.steps.checkpoint.actuate import CheckpointActuator
     from gpuguard.steps.checkpoint.report import CheckReport, CheckSettings
@@ -70,10 +71,12 @@ async def check_checkpoint(
     systemd: Optional[Systemd] = None,
     on_restart: Optional[Callable[[], None]] = None,
     snapshot: Optional[HostSnapshot] = None,
+    conditions: Optional[Conditions] = None,
 ) -> CheckReport:
     """The same for the daemon, on its own bus connection (`systemd`). `on_restart` is
-    called just before kubelet is restarted or stopped, whatever comes of it."""
-    report, actuator = analyse_checkpoint(root, inventory, s, log, snapshot)
+    called just before kubelet is restarted or stopped, whatever comes of it; the
+    findings are journaled through `conditions` (once while they last)."""
+    report, actuator = analyse_checkpoint(root, inventory, s, log, snapshot, conditions)
     if actuator is None:
         return report
     from gpuguard.steps.checkpoint.kubelet import coordinate
@@ -87,12 +90,14 @@ def analyse_checkpoint(
     s: CheckSettings,
     log: EventLog,
     snapshot: Optional[HostSnapshot] = None,
+    conditions: Optional[Conditions] = None,
 ) -> tuple[CheckReport, Optional[CheckpointActuator]]:
     """Read and analyse the checkpoint (from the pass's `snapshot`, so every step decides
     from the same read); the actuator comes back only when a repair that needs kubelet
     stopped is planned (the report is final otherwise)."""
     from gpuguard.devices.processes import kubelet_pids
     from gpuguard.engine.snapshot import HostSnapshot
+    from gpuguard.journal.conditions import log_findings
     from gpuguard.steps.checkpoint import reconcile as ckpt
     from gpuguard.steps.checkpoint.actuate import CheckpointActuator
     from gpuguard.steps.checkpoint.report import CheckReport, apply_repair
@@ -113,8 +118,11 @@ def analyse_checkpoint(
     cp, raw = loaded.checkpoint, loaded.raw
     analysis = ckpt.analyse(cp, inventory, s.resources)
     report.findings = list(analysis.findings)
-    for f in report.findings:
-        log.finding(f)
+    if conditions is None:  # a one-shot run: everything it found
+        for f in report.findings:
+            log.finding(f)
+    else:
+        log_findings(log, conditions, ckpt.NAME, report.findings, lasting_clears=True)
     report.actions = list(ckpt.plan(analysis, path=path, raw=raw, policy=s.policy))
     if analysis.refused:
         report.result = f"not repaired: {analysis.refused}"
@@ -159,8 +167,11 @@ class CheckpointStep:
     COOLDOWN = 600.0
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        from gpuguard.journal.conditions import Conditions
+
         self.clock = clock
         self.last_restart = -1e18
+        self.conditions = Conditions()  # findings journaled once while they last
 
     def _restarting(self) -> None:
         # Counted when the restart is attempted, not when it succeeds: a restart whose
@@ -195,6 +206,7 @@ class CheckpointStep:
                 systemd=svc.systemd,
                 on_restart=self._restarting,
                 snapshot=ctx.host(svc),
+                conditions=self.conditions,
             )
         except GpuguardError as e:
             if isinstance(e, KubeletError) and settings.restart_kubelet and not svc.dry_run:

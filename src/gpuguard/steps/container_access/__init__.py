@@ -215,9 +215,15 @@ class ContainerAccessStep:
         if cfg.devices.regrant:
             wrote = [self._v1(a, svc) for a in actions if isinstance(a, CgroupV1Allow)]
             outcomes = [confirm_v1(o) for o in wrote]  # read back once all are written
-        for f in findings:
-            if f.kind not in CONDITION_KINDS and finding_id(f) not in logged:
-                svc.log.finding(f)
+        # once while they last (the pass after a repair finds none: no "cleared" for it)
+        log_findings(
+            svc.log,
+            self.conditions,
+            f"{NAME}:events",
+            [f for f in findings if f.kind not in CONDITION_KINDS],
+            already=logged,
+            lasting_clears=True,
+        )
         log_findings(
             svc.log,
             self.conditions,
