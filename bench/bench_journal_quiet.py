@@ -21,6 +21,7 @@ pass journals nothing at info or above). Needs root. Usage:
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -45,6 +46,17 @@ def entries(ns: SystemdNamespace) -> List[Dict[str, Any]]:
     return [e for e in ns.journal("gpuguard.service") if "MESSAGE" in e]
 
 
+def healthy_inventory(ns: SystemdNamespace) -> None:
+    """The inventory cut to the GPUs kubelet has registered: every layer agrees."""
+    from gpuguard.checkpoint import parse
+    from integration.gpuguard_ns import CHECKPOINT, INVENTORY
+
+    cp = parse(ns.path(CHECKPOINT).read_bytes(), source="bench")
+    registered = {i for _resource, ids in cp.registered for i in ids or ()}
+    gpus = [g for g in INVENTORY["gpus"] if g["uuid"] in registered]
+    ns.path("/etc/gpuguard/inventory.json").write_text(json.dumps({"gpus": gpus}))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--passes", type=int, default=120, help="audit passes to count over")
@@ -63,6 +75,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ns.start()
         try:
             setup_node(ns, stale=False, config="[Daemon]\nAuditInterval=1s\n")
+            healthy_inventory(ns)
             ns.systemctl("start", "gpuguard.service")
             ns.wait_active("gpuguard.service", timeout=30)
             wait_for(lambda: passes(ns) >= 3, timeout=60, what="three passes")

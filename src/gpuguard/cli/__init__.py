@@ -264,7 +264,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     def runner(argv: Sequence[str]) -> str:
         return run(argv, timeout=5.0).stdout
 
-    report = run_doctor(root, inventory, cfg.kubelet.checkpoint_path, runner)
+    report = run_doctor(
+        root,
+        inventory,
+        cfg.kubelet.checkpoint_path,
+        runner,
+        kubelet_units=cfg.systemd.kubelet_units,
+        observe=cfg.daemon.observe,
+    )
     print(json.dumps(report.to_json(), indent=2) if args.json else report.render())
     return report.exit_code
 
