@@ -78,3 +78,33 @@ def test_one_restart_per_cooldown(
     cd = CheckpointStep.COOLDOWN
     offered = _run_passes(tmp_path, monkeypatch, outcome, [1000, 1001, 1002, 1000 + cd + 1])
     assert offered == [True, False, False, True]
+
+
+def test_the_daemons_first_pass_leaves_the_restart_to_the_next_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before READY=1 a kubelet restart job would wait for gpuguard's own start job
+    (kubelet's drop-in orders it After=gpuguard.service), which waits for this pass."""
+    offered: List[bool] = []
+
+    async def fake_check(*args: Any, **kw: Any) -> CheckReport:
+        offered.append(args[2].restart_kubelet)
+        report = CheckReport(checkpoint="c", kubelet="kubelet.service is active")
+        if not args[2].restart_kubelet:
+            report.result = "not repaired: kubelet must be restarted to apply the repair"
+        return report
+
+    monkeypatch.setattr(check, "check_checkpoint", fake_check)
+    step = CheckpointStep(clock=Clock())
+    svc = OneShotServices(Root(tmp_path), Config(), EventLog(level="error"), False, "")
+    first_pass_done = asyncio.Event()
+    svc.first_pass_done = first_pass_done  # type: ignore[attr-defined]
+    ctx = _ctx()
+    asyncio.run(step(svc, ctx))
+    assert offered == [False]
+    ((delay, steps, why),) = ctx.followups
+    assert steps == frozenset({"checkpoint"}) and delay < 5 and "start" in why
+    assert not ctx.findings  # nothing refused: it is only deferred
+    first_pass_done.set()
+    asyncio.run(step(svc, _ctx()))
+    assert offered == [False, True]

@@ -50,12 +50,21 @@ ln -s /proc/self/fd/0 "$D/stdin"
 ln -s /proc/self/fd/1 "$D/stdout"
 ln -s /proc/self/fd/2 "$D/stderr"
 
-# cgroups: the per-instance cgroup is our cgroup namespace's root.
-mount -t tmpfs -o mode=755,nosuid,nodev,noexec tmpfs "$N/sys/fs/cgroup"
-while IFS='	' read -r name fstype opts; do
-    mkdir "$N/sys/fs/cgroup/$name"
-    mount -t "$fstype" -o "$opts,nosuid,nodev,noexec" cgroup "$N/sys/fs/cgroup/$name"
-done < "$S/cgroups.tsv"
+# cgroups: the per-instance cgroup is our cgroup namespace's root. The layout the
+# test asked for (sysns-init.sh step 7): v2 is cgroup2 alone at /sys/fs/cgroup (the
+# bind of /sys above is not recursive, so no v1 mount of the host shows through);
+# v1 is the hybrid tree, every hierarchy mounted afresh. PackageRoot checks what
+# systemd then saw (stat -fc %T /sys/fs/cgroup) and fails on a mismatch.
+if [ "$(cat "$S/layout")" = v2 ]; then
+    mount -t cgroup2 -o nsdelegate,nosuid,nodev,noexec cgroup2 "$N/sys/fs/cgroup" 2>/dev/null ||
+        mount -t cgroup2 -o nosuid,nodev,noexec cgroup2 "$N/sys/fs/cgroup"
+else
+    mount -t tmpfs -o mode=755,nosuid,nodev,noexec tmpfs "$N/sys/fs/cgroup"
+    while IFS='	' read -r name fstype opts; do
+        mkdir "$N/sys/fs/cgroup/$name"
+        mount -t "$fstype" -o "$opts,nosuid,nodev,noexec" cgroup "$N/sys/fs/cgroup/$name"
+    done < "$S/cgroups.tsv"
+fi
 
 # Binds requested by the test (e.g. the .deb files at /run/host/debs).
 while IFS='	' read -r src dst mode; do

@@ -179,6 +179,7 @@ class CheckpointStep:
         self.last_restart = self.clock()
 
     async def __call__(self, svc: Services, ctx: PassContext) -> None:
+        from gpuguard.journal.conditions import log_findings
         from gpuguard.model import Finding
         from gpuguard.steps.checkpoint import reconcile as ckpt
         from gpuguard.steps.checkpoint.report import CheckSettings, simulation
@@ -188,12 +189,17 @@ class CheckpointStep:
             return
         k = svc.config.kubelet
         cooled = self.clock() - self.last_restart > self.COOLDOWN
+        # The daemon's first pass runs before READY=1, and kubelet's unit is ordered
+        # After=gpuguard.service: a restart job queued now would wait for gpuguard's own
+        # start, which waits for this pass. The restart is the next pass's, right after.
+        first = getattr(svc, "first_pass_done", None)
+        starting = first is not None and not first.is_set()
         settings = CheckSettings.from_config(
             k,
             dry_run=svc.dry_run,
             reason="daemon: " + ctx.work.reasons[0],
             bus_address=svc.bus_address,
-            may_restart=cooled,
+            may_restart=cooled and not starting,
             simulation=simulation(inventory.source, False, svc.config.inventory),
             kubelet_units=svc.config.systemd.kubelet_units,
         )
@@ -220,5 +226,15 @@ class CheckpointStep:
             )
             ctx.findings.append(Finding(kind, ckpt.NAME, e.message, severity="error"))
             return
-        ctx.findings += report.findings
+        # Why a repair waits for kubelet's next start (a simulation, restarts off): said
+        # once while it lasts, like the findings.
+        left = []
+        if starting and report.kubelet and report.result.startswith("not repaired"):
+            report.coordination = "kubelet is running and gpuguard is starting: next pass"
+            ctx.recheck(0.5, frozenset({ckpt.NAME}), "kubelet restart after gpuguard's start")
+        elif report.kubelet and report.result.startswith("not repaired"):
+            why = f"{report.checkpoint}: {report.result}"
+            left.append(Finding("checkpoint-refused", ckpt.NAME, why, severity="warning"))
+        log_findings(svc.log, self.conditions, "checkpoint:kubelet", left, lasting_clears=True)
+        ctx.findings += report.findings + left
         ctx.outcomes += report.outcomes
