@@ -194,7 +194,13 @@ def test_sighup_with_broken_config_keeps_the_old_one(systemd_ns) -> None:  # typ
     conf = ns.path("/etc/gpuguard/gpuguard.conf")
     good = conf.read_text()
     conf.write_text(good + "[Daemon]\nQuietPeriod=banana\n")
-    assert ns.systemctl("reload", "gpuguard.service").returncode == 0
+    # systemctl reload checks the file first (ExecReload=gpuguard config --check): it
+    # fails, and the daemon never sees the signal
+    res = ns.systemctl("reload", "gpuguard.service", check=False)
+    assert res.returncode != 0
+    assert not events(ns, "config-rejected") and not events(ns, "config-reloaded")
+    # a SIGHUP sent directly: the daemon itself keeps the previous configuration
+    ns.run(["systemctl", "kill", "-s", "HUP", "gpuguard.service"], check=True)
     rejected = wait_for(lambda: events(ns, "config-rejected"), what="config-rejected")
     assert "gpuguard.conf" in rejected[0]["MESSAGE"] and "QuietPeriod" in rejected[0]["MESSAGE"]
     assert ns.unit_property("gpuguard.service", "ActiveState") == "active"
