@@ -200,6 +200,7 @@ def test_quiet_start_and_one_entry_per_state(root: Dict[str, object]) -> None:
         while len(_entries(ns, "config-reloaded")) < n + 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert int(ns.unit_property("gpuguard.service", "ExecMainPID")) == before
+
     def passes() -> int:
         return int(json.loads(ns.path("/run/gpuguard/status.json").read_text())["passes"])
 

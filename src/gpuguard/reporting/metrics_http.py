@@ -204,7 +204,7 @@ def listen(address: str) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host.strip("[]"), int(port)))
-    sock.listen(128)
+    sock.listen(socket.SOMAXCONN)  # as systemd's Backlog= default: a burst is queued
     return sock
 
 

@@ -215,15 +215,18 @@ class ContainerAccessStep:
         if cfg.devices.regrant:
             wrote = [self._v1(a, svc) for a in actions if isinstance(a, CgroupV1Allow)]
             outcomes = [confirm_v1(o) for o in wrote]  # read back once all are written
-        # once while they last (the pass after a repair finds none: no "cleared" for it)
-        log_findings(
-            svc.log,
-            self.conditions,
-            f"{NAME}:events",
-            [f for f in findings if f.kind not in CONDITION_KINDS],
-            already=logged,
-            lasting_clears=True,
-        )
+        # A loss this pass repairs is an event, journaled each time it happens; one left
+        # as it is (observe mode, Regrant=no) is a state, journaled once while it lasts.
+        events = [f for f in findings if f.kind not in CONDITION_KINDS]
+        if svc.dry_run or not cfg.devices.regrant:
+            scope = f"{NAME}:events"
+            log_findings(
+                svc.log, self.conditions, scope, events, already=logged, lasting_clears=True
+            )
+        else:
+            for f in events:
+                if finding_id(f) not in logged:
+                    svc.log.finding(f)
         log_findings(
             svc.log,
             self.conditions,

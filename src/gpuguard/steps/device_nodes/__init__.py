@@ -102,7 +102,12 @@ class DeviceNodesStep:
         findings, actions = plan_nodes(
             view, create_nodes=cfg.create_nodes, create_links=cfg.create_char_links
         )
-        log_findings(svc.log, self.conditions, "device_nodes", findings, lasting_clears=True)
+        if svc.dry_run or not (cfg.create_nodes or cfg.create_char_links):
+            # left as they are: journaled once while they last, not at every pass
+            log_findings(svc.log, self.conditions, "device_nodes", findings, lasting_clears=True)
+        else:
+            for f in findings:  # each one repaired below: an event each time
+                svc.log.finding(f)
         ctx.findings += findings
         if actions:
             actuator = DeviceNodeActuator(
