@@ -53,6 +53,7 @@ from integration.pkgroot import (
 pytestmark = pytest.mark.root
 
 CHECKPOINT = "/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint"
+UPGRADE = "+test1"  # as test_package_install: one build per pytest run
 APT_ENV = {"DEBIAN_FRONTEND": "noninteractive"}
 CTR = Container("0000a000-0000-0000-0000-00000000a000", "ab" * 32, (0,))
 KUBELET_UNIT = """[Unit]
@@ -174,8 +175,9 @@ def node(
     tmp = tmp_path_factory.mktemp(f"fleet-ops-{request.param}")
     debs = tmp / "debs"
     debs.mkdir()
-    deb = built_packages("")["deb"]
-    (debs / deb.name).write_bytes(deb.read_bytes())
+    for suffix in ("", UPGRADE):
+        deb = built_packages(suffix)["deb"]
+        (debs / deb.name).write_bytes(deb.read_bytes())
     devices = fake_proc_devices(tmp / "devices")
     binds = {"/run/host/debs": debs, "/run/fake/devices": devices, "/proc/devices": devices}
     binds.update(dev_binds(tmp, [CTR]))
@@ -215,6 +217,9 @@ def test_1_off_switch_changes_nothing(node: Node) -> None:
     ns.systemctl("start", "gpuguard.service")  # by hand: still off
     res = ns.systemctl("reload", "gpuguard.service", check=False)
     assert res.returncode != 0  # nothing to reload: it does not run
+    # a package upgrade keeps it off (the file is not the package's)
+    apt(ns, "install", f"/run/host/debs/gpuguard_{source_version()}{UPGRADE}-1_all.deb")
+    assert ns.path("/etc/gpuguard/disabled").read_text() == "canary pool frozen (CHG-1)\n"
     assert_unchanged(before, node.snapshot(), node)
     # visible: status, doctor, npd, metrics, journal
     status = ns.run(["gpuguard", "status"], check=True).stdout
