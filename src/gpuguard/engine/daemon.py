@@ -234,7 +234,7 @@ class Daemon:
         return self.off_switch.seen is not None
 
     def stop(self, why: str = "stop") -> None:
-        self.dry_run = self.dry_run or self.off_switch.check() is not None  # disable: no writes
+        self.dry_run = self.dry_run or self.off_switch.check(quiet=True) is not None
         self.log.event("daemon-stopping", f"{why}: finishing the current pass and exiting")
         self.notifier.stopping(f"stopping ({why})")
         self.coalescer.stop()

@@ -19,13 +19,15 @@ class OffSwitchGate:
         self.log = log
         self.seen: Optional[OffSwitch] = None
 
-    def check(self) -> Optional[OffSwitch]:
-        """The switch if it is set; journaled the first time it is seen."""
+    def check(self, *, quiet: bool = False) -> Optional[OffSwitch]:
+        """The switch if it is set; journaled the first time it is seen (unless `quiet`:
+        `gpuguard disable` journals it, then stops the daemon)."""
         if self.seen is not None:
             return self.seen
         off = read_off_switch(self.root)
         if off is not None:
             self.seen = off
+        if off is not None and not quiet:
             self.log.event(
                 "gpuguard-disabled",
                 f"{off.describe()}: the daemon stops and changes nothing until `gpuguard enable`",
