@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO / "src"))
 
 from gpuguard.host.paths import Root  # noqa: E402
 from gpuguard.reporting.metrics_output import make_output  # noqa: E402
-from gpuguard.reporting.npd import answer  # noqa: E402
+from gpuguard.reporting.npd import answer, read_status  # noqa: E402
 from gpuguard.reporting.summary import node_summary  # noqa: E402
 
 
@@ -57,18 +57,36 @@ def status_doc(containers: int) -> dict[str, Any]:
         }
         for i in range(containers)
     ]
-    step = {"pass": 9, "ended": now, "error": None, "findings": [], "outcomes": [], "gauges": {}}
+    step = {
+        "pass": 9,
+        "ended": now,
+        "error": None,
+        "findings": [],
+        "outcomes": [],
+        "gauges": {},
+        "unknown": [],
+    }
     last = {
         "number": 9,
         "reasons": ["systemd: daemon-reload/reexec finished"],
+        "reconcilers": ["container_access"],
+        "first_mark_age_ms": 5.0,
         "ended": now,
         "started": now,
         "duration_ms": 35.0,
+        "steps_ms": {"container_access": 30.0},
         "findings": findings,
         "outcomes": outcomes,
         "gpus": 8,
     }
     return {
+        "version": 1,
+        "bus_connected": True,
+        "dry_run": False,
+        "reload_signal": {"private_socket": True, "last_via": "", "reloads": 1, "received": {}},
+        "fast_paths": {"new_scopes": {}},
+        "node": "problem",
+        "conditions": {},
         "pid": os.getpid(),
         "started": now - 3600,
         "passes": 9,
@@ -138,9 +156,12 @@ def main() -> None:
         )
         report("status summary in-process", timed(lambda: node_summary(Root(root), []), args.runs))
         out = make_output()
+        status, _why = read_status(Root(root))
+        assert status is not None and status.last_pass is not None, _why
+        last = status.last_pass
         report(
             "metrics update + export (2 files)",
-            timed(lambda: out.publish(doc["last_pass"], doc, Root(root), "/textfile"), args.runs),
+            timed(lambda: out.publish(last, status, Root(root), "/textfile"), args.runs),
         )
         from gpuguard.reporting.metrics import render_file
         from gpuguard.reporting.metrics_state import STATE_FILE

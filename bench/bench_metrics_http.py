@@ -15,7 +15,6 @@ p50/p99/max per case. Asserts nothing; no root needed:
 from __future__ import annotations
 
 import argparse
-import json
 import socket
 import sys
 import tempfile
@@ -29,6 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
 from gpuguard.reporting.metrics import render_file  # noqa: E402
+from gpuguard.reporting.metrics_file import SPEC  # noqa: E402
 from gpuguard.reporting.metrics_http import listen, make_server  # noqa: E402
 from gpuguard.reporting.metrics_state import MetricsState  # noqa: E402
 
@@ -70,7 +70,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "metrics.json"
-        path.write_text(json.dumps(busy_state().to_json()))
+        path.write_bytes(SPEC.encode(busy_state().to_values()))
         server = make_server(listen("127.0.0.1:0"), path, render_file)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         port = server.server_address[1]

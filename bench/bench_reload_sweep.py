@@ -41,7 +41,6 @@ from gpuguard.actuate.bpfbridge import detach_bridges  # noqa: E402
 from gpuguard.devices.containers import ContainerCgroup  # noqa: E402
 from gpuguard.devices.entitlement import Entitlement, VisibleDevices  # noqa: E402
 from gpuguard.devices.nodes import ROLE_CTL, ROLE_GPU, DeviceNode  # noqa: E402
-from gpuguard.host.paths import Root  # noqa: E402
 from gpuguard.steps.container_access import ContainerAccessStep  # noqa: E402
 from integration.harness.bpfdev import (  # noqa: E402
     DEFAULT_RULES,
@@ -143,19 +142,17 @@ def main(argv: Sequence[str] = ()) -> int:
         pairs = [
             pair(cg, i, True, (GPU, CTL)) for i, cg in enumerate(cgroups(V1, tag, n, made, wipe_v1))
         ]
-        step.observer._known_v1 = tuple(pairs)
+        step.state.observer.know(pairs)
         devices = types.SimpleNamespace(regrant=True, durable_grants=False)
         svc = types.SimpleNamespace(dry_run=False, systemd=None, log=quiet,
                                     config=types.SimpleNamespace(devices=devices))  # fmt: skip
 
         def v1_once() -> float:
             step.on_reload(svc, time.monotonic())  # type: ignore[arg-type]
-            r = step.last_reload
+            r = step.state.last_reload
             assert r is not None and r.containers == n and r.last_write is not None, r
-            assert all(o.status == "done" for o in step._carried), "a re-grant not done"
-            step._carried.clear()
-            step._carried_findings.clear()
-            step._carried_ids.clear()
+            outcomes, _findings, _ids = step.state.carried.take()
+            assert all(o.status == "done" for o in outcomes), "a re-grant not done"
             return r.last_write - r.signal
 
         print(f"reload fast path, {n} containers, {args.runs} runs")
@@ -167,17 +164,17 @@ def main(argv: Sequence[str] = ()) -> int:
         pairs = [
             pair(cg, i, False, (GPU,)) for i, cg in enumerate(cgroups(V2, tag, n, made, scope_v2))
         ]
-        step.observer._root = Root(Path("/"))
-        step.observer._known_v2 = tuple(pairs)
+        step.state.observer.know(pairs)
+        bridges = step.state.cgroups.v2.bridges
 
         def v2_once() -> float:  # to the last swap (the sweep builds its outcomes after)
             t0 = time.monotonic()
-            out, _ = step.bridges.sweep(pairs, svc, record=False)  # type: ignore[arg-type]
+            out, _ = bridges.sweep(pairs, svc, record=False)  # type: ignore[arg-type]
             took = max(t for t, _o in out.values()) - t0
             assert len(out) == n and all(o.status == "done" for _t, o in out.values()), [
                 o.detail for _t, o in out.values() if o.status != "done"
             ][:2]
-            step.bridges.pending.clear()
+            bridges.pending.clear()
             return took
 
         def v2_reset() -> None:  # a reload: systemd's new program, the bridge detached

@@ -105,3 +105,20 @@ def v1_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
         listing.write_text(state.render_list())
 
     monkeypatch.setattr(actuate, "write_allow", write_allow)
+
+
+@pytest.fixture(autouse=True)
+def _hook_deadline_in_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """kubelet's pre-start hook run in-process (cli.main) must never end pytest's own
+    process at its deadline: the expiry is recorded instead, and no SIGALRM is armed.
+    The real end of the process is proven by a test that runs the hook as a process."""
+    from gpuguard.steps.checkpoint import kubelet_hook
+
+    expired: list[str] = []
+    original = kubelet_hook.HookRun.arm
+
+    def arm(self: Any, seconds: float, on_expiry: Any = None) -> None:
+        original(self, seconds, on_expiry or (lambda message, code: expired.append(message)))
+
+    monkeypatch.setattr(kubelet_hook.HookRun, "arm", arm)
+    yield expired

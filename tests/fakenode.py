@@ -222,14 +222,51 @@ def run_cli(*argv: str) -> Run:
     return Run(code, out.getvalue(), err.getvalue())
 
 
+ERROR_LINE_MAX = 520  # "gpuguard: " and the 500 characters cli.ERROR_MAX keeps
+LOG_LINE_MAX = 2100  # a journal entry as text: journal.log.MESSAGE_MAX, level and kind
+_LOG_LEVELS = ("debug: ", "info: ", "notice: ", "warning: ", "error: ")
+
+
 def assert_clean(run: Run, argv: Sequence[str] = ()) -> None:
-    """No traceback, a documented exit code (70 is a bug), errors on one bounded line."""
+    """No traceback, a documented exit code (70 is a bug), errors on one bounded line,
+    every line printable (nothing echoed raw)."""
     assert "Traceback" not in run.err, (argv, run.err[-3000:])
     assert run.code in EXIT_CODES, (argv, run.code, run.err[-3000:])
     for line in run.err.splitlines():
         if line.startswith("gpuguard: "):
-            assert len(line) < 1200, (argv, line[:300])
+            log = line[len("gpuguard: ") :].startswith(_LOG_LEVELS)
+            assert len(line) <= (LOG_LINE_MAX if log else ERROR_LINE_MAX), (argv, line[:300])
+            assert line.isprintable(), (argv, line[:300])
             assert "set_int_max_str_digits" not in line, line
+
+
+# Where a file should be, what a hostile or broken host may have put instead.
+PLACEMENTS = ("fifo", "dev-zero", "link-dev-zero", "link-outside", "directory", "huge", "absent")
+
+
+def place(path: Path, kind: str, data: bytes = b"") -> None:
+    """Put `kind` at `path`: `data` as a regular file ("bytes"), a FIFO nobody writes, a
+    character device like /dev/zero (mknod: root, in the test's directory), a link to
+    /dev/zero, a link to a file outside the root, a directory, 64 MiB of zeros (sparse),
+    or nothing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "bytes":
+        path.write_bytes(data)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dev-zero":
+        os.mknod(path, stat.S_IFCHR | 0o644, os.makedev(1, 5))
+    elif kind == "link-dev-zero":
+        path.symlink_to("/dev/zero")
+    elif kind == "link-outside":
+        path.symlink_to("/etc/hostname")
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "huge":
+        with open(path, "wb") as f:
+            f.truncate(64 * 1024 * 1024)
+    elif kind != "absent":
+        raise ValueError(kind)
 
 
 def python_exe() -> str:

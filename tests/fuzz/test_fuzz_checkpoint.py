@@ -3,7 +3,8 @@
 For every input: `checkpoint inspect` and `check` print no traceback and exit with a
 documented code; `check --dry-run` changes no byte of the root; a real `check` changes
 the checkpoint only with a backup holding its original bytes, and does exactly the
-actions its dry-run planned.
+actions its dry-run planned, remaps and drops included (the root's GPU identity history
+knows the GPUs before the replacement, so stale entries are remapped where they can be).
 """
 
 from __future__ import annotations
@@ -35,6 +36,34 @@ INVENTORY = {
         )
     ]
 }
+
+# What gpuguard recorded before the replacement: the third GPU had another UUID.
+HISTORY = {
+    "version": 1,
+    "generations": [
+        {
+            "recorded_at": 1.0,
+            "boot_id": "",
+            "source": "nvml",
+            "gpus": [
+                {**g, "pci_bus_id": g["pci_bus_id"][4:], "numa_node": -1, "mig": []}
+                for g in INVENTORY["gpus"][:2]
+            ]
+            + [
+                {
+                    "uuid": "GPU-c1e9f249-b37b-81c2-a8d9-ba5ca0294841",
+                    "index": 2,
+                    "minor": 2,
+                    "pci_bus_id": "0000:12:00.0",
+                    "numa_node": -1,
+                    "mig": [],
+                }
+            ],
+        }
+    ],
+}
+
+HISTORY_PATH = "var/lib/gpuguard/gpu-identity.json"
 
 HOSTILE_NUMBERS = [
     "9" * 5000,  # past Python's int conversion limit
@@ -128,6 +157,7 @@ def check_root(data: bytes) -> bool:
         write(inv, json.dumps(INVENTORY))
         path = root / CHECKPOINT.lstrip("/")
         write(path, data)
+        write(root / "var/lib/gpuguard/gpu-identity.json", json.dumps(HISTORY))
         inspect = run_cli("checkpoint", "inspect", str(path), "--inventory", str(inv), "--json")
         assert_clean(inspect, ["inspect"])
         assert_clean(run_cli("checkpoint", "canonical", str(path)), ["canonical"])
@@ -145,20 +175,24 @@ def check_root(data: bytes) -> bool:
 def _backed_up(root: Path, before: dict[str, str], original: bytes) -> bool:
     after = tree(root)
     rel = CHECKPOINT.lstrip("/")
-    changed = {p for p in before if after.get(p) != before[p]}
+    # the history records the GPUs once the checkpoint matches them (a real run's job)
+    changed = {p for p in before if after.get(p) != before[p]} - {HISTORY_PATH}
     assert changed <= {rel}, f"changed besides the checkpoint: {sorted(changed)}"
-    if changed:
+    if rel in changed:
         backups = root / BACKUPS.lstrip("/")
         held = [p.read_bytes() for p in backups.iterdir()] if backups.is_dir() else []
         assert original in held, "checkpoint changed without a backup of its original bytes"
-    return bool(changed)
+    return rel in changed
 
 
 def _plan(run: Run) -> list[tuple[str, str, str]]:
     if not run.out.startswith("{"):
         return []  # a one-line error: nothing was planned
     doc = run.json()
-    return [(a["kind"], a["target"], json.dumps(a["fields"])) for a in doc.get("actions", [])]
+    return [
+        (a["kind"], a["target"], json.dumps([a["fields"], a.get("remaps"), a.get("drops")]))
+        for a in doc.get("actions", [])
+    ]
 
 
 def _same_plan(dry: Run, real: Run) -> None:
@@ -188,3 +222,18 @@ def test_generated_checkpoints(data: bytes) -> None:
 def test_every_fixture_repairs_with_a_matching_plan() -> None:
     repaired = [p.name for p in FIXTURES if check_root(p.read_bytes())]
     assert "numa-blog-04.json" in repaired  # the properties above saw real repairs
+
+
+def test_the_remap_is_what_the_dry_run_planned() -> None:
+    with tempfile.TemporaryDirectory() as d:
+        root = Path(d)
+        write(root / "inventory.json", json.dumps(INVENTORY))
+        write(root / CHECKPOINT.lstrip("/"), STALE.read_bytes())
+        write(root / "var/lib/gpuguard/gpu-identity.json", json.dumps(HISTORY))
+        argv = ["check", "--root", d, "--inventory", str(root / "inventory.json"), "--json"]
+        dry, real = run_cli(*argv, "--dry-run"), run_cli(*argv)
+        _same_plan(dry, real)
+        (action,) = real.json()["actions"]
+        assert [r["new_device_ids"] for r in action["remaps"]] == [
+            ["GPU-5d3e2a10-7c4b-4f0e-9a61-2b8e4c1d7f93", "GPU-9b341c59-f96b-ba85-c137-78c3652fea65"]
+        ]

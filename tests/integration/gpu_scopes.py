@@ -34,13 +34,13 @@ NODES: Dict[str, Tuple[int, int]] = {
 }
 
 
-def fake_proc_devices(path: Path) -> Path:
-    """The host's /proc/devices plus what a loaded NVIDIA driver registers."""
+def fake_proc_devices(path: Path, *, uvm: bool = True) -> Path:
+    """The host's /proc/devices plus what a loaded NVIDIA driver registers (``uvm``:
+    with nvidia_uvm loaded). Written in place, so a bind of it shows the new text."""
     text = Path("/proc/devices").read_text()
     head, _, tail = text.partition("\nBlock devices:")
-    path.write_text(
-        head.rstrip("\n") + f"\n195 nvidia\n{UVM_MAJOR} nvidia-uvm\n\nBlock devices:" + tail
-    )
+    ours = "\n195 nvidia\n" + (f"{UVM_MAJOR} nvidia-uvm\n" if uvm else "")
+    path.write_text(head.rstrip("\n") + ours + "\nBlock devices:" + tail)
     return path
 
 

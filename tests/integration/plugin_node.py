@@ -51,7 +51,9 @@ async def _none() -> None:
 
 def plugin_pass(reason: str) -> PassContext:
     now = time.monotonic()
-    return PassContext(Work(frozenset({"device_plugin"}), (reason,), now, now), _none)
+    ctx = PassContext(Work(frozenset({"device_plugin"}), (reason,), now, now), _none)
+    ctx.step = "device_plugin"  # as the pass runner sets it (its rechecks name it)
+    return ctx
 
 
 def journal(out: io.StringIO, kind: Optional[str] = None) -> list[dict[str, Any]]:

@@ -25,11 +25,16 @@ from typing import Any, Dict, Iterator, List
 import pytest
 
 from conftest import REPO, require_root, require_tool
-from gpuguard.sources.udev import ALL_RECONCILERS, MODULE_RECONCILERS
+from gpuguard.steps.events import EventKind
+from gpuguard.steps.registry import woken_by
 from integration.gpuguard_ns import GPUGUARD, INVENTORY, setup_node
 from integration.harness.udevd import UDEVADM, UDEVD, Udevd, UeventInjector, in_netns
 
 pytestmark = pytest.mark.root
+
+# the steps each kind of uevent wakes (the registry's declarations)
+ALL_RECONCILERS = woken_by(EventKind.NVIDIA_PCI)
+MODULE_RECONCILERS = woken_by(EventKind.NVIDIA_MODULE)
 
 RULES_FILE = REPO / "udev-rules" / "71-gpuguard.rules"
 NVIDIA_PCI = {"PCI_ID": "10DE:2330"}

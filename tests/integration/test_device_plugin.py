@@ -230,8 +230,9 @@ def test_declined_for_cool_down_is_restarted_when_it_ends(node: Node) -> None:
     step = make_step(node)
     ctx = asyncio.run(run_pass(step, svc, node))
     assert ctx.outcomes[0].status == "declined" and len(node.plugins_started) == 1
-    ((after, names, why),) = ctx.followups
-    assert names == {"device_plugin"} and 0 < after <= 3.2
+    (f,) = ctx.followups
+    after, why = f.delay, f.why
+    assert f.step == "device_plugin" and f.event is None and 0 < after <= 3.2
     time.sleep(after)  # as the daemon's timer would
     ctx = asyncio.run(run_with_kubelet(step, svc, node.play_kubelet, f"follow-up: {why}"))
     (o,) = ctx.outcomes

@@ -48,6 +48,7 @@ from gpuguard.devices.rules import (
 )
 from gpuguard.host.paths import Root
 from gpuguard.steps.container_access.actuate import read_devices_list, write_allow
+from gpuguard.steps.container_access.cgroups import Cgroups
 from gpuguard.steps.container_access.reconcile import (
     CAUSE_REWRITE,
     CgroupV1Allow,
@@ -271,7 +272,9 @@ def test_seed_002_rewrite_and_exact_regrant(
     assert sorted(n.numbers for n in ent.nodes) == ["195:0", "195:255", "510:0", "510:1"]
     rules = read_devices_list(ctr)
     access = verdicts_from_rules(cid, host_nodes, rules)
-    findings, actions = audit([c], {c.key: ent}, access, device_rules={cid: rules})
+    findings, actions = audit(
+        [c], {c.key: ent}, access, cgroup_of=Cgroups().of, device_rules={cid: rules}
+    )
     assert {f.fields["CAUSE"] for f in findings} == {CAUSE_REWRITE}
     assert len(findings) == 4
     (action,) = actions
@@ -282,7 +285,7 @@ def test_seed_002_rewrite_and_exact_regrant(
     assert after == before  # exactly what it was given: GPU1 still denied
     assert after["195:1"] is False
     again = verdicts_from_rules(cid, host_nodes, read_devices_list(ctr))
-    assert audit([c], {c.key: ent}, again) == ((), ())
+    assert audit([c], {c.key: ent}, again, cgroup_of=Cgroups().of) == ((), ())
 
 
 # --- cgroup v2: a real BPF device program ------------------------------------------
@@ -343,7 +346,7 @@ def test_v2_bpf_program_probe(tmp_path: Path, cleanup: Callable[[object], None])
         pod_uid, cid, (gpu1,), (gpu1,), GPUS, parse_visible_devices("1"), None
     )
     access = {(cid, "195:1"): r1.verdict}
-    findings, actions = audit([c], {c.key: ent}, access)
+    findings, actions = audit([c], {c.key: ent}, access, cgroup_of=Cgroups().of)
     assert [f.fields["DEVICE_NUMBERS"] for f in findings] == ["195:1"]
     (a,) = actions
     assert isinstance(a, V2ReportOnly) and a.cgroup_dir == str(ctr)

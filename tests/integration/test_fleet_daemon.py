@@ -35,7 +35,10 @@ def test_npd_status_and_doctor_answer_from_the_daemon(systemd_ns) -> None:  # ty
         0,
         "kubelet's device checkpoint names only devices this node has\n",
     )
-    assert npd("device-access")[0] == 0
+    # no NVIDIA driver registered its devices in this namespace: access cannot be
+    # judged, and NPD hears "unknown", never "OK"
+    code, out = npd("device-access")
+    assert code == 2 and "NVIDIA driver has registered no device" in out, out
     # the test node's inventory has 3 GPUs, its checkpoint registers 2: a true finding
     code, out = npd("gpu-count")
     assert code == 1 and out.startswith("kubelet has 2 of 3 GPU(s) registered"), out

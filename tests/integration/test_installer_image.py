@@ -44,6 +44,16 @@ def tree(path: Path) -> Set[str]:
     return {str(p) for p in path.rglob("*")} if path.exists() else set()
 
 
+def host_var_lib_read_only(argv: List[str]) -> List[str]:
+    """``argv`` in a private mount namespace whose /var/lib is read-only.
+
+    buildah's image library keeps a blob-info cache at /var/lib/containers/cache for
+    root whatever --root says, and falls back to memory when it cannot create it: the
+    read-only view keeps the host's /var/lib as it was without a path of its own."""
+    script = 'mount --bind /var/lib /var/lib && mount -o remount,bind,ro /var/lib && exec "$@"'
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", *argv]
+
+
 class Buildah:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
@@ -62,7 +72,7 @@ class Buildah:
 
     def __call__(self, *argv: str) -> str:
         res = subprocess.run(
-            ["buildah", *self.args, *argv],
+            host_var_lib_read_only(["buildah", *self.args, *argv]),
             env=self.env(),
             capture_output=True,
             text=True,
@@ -88,7 +98,11 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dict[str, object
         (dist / pkg.name).write_bytes(pkg.read_bytes())
     env = {**buildah.env(), "DIST": str(dist), "BUILDAH_ARGS": " ".join(buildah.args)}
     res = subprocess.run(
-        [str(REPO / "deploy" / "build-image")], env=env, capture_output=True, text=True, timeout=300
+        host_var_lib_read_only([str(REPO / "deploy" / "build-image")]),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert res.returncode == 0, f"{res.returncode}\n{res.stdout}\n{res.stderr}"
     tag = f"localhost/gpuguard-installer:{source_version()}-1".replace("+", "_")

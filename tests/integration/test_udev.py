@@ -30,7 +30,9 @@ from typing import Any, Iterator, Mapping
 import pytest
 
 from conftest import REPO, require_root, require_tool
-from gpuguard.sources.udev import ALL_RECONCILERS, MODULE_RECONCILERS, UdevSource
+from gpuguard.sources.udev import UdevSource
+from gpuguard.steps.events import Event, EventKind
+from gpuguard.steps.registry import woken_by
 from integration.harness.udevd import (
     UDEVADM,
     UDEVD,
@@ -41,6 +43,10 @@ from integration.harness.udevd import (
 )
 
 pytestmark = pytest.mark.root
+
+# the steps each kind of uevent wakes (the registry's declarations)
+ALL_RECONCILERS = woken_by(EventKind.NVIDIA_PCI)
+MODULE_RECONCILERS = woken_by(EventKind.NVIDIA_MODULE)
 
 RULES_FILE = REPO / "udev-rules" / "71-gpuguard.rules"
 RULES_NAME = RULES_FILE.name
@@ -103,8 +109,8 @@ class Recorder:
         self._current = dict(props)
         self.seen.append(self._current)
 
-    def mark(self, names: frozenset[str], why: str, urgent: bool) -> None:
-        entry = (self._current, names, why, urgent, time.monotonic())
+    def mark(self, e: Event) -> None:
+        entry = (self._current, woken_by(e.kind), e.why, e.urgent, time.monotonic())
         self.marks.append(entry)
         for pred, fut in list(self._waiters):
             if not fut.done() and pred(entry):

@@ -1,4 +1,5 @@
-"""A reload's v2 sweep (steps/container_access/bridge.py `Bridges.sweep`) on real cgroup
+"""A reload's v2 sweep (steps/container_access/bridge.py `Bridges.sweep`, as the v2 layout
+has it: cgroupv2.py) on real cgroup
 v2 device programs, judged by the kernel (a child opening fake nodes from inside).
 
 Each scope is a cgroup with a program playing the hook's (admits its GPU) and one of
@@ -27,7 +28,7 @@ from gpuguard.devices.entitlement import Entitlement, VisibleDevices
 from gpuguard.devices.nodes import ROLE_GPU, DeviceNode
 from gpuguard.model import Outcome
 from gpuguard.steps.container_access.bridge import Bridges
-from gpuguard.steps.container_access.inplace import Backoff
+from gpuguard.steps.container_access.cgroupv2 import CgroupV2
 from integration.harness.bpfdev import attach, detach_all, names, verdicts
 from integration.test_bpf_inplace import RUNC
 from integration.test_bpf_inplace import cgroup as cgroup
@@ -84,7 +85,7 @@ def bridges(durable: dict[str, set[str]]) -> Bridges:
     async def grant(*_a: Any) -> Outcome:
         raise AssertionError("the sweep sets no DeviceAllow= itself")
 
-    return Bridges(Backoff(), time.monotonic, durable, grant, lambda o: None)
+    return CgroupV2(grant, durable).bridges  # the v2 layout's: its look, its cache
 
 
 def test_sweep_bridges_exactly_the_lost_scopes(base: Path, nodes: dict[Any, Path]) -> None:

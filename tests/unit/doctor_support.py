@@ -5,12 +5,12 @@ thing each. Device nodes are fake (see test_devices_support.fake_stat)."""
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 from typing import Sequence
 
+import statusdoc
 from gpuguard.checkpoint import Checkpoint, marshal
 from gpuguard.host.inventory import Gpu, Inventory
 from gpuguard.host.paths import KUBELET_CHECKPOINT
@@ -82,7 +82,10 @@ def status_file(
     }
     if steps is not None:
         doc["steps"] = steps
-    return write(root, "/run/gpuguard/status.json", json.dumps(doc))
+    p = root / "run/gpuguard/status.json"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_bytes(statusdoc.encode(doc))
+    return p
 
 
 def healthy_node(root: Path) -> Path:

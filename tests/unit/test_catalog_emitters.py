@@ -76,6 +76,32 @@ def checkpoint_changes(tmp: Path) -> Entries:
     return logged(emit)
 
 
+def remap_changes(tmp: Path) -> Entries:
+    """The remap's findings and per-entry entries, and the history's, through `gpuguard
+    check` on a fake node whose GPUs come back with new UUIDs, one of them gone."""
+    import contextlib
+
+    from gpuguard import cli
+    from unit.test_checkpoint_remap_cli import NEW, OLD, check_argv, make_root, set_gpus
+
+    out = io.StringIO()
+    orig = EventLog.auto
+    EventLog.auto = classmethod(lambda cls, **kw: cls(level="debug", stream=out))  # type: ignore[method-assign,assignment]
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            root = make_root(tmp / "remap")
+            for uuids in (OLD, [NEW[0], NEW[2]]):
+                set_gpus(root, uuids)
+                cli.main([*check_argv(root), "--dry-run"])  # the findings
+                cli.main(check_argv(root))  # the changes, and the history recorded
+            (root / "var/lib/gpuguard/gpu-identity.json").write_text("{")
+            set_gpus(root, OLD)
+            cli.main(check_argv(root))  # an unusable history: dropped as before
+    finally:
+        EventLog.auto = orig  # type: ignore[method-assign]
+    return [json.loads(line) for line in out.getvalue().splitlines()]
+
+
 def daemon_pass(tmp: Path) -> Entries:
     async def boom(svc: Any, ctx: PassContext) -> None:
         raise RuntimeError("unexpected host state")
@@ -160,6 +186,7 @@ def entries(tmp_path_factory: pytest.TempPathFactory) -> Entries:
         container_findings()
         + plugin_findings()
         + checkpoint_changes(tmp)
+        + remap_changes(tmp)
         + daemon_pass(tmp)
         + conditions()
         + plugin_restarts()

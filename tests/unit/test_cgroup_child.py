@@ -58,14 +58,25 @@ def test_work_that_raises_is_a_report() -> None:
     assert r.status == cgroupchild.ERROR and "no such library" in r.text
 
 
-def test_a_child_that_never_answers_is_killed_and_reaped(tmp_path: Path) -> None:
-    os.mkfifo(tmp_path / "cgroup.procs")  # opening it for writing blocks forever
+def test_a_child_that_never_answers_is_killed_and_reaped() -> None:
+    def never() -> bytes:
+        time.sleep(3600)  # a driver call that never returns
+        return b"never"
+
     before = _children()
     t0 = time.monotonic()
-    r = run_in_cgroups([tmp_path], lambda: b"never", timeout=0.3)
+    r = run_in_cgroups([], never, timeout=0.3)
     assert r.status == cgroupchild.TIMEOUT and r.data == b""
     assert time.monotonic() - t0 < 5
     assert _children() == before
+
+
+def test_a_fifo_in_place_of_cgroup_procs_is_refused_at_once(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "cgroup.procs")  # opening it for writing would block forever
+    t0 = time.monotonic()
+    r = run_in_cgroups([tmp_path], lambda: b"never", timeout=30)
+    assert r.status == cgroupchild.JOIN and r.errno == errno.ENXIO
+    assert time.monotonic() - t0 < 5
 
 
 def test_process_cgroup_dirs_v1_devices_and_v2(tmp_path: Path) -> None:

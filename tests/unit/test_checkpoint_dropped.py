@@ -41,9 +41,11 @@ def test_records_round_trip_and_merge_keeps_the_newest_once() -> None:
     assert dropped.parse(dropped.render(merged), "f") == merged
 
 
-def test_pod_device_ids_is_the_checkpoint_plus_the_records() -> None:
-    ids = dropped.pod_device_ids([B], [_rec("pod-a", ("GPU-1", "GPU-old")), _rec("pod-b", ("Z",))])
-    assert ids == {"pod-a": {"GPU-1", "GPU-old"}, "pod-b": {"GPU-2", "Z"}}
+def test_a_record_stands_in_for_a_dropped_pod_and_never_widens_a_live_one() -> None:
+    records = [_rec("pod-a", ("GPU-1", "GPU-old")), _rec("pod-b", ("Z",))]
+    ids = dropped.pod_device_ids([B], records)
+    assert ids == {"pod-a": {"GPU-1", "GPU-old"}, "pod-b": {"GPU-2"}}
+    assert dropped.recorded_device_ids(records) == {"pod-a": {"GPU-1", "GPU-old"}, "pod-b": {"Z"}}
 
 
 @pytest.mark.parametrize(

@@ -100,10 +100,11 @@ def test_the_daemons_first_pass_leaves_the_restart_to_the_next_pass(
     first_pass_done = asyncio.Event()
     svc.first_pass_done = first_pass_done  # type: ignore[attr-defined]
     ctx = _ctx()
+    ctx.step = "checkpoint"  # as the runner sets it
     asyncio.run(step(svc, ctx))
     assert offered == [False]
-    ((delay, steps, why),) = ctx.followups
-    assert steps == frozenset({"checkpoint"}) and delay < 5 and "start" in why
+    (again,) = ctx.followups
+    assert again.step == "checkpoint" and again.delay < 5 and "start" in again.why
     assert not ctx.findings  # nothing refused: it is only deferred
     first_pass_done.set()
     asyncio.run(step(svc, _ctx()))

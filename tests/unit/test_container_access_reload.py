@@ -1,23 +1,25 @@
-"""The reload's v1 sweep (steps/container_access/reload.py): each known container read
-and written back before the next is read; only entitled nodes its cgroup denies are
-written; a denial the scope's DeviceAllow= covers is left to the pass (settle.py); a
-dry run writes nothing; one unreadable container does not stop the others."""
+"""The reload's v1 sweep (steps/container_access/cgroupv1.py `CgroupV1.sweep`): each
+known container read and written back before the next is read; only entitled nodes its
+cgroup denies are written; a denial the scope's DeviceAllow= covers is left to the pass
+(settle.py); a dry run writes nothing; one unreadable container does not stop the
+others."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import types
 from pathlib import Path
+from typing import AbstractSet, Any, Mapping, Sequence
 
 import pytest
 
 from gpuguard.devices.containers import ContainerCgroup
 from gpuguard.devices.entitlement import Entitlement
 from gpuguard.devices.rules import allows, parse_devices_list
-from gpuguard.steps.container_access.actuate import confirm_v1
-from gpuguard.steps.container_access.observe import AccessObserver
+from gpuguard.steps.container_access.cgroups import Cgroups
+from gpuguard.steps.container_access.devcgroup import Swept
 from gpuguard.steps.container_access.reconcile import CgroupV1Allow
-from gpuguard.steps.container_access.reload import sweep_v1
 from unit.test_devices_audit import CTL, GPU0, RUNC_LIST, UVM, _container, _ent
 
 # devices.list follows the writes as the kernel's would (tests/conftest.py)
@@ -28,6 +30,15 @@ INTACT = RUNC_LIST + "".join(n.allow_line("rw") + "\n" for n in GIVEN)
 WIPED = RUNC_LIST + CTL.allow_line("rw") + "\n"  # the GPU and uvm lost, nvidiactl kept
 
 Pair = tuple[ContainerCgroup, Entitlement]
+
+
+def sweep_v1(
+    pairs: Sequence[Pair], durable: Mapping[str, AbstractSet[str]], *, dry_run: bool
+) -> Swept:
+    svc: Any = types.SimpleNamespace(dry_run=dry_run)
+    layouts = Cgroups()
+    layouts.durable.update({u: set(n) for u, n in durable.items()})
+    return layouts.v1.sweep(pairs, svc)
 
 
 def _pair(tmp_path: Path, i: int, devices_list: str, unit: bool = True) -> Pair:
@@ -50,23 +61,23 @@ def _admitted(p: Pair) -> set[str]:
 
 def test_regrants_exactly_what_each_lost(tmp_path: Path) -> None:
     pairs = [_pair(tmp_path, 0, WIPED), _pair(tmp_path, 1, INTACT), _pair(tmp_path, 2, WIPED)]
-    s = sweep_v1(pairs, AccessObserver().read_v1, {}, dry_run=False)
-    assert [w.container.container_id for w in s.writes] == [pairs[0][0].container_id,
-                                                            pairs[2][0].container_id]  # fmt: skip
-    assert all(w.status == "done" for w in s.writes)
-    assert s.writes[0].at <= s.writes[1].at
-    for w in s.writes:
-        assert [n.numbers for n in w.denied] == [GPU0.numbers, UVM.numbers]  # not nvidiactl
-        o = confirm_v1(w.outcome())
+    s = sweep_v1(pairs, {}, dry_run=False)
+    assert s.looked == tuple(pairs)
+    written = s.written()  # each write read back
+    assert list(written) == [pairs[0][0].container_id, pairs[2][0].container_id]
+    (t0, _), (t1, _) = written.values()
+    assert t0 <= t1
+    for cid, (_t, o) in written.items():
         assert o.status == "done", o.detail
         assert isinstance(o.action, CgroupV1Allow)
+        assert o.action.numbers == (GPU0.numbers, UVM.numbers)  # not nvidiactl
         assert o.action.rules == (GPU0.allow_line("rw"), UVM.allow_line("rw"))
-        assert o.action.container_id == w.container.container_id
+        assert o.action.container_id == cid
     assert all(_admitted(p) == {n.numbers for n in GIVEN} for p in pairs)
     # the verdicts as read, before the writes: what the journal's audit reports
-    assert s.access[(pairs[0][0].container_id, GPU0.numbers)] is False
-    assert s.access[(pairs[1][0].container_id, GPU0.numbers)] is True
-    assert set(s.rules) == {p[0].container_id for p in pairs}
+    assert s.readings.access[(pairs[0][0].container_id, GPU0.numbers)] is False
+    assert s.readings.access[(pairs[1][0].container_id, GPU0.numbers)] is True
+    assert set(s.readings.rules) == {p[0].container_id for p in pairs}
 
 
 def test_a_denial_the_scope_grants_waits_for_the_pass(tmp_path: Path) -> None:
@@ -74,24 +85,24 @@ def test_a_denial_the_scope_grants_waits_for_the_pass(tmp_path: Path) -> None:
     covered, bare = _pair(tmp_path, 0, WIPED), _pair(tmp_path, 1, WIPED, unit=False)
     unit = covered[0].unit
     assert unit is not None
-    s = sweep_v1([covered, bare], AccessObserver().read_v1, {unit: {GPU0.numbers}}, dry_run=False)
+    s = sweep_v1([covered, bare], {unit: {GPU0.numbers}}, dry_run=False)
     # the scope: uvm only (its GPU is covered); the container without a unit: both
-    covered_w, bare_w = s.writes
-    assert covered_w.container == covered[0] and bare_w.container == bare[0]
-    assert [n.numbers for n in covered_w.denied] == [UVM.numbers]
-    assert [n.numbers for n in bare_w.denied] == [GPU0.numbers, UVM.numbers]
-    assert s.access[(covered[0].container_id, GPU0.numbers)] is None
-    assert s.access[(covered[0].container_id, UVM.numbers)] is False
+    written = s.written()
+    assert list(written) == [covered[0].container_id, bare[0].container_id]
+    covered_o, bare_o = (o for _t, o in written.values())
+    assert covered_o.action.numbers == (UVM.numbers,)  # type: ignore[attr-defined]
+    assert bare_o.action.numbers == (GPU0.numbers, UVM.numbers)  # type: ignore[attr-defined]
+    assert s.readings.access[(covered[0].container_id, GPU0.numbers)] is None
+    assert s.readings.access[(covered[0].container_id, UVM.numbers)] is False
     assert GPU0.numbers not in _admitted(covered)
     assert _admitted(bare) == {n.numbers for n in GIVEN}
 
 
 def test_dry_run_writes_nothing(tmp_path: Path) -> None:
     p = _pair(tmp_path, 0, WIPED)
-    s = sweep_v1([p], AccessObserver().read_v1, {}, dry_run=True)
-    (w,) = s.writes
-    assert w.status == "dry-run" and w.detail.startswith("would write ")
-    assert confirm_v1(w.outcome()).status == "dry-run"
+    s = sweep_v1([p], {}, dry_run=True)
+    ((_t, o),) = s.written().values()
+    assert o.status == "dry-run" and o.detail.startswith("would write ")
     assert _admitted(p) == {CTL.numbers}
     assert p[0].cgroup_v1_devices is not None
     assert (p[0].cgroup_v1_devices / "devices.allow").read_text() == ""
@@ -103,8 +114,8 @@ def test_unreadable_or_gone_containers_are_skipped(tmp_path: Path) -> None:
     (fifo[0].cgroup_v1_devices / "devices.list").unlink()
     os.mkfifo(fifo[0].cgroup_v1_devices / "devices.list")
     (gone[0].cgroup_v1_devices / "devices.list").unlink()
-    s = sweep_v1([fifo, gone, ok], AccessObserver().read_v1, {}, dry_run=False)
-    assert [w.container for w in s.writes] == [ok[0]]
-    assert "devices.list" in s.broken[fifo[0].container_id]
-    assert gone[0].container_id not in s.broken
+    s = sweep_v1([fifo, gone, ok], {}, dry_run=False)
+    assert list(s.written()) == [ok[0].container_id]
+    assert "devices.list" in s.readings.broken[fifo[0].container_id]
+    assert gone[0].container_id not in s.readings.broken
     assert _admitted(ok) == {n.numbers for n in GIVEN}

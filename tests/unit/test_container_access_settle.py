@@ -63,7 +63,7 @@ class FileView:
         access = verdicts_from_rules(CID, GIVEN, rules)
         return AccessView((self.c,), {self.c.key: _ent(GIVEN)}, access, {CID: rules})
 
-    def fast_view(self) -> AccessView:
+    def fast_view(self, root: Root) -> AccessView:
         return self._view()
 
     def observe(self, *_: Any) -> Optional[AccessView]:
@@ -84,8 +84,8 @@ def one_pass(
     obs = FileView(tmp_path)
     obs.devices_list.write_text(RUNC_LIST)
     step = ContainerAccessStep()
-    step.observer = obs  # type: ignore[assignment]
-    step.durable = {obs.c.unit: set(durable)}  # type: ignore[dict-item]
+    step.state.observer = obs  # type: ignore[assignment]
+    step.state.durable[str(obs.c.unit)] = set(durable)
     settled: list[str] = []
 
     async def settle(_sd: Optional[Systemd], unit: str) -> None:
@@ -93,7 +93,7 @@ def one_pass(
         if on_settle is not None:
             obs.devices_list.write_text(on_settle)
 
-    step.settle = settle
+    step.state.settle = settle
 
     async def no_inventory() -> None:
         return None

@@ -14,7 +14,7 @@ from gpuguard.steps.container_access.reconcile import (
     audit,
     verdicts_from_rules,
 )
-from unit.test_devices_audit import CID, CTL, GPU0, HOST, RUNC_LIST, UVM, UVMT, _container
+from unit.test_devices_audit import CID, CTL, GPU0, HOST, OF, RUNC_LIST, UVM, UVMT, _container
 from unit.test_devices_entitlement import GPUS
 
 
@@ -35,7 +35,7 @@ def _audit(
     c = _container()
     rules = parse_devices_list(allow)
     access = verdicts_from_rules(CID, HOST, rules)
-    return audit([c], {c.key: ent}, access, device_rules={CID: rules}, **kw)
+    return audit([c], {c.key: ent}, access, cgroup_of=OF, device_rules={CID: rules}, **kw)
 
 
 ALL_ALLOWED = "a *:* rwm\n"

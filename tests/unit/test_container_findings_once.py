@@ -30,7 +30,7 @@ class SameView:
         self.view = view
         self.fast_views = 0
 
-    def fast_view(self) -> AccessView:
+    def fast_view(self, root: Root) -> AccessView:
         self.fast_views += 1
         return self.view
 
@@ -48,7 +48,7 @@ def one_pass(
         Root(tmp_path), cfg, EventLog(stream=out, level="debug"), dry_run=True, bus_address=""
     )
     step = ContainerAccessStep()
-    step.observer = observer or SameView(view)  # type: ignore[assignment]
+    step.state.observer = observer or SameView(view)  # type: ignore[assignment]
 
     async def no_inventory() -> None:
         return None

@@ -14,6 +14,7 @@ from gpuguard.host.paths import Root
 from gpuguard.journal.log import EventLog
 from gpuguard.steps.container_access import ContainerAccessStep
 from gpuguard.steps.container_access.actuate import POD_RESTART_WINDOW
+from gpuguard.steps.container_access.fullpass import remedy
 from gpuguard.steps.container_access.reconcile import RestartContainer
 
 
@@ -22,7 +23,7 @@ def _restart(pod: str) -> RestartContainer:
 
 
 def other(step: ContainerAccessStep, a: RestartContainer, svc: Any) -> Any:  # an Outcome
-    return asyncio.run(step._other(a, svc))
+    return asyncio.run(remedy(step.state, a, svc))
 
 
 def stopper(crictl: str) -> ContainerStopper:

@@ -27,14 +27,20 @@ from gpuguard.steps.registry import build_steps
 from gpuguard.reporting.metrics_output import MetricsOutput
 from gpuguard.reporting.metrics_state import STATE_FILE, MetricsState
 from gpuguard.host.paths import Root
+from gpuguard.reporting.metrics_file import SPEC
+from gpuguard.reporting.status import PassRecord, Status
+from gpuguard.reporting.status_figures import FastPaths, ReloadSignal
 build_steps()
 root = Root(Path(sys.argv[1]))
+def a_pass(n):
+    p = PassRecord(n, ("start-up",), (), 0.0, 1.0, 2.0, 5.0, {}, (), (), None)
+    return p, Status(1, 0.0, n, True, False, ReloadSignal(), p, p, FastPaths(), {}, ())
 def loaded():
     names = cli.UNUSED_IN_DAEMON + ("prometheus_client",)
     return [m for m in sys.modules if m.split(".")[0] in names and sys.modules[m] is not None]
 # the daemon's own wiring (cmd_daemon), the default configuration: no TextfileDirectory=
 out = MetricsOutput(MetricsState(), renderer=cli._load_renderer)
-assert out.publish({"number": 1, "duration_ms": 5.0}, {}, root, None) == []
+assert out.publish(*a_pass(1), root, None) == []
 doc = json.loads(root.path(STATE_FILE).read_text())
 metrics = "ok" if doc["families"]["gpuguard_passes"][0]["value"] == 1.0 else "lost"
 from gpuguard.journal.catalog import message_id
@@ -47,11 +53,11 @@ builtin = all(any(n in sys.builtin_module_names for n in ns) for ns in cli.BUILT
 openssl = sys.modules.get("_hashlib") is not None
 hashes = "builtin" if not openssl else ("openssl" if not builtin else "openssl-loaded")
 # TextfileDirectory= set (at start or by a reload): the textfile, by prometheus_client
-assert out.publish({"number": 2, "duration_ms": 5.0}, {}, root, "/textfile") == []
+assert out.publish(*a_pass(2), root, "/textfile") == []
 import prometheus_client
 text = root.path("/textfile/gpuguard.prom").read_bytes()
 registry = prometheus_client.CollectorRegistry(auto_describe=False)
-registry.register(sys.modules["gpuguard.reporting.metrics"].StateCollector(json.loads(root.path(STATE_FILE).read_text())))
+registry.register(sys.modules["gpuguard.reporting.metrics"].StateCollector(SPEC.decode(root.path(STATE_FILE).read_bytes())))
 textfile = "prometheus_client" if text == prometheus_client.generate_latest(registry) else "other"
 textfile += "+created" if b"gpuguard_passes_created" in text else ""
 print(default, asyncio.run(asyncio.sleep(0, "ran")), metrics, hashes, textfile,

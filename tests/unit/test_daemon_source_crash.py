@@ -11,6 +11,7 @@ import pytest
 
 from gpuguard.config import load_config
 from gpuguard.engine.daemon import Daemon
+from gpuguard.host import aio
 from gpuguard.host.notify import Notifier
 from gpuguard.host.paths import Root
 from gpuguard.journal.log import EventLog
@@ -21,7 +22,7 @@ class CrashingSource:
     daemon has started."""
 
     def __init__(self) -> None:
-        self.first_attempt_done = asyncio.Event()
+        self.first_attempt_done = aio.Event()  # built before the loop, as the real one
         self.client = None
         self.private = None
         self.stopped = False

@@ -9,6 +9,7 @@ from gpuguard.devices.entitlement import Entitlement, VisibleDevices, compute_en
 from gpuguard.devices.nodes import DeviceNode, NvidiaMajors, expected_nodes
 from gpuguard.devices.rules import RUNC_DEFAULT_RULES, parse_devices_list
 from gpuguard.model import Action, Finding
+from gpuguard.steps.container_access.cgroups import Cgroups
 from gpuguard.steps.container_access.reconcile import (
     CAUSE_PLUGIN_UVM,
     CAUSE_REWRITE,
@@ -23,6 +24,10 @@ from gpuguard.steps.container_access.reconcile import (
     verdicts_from_rules,
 )
 from unit.test_devices_entitlement import GPUS
+
+# each container's layout plans its re-grant (v1: devices.allow; v2: a scope's
+# DeviceAllow= alone, or V2Remedy='s remedy without a scope)
+OF = Cgroups().of
 
 MAJORS = NvidiaMajors(195, 237, None)
 HOST = expected_nodes(GPUS, MAJORS, {})
@@ -51,11 +56,11 @@ def _ent(given: tuple[DeviceNode, ...] = (GPU0, CTL, UVM, UVMT)) -> Entitlement:
 
 
 def _run(
-    container: ContainerCgroup, ent: Entitlement, devices_list: str, **kw: bool
+    container: ContainerCgroup, ent: Entitlement, devices_list: str
 ) -> tuple[tuple[Finding, ...], tuple[Action, ...]]:
     rules = parse_devices_list(devices_list)
     access = verdicts_from_rules(CID, HOST, rules)
-    return audit([container], {container.key: ent}, access, device_rules={CID: rules}, **kw)
+    return audit([container], {container.key: ent}, access, cgroup_of=OF, device_rules={CID: rules})
 
 
 def test_seed_002_rewrite_v1_cgroupfs() -> None:
@@ -133,16 +138,16 @@ def test_v2_cgroupfs_report_or_restart() -> None:
     c = _container(v1=False)
     ent = _ent()
     access = {(CID, n.numbers): n.role != "gpu" for n in HOST}
-    findings, actions = audit([c], {c.key: ent}, access)
+    findings, actions = audit([c], {c.key: ent}, access, cgroup_of=OF)
     assert findings[0].fields["CAUSE"] == CAUSE_REWRITE_V2
     (a,) = actions
     assert isinstance(a, V2ReportOnly) and a.cgroup_dir.endswith(CID)
-    _, actions = audit([c], {c.key: ent}, access, restart_on_v2=True)
+    _, actions = audit([c], {c.key: ent}, access, cgroup_of=OF, remedy="restart-container")
     (r,) = actions
     assert isinstance(r, RestartContainer) and r.kind == "restart-container"
     assert r.fields()["RUNTIME"] == "containerd"
     # V2Remedy=inplace: exactly the denied GPU node, in the container's own cgroup
-    _, actions = audit([c], {c.key: ent}, access, inplace_on_v2=True, restart_on_v2=True)
+    _, actions = audit([c], {c.key: ent}, access, cgroup_of=OF, remedy="inplace")
     (p,) = actions
     assert isinstance(p, V2ProgramReplace) and p.kind == "v2-program-replace"
     assert p.cgroup_dir.endswith(CID)
@@ -152,15 +157,15 @@ def test_v2_cgroupfs_report_or_restart() -> None:
 def test_v2_systemd_uses_unit() -> None:
     c = _container(driver="systemd", v1=False, unit=True)
     access = {(CID, n.numbers): False for n in HOST}
-    _, actions = audit([c], {c.key: _ent()}, access)
+    _, actions = audit([c], {c.key: _ent()}, access, cgroup_of=OF)
     assert [a.kind for a in actions] == ["unit-device-allow"]
 
 
 def test_unknown_verdicts_do_nothing_and_unreadable_skipped() -> None:
     c = _container()
-    findings, actions = audit([c], {c.key: _ent()}, {})
+    findings, actions = audit([c], {c.key: _ent()}, {}, cgroup_of=OF)
     assert findings == () and actions == ()
-    findings, actions = audit([c], {}, {(CID, "195:0"): False})
+    findings, actions = audit([c], {}, {(CID, "195:0"): False}, cgroup_of=OF)
     assert findings == () and actions == ()
 
 
@@ -170,7 +175,7 @@ def test_conflict_finding() -> None:
         "uid-1", CID, (GPU1, CTL), HOST, GPUS, VisibleDevices("list", ("0",)), {"0"}
     )
     access = {(CID, n.numbers): False for n in HOST}
-    findings, actions = audit([c], {c.key: ent}, access)
+    findings, actions = audit([c], {c.key: ent}, access, cgroup_of=OF)
     kinds = [(f.kind, f.fields["DEVICE"]) for f in findings]
     assert ("container-device-conflict", "/dev/nvidia1") in kinds
     assert all("195:1" not in a.fields()["DEVICE_NUMBERS"] for a in actions)

@@ -232,3 +232,24 @@ def test_vanished_procs_file(tmp_path: Path) -> None:
 
 def test_nothing_mounted(tmp_path: Path) -> None:
     assert discover_containers(Root(tmp_path)) == ()
+
+
+@pytest.mark.parametrize("suffix", ["\n", "\x1b[0m", "\u2028", "\t"])
+def test_names_are_matched_whole_and_control_characters_refused(
+    tmp_path: Path, suffix: str
+) -> None:
+    from gpuguard.devices.cgroupnames import ANY_CONTAINER_SCOPE, SYSTEMD_CONTAINER
+
+    scope = f"cri-containerd-{CID2}.scope"
+    assert SYSTEMD_CONTAINER.fullmatch(scope) and not SYSTEMD_CONTAINER.fullmatch(scope + suffix)
+    assert not ANY_CONTAINER_SCOPE.fullmatch(scope + suffix)
+    v2 = tmp_path / "sys/fs/cgroup"
+    pod = f"kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{UID_}.slice"
+    _cg(v2, f"{pod}/cri-containerd-{CID1}.scope", (7,))
+    _cg(v2, f"{pod}/{scope}{suffix}", (8,))
+    got = discover_containers(Root(tmp_path), CgroupLayout(None, "/sys/fs/cgroup"))
+    assert [c.container_id for c in got if not c.problem] == [CID1]
+    (refused,) = [c for c in got if c.problem]
+    assert refused.container_id.startswith("refused:") and refused.pids == ()
+    assert refused.cgroup_v2 is None and refused.unit is None  # nothing to grant or make
+    assert "control character" in refused.problem and refused.problem.isprintable()

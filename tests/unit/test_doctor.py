@@ -158,9 +158,9 @@ def test_cgroupfs_driver_and_no_cpu_manager_are_ok_even_in_legacy_mode(tmp_path:
         (
             lambda r: write(r, "/run/gpuguard/status.json", '{"pid": 42, "last_pa'),
             "daemon",
-            "not valid JSON (half-written?)",
+            "not JSON",
         ),
-        (lambda r: write(r, "/run/gpuguard/status.json", "[1, 2]"), "daemon", "has no pid"),
+        (lambda r: write(r, "/run/gpuguard/status.json", "[1, 2]"), "daemon", "not an object"),
         (
             lambda r: os.remove(r / "sys/fs/cgroup/cgroup.controllers"),
             "cgroup-layout",
@@ -271,11 +271,14 @@ def test_gpu_count_says_which_layer_lost_gpus(tmp_path: Path) -> None:
     assert check(doctor(root), "gpu-count")[0] == OK
 
 
-def test_gpu_count_without_inventory_uses_pci_against_kubelet(tmp_path: Path) -> None:
+def test_gpu_count_without_nvml_while_gpus_are_on_the_bus_names_the_driver(
+    tmp_path: Path,
+) -> None:
     root = healthy_node(tmp_path)
     write_checkpoint(root, UUIDS[:1])
-    verdict, evidence, _ = check(doctor(root, inv=None), "gpu-count")
-    assert verdict == BROKEN and "kubelet has 1 of 2" in evidence
+    verdict, evidence, fix = check(doctor(root, inv=None), "gpu-count")
+    assert verdict == BROKEN and "NVML is unavailable while 2 NVIDIA GPU(s)" in evidence
+    assert "driver" in evidence and "dkms status" in fix
 
 
 def test_plugin_flags_win_over_environment() -> None:

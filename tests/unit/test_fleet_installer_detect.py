@@ -9,6 +9,7 @@ the image's shell (busybox) and with dash, so the script stays POSIX.
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -179,3 +180,79 @@ def test_bad_usage(shell: List[str], tmp_path: Path) -> None:
     res, status = detect(shell, tmp_path, tmp_path, "reinstall")
     assert res.returncode == 2 and res.stderr.startswith("usage: gpuguard-installer"), res.stderr
     assert not status
+
+
+#: os-release texts that are data, never shell: each is refused (exit 3), in one line of
+#: a few hundred bytes at most, whatever it holds (issue 28).
+HOSTILE = {
+    "glob in ID": ("ID=*\nVERSION_ID=12\n", "not an os-release ID"),
+    "two words in ID": ('ID="evilos debian"\nVERSION_ID=12\n', "not an os-release ID"),
+    "command in ID": ("ID=$(touch /tmp/pwned)\n", "not an os-release ID"),
+    "backquotes in ID": ("ID=`id`\n", "not an os-release ID"),
+    "huge ID": ("ID=" + "a" * 200_000 + "\n", "not an os-release ID"),
+    "control characters": ("ID=deb\x1b[31mian\x07\n", "not an os-release ID"),
+    "glob in ID_LIKE only": ("ID=evilos\nID_LIKE=*\n", "not a distribution gpuguard is packaged"),
+    "debian hidden in a glob": ("ID=evilos\nID_LIKE=deb*\n", "not a distribution gpuguard"),
+    "empty": ("", "not an os-release ID"),
+}
+
+
+@pytest.mark.parametrize("shell", shells())
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_os_release_is_parsed_as_data(shell: List[str], name: str, tmp_path: Path) -> None:
+    text, reason = HOSTILE[name]
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    (cwd / "debian").write_text("a file named debian, where a glob would find it\n")
+    root = host_root(tmp_path, text, DEB)
+    res, status = detect_in(shell, tmp_path, root, "install", cwd)
+    assert res.returncode == 3, (res.stdout, res.stderr)
+    (line,) = res.stderr.splitlines()
+    assert reason in line and len(line.encode()) < 400, line
+    assert line.isprintable() and "\x1b" not in line
+    assert status["state"] == "refused" and status["message"] in line
+    assert not Path("/tmp/pwned").exists()
+
+
+@pytest.mark.parametrize("shell", shells())
+def test_an_absolute_os_release_link_is_the_hosts_file(shell: List[str], tmp_path: Path) -> None:
+    # the host's /etc/os-release -> /usr/lib/os-release.d/bottlerocket (absolute): read in
+    # the host's root, never this container's own /usr/lib/os-release.d
+    root = host_root(tmp_path, None, DEB)
+    (root / "usr/lib/os-release.d").mkdir(parents=True)
+    (root / "usr/lib/os-release.d/bottlerocket").write_text("ID=bottlerocket\nVERSION_ID=1.20\n")
+    (root / "etc/os-release").symlink_to("/usr/lib/os-release.d/bottlerocket")
+    res, _ = detect(shell, tmp_path, root, "install")
+    assert res.returncode == 3 and "bottlerocket 1.20, an immutable OS" in res.stderr, res.stderr
+    # a link that climbs above the root stays inside it
+    (root / "etc/os-release").unlink()
+    climb = "/".join([".."] * 5)  # more ".." than the host root has parents
+    (root / "etc/os-release").symlink_to(f"{climb}/usr/lib/os-release.d/bottlerocket")
+    res, _ = detect(shell, tmp_path, root, "install")
+    assert res.returncode == 3 and "bottlerocket" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("shell", shells())
+def test_a_fifo_or_a_link_loop_for_os_release_is_refused_at_once(
+    shell: List[str], tmp_path: Path
+) -> None:
+    root = host_root(tmp_path, None, DEB)
+    os.mkfifo(root / "etc/os-release")
+    res, _ = detect(shell, tmp_path, root, "install")
+    assert res.returncode == 3 and "no /etc/os-release on the host" in res.stderr
+    (root / "etc/os-release").unlink()
+    (root / "etc/os-release").symlink_to("os-release")
+    res, _ = detect(shell, tmp_path, root, "install")
+    assert res.returncode == 3 and "no /etc/os-release on the host" in res.stderr
+
+
+def detect_in(
+    shell: List[str], tmp_path: Path, root: Path, mode: str, cwd: Path
+) -> Tuple[subprocess.CompletedProcess[str], Dict[str, str]]:
+    """detect() run from `cwd` (where a glob would find files)."""
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        return detect(shell, tmp_path, root, mode)
+    finally:
+        os.chdir(old)

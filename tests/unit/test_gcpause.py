@@ -16,6 +16,7 @@ from gpuguard.engine.gcpause import collector_paused, freeze_long_lived, thaw
 from gpuguard.host.notify import Notifier
 from gpuguard.host.paths import Root
 from gpuguard.journal.log import EventLog
+from gpuguard.steps.events import Event, EventKind
 
 SEEN: list[bool] = []
 
@@ -31,6 +32,9 @@ class FastStep:
         SEEN.append(gc.isenabled())
         if self.fail:
             raise RuntimeError("a bug in a fast path")
+
+    def fast_status(self) -> dict[str, object]:
+        return {}
 
 
 def daemon(tmp_path: Path, steps: dict[str, Any]) -> tuple[Daemon, io.StringIO]:
@@ -54,7 +58,7 @@ def test_reload_fast_paths_run_without_the_collector(tmp_path: Path) -> None:
     SEEN.clear()
     d, out = daemon(tmp_path, {"a": FastStep("a", fail=True), "b": FastStep("b")})
     assert gc.isenabled()
-    d.on_reloaded(1.0)
+    d.on_event(Event(EventKind.SYSTEMD_RELOADED, "systemd: reload", True, at=1.0))
     assert SEEN == [False, False]  # the second ran too, after the first raised
     assert gc.isenabled()
     assert "reload fast path raised RuntimeError" in out.getvalue()
@@ -83,17 +87,12 @@ def test_a_crashed_bridge_follow_up_names_its_step() -> None:
     """The reload's bridge follow-up runs as a task nobody awaits: a bug there is
     journaled as reconciler-crashed with the step's name, as the catalog shows."""
     import asyncio
-    import time
     import types
 
-    from gpuguard.steps.container_access.bridge import Bridges
-    from gpuguard.steps.container_access.inplace import Backoff
-
-    async def grant(*_a: Any) -> Any:
-        raise AssertionError("not called")
+    from gpuguard.steps.container_access.cgroups import Cgroups
 
     out = io.StringIO()
-    bridges = Bridges(Backoff(), time.monotonic, {}, grant, lambda o: None)
+    bridges = Cgroups().v2.bridges
 
     async def boom(*_a: Any) -> None:
         raise RuntimeError("a bug in the follow-up")

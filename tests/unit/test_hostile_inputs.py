@@ -182,7 +182,8 @@ def test_non_ascii_digits_are_not_numbers() -> None:
 @pytest.mark.parametrize(
     ("line", "needle"),
     [
-        ("QuietPeriod=" + "9" * 5000 + "s", "too long"),
+        ("QuietPeriod=" + "9" * 5000 + "s", "5001 characters long (at most 4096)"),
+        ("QuietPeriod=" + "9" * 4000 + "s", "too long"),
         ("MaxDelay=" + "9" * 25 + "w", "longer than a year"),
         ("AuditInterval=1e999s", "unknown time unit"),
         ("QuietPeriod=\u0661s", "not a time span"),

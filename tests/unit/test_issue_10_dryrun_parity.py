@@ -196,7 +196,10 @@ def test_issue_10_dry_run_parity_a_daemon_pass_after_the_repair_grants_nothing_d
     now = time.monotonic()
     asyncio.run(daemon._run_pass(Work(frozenset(STEP_ORDER), ("start-up",), now, now)))
     last = daemon.last_pass
-    findings, actions = _access(last["findings"], last["outcomes"])
+    assert last is not None
+    findings, actions = _access(
+        [f.to_json() for f in last.findings], [o.to_json() for o in last.outcomes]
+    )
     assert (findings, actions) == (dry_findings, dry_actions)
     assert GPU_B_RULE not in _granted(root)
 
@@ -227,3 +230,44 @@ def test_a_corrupt_checkpoint_stops_the_run_before_any_step_acts(
     assert {str(p): p.read_bytes() for p in root.rglob("*") if p.is_file()} == before
     assert not (root / "dev/char").exists()
     assert str(root / CHECKPOINT) in capsys.readouterr().err
+
+
+def _history_where_the_stale_gpu_was_in_gpu_bs_slot(root: Path) -> None:
+    """The GPUs recorded before: A, and in B's PCI slot the GPU whose ID is now stale."""
+    from gpuguard.checkpoint import history
+    from gpuguard.host.inventory import Gpu
+
+    old = (Gpu(GPU_A, 0, 0, "00000000:10:00.0"), Gpu(STALE, 1, 1, "00000000:11:00.0"))
+    gen = history.generation_of(old, {}, when=1.0, boot_id="", source="nvml")
+    path = root / "var/lib/gpuguard/gpu-identity.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(history.render(history.History((gen,))))
+
+
+def test_a_remap_judges_the_running_container_as_the_dry_run_did(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """P's entry [A, stale] is remapped to [A, B] (B now sits in the stale GPU's slot).
+    The container that ran before (its /dev holds B, its environment says A) was not given
+    B by anything the checkpoint said then: the dry-run declines B, and so do the real run,
+    a second run after the remap and a daemon pass, though the checkpoint now names B."""
+    _history_where_the_stale_gpu_was_in_gpu_bs_slot(root)
+    code, dry = _check(root, capsys, "--dry-run")
+    assert code == exitcodes.FINDINGS
+    (planned,) = dry["actions"]
+    assert [r["new_device_ids"] for r in planned["remaps"]] == [[GPU_A, GPU_B]]
+    dry_findings, dry_actions = _decisions(dry)
+    assert ("container-device-conflict", "195:1") in dry_findings
+
+    code, real = _check(root, capsys)
+    assert real["result"] == "repaired"
+    (entry,) = parse((root / CHECKPOINT).read_bytes(), source="t").entries or ()
+    assert entry.all_device_ids() == (GPU_A, GPU_B)  # remapped, not dropped
+    assert _decisions(real) == (dry_findings, dry_actions)
+    assert GPU_B_RULE not in _granted(root)
+
+    _wiped_again(root)
+    code, again = _check(root, capsys)
+    assert again["result"].startswith("checkpoint matches")
+    assert _decisions(again) == (dry_findings, dry_actions)
+    assert GPU_B_RULE not in _granted(root)

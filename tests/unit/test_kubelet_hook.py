@@ -65,15 +65,18 @@ def test_judge(
 
 def test_request_and_result_round_trip(tmp_path: Path) -> None:
     root = Root(tmp_path)
-    assert kh.read_request_token(root) == "" and kh.read_result(root) is None
+    assert kh.read_request_token(root) == ("", "") and kh.read_result(root) is None
     token = kh.new_token()
     kh.write_request(root, token)
-    assert kh.read_request_token(root) == token
+    assert kh.read_request_token(root) == (token, "")
     assert (tmp_path / "run/gpuguard/kubelet-hook.request").stat().st_mode & 0o777 == 0o600
     kh.write_result(root, result(token))
     assert kh.read_result(root) == result(token)
     kh.clear_request(root)
-    assert kh.read_request_token(root) == ""
+    assert kh.read_request_token(root) == ("", "")
+    (tmp_path / "run/gpuguard/kubelet-hook.request").write_text('{"version": 1, "token": 7}')
+    token, why = kh.read_request_token(root)
+    assert token == "" and "token: not a string" in why and len(why) <= 400
     (tmp_path / "run/gpuguard/kubelet-hook.result").write_text("{")
     assert kh.read_result(root) is None  # a torn or foreign record is no result
 
@@ -109,13 +112,13 @@ def record(root: Path) -> dict:  # type: ignore[type-arg]
 def test_no_driver_exit_0_said_once_per_state(
     root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    kh.write_request(Root(root), "tok")
+    kh.write_request(Root(root), "70c0")
     code, log = hook(root, capsys)
     assert code == exitcodes.OK
     assert [e["kind"] for e in log] == ["kubelet-hook-skipped"]
     assert "NVML" in log[0]["msg"] or "driver" in log[0]["msg"]
     rec = record(root)
-    assert rec["outcome"] == "skipped" and rec["token"] == "tok" and rec["exit_code"] == 0
+    assert rec["outcome"] == "skipped" and rec["token"] == "70c0" and rec["exit_code"] == 0
     assert rec["before_sha256"] == rec["after_sha256"] != ""
     assert (root / CHECKPOINT).read_bytes() == FIXTURE.read_bytes()
     code, log = hook(root, capsys)  # kubelet's next start on the same node: quiet
@@ -127,17 +130,18 @@ def test_no_checkpoint_exit_0_skipped(root: Path, capsys: pytest.CaptureFixture[
     (root / "etc/gpuguard/inventory.json").write_text(json.dumps(INVENTORY))
     code, log = hook(root, capsys, "--inventory", str(root / "etc/gpuguard/inventory.json"))
     assert code == exitcodes.OK
-    assert [e["kind"] for e in log] == ["kubelet-hook-skipped"]
+    # nothing to reconcile: the GPUs are recorded for a later remap (once)
+    assert [e["kind"] for e in log] == ["gpu-history-recorded", "kubelet-hook-skipped"]
     assert record(root)["outcome"] == "skipped"
 
 
 def test_repair_records_digests_and_token(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (root / "etc/gpuguard/inventory.json").write_text(json.dumps(INVENTORY))
-    kh.write_request(Root(root), "tok")
+    kh.write_request(Root(root), "70c0")
     code, _ = hook(root, capsys, "--inventory", str(root / "etc/gpuguard/inventory.json"))
     assert code == exitcodes.OK
     rec = record(root)
-    assert rec["outcome"] == "repaired" and rec["token"] == "tok"
+    assert rec["outcome"] == "repaired" and rec["token"] == "70c0"
     assert rec["before_sha256"] == kh.file_sha256(FIXTURE)
     assert rec["after_sha256"] == kh.file_sha256(root / CHECKPOINT) != rec["before_sha256"]
 
@@ -148,3 +152,43 @@ def test_bad_config_records_failed_exit_2(root: Path, capsys: pytest.CaptureFixt
     assert code == exitcodes.USAGE
     rec = record(root)
     assert rec["outcome"] == "failed" and "gpuguard.conf:2" in rec["detail"]
+
+
+def test_an_unusable_request_or_memo_is_said_once_and_the_full_check_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log_to_stderr(monkeypatch)
+    root = tmp_path
+    (root / CHECKPOINT).parent.mkdir(parents=True)
+    (root / CHECKPOINT).write_bytes(FIXTURE.read_bytes())
+    inv = root / "inv.json"
+    inv.write_text(json.dumps(INVENTORY))
+    (root / "run/gpuguard").mkdir(parents=True)
+    (root / "run/gpuguard/kubelet-hook.request").write_text("[" * 50_000)
+    (root / "var/lib/gpuguard").mkdir(parents=True)
+    (root / "var/lib/gpuguard/kubelet-hook.memo.json").write_text('{"format": 1e400}')
+    argv = ["check", "--only", "checkpoint", "--kubelet-stopped", "--root", str(root)]
+    assert cli.main([*argv, "--inventory", str(inv)]) == 0
+    err = capsys.readouterr().err
+    ignored = [line for line in err.splitlines() if "ignoring" in line]
+    assert len(ignored) == 1 and "kubelet-hook.request" in ignored[0], err
+    assert "nested too deep" in ignored[0]
+    rec = kh.read_result(Root(root))
+    assert rec is not None and rec.outcome == kh.REPAIRED and rec.token == ""
+
+
+def test_an_unusable_memo_is_said_once_and_the_full_check_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log_to_stderr(monkeypatch)
+    (tmp_path / CHECKPOINT).parent.mkdir(parents=True)
+    (tmp_path / CHECKPOINT).write_bytes(FIXTURE.read_bytes())
+    inv = tmp_path / "inv.json"
+    inv.write_text(json.dumps(INVENTORY))
+    (tmp_path / "var/lib/gpuguard").mkdir(parents=True)
+    (tmp_path / "var/lib/gpuguard/kubelet-hook.memo.json").write_text('{"format": 1e400}')
+    argv = ["check", "--only", "checkpoint", "--kubelet-stopped", "--root", str(tmp_path)]
+    assert cli.main([*argv, "--inventory", str(inv)]) == 0
+    ignored = [line for line in capsys.readouterr().err.splitlines() if "ignoring" in line]
+    assert len(ignored) == 1 and "kubelet-hook.memo.json" in ignored[0]
+    assert "out of range" in ignored[0]

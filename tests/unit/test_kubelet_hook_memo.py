@@ -75,11 +75,11 @@ def verified(root: Path, capsys: pytest.CaptureFixture[str]) -> Path:
 def test_unchanged_takes_the_fast_path_and_still_records(
     verified: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    kh.write_request(Root(verified), "tok")
+    kh.write_request(Root(verified), "70c0")
     code, out = run(verified, capsys)
     assert code == exitcodes.OK and FAST in out
     rec = record(verified)
-    assert rec["outcome"] == kh.HEALTHY and rec["token"] == "tok"
+    assert rec["outcome"] == kh.HEALTHY and rec["token"] == "70c0"
     assert rec["before_sha256"] == rec["after_sha256"] == kh.file_sha256(verified / CHECKPOINT)
 
 

@@ -6,7 +6,10 @@ what it is given: it imports no `os`, no `subprocess`, no actuator, no D-Bus cli
 no `commands` (checked on the source with `ast`, so a lazy import inside a function counts too).
 `devices/` and `checkpoint/` import no step, actuator, D-Bus client or `commands`.
 A module of the package fits in a head: at most MAX_LINES lines, or it is listed in
-LONG_MODULES with the reason it may be longer.
+LONG_MODULES with the reason it may be longer. In the container access step only the
+two implementations of a container's device cgroup (cgroupv1.py, cgroupv2.py) look at
+which layout a container is on. The CLI's step calls are typed: no `Any` in the
+annotations of the modules that build and run steps.
 """
 
 from __future__ import annotations
@@ -31,9 +34,13 @@ FORBIDDEN = (
 # Pure helpers of a reconciler, held to the same rule.
 PURE = (
     SRC / "steps/checkpoint/deviceids.py",
+    SRC / "steps/checkpoint/gpumap.py",
+    SRC / "steps/checkpoint/remap.py",
     SRC / "steps/device_plugin/limits.py",
     SRC / "steps/container_access/inplace.py",
     SRC / "steps/container_access/durable.py",
+    SRC / "steps/container_access/bridgeplan.py",
+    SRC / "steps/container_access/view.py",
 )
 # Modules aim at under about 400 lines; past this one a module is split by what it holds.
 MAX_LINES = 450
@@ -158,3 +165,242 @@ def test_every_long_module_exception_is_still_needed() -> None:
     lines = module_lines()
     stale = [m for m in LONG_MODULES if lines.get(m, 0) <= MAX_LINES]
     assert not stale, f"no longer long (or gone): drop them from LONG_MODULES: {stale}"
+
+
+# -- one implementation per cgroup layout ---------------------------------------------
+
+ACCESS = SRC / "steps" / "container_access"
+# The two implementations of DeviceCgroup (devcgroup.py): the only modules of the step
+# that may ask which layout a container is on.
+LAYOUT_IMPLEMENTATIONS = {"cgroupv1.py", "cgroupv2.py"}
+# Which hierarchy's path a container has: the layout itself
+LAYOUT_PATHS = {"cgroup_v1_devices", "cgroup_v2"}
+# What a layout or a mechanism is called (ContainerCgroup.layout, .mechanism,
+# CgroupLayout.kind): compared with one of these, it is a branch on the layout
+LAYOUT_NAMES = {"v1", "v2", "hybrid", "unified", "legacy",
+                "v1-rule", "scope-device-allow", "own-program"}  # fmt: skip
+
+
+def layout_checks(source: str) -> list[str]:
+    """Where `source` looks at a container's layout: a hierarchy's path read, or a
+    layout's name (or a `.layout`/`.mechanism`) compared."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in LAYOUT_PATHS:
+            found.append(f"line {node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Compare):
+            for o in (node.left, *node.comparators):
+                named = isinstance(o, ast.Constant) and o.value in LAYOUT_NAMES
+                attr = isinstance(o, ast.Attribute) and o.attr in ("layout", "mechanism")
+                if named or attr:
+                    found.append(f"line {node.lineno}: compares {ast.unparse(o)}")
+    return found
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted(p for p in ACCESS.glob("*.py") if p.name not in LAYOUT_IMPLEMENTATIONS),
+    ids=lambda p: p.name,
+)
+def test_only_the_two_implementations_look_at_a_containers_layout(path: Path) -> None:
+    assert layout_checks(path.read_text()) == [], (
+        f"{path.name}: a v1/v2 difference belongs in cgroupv1.py / cgroupv2.py, behind "
+        "devcgroup.DeviceCgroup"
+    )
+
+
+def test_both_implementations_exist_and_do_look() -> None:
+    for name in LAYOUT_IMPLEMENTATIONS:
+        assert layout_checks((ACCESS / name).read_text()), name
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "if c.cgroup_v1_devices is not None:\n    pass",
+        "x = c.cgroup_v2",
+        "v2 = [p for p in pairs if p[0].cgroup_v1_devices is None]",
+        "if c.layout == 'v1':\n    pass",
+        "ok = c.mechanism != 'own-program'",
+        "if layout.kind == 'unified':\n    pass",
+        "if 'v2' in (a, b):\n    pass",
+    ],
+)
+def test_the_layout_check_catches_each_kind_of_branch(line: str) -> None:
+    assert layout_checks(line) != []
+
+
+def test_a_layout_named_as_a_journal_field_is_no_branch() -> None:
+    assert layout_checks('fields = {"CGROUP_LAYOUT": c.layout, "LAYOUT": "v2"}') == []
+
+
+# -- the CLI's step calls are typed -----------------------------------------------------
+
+# The modules that build the steps and run them for a command; `_opt` reads argparse's
+# untyped namespace (its callers know the type)...
+TYPED_CLI = (
+    "cli/check.py",
+    "cli/daemon.py",
+    "cli/args.py",
+    "engine/oneshot.py",
+    "engine/runner.py",
+)
+UNTYPED_BY_NATURE = {"_opt", "daemon_status", "_status_shape_ok", "container_status",
+                     "_unreadable_row"}  # fmt: skip
+
+
+def any_annotations(source: str) -> list[str]:
+    """Functions of `source` with `Any` in a parameter's or the return's annotation."""
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        a = node.args
+        annotations = [x.annotation for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+        annotations += [a.vararg.annotation if a.vararg else None, node.returns]
+        annotations += [a.kwarg.annotation if a.kwarg else None]
+        for ann in annotations:
+            if ann is not None and any(
+                isinstance(n, ast.Name) and n.id == "Any" for n in ast.walk(ann)
+            ):
+                bad.append(node.name)
+                break
+    return bad
+
+
+@pytest.mark.parametrize("module", TYPED_CLI)
+def test_the_clis_step_calls_are_typed_without_any(module: str) -> None:
+    bad = set(any_annotations((SRC / module).read_text())) - UNTYPED_BY_NATURE
+    assert not bad, f"{module}: type these with the real types (TYPE_CHECKING imports): {bad}"
+
+
+def test_the_any_check_finds_any() -> None:
+    assert any_annotations("def f(x: Any) -> int: ...") == ["f"]
+    assert any_annotations("def f(x: int) -> Optional[Any]: ...") == ["f"]
+    assert any_annotations("def f(x: int) -> int: ...") == []
+
+
+# -- one way to read what gpuguard does not own (host/safeio.py) -----------------------
+
+# Calls that open, read or parse a file. Anywhere but the modules below, a host path is
+# read through safeio (non-blocking, regular files only, no links unless asked, bounded
+# by the bytes read) and a state file through host/statefile.py's loader.
+READ_CALLS = frozenset(
+    {"open", "os.open", "os.read", "os.fdopen", "io.open", "json.load", "json.loads"}
+)
+READ_METHODS = frozenset({"read_text", "read_bytes"})  # pathlib: unbounded, follows links
+# module under src/gpuguard -> (the calls it may make, why)
+READERS: dict[str, tuple[frozenset[str], str]] = {
+    "host/safeio.py": (frozenset({"os.open", "os.read"}), "the bounded reader itself"),
+    "host/statefile.py": (frozenset({"json.loads"}), "the state files' loader"),
+    "checkpoint/codec.py": (frozenset({"json.loads"}), "kubelet's format, from safeio bytes"),
+    "host/inventory.py": (frozenset({"json.loads"}), "the inventory file, from safeio bytes"),
+    "actuate/files.py": (frozenset({"os.open"}), "atomic writes: directories, temp files"),
+    "actuate/safewrite.py": (frozenset({"os.open"}), "control files, device nodes' handles"),
+    "actuate/bpf.py": (
+        frozenset({"os.open", "os.read"}),
+        "a cgroup's cgroup.events relative to its open directory: one read of a page, "
+        "regular file checked (the reload sweep's path)",
+    ),
+    "devices/probe.py": (frozenset({"os.open"}), "opening the device node is the probe"),
+    "devices/cgroupchild.py": (
+        frozenset({"os.open", "os.read"}),
+        "the forked child joins cgroups (no link, non-blocking); the parent reads its pipe",
+    ),
+    "steps/device_plugin/nvml_probe.py": (
+        frozenset({"os.open", "json.loads"}),
+        "the plugin's mount namespace for setns; the child's bounded report on a pipe",
+    ),
+    "sources/transient.py": (frozenset({"os.read"}), "its inotify descriptor"),
+    "host/threadclock.py": (
+        frozenset({"open"}),
+        "the calling thread's own schedstat, on the reload fast path (a kernel file of "
+        "this process, never a fake root's)",
+    ),
+}
+
+
+def read_calls(source: str) -> list[tuple[int, str]]:
+    """(line, call) for every call in `source` that opens, reads or parses a file."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Name) and f.id == "open":
+            out.append((node.lineno, "open"))
+        elif isinstance(f, ast.Attribute):
+            base = f.value.id if isinstance(f.value, ast.Name) else ""
+            name = f"{base}.{f.attr}"
+            if base == "safeio":  # the bounded reader's own read_bytes/read_text
+                continue
+            if name in READ_CALLS or f.attr in READ_METHODS:
+                out.append((node.lineno, name if name in READ_CALLS else f".{f.attr}"))
+    return out
+
+
+def test_host_files_are_read_only_through_the_bounded_reader() -> None:
+    bad = []
+    for p in sorted(SRC.rglob("*.py")):
+        rel = str(p.relative_to(SRC))
+        allowed = READERS.get(rel, (frozenset(), ""))[0]
+        bad += [
+            f"{rel}:{line}: {call}"
+            for line, call in read_calls(p.read_text())
+            if call not in allowed
+        ]
+    assert not bad, (
+        "read host files through gpuguard.host.safeio (state files through "
+        f"host/statefile.py's loader), or add the module to READERS with why: {bad}"
+    )
+
+
+def test_every_reader_exception_is_still_needed() -> None:
+    for rel, (calls, _why) in READERS.items():
+        found = {c for _line, c in read_calls((SRC / rel).read_text())}
+        assert calls <= found, f"{rel} no longer makes {sorted(calls - found)}: drop them"
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "open('/etc/x').read()",
+        "import os\nos.open('/x', os.O_RDONLY)",
+        "from pathlib import Path\nPath('/x').read_text()",
+        "p.read_bytes()",
+        "import json\njson.load(f)",
+        "import json\njson.loads(data)",
+        "def f():\n    with open(p, 'rb') as fh:\n        return fh",
+    ],
+)
+def test_the_reader_check_catches_each_kind_of_read(line: str) -> None:
+    assert read_calls(line)
+
+
+# -- one writer of gpuguard's state files (actuate/statefile.py) -----------------------
+
+WRITE_HELPERS = frozenset({"write_new", "atomic_replace"})
+# module -> why it may call the atomic-write helpers itself
+WRITERS: dict[str, str] = {
+    "actuate/files.py": "the helpers themselves",
+    "actuate/statefile.py": "the one writer of gpuguard's state files",
+    "actuate/dropins.py": "systemd drop-ins, unit files systemd reads (not state files)",
+    "steps/checkpoint/actuate.py": "kubelet's checkpoint, kubelet's file, with its backup",
+    "reporting/metrics_output.py": "node_exporter's textfile, in node_exporter's directory",
+    "actuate/offswitch.py": "the off switch, an operator's plain-text file in /etc/gpuguard",
+}
+
+
+def test_state_files_are_written_only_through_the_state_file_actuator() -> None:
+    bad = []
+    for p in sorted(SRC.rglob("*.py")):
+        rel = str(p.relative_to(SRC))
+        if rel in WRITERS:
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.id if isinstance(f, ast.Name) else getattr(f, "attr", "")
+                if name in WRITE_HELPERS:
+                    bad.append(f"{rel}:{node.lineno}: {name}")
+    assert not bad, f"write state files with actuate.statefile.write_state: {bad}"

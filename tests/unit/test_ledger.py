@@ -23,16 +23,16 @@ def test_latest_result_per_step_wins_and_old_changes_age_out() -> None:
     led.record(
         "checkpoint", 1, [], [Outcome(Poke("checkpoint", "why", "cp"), "skipped")], now=1000.0
     )
-    led.record("container_access", 2, [], [], now=2000.0)
-    doc = led.to_json(now=2000.0)
-    assert doc["steps"]["container_access"]["pass"] == 2
-    assert doc["steps"]["container_access"]["findings"] == []
-    assert doc["steps"]["checkpoint"]["pass"] == 1  # a pass without the step keeps its result
-    assert [c["target"] for c in doc["recent_changes"]] == ["c1"]  # skipped is no change
-    assert led.to_json(now=1000.0 + RECENT_WINDOW + 1)["recent_changes"] == []
+    led.record("container_access", 2, [], [], now=2000.0, unknown=["no inventory"])
+    assert led.steps["container_access"].pass_number == 2
+    assert led.steps["container_access"].findings == ()
+    assert led.steps["container_access"].unknown == ("no inventory",)
+    assert led.steps["checkpoint"].pass_number == 1  # a pass without the step keeps its result
+    assert [c.target for c in led.recent_changes(now=2000.0)] == ["c1"]  # skipped is no change
+    assert led.recent_changes(now=1000.0 + RECENT_WINDOW + 1) == ()
 
 
 def test_a_crashed_step_is_recorded_as_such() -> None:
     led = Ledger()
     led.record("gpu_count", 4, [], [], error="ValueError: boom", now=5.0)
-    assert led.to_json(now=5.0)["steps"]["gpu_count"]["error"] == "ValueError: boom"
+    assert led.steps["gpu_count"].error == "ValueError: boom"

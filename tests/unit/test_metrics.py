@@ -16,10 +16,12 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import statusdoc
 from conftest import REPO
 from gpuguard import cli
 from gpuguard.host.paths import Root
 from gpuguard.reporting.metrics import render, render_file
+from gpuguard.reporting.metrics_file import SPEC
 from gpuguard.reporting.metrics_http import CONTENT_TYPE, listen, make_server
 from gpuguard.reporting.metrics_output import MetricsOutput
 from gpuguard.reporting.metrics_state import (
@@ -29,6 +31,7 @@ from gpuguard.reporting.metrics_state import (
     TEXTFILE_NAME,
     MetricsState,
 )
+from gpuguard.reporting.status import PassRecord, Status
 
 
 def outcome(kind: str, status: str) -> dict[str, Any]:
@@ -52,7 +55,19 @@ DENIED = {
 }
 
 
-def a_pass(number: int = 1) -> tuple[dict[str, Any], dict[str, Any]]:
+def a_pass(number: int = 1) -> tuple[PassRecord, Status]:
+    last, steps = a_pass_doc(number)
+    return typed(last, steps)
+
+
+def typed(last: dict[str, Any], steps: dict[str, Any]) -> tuple[PassRecord, Status]:
+    """The pass and status documents through the status file's own loader."""
+    status = statusdoc.model({"last_pass": last, "steps": steps})
+    assert status.last_pass is not None
+    return status.last_pass, status
+
+
+def a_pass_doc(number: int = 1) -> tuple[dict[str, Any], dict[str, Any]]:
     now = time.time()
     last = {
         "number": number,
@@ -90,7 +105,7 @@ def a_pass(number: int = 1) -> tuple[dict[str, Any], dict[str, Any]]:
             ],
         },
     }
-    return last, {"steps": steps}
+    return last, steps
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -106,7 +121,7 @@ def test_a_pass_becomes_counters_gauges_and_a_histogram() -> None:
     last, status = a_pass()
     m.observe_pass(last, status)
     m.observe_pass(*a_pass(2))
-    s = samples(render(m.to_json()).decode())
+    s = samples(render(m.to_values()).decode())
     assert s[("gpuguard_passes_total", ())] == 2
     assert s[("gpuguard_pass_duration_seconds_count", ())] == 2
     assert s[("gpuguard_pass_duration_seconds_bucket", (("le", "0.05"),))] == 2
@@ -127,7 +142,20 @@ def test_a_pass_becomes_counters_gauges_and_a_histogram() -> None:
         k[0] == "gpuguard_node_condition" and ("condition", "GPUDevicePluginStale") in k[1]
         for k in s
     )
-    assert s[("gpuguard_last_pass_timestamp_seconds", ())] == pytest.approx(last["ended"], abs=5)
+    assert (
+        s[
+            (
+                "gpuguard_node_condition_status",
+                (("condition", "GPUCountMismatch"), ("status", "true")),
+            )
+        ]
+        == 1
+    )
+    key = (("condition", "GPUDevicePluginStale"), ("status", "unknown"))
+    assert s[("gpuguard_node_condition_status", key)] == 1
+    key = (("condition", "GPUDeviceAccessLost"), ("status", "false"))
+    assert s[("gpuguard_node_condition_status", key)] == 1
+    assert s[("gpuguard_last_pass_timestamp_seconds", ())] == pytest.approx(last.ended, abs=5)
     (build,) = [k for k in s if k[0] == "gpuguard_build_info"]
     assert dict(build[1])["version"]
 
@@ -147,7 +175,7 @@ def test_output_writes_the_state_and_the_textfile_and_reports_an_error_once(
     textfile = tmp_path / "textfile" / TEXTFILE_NAME
     doc = json.loads(state.read_bytes())
     assert doc["format"] == 1 and doc["families"]["gpuguard_passes"][0]["value"] == 3.0
-    assert textfile.read_bytes() == render(doc)  # what gpuguard metrics serves, too
+    assert textfile.read_bytes() == render_file(state)  # what gpuguard metrics serves, too
     assert b"gpuguard_passes_total 3.0" in textfile.read_bytes()
     assert [p.name for p in (tmp_path / "textfile").iterdir()] == [TEXTFILE_NAME]  # no temp left
     assert [p.name for p in state.parent.iterdir()] == ["metrics.json"]
@@ -202,14 +230,14 @@ def test_http_renders_the_state_and_says_why_when_it_cannot(tmp_path: Path) -> N
         assert str(path).encode() in body and b"is gpuguard.service running" in body
         state = MetricsState()
         state.observe_pass(*a_pass())
-        path.write_text(json.dumps(state.to_json()))
+        path.write_bytes(SPEC.encode(state.to_values()))
         code, ctype, body = _get(f"{url}/metrics")
         assert (code, ctype) == (200, CONTENT_TYPE)
-        assert body == render(state.to_json())
+        assert body == render(state.to_values())
         assert b"gpuguard_passes_total 1.0" in body
         path.write_text('{"format": 1, "fam')  # corrupt
         code, _, body = _get(f"{url}/metrics")
-        assert code == 503 and body.count(b"\n") == 1 and b"not gpuguard's metrics" in body
+        assert code == 503 and body.count(b"\n") == 1 and b"not a gpuguard metrics state" in body
         with open(path, "r+b") as f:  # oversized
             f.truncate(STATE_MAX + 1)
         code, _, body = _get(f"{url}/metrics")
@@ -241,13 +269,13 @@ def test_cli_metrics_prints_the_rendered_state_or_one_line(
     f.parent.mkdir(parents=True)
     state = MetricsState()
     state.observe_pass(*a_pass())
-    f.write_text(json.dumps(state.to_json()))
+    f.write_bytes(SPEC.encode(state.to_values()))
     assert cli.main(["metrics", "--root", str(tmp_path)]) == 0
-    assert capsys.readouterr().out == render(state.to_json()).decode()
+    assert capsys.readouterr().out == render(state.to_values()).decode()
     f.write_text("[]")
     assert cli.main(["metrics", "--root", str(tmp_path)]) == 3
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "not a JSON object" in err and "Traceback" not in err
+    assert err.count("\n") == 1 and "not an object" in err and "Traceback" not in err
     assert cli.main(["metrics", "--serve", "--root", str(tmp_path)]) == 2
     assert "gpuguard-metrics.socket" in capsys.readouterr().err
 
@@ -279,8 +307,11 @@ from gpuguard.cli import main
 from gpuguard.reporting.metrics_output import MetricsOutput
 from gpuguard.reporting.metrics_state import MetricsState
 from gpuguard.host.paths import Root
+sys.path.insert(0, sys.argv[2])
+import statusdoc
+status = statusdoc.model({"last_pass": {"number": 1}})
 root = Path(sys.argv[1])
-errors = MetricsOutput(MetricsState()).publish({"number": 1}, {}, Root(root), "/textfile")
+errors = MetricsOutput(MetricsState()).publish(status.last_pass, status, Root(root), "/textfile")
 print(*errors, sep="\\n")
 sys.exit(main(["metrics", "--root", str(root)]))
 """
@@ -290,7 +321,7 @@ def test_without_the_library_gpuguard_metrics_says_so_in_one_line(tmp_path: Path
     (tmp_path / "run/gpuguard").mkdir(parents=True)
     (tmp_path / "textfile").mkdir()
     p = subprocess.run(
-        [sys.executable, "-c", MISSING, str(tmp_path)],
+        [sys.executable, "-c", MISSING, str(tmp_path), str(REPO / "tests")],
         capture_output=True,
         text=True,
         env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin"},

@@ -5,7 +5,6 @@ not asserted here."""
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import time
@@ -17,6 +16,7 @@ import pytest
 
 from gpuguard.reporting import metrics_http
 from gpuguard.reporting.metrics import render_file
+from gpuguard.reporting.metrics_file import SPEC
 from gpuguard.reporting.metrics_http import listen, make_server
 from gpuguard.reporting.metrics_state import MetricsState
 from unit.test_metrics import a_pass
@@ -27,7 +27,7 @@ def state_file(tmp_path: Path) -> Path:
     state = MetricsState()
     state.observe_pass(*a_pass())
     path = tmp_path / "metrics.json"
-    path.write_text(json.dumps(state.to_json()))
+    path.write_bytes(SPEC.encode(state.to_values()))
     return path
 
 

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 import time
 from collections import Counter as Tally
-from typing import Any, Mapping
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuguard import __version__
+from gpuguard.host.statefile import SchemaError
 from gpuguard.reporting.metrics import render
+from gpuguard.reporting.metrics_file import SPEC, Histogram, MetricsValues, Series
 from gpuguard.reporting.metrics_state import (
     DENIED_KINDS,
     PASS_BUCKETS,
@@ -23,9 +26,10 @@ from gpuguard.reporting.metrics_state import (
     REPAIR_HISTOGRAM,
     MetricsState,
 )
-from gpuguard.reporting.npd import CONDITIONS, DEFAULT_MAX_AGE, OK, PROBLEM, evaluate
+from gpuguard.reporting.npd import CONDITIONS, DEFAULT_MAX_AGE, OK, PROBLEM, UNKNOWN, evaluate
+from gpuguard.reporting.status import PassRecord, Status
 from gpuguard.steps.registry import CONTAINER_ACCESS, GPU_COUNT
-from unit.test_metrics import DENIED, a_pass, outcome
+from unit.test_metrics import DENIED, a_pass, a_pass_doc, outcome, typed
 
 T0 = 1_700_000_000.25
 
@@ -107,6 +111,14 @@ class Reference:
             ["condition"],
             registry=r,
         )
+        self.condition_status = Gauge(
+            "gpuguard_node_condition_status",
+            "Each node condition's state, as kube-state-metrics shows a node's: 1 for the "
+            "status it has (true: the problem is present, false: it is not, unknown: it "
+            "could not be judged), 0 for the others (the same answer as `gpuguard npd`).",
+            ["condition", "status"],
+            registry=r,
+        )
         # added after the library was dropped: the same Gauges it would have had
         self.disabled = Gauge(
             "gpuguard_disabled",
@@ -129,47 +141,45 @@ class Reference:
         )
         build.labels(__version__, platform.python_version()).set(1)
 
-    def observe_pass(self, last_pass: Mapping[str, Any], status: Mapping[str, Any]) -> None:
-        """Count one pass (the daemon's last_pass document) and refresh the gauges from
-        the status document (each step's latest result)."""
+    def observe_pass(self, last_pass: PassRecord, status: Status) -> None:
+        """Count one pass and refresh the gauges from each step's latest result."""
         self.passes.inc()
-        self.pass_duration.observe(float(last_pass.get("duration_ms", 0.0)) / 1000.0)
-        self.last_pass.set(float(last_pass.get("ended", 0.0)))
-        for f in last_pass.get("findings", ()):
-            self.findings.labels(f["kind"], f["reconciler"]).inc()
-        for o in last_pass.get("outcomes", ()):
-            self.actions.labels(o["kind"], o["status"]).inc()
-            if o["kind"] == "restart-plugin":
-                self.plugin_restarts.labels(o["status"]).inc()
-        steps: Mapping[str, Any] = status.get("steps") or {}
+        self.pass_duration.observe(last_pass.duration_ms / 1000.0)
+        self.last_pass.set(last_pass.ended)
+        for f in last_pass.findings:
+            self.findings.labels(f.kind, f.reconciler).inc()
+        for o in last_pass.outcomes:
+            self.actions.labels(o.kind, o.status).inc()
+            if o.kind == "restart-plugin":
+                self.plugin_restarts.labels(o.status).inc()
+        steps = status.steps
         self.open_findings.clear()
         for name, st in steps.items():
-            for (kind, step), n in Tally((f["kind"], name) for f in st["findings"]).items():
+            for (kind, step), n in Tally((f.kind, name) for f in st.findings).items():
                 self.open_findings.labels(kind, step).set(n)
         access = steps.get(CONTAINER_ACCESS)
-        if access is not None and access.get("pass") == last_pass.get("number"):
-            gauges = access.get("gauges") or {}
-            if "gpu_containers" in gauges:
-                self.gpu_containers.set(gauges["gpu_containers"])
+        if access is not None and access.pass_number == last_pass.number:
+            if "gpu_containers" in access.gauges:
+                self.gpu_containers.set(access.gauges["gpu_containers"])
             denied = {
-                f["fields"].get("CONTAINER_ID")
-                for f in access["findings"]
-                if f["kind"] in DENIED_KINDS
+                f.fields.get("CONTAINER_ID") for f in access.findings if f.kind in DENIED_KINDS
             }
             self.gpu_containers_denied.set(len(denied))
-        counts = (steps.get(GPU_COUNT) or {}).get("gauges") or {}
+        counts = steps[GPU_COUNT].gauges if GPU_COUNT in steps else {}
         for layer in ("pci", "nvml", "kubelet"):
-            if counts.get(f"gpus_{layer}") is not None:
+            if f"gpus_{layer}" in counts:
                 self.gpus.labels(layer).set(counts[f"gpus_{layer}"])
         self.mode.clear()
-        self.mode.labels("observe" if status.get("dry_run") else "repair").set(1)
-        self.disabled.set(1 if status.get("off_switch") else 0)
+        self.mode.labels(status.mode).set(1)
+        self.disabled.set(1 if status.off_switch is not None else 0)
         self.condition.clear()
-        now = float(last_pass.get("ended", 0.0))
+        self.condition_status.clear()
         for c in CONDITIONS:
-            code, _ = evaluate(c, {"steps": steps}, now, DEFAULT_MAX_AGE)
+            code, _ = evaluate(c, steps, last_pass.ended, DEFAULT_MAX_AGE)
             if code in (OK, PROBLEM):
                 self.condition.labels(c.type).set(1 if code == PROBLEM else 0)
+            for want, label in ((PROBLEM, "true"), (OK, "false"), (UNKNOWN, "unknown")):
+                self.condition_status.labels(c.type, label).set(int(code == want))
 
     def exposition(self) -> bytes:
         from prometheus_client import generate_latest
@@ -177,23 +187,23 @@ class Reference:
         return generate_latest(self.registry)
 
 
-def passes() -> list[tuple[dict[str, Any], dict[str, Any]]]:
+def passes() -> list[tuple[PassRecord, Status]]:
     """Passes that use every family: findings and actions, one with label values that
     need escaping, durations in and beyond the buckets, a step gone from the status."""
     first = a_pass(1)
     odd = dict(DENIED, kind='a"b\\c\nd')
-    second_last, second_status = a_pass(2)
+    second_last, second_steps = a_pass_doc(2)
     second_last = {
         **second_last,
         "duration_ms": 75_000.0,
         "findings": [odd],
         "outcomes": [outcome("restart-plugin", "failed"), outcome('x"y', "done")],
     }
-    second_status["steps"]["container_access"]["findings"] = [odd, DENIED]
-    third_last, third_status = a_pass(3)
+    second_steps["container_access"]["findings"] = [odd, DENIED]
+    third_last, third_steps = a_pass_doc(3)
     third_last = {**third_last, "duration_ms": 5.0, "findings": [], "outcomes": []}
-    del third_status["steps"]["gpu_count"]
-    return [first, (second_last, second_status), (third_last, third_status)]
+    del third_steps["gpu_count"]
+    return [first, typed(second_last, second_steps), typed(third_last, third_steps)]
 
 
 @pytest.fixture
@@ -204,14 +214,14 @@ def frozen_time(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.usefixtures("frozen_time")
 def test_the_rendered_text_is_what_the_librarys_own_metrics_gave() -> None:
     reference, state = Reference(), MetricsState(clock=lambda: T0)
-    assert render(state.to_json()) == reference.exposition()  # before any pass
+    assert render(state.to_values()) == reference.exposition()  # before any pass
     for (last, status), repair in zip(passes(), (0.004, 0.3, 7.5)):
         reference.reload_repair.observe(repair)
         state.observe(REPAIR_HISTOGRAM, repair)
         reference.observe_pass(last, status)
         state.observe_pass(last, status)
-        # through the file's JSON, as gpuguard metrics reads it
-        doc = json.loads(json.dumps(state.to_json(), allow_nan=False))
+        # through the file, as gpuguard metrics reads it
+        doc = SPEC.decode(SPEC.encode(state.to_values()))
         assert render(doc) == reference.exposition()
     text = render(doc).decode()
     assert "gpuguard_passes_created 1.70000000025e+09" in text
@@ -226,17 +236,17 @@ def test_the_rendered_text_is_what_the_librarys_own_metrics_gave() -> None:
 @pytest.mark.parametrize(
     ("doc", "reason"),
     [
-        ([], "not a JSON object"),
-        ({"format": 2, "families": {}}, "format 2, this gpuguard reads format 1"),
-        ({"format": 1}, "no families"),
+        ([], "document: not an object"),
+        ({"format": 2, "families": {}}, "format 2, this gpuguard reads version 1"),
+        ({"format": 1}, "document.families: missing"),
         ({"format": 1, "families": {"gpuguard_passes": {}}}, "not a list of series"),
         (
             {"format": 1, "families": {"gpuguard_passes": [{"labels": [], "value": "1"}]}},
-            "gpuguard_passes value is not a number",
+            "value: not a number",
         ),
         (
-            {"format": 1, "families": {"gpuguard_gpus": [{"labels": [], "value": 1}]}},
-            "gpuguard_gpus: labels are not 1 strings",
+            {"format": 1, "families": {"gpuguard_passes": [{"labels": [], "value": 1e400}]}},
+            "out of range",
         ),
         (
             {
@@ -254,8 +264,15 @@ def test_the_rendered_text_is_what_the_librarys_own_metrics_gave() -> None:
 def test_a_document_the_daemon_did_not_write_is_refused_with_the_reason(
     doc: Any, reason: str
 ) -> None:
-    with pytest.raises(ValueError, match=reason.replace("\\", "\\\\")):
-        render(doc)
+    raw = json.dumps(doc).encode().replace(b"Infinity", b"1e400")
+    with pytest.raises(SchemaError, match=re.escape(reason)):
+        SPEC.decode(raw)
+
+
+def test_a_series_that_does_not_fit_its_family_is_refused_with_the_reason() -> None:
+    values = MetricsValues({"gpuguard_gpus": (Series((), 1.0),)})
+    with pytest.raises(ValueError, match="gpuguard_gpus: labels are not 1 strings"):
+        render(values)
 
 
 def test_the_state_keeps_the_buckets_and_the_created_times_it_is_given() -> None:
@@ -266,14 +283,13 @@ def test_the_state_keeps_the_buckets_and_the_created_times_it_is_given() -> None
     state.inc("gpuguard_findings", "k", "s")  # 30
     for seconds in (0.001, 0.005, 0.0051, 61.0):
         state.observe_duration(seconds)
-    families = state.to_json()["families"]
-    assert families["gpuguard_passes"] == [{"labels": [], "value": 0.0, "created": 10.0}]
-    assert families["gpuguard_actions"] == [
-        {"labels": ["cgroup-v1-allow", "done"], "value": 2.0, "created": 20.0}
-    ]
-    assert families["gpuguard_findings"][0]["created"] == 30.0
+    families = state.to_values().families
+    assert families["gpuguard_passes"] == (Series((), 0.0, 10.0),)
+    assert families["gpuguard_actions"] == (Series(("cgroup-v1-allow", "done"), 2.0, 20.0),)
+    assert families["gpuguard_findings"][0].created == 30.0
     (hist,) = families["gpuguard_pass_duration_seconds"]
-    assert hist["bounds"] == list(PASS_BUCKETS)
-    assert hist["counts"] == [2, 1] + [0] * (len(PASS_BUCKETS) - 2) + [1]
+    assert isinstance(hist, Histogram)
+    assert hist.bounds == PASS_BUCKETS
+    assert hist.counts == tuple([2, 1] + [0] * (len(PASS_BUCKETS) - 2) + [1])
     with pytest.raises(ValueError, match="labels"):
         state.inc("gpuguard_actions", "only-one")

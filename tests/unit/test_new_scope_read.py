@@ -124,7 +124,8 @@ def test_durable_grants_off_leaves_new_scopes_to_the_pass() -> None:
     step = ContainerAccessStep()
     step.on_new_scope(Svc(), UNIT, (), asked.append)  # type: ignore[arg-type]
     assert asked == [f"systemd: new container scope {UNIT}"]
-    assert step.scopes.busy() == frozenset() and step.scopes.queue.handled == 0
+    scopes = step.state.scopes
+    assert scopes.busy() == frozenset() and scopes.queue.handled == 0
 
 
 @pytest.mark.parametrize("qos", ["kubepods-besteffort.slice/", ""], ids=["qos", "guaranteed"])

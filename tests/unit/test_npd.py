@@ -58,6 +58,7 @@ def steps(**overrides: dict[str, Any]) -> dict[str, Any]:
         s: {"pass": 3, "ended": now - 5, "error": None, "findings": [], "outcomes": []}
         for s in STEP_OF.values()
     }
+    out["gpu_count"]["gauges"] = {"gpus_pci": 2, "gpus_nvml": 2, "gpus_kubelet": 2}
     for name, st in overrides.items():
         out[name].update(st)
     return out
@@ -94,14 +95,17 @@ def test_each_condition_ok_problem_repaired(tmp_path: Path, name: str) -> None:
     "setup, reason",
     [
         (lambda r: None, "no /run/gpuguard/status.json: gpuguard daemon not running"),
-        (lambda r: write(r, STATUS_FILE, '{"pid": 4242, "steps": {"che'), "half-written"),
+        (lambda r: write(r, STATUS_FILE, '{"pid": 4242, "steps": {"che'), "not JSON"),
         (lambda r: write(r, STATUS_FILE, '"just a string"'), "not a gpuguard status file"),
-        (lambda r: (r / "run/gpuguard/status.json").mkdir(parents=True), "cannot read"),
+        (lambda r: (r / "run/gpuguard/status.json").mkdir(parents=True), "is a directory"),
         (
             lambda r: (status_file(r, steps=steps()), os.rmdir(r / f"proc/{DAEMON_PID}")),
             "pid 4242) is gone",
         ),
-        (lambda r: status_file(r), "no per-step results"),
+        (
+            lambda r: status_file(r, steps=steps(gpu_count={"unknown": ["no GPU inventory"]})),
+            "no GPU inventory",
+        ),
         (lambda r: status_file(r, steps={}), "no gpu_count check has run yet"),
         (
             lambda r: status_file(r, steps=steps(gpu_count={"error": "ValueError: boom"})),

@@ -10,7 +10,7 @@ import io
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Optional
 
 import pytest
 
@@ -23,7 +23,9 @@ from gpuguard.host.notify import Notifier
 from gpuguard.host.offswitch import OFF_SWITCH, read_off_switch
 from gpuguard.host.paths import Root
 from gpuguard.journal.log import EventLog
+from gpuguard.reporting.status import read_status
 from gpuguard.steps.checkpoint.report import simulation
+from gpuguard.steps.events import Event, EventKind
 from unit.test_check_flow import CHECKPOINT, FIXTURE, INVENTORY, tree
 
 
@@ -112,30 +114,51 @@ def test_a_check_while_disabled_is_a_dry_run(
     assert tree(root) == before
 
 
+class Recording:
+    """A step with both fast paths, recording what ran."""
+
+    def __init__(self) -> None:
+        self.ran: list[str] = []
+
+    async def __call__(self, svc: Any, ctx: PassContext) -> None:
+        self.ran.append("step")
+
+    def on_reload(self, svc: Any, signal: float) -> Optional[float]:
+        self.ran.append("reload fast path")
+        return None
+
+    def fast_status(self) -> Mapping[str, object]:
+        return {}
+
+    def on_new_scope(self, svc: Any, unit: str, gpus: Any, again: Any) -> None:
+        self.ran.append("scope fast path")
+
+
 def test_the_daemon_stops_when_it_sees_the_switch(root: Path) -> None:
-    ran: list[str] = []
-
-    async def step(svc: Any, ctx: PassContext) -> None:
-        ran.append("step")
-
+    step = Recording()
+    every = {kind: frozenset({"s"}) for kind in EventKind}
     out = io.StringIO()
     r = Root(root)
     d = Daemon(root=r, config=load_config(r), config_path=None, log=EventLog(stream=out),
                notifier=Notifier(""), inventory_path=None, bus_address="unix:path=/none",
-               steps={"s": step}, step_order=("s",))  # fmt: skip
+               steps={"s": step}, step_order=("s",), wakes=every)  # fmt: skip
     now = time.monotonic()
     asyncio.run(d._run_pass(Work(frozenset({"s"}), ("test",), now, now)))
-    assert ran == ["step"] and not d.dry_run
+    d.on_event(Event(EventKind.SYSTEMD_RELOADED, "reload", urgent=True, at=now))
+    assert step.ran == ["step", "reload fast path"] and not d.dry_run
     (root / OFF_SWITCH.lstrip("/")).write_text("maintenance\n")
     asyncio.run(d._run_pass(Work(frozenset({"s"}), ("test",), now, now)))
-    d.on_reloaded(now)
-    d.on_scope_started("cri-containerd-" + "a" * 64 + ".scope")
-    assert ran == ["step"], "a step ran after the switch was set"
+    d.on_event(Event(EventKind.SYSTEMD_RELOADED, "reload", urgent=True, at=now))
+    scope = "cri-containerd-" + "a" * 64 + ".scope"
+    d.on_event(Event(EventKind.SCOPE_STARTED, "new scope", unit=scope))
+    assert step.ran == ["step", "reload fast path"], "a step ran after the switch was set"
     assert d.dry_run and d.coalescer._stopping
     entries = [json.loads(line) for line in out.getvalue().splitlines()]
     assert [e["kind"] for e in entries].count("gpuguard-disabled") == 1
-    status = json.loads((root / "run/gpuguard/status.json").read_text())
-    assert status["off_switch"]["reason"] == "maintenance"
+    status, why = read_status(r, alive=False)  # the fake root has no /proc
+    assert status is not None, why
+    assert status.off_switch is not None and status.off_switch.reason == "maintenance"
+    assert status.mode == "observe"
 
 
 def test_npd_and_status_never_say_ok_while_disabled(

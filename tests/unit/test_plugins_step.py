@@ -47,8 +47,9 @@ class Ctx:
     outcomes: list[Outcome] = field(default_factory=list)
     followups: list[tuple[float, frozenset[str], str]] = field(default_factory=list)
 
-    def recheck(self, after: float, reconcilers: frozenset[str], why: str) -> None:
-        self.followups.append((after, reconcilers, why))  # as PassContext.recheck
+    def recheck(self, after: float, why: str) -> None:
+        # as PassContext.recheck, for the step it runs (the runner names it)
+        self.followups.append((after, frozenset({"device_plugin"}), why))
 
     def host(self, svc: Any) -> HostSnapshot:
         return HostSnapshot(svc.root, "")  # a fresh read at every call, as a new pass

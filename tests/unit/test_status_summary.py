@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+import statusdoc
 from gpuguard import cli
+from gpuguard.host.statefile import SchemaError
 from gpuguard.reporting.summary import render, summarize
 from unit.doctor_support import status_file
 from unit.test_npd import finding, steps
@@ -20,8 +23,7 @@ def change(kind: str, age: float, status: str = "done") -> dict[str, object]:
 
 
 def test_summary_counts_repairs_of_the_last_hour_only(tmp_path: Path) -> None:
-    status_file(tmp_path, steps=steps())
-    doc = json.loads((tmp_path / "run/gpuguard/status.json").read_text())
+    doc: dict[str, object] = {"steps": steps()}
     doc["recent_changes"] = [
         change("cgroup-v1-allow", 60),
         change("cgroup-v1-allow", 120),
@@ -29,7 +31,7 @@ def test_summary_counts_repairs_of_the_last_hour_only(tmp_path: Path) -> None:
         change("plugin-restarted", 4000),
         change("restart-plugin", 10, status="declined"),
     ]
-    s = summarize(doc, "", [])
+    s = summarize(statusdoc.model(doc), "", [])
     assert s["verdict"] == "ok" and s["repairs_last_hour"] == 3
     assert s["repairs_by_kind"] == {"cgroup-v1-allow": 2, "unit-device-allow": 1}
     text = "\n".join(render(s))
@@ -46,10 +48,10 @@ def test_problem_and_unknown_verdicts() -> None:
             "number": 7,
             "ended": now - 3,
             "reasons": ["periodic audit"],
-            "findings": [1],
+            "findings": [finding("gpu-count-mismatch")],
         },
     }
-    s = summarize(doc, "", [], now=now)
+    s = summarize(statusdoc.model(doc), "", [], now=now)
     assert s["verdict"] == "problem" and s["problems"] == ["GPUCountMismatch: lost 1"]
     assert "last pass:  3s ago (pass 7: periodic audit), 1 finding(s)" in render(s)
     s = summarize(None, "no /run/gpuguard/status.json: gpuguard daemon not running", [])
@@ -73,15 +75,20 @@ def test_cli_status_prints_the_summary_first(
 
 
 def test_the_last_reload_repair_is_summarised() -> None:
-    doc = {
+    doc: dict[str, Any] = {
         "pid": 1,
         "steps": steps(),
         "fast_paths": {
             "reload": {"signal": 100.0, "restored": 100.0554, "containers": 200, "checked": 200}
         },
-        "reload_signal": {"last_via": "private-socket"},
+        "reload_signal": {
+            "last_via": "private-socket",
+            "private_socket": True,
+            "reloads": 1,
+            "received": {},
+        },
     }
-    s = summarize(doc, "", [])
+    s = summarize(statusdoc.model(doc), "", [])
     want = {"containers": 200, "checked": 200, "repair_ms": 55.4, "via": "private-socket"}
     assert s["last_reload"] == want
     assert (
@@ -90,12 +97,15 @@ def test_the_last_reload_repair_is_summarised() -> None:
     ) in render(s)
     doc["fast_paths"] = {"reload": {"signal": 1.0, "restored": None, "containers": 0, "checked": 3}}
     assert "last reload: none of 3 known GPU container(s) had lost a device" in "\n".join(
-        render(summarize(doc, "", []))
+        render(summarize(statusdoc.model(doc), "", []))
     )
     doc["fast_paths"] = {"reload": {"signal": 1.0, "restored": None, "containers": 2, "checked": 3}}
     assert "2 re-grant(s) tried on the signal, none read back done" in "\n".join(
-        render(summarize(doc, "", []))
+        render(summarize(statusdoc.model(doc), "", []))
     )
-    for broken in ({}, {"reload": "x"}, {"reload": {"signal": "soon"}}, "x"):
+    doc["fast_paths"] = {}
+    assert summarize(statusdoc.model(doc), "", [])["last_reload"] is None
+    for broken in ({"reload": "x"}, {"reload": {"signal": "soon"}}, "x"):
         doc["fast_paths"] = broken
-        assert summarize(doc, "", [])["last_reload"] is None
+        with pytest.raises(SchemaError):  # the loader refuses the file: status unknown
+            statusdoc.model(doc)

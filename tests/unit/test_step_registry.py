@@ -5,21 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional, Sequence
 
 import pytest
 
 from gpuguard.config import load_config
+from gpuguard.devices.nodes import GpuLike
 from gpuguard.engine.daemon import Daemon
 from gpuguard.engine.passes import PassContext, Services, Work
 from gpuguard.host.notify import Notifier
 from gpuguard.host.paths import Root
 from gpuguard.journal.log import EventLog
-from gpuguard.sources import systemd as systemd_source
-from gpuguard.sources import udev as udev_source
 from gpuguard.steps import registry
+from gpuguard.steps.events import Event, EventKind
 from gpuguard.steps.registry import STEP_ORDER, StepSpec, UnknownStepError, build_steps
 
 RAN: list[str] = []
@@ -78,7 +79,7 @@ def test_a_new_step_is_one_line_and_runs_in_its_place(tmp_path: Path) -> None:
     run_pass(d, frozenset(s.name for s in WITH_DUMMY))
     assert RAN == ["container_access", "device_nodes", "checkpoint", "dummy",
                    "device_plugin", "gpu_count"]  # fmt: skip
-    assert d.ledger.to_json()["steps"].keys() >= {"dummy"}
+    assert d.ledger.steps.keys() >= {"dummy"}
     RAN.clear()
     run_pass(d, frozenset({"gpu_count", "dummy"}))  # only the marked ones, still in order
     assert RAN == ["dummy", "gpu_count"]
@@ -121,17 +122,121 @@ def test_a_name_given_twice_is_refused() -> None:
         build_steps(SPECS + SPECS[:1])
 
 
-def test_sources_mark_only_registered_steps() -> None:
-    marked = {
-        *systemd_source.ALL,
-        *systemd_source.ON_RUNTIME_START,
-        *systemd_source.ON_KUBELET_START,
-        *systemd_source.ON_SCOPE_NEW,
-        *udev_source.ALL_RECONCILERS,
-        *udev_source.MODULE_RECONCILERS,
-    }
-    assert marked <= registry.ALL_STEPS
-    assert systemd_source.ALL == udev_source.ALL_RECONCILERS == frozenset(STEP_ORDER)
+def test_every_event_kind_wakes_a_declared_step() -> None:
+    for kind in EventKind:
+        woken = registry.woken_by(kind)
+        assert woken, f"{kind} wakes no step: declare it in a StepSpec's wakes"
+        assert woken <= registry.ALL_STEPS
+
+
+def _kinds_named_in(paths: list[Path]) -> set[str]:
+    """Every EventKind.X an emitter names (sources, and steps that announce)."""
+    import ast
+
+    found = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "EventKind"
+            ):
+                found.add(node.attr)
+    return found
+
+
+def test_every_event_a_source_or_step_emits_is_declared_and_wakes_a_step() -> None:
+    src = Path(registry.__file__).resolve().parents[1]
+    emitters = [*sorted((src / "sources").glob("*.py")), *sorted((src / "steps").rglob("*.py"))]
+    emitters += [src / "engine/daemon.py"]
+    named = _kinds_named_in([p for p in emitters if p.name not in ("events.py", "registry.py")])
+    assert {"SYSTEMD_RELOADED", "SCOPE_STARTED", "NVIDIA_MODULE", "AUDIT"} <= named
+    for name in named:
+        assert registry.woken_by(EventKind[name]), name
+
+
+def test_each_event_wakes_the_steps_it_always_did() -> None:
+    """The table sources used to hold, now the registry's declarations."""
+    every = frozenset(STEP_ORDER)
+    assert registry.woken_by(EventKind.SYSTEMD_RELOADED) == every
+    for kind in registry.EVERY_CHANGE:
+        assert registry.woken_by(kind) == every, kind
+    assert registry.woken_by(EventKind.NVIDIA_MODULE) == {
+        "device_nodes", "container_access", "device_plugin", "gpu_count"}  # fmt: skip
+    assert registry.woken_by(EventKind.RUNTIME_STARTED) == {"container_access", "device_plugin"}
+    assert registry.woken_by(EventKind.KUBELET_STARTED) == {
+        "checkpoint", "container_access", "device_plugin"}  # fmt: skip
+    for kind in (EventKind.SCOPE_STARTED, EventKind.SCOPE_DEVICES_SET,
+                 EventKind.DEVICE_LINKS_CREATED):  # fmt: skip
+        assert registry.woken_by(kind) == {"container_access"}, kind
+
+
+def test_sources_import_no_step_name() -> None:
+    """A source emits events; which steps they wake is the registry's to say."""
+    import ast
+
+    src = Path(registry.__file__).resolve().parents[1]
+    for path in sorted((src / "sources").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert node.module != "gpuguard.steps.registry", path.name
+
+
+class FastStep(Recorder):
+    """A step with both fast paths, noting each call."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.calls: list[str] = []
+
+    def on_reload(self, svc: Services, signal: float) -> Optional[float]:
+        self.calls.append(f"reload {signal}")
+        return signal + 0.5
+
+    def fast_status(self) -> dict[str, object]:
+        return {"new_scopes": {"calls": len(self.calls)}}
+
+    def on_new_scope(
+        self, svc: Services, unit: str, gpus: Sequence[GpuLike], again: Callable[[str], None]
+    ) -> None:
+        self.calls.append(f"scope {unit}")
+        again(f"done with {unit}")
+
+
+def test_the_daemon_runs_the_fast_paths_its_steps_declare_then_marks(tmp_path: Path) -> None:
+    d = daemon(tmp_path, SPECS)
+    fast = FastStep("container_access")
+    assert isinstance(fast, registry.ReloadFastPath) and isinstance(fast, registry.ScopeFastPath)
+    d.steps["container_access"] = fast
+    d.runner.steps["container_access"] = fast
+    marks: list[tuple[frozenset[str], bool]] = []
+    d.coalescer.mark = lambda names, why, urgent: marks.append((names, urgent))  # type: ignore[method-assign]
+    d.on_event(Event(EventKind.SYSTEMD_RELOADED, "systemd: reload", True, at=7.0))
+    assert fast.calls == ["reload 7.0"] and marks == [(frozenset(STEP_ORDER), True)]
+    marks.clear()
+    # A new scope: the step with the fast path takes it and asks for its pass itself.
+    d.on_event(Event(EventKind.SCOPE_STARTED, "systemd: new scope s", unit="s.scope"))
+    assert fast.calls[-1] == "scope s.scope"
+    assert marks == [(frozenset({"container_access"}), False)]
+    d._write_status()  # the fast paths' figures go to the status file
+    doc = json.loads(d.root.path("/run/gpuguard/status.json").read_text())
+    assert doc["fast_paths"] == {"new_scopes": {"calls": 2}}
+
+
+def test_the_container_access_step_declares_both_fast_paths_by_their_protocols() -> None:
+    from gpuguard.steps.container_access import ContainerAccessStep
+
+    step = ContainerAccessStep()
+    assert isinstance(step, registry.ReloadFastPath) and isinstance(step, registry.ScopeFastPath)
+    assert not isinstance(Recorder("x"), registry.ReloadFastPath)
+
+
+def test_a_woken_step_without_a_fast_path_is_marked_at_once(tmp_path: Path) -> None:
+    d = daemon(tmp_path, SPECS)
+    marks: list[frozenset[str]] = []
+    d.coalescer.mark = lambda names, why, urgent: marks.append(names)  # type: ignore[method-assign]
+    d.on_event(Event(EventKind.SCOPE_STARTED, "systemd: new scope s", unit="s.scope"))
+    assert marks == [frozenset({"container_access"})]
 
 
 def test_check_runs_the_daemon_order_with_the_checkpoint_last() -> None:

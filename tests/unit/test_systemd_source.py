@@ -10,17 +10,27 @@ from dbus_next import Message, MessageType, Variant
 
 from gpuguard.host.systemd import MANAGER, PROPS, UNIT
 from gpuguard.journal.log import EventLog
-from gpuguard.sources.systemd import ALL, SystemdSource, unit_object_path
+from gpuguard.sources.systemd import SystemdSource, unit_object_path
+from gpuguard.steps.events import Event, EventKind
+from gpuguard.steps.registry import ALL_STEPS, woken_by
+
+ALL = ALL_STEPS
 
 
 class Recorder:
+    """The source's events, and the marks the registry makes of them."""
+
     def __init__(self) -> None:
-        self.marks: list[tuple[frozenset[str], str, bool]] = []
+        self.events: list[Event] = []
         self.holds: list[bool] = []
         self.now = 100.0
 
-    def mark(self, r: frozenset[str], why: str, urgent: bool) -> None:
-        self.marks.append((r, why, urgent))
+    def mark(self, e: Event) -> None:
+        self.events.append(e)
+
+    @property
+    def marks(self) -> list[tuple[frozenset[str], str, bool]]:
+        return [(woken_by(e.kind), e.why, e.urgent) for e in self.events]
 
 
 def _source(private: Any = None) -> tuple[SystemdSource, Recorder]:
@@ -148,8 +158,9 @@ def _job_removed(unit: str, result: str = "done") -> Message:
     return _sig("JobRemoved", [7, "/org/freedesktop/systemd1/job/7", unit, result], sig="uoss")
 
 
-def test_new_container_scope_marks_container_access() -> None:
-    """Without a fast path to announce it to, a scope's job end marks the step."""
+def test_new_container_scope_wakes_container_access() -> None:
+    """A scope's job end is a SCOPE_STARTED naming the unit; the registry wakes the
+    container access step on it."""
     src, rec = _source()
     src._handle(_job_removed("cri-containerd-" + "a" * 64 + ".scope"))
     src._handle(_job_removed("session-3.scope"))
@@ -161,28 +172,22 @@ def test_new_container_scope_marks_container_access() -> None:
             False,
         )
     ]
+    assert rec.events[0].unit == "cri-containerd-" + "a" * 64 + ".scope"
 
 
-def test_new_container_scope_is_announced_not_marked() -> None:
-    """With the daemon's fast path connected, the scope goes there (which asks for the
-    backstop pass itself); a reload's end is announced before the urgent mark."""
-    rec = Recorder()
-    order: list[str] = []
-    src = SystemdSource(
-        lambda: None,  # type: ignore[arg-type,return-value]
-        lambda r, why, urgent: order.append("mark"),
-        rec.holds.append,
-        EventLog(level="error"),
-        clock=lambda: rec.now,
-        reloaded=lambda when: order.append(f"reloaded {when}"),
-        scope_started=lambda unit: order.append(f"scope {unit}"),
-    )
+def test_a_scope_and_a_reloads_end_carry_what_the_fast_paths_need() -> None:
+    """The scope's unit, and when the reload's end arrived (the daemon runs the reload
+    fast paths on it before it marks the pass: test_step_registry.py)."""
+    src, rec = _source()
     unit = "cri-containerd-" + "a" * 64 + ".scope"
     src._handle(_job_removed(unit))
     src._handle(_sig("Reloading", [True], sig="b"))
     src._handle(_job_removed(unit))  # inside a reload: units in flux, not a start
     src._handle(_sig("Reloading", [False], sig="b"))
-    assert order == [f"scope {unit}", "reloaded 100.0", "mark"]
+    assert [(e.kind, e.unit, e.at) for e in rec.events] == [
+        (EventKind.SCOPE_STARTED, unit, 0.0),
+        (EventKind.SYSTEMD_RELOADED, "", 100.0),
+    ]
 
 
 def test_unit_new_is_not_listened_to() -> None:
@@ -285,7 +290,7 @@ def test_a_bug_in_the_private_watch_ends_the_source() -> None:
 
     src = SystemdSource(
         NoBus,  # type: ignore[arg-type]
-        lambda r, why, urgent: None,
+        lambda e: None,
         lambda held: None,
         EventLog(level="error"),
         private=Crashing,

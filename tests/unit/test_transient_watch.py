@@ -8,7 +8,8 @@ import os
 from pathlib import Path
 
 from gpuguard.sources.transient import TransientWatch, make_transient_watch
-from gpuguard.steps.registry import CONTAINER_ACCESS
+from gpuguard.steps.events import Event, EventKind
+from gpuguard.steps.registry import CONTAINER_ACCESS, woken_by
 
 SCOPE = "cri-containerd-" + "ab" * 32 + ".scope"
 
@@ -32,9 +33,10 @@ def run(run_systemd: Path, actions) -> tuple[list[str], TransientWatch]:
     async def main() -> TransientWatch:
         loop = asyncio.get_running_loop()
 
-        def mark(names: frozenset[str], why: str, urgent: bool) -> None:
-            assert names == frozenset({CONTAINER_ACCESS}) and not urgent
-            marks.append(why)
+        def mark(e: Event) -> None:
+            assert e.kind is EventKind.SCOPE_DEVICES_SET and not e.urgent
+            assert woken_by(e.kind) == frozenset({CONTAINER_ACCESS})
+            marks.append(e.why)
 
         w = make_transient_watch(loop, mark, str(run_systemd))
         assert w is not None

@@ -10,14 +10,11 @@ from typing import Any
 import pytest
 
 from gpuguard.sources import udev
-from gpuguard.sources.udev import (
-    ALL_RECONCILERS,
-    MODULE_RECONCILERS,
-    UdevSource,
-    choose_source,
-    classify,
-    is_urgent,
-)
+from gpuguard.sources.udev import UdevSource, choose_source, classify, is_urgent
+from gpuguard.steps.events import Event, EventKind
+
+MODULE = EventKind.NVIDIA_MODULE
+PCI = EventKind.NVIDIA_PCI
 
 NV_PCI = {
     "SUBSYSTEM": "pci",
@@ -40,41 +37,41 @@ def pci(action: str, **override: str) -> dict[str, str]:
 
 CASES: list[tuple[str, dict[str, str], frozenset[str] | None, str | None]] = [
     # (id, props, reconcilers or None for ignored, expected why)
-    ("nvidia add", module("nvidia", "add"), MODULE_RECONCILERS, "udev: module nvidia add"),
-    ("uvm add", module("nvidia_uvm", "add"), MODULE_RECONCILERS, "udev: module nvidia_uvm add"),
-    ("modeset rm", module("nvidia_modeset", "remove"), MODULE_RECONCILERS, None),
-    ("drm add", module("nvidia_drm", "add"), MODULE_RECONCILERS, None),
+    ("nvidia add", module("nvidia", "add"), MODULE, "udev: module nvidia add"),
+    ("uvm add", module("nvidia_uvm", "add"), MODULE, "udev: module nvidia_uvm add"),
+    ("modeset rm", module("nvidia_modeset", "remove"), MODULE, None),
+    ("drm add", module("nvidia_drm", "add"), MODULE, None),
     # udevadm trigger --action=change replays modules too: a cheap re-check.
-    ("nvidia change", module("nvidia", "change"), MODULE_RECONCILERS, None),
+    ("nvidia change", module("nvidia", "change"), MODULE, None),
     # As seen after rules: extra properties do not matter.
     (
         "nvidia add tagged",
         module("nvidia", "add", TAGS=":gpuguard:systemd:", GPUGUARD_KIND="module"),
-        MODULE_RECONCILERS,
+        MODULE,
         None,
     ),
     ("other module", module("nvme", "add"), None, None),
     ("prefix is not a match", module("nvidia_peermem", "add"), None, None),
     ("suffix is not a match", module("xnvidia", "add"), None, None),
     ("module bind ignored", module("nvidia", "bind"), None, None),
-    ("pci add", pci("add"), ALL_RECONCILERS, "udev: pci 0000:3b:00.0 (10DE:2330) add"),
-    ("pci remove", pci("remove"), ALL_RECONCILERS, "udev: pci 0000:3b:00.0 (10DE:2330) remove"),
+    ("pci add", pci("add"), PCI, "udev: pci 0000:3b:00.0 (10DE:2330) add"),
+    ("pci remove", pci("remove"), PCI, "udev: pci 0000:3b:00.0 (10DE:2330) remove"),
     (
         "pci bind",
         pci("bind", DRIVER="nvidia"),
-        ALL_RECONCILERS,
+        PCI,
         "udev: pci 0000:3b:00.0 (10DE:2330) bind driver=nvidia",
     ),
-    ("pci unbind", pci("unbind"), ALL_RECONCILERS, None),
+    ("pci unbind", pci("unbind"), PCI, None),
     (
         "pci AER recovery",
         pci("change", ERROR_EVENT="SUCCESSFUL_RECOVERY", DEVICE_ONLINE="1"),
-        ALL_RECONCILERS,
+        PCI,
         "udev: pci 0000:3b:00.0 (10DE:2330) change ERROR_EVENT=SUCCESSFUL_RECOVERY",
     ),
-    ("lower-case PCI_ID", pci("add", PCI_ID="10de:2330"), ALL_RECONCILERS, None),
+    ("lower-case PCI_ID", pci("add", PCI_ID="10de:2330"), PCI, None),
     # MODALIAS fallback when PCI_ID is missing.
-    ("modalias only", pci("remove", PCI_ID=""), ALL_RECONCILERS, None),
+    ("modalias only", pci("remove", PCI_ID=""), PCI, None),
     ("intel pci", pci("add", PCI_ID="8086:0D57", MODALIAS="pci:v00008086d00000D57"), None, None),
     ("virtio pci", pci("bind", PCI_ID="1AF4:1041", MODALIAS=""), None, None),
     ("vendor as device id", pci("add", PCI_ID="1AF4:10DE", MODALIAS=""), None, None),
@@ -91,7 +88,7 @@ CASES: list[tuple[str, dict[str, str], frozenset[str] | None, str | None]] = [
 @pytest.mark.parametrize(
     ("props", "names", "why"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
 )
-def test_classify(props: dict[str, str], names: frozenset[str] | None, why: str | None) -> None:
+def test_classify(props: dict[str, str], names: EventKind | None, why: str | None) -> None:
     result = classify(props)
     if names is None:
         assert result is None
@@ -180,13 +177,15 @@ class FakeMonitor:
         return item
 
 
-def drain(script: list[Any]) -> tuple[list[tuple[frozenset[str], str, bool]], FakeMonitor]:
-    marks: list[tuple[frozenset[str], str, bool]] = []
+def drain(script: list[Any]) -> tuple[list[tuple[EventKind, str, bool]], FakeMonitor]:
+    marks: list[tuple[EventKind, str, bool]] = []
     loop = asyncio.new_event_loop()
+
+    def emit(e: Event) -> None:
+        marks.append((e.kind, e.why, e.urgent))
+
     try:
-        src = UdevSource(
-            loop, lambda n, w, u: marks.append((n, w, u)), log=logging.getLogger("t.udev")
-        )
+        src = UdevSource(loop, emit, log=logging.getLogger("t.udev"))
         monitor = FakeMonitor(script)
         src._monitor = monitor  # the drain loop, without libudev
         src._on_readable()
@@ -200,7 +199,7 @@ def test_burst_is_drained_in_one_wakeup() -> None:
     script += [FakeDevice(pci("bind"))] * 8
     marks, monitor = drain(script)
     assert len(marks) == 9
-    assert marks[0] == (MODULE_RECONCILERS, "udev: module nvidia add", True)
+    assert marks[0] == (MODULE, "udev: module nvidia add", True)
     assert monitor.polls == 11  # ten events, then the empty poll that ends the drain
 
 
@@ -213,13 +212,14 @@ def test_garbled_events_are_skipped_not_raised(caplog: pytest.LogCaptureFixture)
     ]
     with caplog.at_level(logging.WARNING):
         marks, _ = drain(script)
-    assert marks == [(MODULE_RECONCILERS, "udev: module nvidia_uvm add", True)]
+    assert marks == [(MODULE, "udev: module nvidia_uvm add", True)]
     assert caplog.text.count("skipping") == 3
 
 
 def test_overflow_marks_everything() -> None:
     marks, _ = drain([OSError(errno.ENOBUFS, "No buffer space available")])
-    assert marks == [(ALL_RECONCILERS, "udev: monitor overflowed, events lost", True)]
+    lost = EventKind.UDEV_EVENTS_LOST
+    assert marks == [(lost, "udev: monitor overflowed, events lost", True)]
 
 
 def test_flood_is_bounded_per_wakeup() -> None:

@@ -1,21 +1,36 @@
 """Which v2 scopes get a bridge before their DeviceAllow= (steps/container_access/
-bridgeplan.py plan_bridges), as tables: only a v2 container in a systemd scope, only for
-entitled nodes its cgroup denies (never an unknown verdict, never another node), never
-while the in-place back-off holds its cgroup; the DeviceAllow= that follows names the
-same nodes. And a fast view's denial that systemd's own program makes is no longer
-waved through as "mid-apply" on v2 (the step's _settled)."""
+bridgeplan.py plan_bridges), as tables: only a v2 container in a systemd scope (the
+v2 layout is given only its own containers: cgroups.py), only for entitled nodes its
+cgroup denies (never an unknown verdict, never another node), never while the in-place
+back-off holds its cgroup; the DeviceAllow= that follows names the same nodes. And a
+fast view's denial that systemd's own program makes is no longer waved through as
+"mid-apply" on v2 (fastpaths.settled)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from gpuguard.steps.container_access import ContainerAccessStep
-from gpuguard.steps.container_access.bridgeplan import ACTION_ATTACH, plan_bridges
-from gpuguard.steps.container_access.inplace import BASE, Backoff
+from gpuguard.steps.container_access.bridgeplan import ACTION_ATTACH, BridgeAttach
+from gpuguard.steps.container_access.bridgeplan import plan_bridges as plan
+from gpuguard.steps.container_access.cgroups import Cgroups
+from gpuguard.steps.container_access.fastpaths import settled
+from gpuguard.steps.container_access.inplace import BASE, Backoff, Failure
 from gpuguard.steps.container_access.observe import AccessView
+from gpuguard.steps.container_access.reconcile import UnitDeviceAllow
 from unit.test_devices_audit import CID, CTL, GPU0, GPU1, UVM, UVMT, _container, _ent
 
 GIVEN = (GPU0, CTL, UVM, UVMT)
+LAYOUTS = Cgroups()
+
+
+def plan_bridges(
+    view: AccessView, failures: dict[str, Failure], now: float
+) -> tuple[tuple[BridgeAttach, UnitDeviceAllow], ...]:
+    """The v2 layout's bridges, for the containers of `view` it serves."""
+    v2 = LAYOUTS.v2
+    mine = tuple(c for c in view.containers if LAYOUTS.of(c) is v2)
+    return plan(dataclasses.replace(view, containers=mine), failures, now, v2.program_dir)
 
 
 def _view(access: dict[str, object], *, v1: bool = False, unit: bool = True) -> AccessView:
@@ -71,10 +86,10 @@ def test_a_failed_bridge_is_tried_again_once_the_cgroups_programs_change() -> No
 
 
 def test_a_denial_systemds_own_program_makes_is_not_taken_for_mid_apply() -> None:
-    step = ContainerAccessStep()
+    s = ContainerAccessStep().state
     view = _view({GPU0.numbers: False})
     unit = str(view.containers[0].unit)
-    step.durable[unit] = {GPU0.numbers}  # gpuguard believes the scope covers it
-    assert step._settled(view).access[(CID, GPU0.numbers)] is None  # waits for the pass
+    s.durable[unit] = {GPU0.numbers}  # gpuguard believes the scope covers it
+    assert settled(s, view).access[(CID, GPU0.numbers)] is None  # waits for the pass
     own = dataclasses.replace(view, systemd_denies=frozenset({(CID, GPU0.numbers)}))
-    assert step._settled(own).access[(CID, GPU0.numbers)] is False  # lost: bridged now
+    assert settled(s, own).access[(CID, GPU0.numbers)] is False  # lost: bridged now

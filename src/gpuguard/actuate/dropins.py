@@ -62,7 +62,7 @@ class DropInError(Exception):
 
 def dropin_path(unit: str) -> str:
     """The host path of `unit`'s drop-in; only a container scope's name is a path part."""
-    if not ANY_CONTAINER_SCOPE.match(unit):
+    if not ANY_CONTAINER_SCOPE.fullmatch(unit):
         raise DropInError(f"{unit!r} is not a container scope; no drop-in is written for it")
     return f"{DROPIN_DIR}/{unit}.d/{DROPIN_NAME}"
 

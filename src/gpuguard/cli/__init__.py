@@ -17,6 +17,7 @@ from gpuguard.cli.daemon import cmd_daemon
 from gpuguard.cli.status import cmd_status
 from gpuguard.cli.switch import cmd_disable, cmd_enable
 from gpuguard.errors import GpuguardError
+from gpuguard.host.echo import cut
 
 __all__ = ["COMMANDS", "_log", "build_parser", "main"]
 
@@ -83,6 +84,17 @@ def _common() -> _CommandParser:
     return p
 
 
+def _deadline(text: str) -> float:
+    """--deadline: seconds, 0.1 to 3600."""
+    try:
+        value = float(text) if len(text) <= 16 and text.isascii() else -1.0
+    except ValueError:
+        value = -1.0
+    if not 0.1 <= value <= 3600:  # NaN fails this too
+        raise argparse.ArgumentTypeError("expected seconds between 0.1 and 3600")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = _common()
     parser = argparse.ArgumentParser(
@@ -115,6 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--kubelet-stopped",
         action="store_true",
         help="we run as kubelet's ExecStartPre= hook: repair in place, never restart kubelet",
+    )
+    c.add_argument(
+        "--deadline",
+        type=_deadline,
+        default=None,
+        metavar="SECONDS",
+        help="with --kubelet-stopped: give up after this long (default 10), so kubelet "
+        "starts whatever is on disk",
     )
     c.add_argument(
         "--no-restart", action="store_true", help="never restart or stop kubelet; report instead"
@@ -315,6 +335,7 @@ COMMANDS = {
 # The .deb/.rpm ship nvidia-ml-py (and dbus-next where the distribution lacks it) here.
 # Appended, not inserted: a distribution package of the same module wins.
 VENDOR_DIR = "/usr/lib/gpuguard/vendor"
+ERROR_MAX = 500  # characters of the one error line
 
 
 def _debug_wanted(args: Optional[argparse.Namespace]) -> bool:
@@ -359,7 +380,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             name = f"checkpoint-{args.checkpoint_command}"
         return COMMANDS[name](args)
     except GpuguardError as e:
-        print(f"gpuguard: {e.message}", file=sys.stderr)
+        # one line of a few hundred bytes, whatever the error echoes (host/echo.py)
+        print(f"gpuguard: {cut(e.message, ERROR_MAX)}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         return 130

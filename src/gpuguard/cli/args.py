@@ -5,14 +5,22 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:  # imported where used: each command loads only what it needs
+    from gpuguard.config import Config
+    from gpuguard.host.paths import Root
+    from gpuguard.journal.log import EventLog
 
 
 def _opt(args: argparse.Namespace, name: str, default: Any = None) -> Any:
+    """An option's value (argparse's namespace is untyped; callers know its type)."""
     return getattr(args, name, default)
 
 
-def _log(args: argparse.Namespace, cfg: Any = None, root: Any = None) -> Any:
+def _log(
+    args: argparse.Namespace, cfg: Optional[Config] = None, root: Optional[Root] = None
+) -> EventLog:
     from gpuguard.journal.log import EventLog
 
     default = cfg.daemon.log_level if cfg is not None else "info"
@@ -27,7 +35,7 @@ def _log(args: argparse.Namespace, cfg: Any = None, root: Any = None) -> Any:
     return log
 
 
-def _root(args: argparse.Namespace) -> Any:
+def _root(args: argparse.Namespace) -> Root:
     from gpuguard.host.paths import Root
 
     # abspath, not resolve(): /proc/<pid>/root (another mount namespace's root) is a
@@ -35,13 +43,13 @@ def _root(args: argparse.Namespace) -> Any:
     return Root(Path(os.path.abspath(_opt(args, "root", "/"))))
 
 
-def _config(args: argparse.Namespace, root: Any) -> Any:
+def _config(args: argparse.Namespace, root: Root) -> Config:
     from gpuguard.config import load_config
 
     return load_config(root, path=_opt(args, "config"))
 
 
-def _inventory_path(args: argparse.Namespace, cfg: Any) -> Optional[Path]:
+def _inventory_path(args: argparse.Namespace, cfg: Config) -> Optional[Path]:
     explicit = _opt(args, "inventory")
     if explicit is not None:
         return Path(explicit)

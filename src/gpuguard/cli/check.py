@@ -4,11 +4,24 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 from gpuguard import exitcodes
 from gpuguard.cli.args import _config, _inventory_path, _log, _opt, _root
 from gpuguard.errors import GpuguardError
+
+if TYPE_CHECKING:  # loaded where used: a healthy kubelet hook stays fast
+    from gpuguard.config import Config
+    from gpuguard.engine.runner import StepResult
+    from gpuguard.engine.snapshot import HostSnapshot
+    from gpuguard.host.inventory import Inventory
+    from gpuguard.host.offswitch import OffSwitch
+    from gpuguard.host.paths import Root
+    from gpuguard.journal.log import EventLog
+    from gpuguard.model import Finding, Outcome
+    from gpuguard.steps.checkpoint.kubelet_hook import HookRun
+    from gpuguard.steps.checkpoint.memo import MemoKey
+    from gpuguard.steps.checkpoint.report import CheckReport
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -20,17 +33,21 @@ def cmd_check(args: argparse.Namespace) -> int:
         return _disabled(args, root, off)
     if not args.kubelet_stopped:
         return _check(args, root, None)
-    from gpuguard.steps.checkpoint.kubelet_hook import FAILED, HookRun
+    from gpuguard.steps.checkpoint.kubelet_hook import DEADLINE, FAILED, HookRun
 
     hook = HookRun(root)
+    # kubelet waits for this hook: whatever is on disk, it ends within the deadline
+    hook.arm(args.deadline or DEADLINE, getattr(args, "on_deadline", None))
     try:
         return _check(args, root, hook)
     except GpuguardError as e:
         hook.finish(FAILED, e.message, e.exit_code)
         raise
+    finally:
+        hook.disarm()
 
 
-def _disabled(args: argparse.Namespace, root: Any, off: Any) -> int:
+def _disabled(args: argparse.Namespace, root: Root, off: OffSwitch) -> int:
     """The off switch is set: kubelet's pre-start hook checks nothing and writes nothing
     (no result file either); a person's `gpuguard check` runs as a dry run."""
     log = _log(args, None, root)
@@ -53,14 +70,14 @@ def _disabled(args: argparse.Namespace, root: Any, off: Any) -> int:
     return _check(args, root, None)
 
 
-def _simulation(args: argparse.Namespace, cfg: Any, inventory: Any) -> str:
+def _simulation(args: argparse.Namespace, cfg: Config, inventory: Inventory) -> str:
     from gpuguard.steps.checkpoint.report import simulation
 
     cli = _opt(args, "inventory") is not None
     return simulation(inventory.source, cli, cfg.inventory, allow=args.allow_kubelet_restart)
 
 
-def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
+def _check(args: argparse.Namespace, root: Root, hook: Optional[HookRun]) -> int:
     from gpuguard.errors import NoDriverError
     from gpuguard.host.inventory import load_inventory
 
@@ -69,6 +86,7 @@ def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
     # kubelet's pre-start hook with a healthy, unchanged checkpoint says nothing to the
     # journal: the event log (and its imports) only when something may be said.
     fast = hook is not None and args.only == "checkpoint" and not cfg.warnings
+    fast = fast and hook is not None and not hook.unusable
     log = None if fast else _log(args, cfg, root)
     if hook is not None:
         hook.start(root.path(k.checkpoint_path))
@@ -79,19 +97,21 @@ def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
             raise
         return int(hook.skipped(log or _log(args, cfg, root), e.message))
     memo_key = None
-    if fast:
+    if fast and hook is not None:
         # kubelet's pre-start hook: unchanged since the last verified healthy state?
         from gpuguard.steps.checkpoint import memo
 
         read = memo.checkpoint_sha256(root.path(k.checkpoint_path))
         if read is not None:
             memo_key = memo.memo_key(k.checkpoint_path, read[1], inventory, k.resources)
-            if memo.unchanged(root, memo_key):
+            if memo.unchanged(root, memo_key, hook.unusable):
                 return _hook_unchanged(args, root, hook, inventory, k.checkpoint_path)
-    from gpuguard.steps.checkpoint import CheckSettings, run_check
+    from gpuguard.steps.checkpoint import CheckpointStep, CheckSettings
 
     log = log or _log(args, cfg, root)
     log.facts_as_text = False  # the report below prints them: each fact once
+    for why in hook.unusable if hook is not None else ():
+        log.warning(f"kubelet pre-start: ignoring {why}")  # one line per unusable file
     settings = CheckSettings.from_config(
         k,
         dry_run=args.dry_run or cfg.daemon.observe,
@@ -107,28 +127,40 @@ def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
     from gpuguard.engine.snapshot import HostSnapshot
 
     # One snapshot for the whole run, and the steps in the daemon's order
-    # (registry.CHECK_ORDER): the device steps, then the checkpoint.
+    # (registry.CHECK_ORDER), through the daemon's runner: the device steps, then the
+    # checkpoint step, given this command's settings.
     snapshot = HostSnapshot(root, k.checkpoint_path)
-    devices = None
+    checkpoint = CheckpointStep(given=settings)
+    devices: Optional[list[StepResult]] = None
     if args.only is None and driver_loaded(root) and _checkpoint_usable(snapshot):
         import asyncio
 
-        from gpuguard.engine.oneshot import OneShotServices, run_device_steps
+        from gpuguard.engine.oneshot import OneShotServices, check_steps, run_check_pass
         from gpuguard.host.systemd import bus_address_for
-        from gpuguard.steps.container_access.reconcile import FINDING_UNREADABLE
+        from gpuguard.steps.registry import CHECKPOINT
 
         svc = OneShotServices(
             root, cfg, log, settings.dry_run, _opt(args, "bus") or bus_address_for(root.prefix)
         )
-        devices = asyncio.run(run_device_steps(svc, inventory, snapshot))
-    report = run_check(root, inventory, settings, log, snapshot)
+        steps = check_steps({CHECKPOINT: checkpoint})
+        results = asyncio.run(run_check_pass(svc, steps, inventory, snapshot))
+        devices = [r for r in results if r.name != CHECKPOINT]
+    else:  # the checkpoint alone: no event loop unless kubelet must be asked
+        checkpoint.run_alone(root, inventory, log, snapshot)
+    report = checkpoint.report
+    assert report is not None, "the checkpoint step ran"
     if hook is not None:
         _hook_result(hook, report, log)
         _remember_healthy(root, report, snapshot, memo_key)
     doc = report.to_json()
     code = report.exit_code
+    findings: list[Finding] = []
+    outcomes: list[Outcome] = []
     if devices is not None:
-        findings, outcomes = devices
+        from gpuguard.steps.container_access.reconcile import FINDING_UNREADABLE
+
+        findings = [f for r in devices for f in r.findings]
+        outcomes = [o for r in devices for o in r.outcomes]
         doc["devices"] = {
             "findings": [f.to_json() for f in findings],
             "outcomes": [o.to_json() for o in outcomes],
@@ -142,11 +174,12 @@ def _check(args: argparse.Namespace, root: Any, hook: Any) -> int:
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
-        _print_report(root, report, doc, journaled=hook is not None and _stdout_is_journal(log))
+        journaled = hook is not None and _stdout_is_journal(log)
+        _print_report(root, report, findings, outcomes, journaled=journaled)
     return code
 
 
-def _stdout_is_journal(log: Any) -> bool:
+def _stdout_is_journal(log: EventLog) -> bool:
     """kubelet's pre-start hook: stdout is kubelet's journal stream, which already has
     every finding and change as the hook's own journal entries."""
     import sys
@@ -156,35 +189,42 @@ def _stdout_is_journal(log: Any) -> bool:
     return log.journal is not None and under_journald(sys.stdout)
 
 
-def _print_report(root: Any, report: Any, doc: dict[str, Any], *, journaled: bool) -> None:
-    """The report, each fact once (the log prints none of them as text: `_check`), pods
-    by namespace/name where the runtime knows them. `journaled`: the findings and
-    changes are in the same journal already; only the summary lines are printed."""
+def _print_report(
+    root: Root,
+    report: CheckReport,
+    findings: Sequence[Finding],
+    outcomes: Sequence[Outcome],
+    *,
+    journaled: bool,
+) -> None:
+    """The report, then the device steps' findings and outcomes, each fact once (the log
+    prints none of them as text: `_check`), pods by namespace/name where the runtime
+    knows them. `journaled`: the findings and changes are in the same journal already;
+    only the summary lines are printed."""
     from gpuguard.devices.podnames import name_pod, pod_names
 
     if journaled:
         report = report.summary_only()
-    devices = doc.get("devices", {})
-    items = [*devices.get("findings", []), *devices.get("outcomes", [])]
-    fields = [i.get("fields", {}) for i in items] + [f.fields for f in report.findings]
+    fields = [f.fields for f in (*findings, *report.findings)]
+    fields += [o.action.fields() for o in outcomes]
     names = pod_names(root, (f.get("CONTAINER_ID", "") for f in fields))
     by_uid = {p.uid: p for p in names.values() if p.uid}
 
-    def named(text: str, f: dict[str, Any]) -> str:
+    def named(text: str, f: Mapping[str, str]) -> str:
         uid = f.get("POD_UID", "")
         return name_pod(text, uid, names.get(f.get("CONTAINER_ID", "")) or by_uid.get(uid))
 
     print("\n".join(named(line, f) for line, f in report.lines()))
     if journaled:
         return
-    for f in devices.get("findings", []):
-        print(named(f"{f['severity'] + ':':11} {f['summary']}", f.get("fields", {})))
-    for o in devices.get("outcomes", []):
-        line = f"{o['status'] + ':':11} {o['kind']} {o['target']}: {o['detail']}"
-        print(named(line, o.get("fields", {})))
+    for f in findings:
+        print(named(f"{f.severity + ':':11} {f.summary}", f.fields))
+    for o in outcomes:
+        a = o.action
+        print(named(f"{o.status + ':':11} {a.kind} {a.target}: {o.detail}", a.fields()))
 
 
-def _hook_result(hook: Any, report: Any, log: Any) -> None:
+def _hook_result(hook: HookRun, report: CheckReport, log: EventLog) -> None:
     """What kubelet's pre-start hook leaves for the caller that restarted kubelet."""
     from gpuguard.steps.checkpoint import kubelet_hook as kh
 
@@ -202,7 +242,7 @@ def _hook_result(hook: Any, report: Any, log: Any) -> None:
 
 
 def _hook_unchanged(
-    args: argparse.Namespace, root: Any, hook: Any, inventory: Any, path: str
+    args: argparse.Namespace, root: Root, hook: HookRun, inventory: Inventory, path: str
 ) -> int:
     """The hook's healthy fast path: the checkpoint's bytes and the GPUs are those a full
     check last found healthy, so that verdict stands; the hook's result is still written."""
@@ -218,7 +258,9 @@ def _hook_unchanged(
     return exitcodes.OK
 
 
-def _remember_healthy(root: Any, report: Any, snapshot: Any, key: Any) -> None:
+def _remember_healthy(
+    root: Root, report: CheckReport, snapshot: HostSnapshot, key: Optional[MemoKey]
+) -> None:
     """After a full check that found the file healthy (no finding, no action), remember
     its digest and the inventory for the next kubelet start."""
     if key is None or report.exit_code != exitcodes.OK or report.findings or report.actions:
@@ -228,11 +270,11 @@ def _remember_healthy(root: Any, report: Any, snapshot: Any, key: Any) -> None:
     loaded = snapshot.checkpoint()
     # Only the bytes the analysis read: a file changed between the two reads is not
     # remembered (the next start verifies it fully).
-    if loaded is not None and memo.digest(loaded.raw) == key["checkpoint_sha256"]:
+    if loaded is not None and memo.digest(loaded.raw) == key.checkpoint_sha256:
         memo.write_memo(root, key)
 
 
-def _checkpoint_usable(snapshot: Any) -> bool:
+def _checkpoint_usable(snapshot: HostSnapshot) -> bool:
     """False when the checkpoint step will stop the run with exit 3 ("nothing was
     modified"): then the device steps must not act first."""
     from gpuguard.errors import BadInputError

@@ -29,7 +29,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     except NoDriverError:
         inventory = None
     from gpuguard.devices.podnames import pod_names
+    from gpuguard.host.echo import cut
     from gpuguard.host.offswitch import read_off_switch
+    from gpuguard.reporting.status import status_json
     from gpuguard.reporting.summary import node_summary, render
 
     rows = container_status(root, cfg, inventory)
@@ -39,11 +41,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     daemon = daemon_status(root)
     summary = node_summary(root, rows)
     off = read_off_switch(root)
-    observe = cfg.daemon.observe or bool((daemon or {}).get("dry_run"))
+    observe = cfg.daemon.observe or (daemon is not None and daemon.mode == "observe")
     if args.json:
-        doc: dict[str, Any] = {"summary": summary, "daemon": daemon, "containers": rows}
-        doc["off_switch"] = off.to_json() if off is not None else None
-        doc["mode"] = "observe" if observe else "repair"
+        doc: dict[str, Any] = {
+            "summary": summary,
+            "daemon": status_json(daemon) if daemon is not None else None,
+            "containers": rows,
+            "off_switch": off.to_json() if off is not None else None,
+            "mode": "observe" if observe else "repair",
+        }
         print(json.dumps(doc, indent=2))
     else:
         if off is not None:
@@ -53,13 +59,14 @@ def cmd_status(args: argparse.Namespace) -> int:
             print("gpuguard:   observe-only (Mode=observe): findings are reported, nothing changed")
         print("\n".join(render(summary)))
         if daemon is None:
-            print("daemon:     not running (no status file)")
+            print("daemon:     not running (no usable status file)")
         else:
-            last = daemon.get("last_pass") or {}
+            last = daemon.last_pass
+            reasons = ", ".join(cut(r, 120) for r in last.reasons[:2]) if last else "none"
+            found = len(last.findings) if last else 0
             print(
-                f"daemon:     pid {daemon['pid']}, {daemon['passes']} pass(es); last: "
-                f"{', '.join(last.get('reasons', [])[:2])} with "
-                f"{len(last.get('findings', []))} finding(s)"
+                f"daemon:     pid {daemon.pid}, {daemon.passes} pass(es); last: "
+                f"{reasons} with {found} finding(s)"
             )
         print(f"containers: {len(rows)} with GPUs")
         for r in rows:
@@ -71,6 +78,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 f" ({r['layout']}, {how})"
             )
             for p in r["problems"]:
-                print(f"    {p}")
-    bad = any(r["access"] != "ok" or r["missing"] for r in rows)
+                print(f"    {cut(p, 300)}")
+    # 1: a problem now (the daemon's latest results or a container read now); an
+    # unknown verdict is printed as UNKNOWN, never as OK, and is not a finding
+    bad = summary["verdict"] == "problem" or any(r["access"] != "ok" or r["missing"] for r in rows)
     return exitcodes.FINDINGS if bad else exitcodes.OK

@@ -153,11 +153,25 @@ def _parse_text(text: str, source: str) -> List[_Assignment]:
     return out
 
 
+VALUE_MAX = 4096  # characters of one value: a list of units or resources fits many times
+
+
 def _apply(assignments: Sequence[_Assignment]) -> Config:
     values: Dict[Tuple[str, str], Any] = {}
     origins: Dict[Tuple[str, str], str] = {}
     for a in assignments:
         spec = _BY_SECTION[a.section][a.key]
+        if len(a.value) > VALUE_MAX or not a.value.isprintable():
+            why = (
+                f"is {len(a.value)} characters long (at most {VALUE_MAX})"
+                if len(a.value) > VALUE_MAX
+                else "has a character that is not printable (a control character, a "
+                "no-break or zero-width space)"
+            )
+            raise ConfigError(
+                f"{a.where}: the value {clip(a.value)} of {a.key} in [{a.section}] {why}; "
+                f"write it on one line of plain text {SEE_ALSO}"
+            )
         if not a.value and spec.type.empty_resets:
             value = spec.default
         else:

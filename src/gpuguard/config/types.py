@@ -235,7 +235,7 @@ class ServiceUnit(ValueType):
         if _UNIT_NAME.fullmatch(text):
             return text
         if re.fullmatch(r"[A-Za-z0-9:_.\\@-]+", text) and "." not in text:
-            raise ValueError(f"not a service unit name; did you mean '{text}.service'?")
+            raise ValueError(f"not a service unit name; did you mean '{cut(text)}.service'?")
         raise ValueError(
             "not a service unit name; write it as systemctl shows it, e.g. kubelet.service"
         )

@@ -67,7 +67,8 @@ def _child(procs_files: Sequence[bytes], work: Callable[[], bytes], wfd: int) ->
         joined = True
         for pf in procs_files:
             try:
-                fd = os.open(pf, os.O_WRONLY | os.O_CLOEXEC)
+                # never through a link, never waiting on a FIFO put in its place
+                fd = os.open(pf, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
                 try:
                     os.write(fd, pid)
                 finally:

@@ -22,30 +22,47 @@ KUBEPODS_DIR = "kubepods"  # cgroupfs driver
 RUNTIME = {"cri-containerd": "containerd", "crio": "cri-o", "docker": "docker"}
 _PREFIXES = "|".join(re.escape(p) for p in RUNTIME)
 
+# Every pattern is used with fullmatch(): `$` also matches before a trailing newline, and
+# a directory "cri-containerd-<id>.scope\n" is no scope systemd would ever load.
 SYSTEMD_POD = re.compile(
-    r"^kubepods(?:-(?:burstable|besteffort|guaranteed))?-pod([0-9a-f_]+)\.slice$"
+    r"kubepods(?:-(?:burstable|besteffort|guaranteed))?-pod([0-9a-f_]+)\.slice"
 )
-SYSTEMD_QOS = re.compile(r"^kubepods-(burstable|besteffort|guaranteed)\.slice$")
-SYSTEMD_CONTAINER = re.compile(rf"^({_PREFIXES})-([0-9a-f]{{64}})\.scope$")
-CGROUPFS_POD = re.compile(r"^pod([0-9a-f-]+)$")
+SYSTEMD_QOS = re.compile(r"kubepods-(burstable|besteffort|guaranteed)\.slice")
+SYSTEMD_CONTAINER = re.compile(rf"({_PREFIXES})-([0-9a-f]{{64}})\.scope")
+CGROUPFS_POD = re.compile(r"pod([0-9a-f-]+)")
 CGROUPFS_QOS = ("burstable", "besteffort", "guaranteed")
-CGROUPFS_CONTAINER = re.compile(rf"^(?:({_PREFIXES})-)?([0-9a-f]{{64}})$")
+CGROUPFS_CONTAINER = re.compile(rf"(?:({_PREFIXES})-)?([0-9a-f]{{64}})")
 # A container scope as systemd announces it (UnitNew): runtimes may name a scope by a
 # shortened id, so 12 to 64 hex digits.
-ANY_CONTAINER_SCOPE = re.compile(rf"^({_PREFIXES})-[0-9a-f]{{12,64}}\.scope$")
+ANY_CONTAINER_SCOPE = re.compile(rf"({_PREFIXES})-[0-9a-f]{{12,64}}\.scope")
+
+
+def has_control(name: str) -> bool:
+    """A name with a control character (a newline, ESC, DEL, C1) or a line separator:
+    no runtime makes one, systemd loads no unit by it, and echoed it splits log lines.
+    Such a cgroup is refused with a finding, never taken for a container. (A name
+    that is not UTF-8 is only skipped: no pattern matches it.)"""
+    if name.isprintable():  # C speed: every name a runtime makes
+        return False
+    import unicodedata  # rare: kept off every command's start-up
+
+    return any(unicodedata.category(c) in _CONTROL for c in name)
+
+
+_CONTROL = frozenset({"Cc", "Cf", "Zl", "Zp"})
 
 
 def scope_of_dropin_dir(name: str) -> Optional[str]:
     """The container scope whose drop-in directory is `name` (``UNIT.d``, in systemd's
     runtime or transient unit directory); None for any other unit or name."""
     unit = name[: -len(".d")] if name.endswith(".d") else ""
-    return unit if ANY_CONTAINER_SCOPE.match(unit) else None
+    return unit if ANY_CONTAINER_SCOPE.fullmatch(unit) else None
 
 
 def systemd_pod_uid(name: str) -> Optional[str]:
     """The pod UID a systemd pod slice's name carries (its dashes written as "_");
     None for any other name."""
-    m = SYSTEMD_POD.match(name)
+    m = SYSTEMD_POD.fullmatch(name)
     return m.group(1).replace("_", "-") if m else None
 
 

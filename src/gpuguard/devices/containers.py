@@ -38,8 +38,10 @@ from gpuguard.devices.cgroupnames import (
     RUNTIME,
     SYSTEMD_CONTAINER,
     SYSTEMD_QOS,
+    has_control,
     systemd_pod_uid,
 )
+from gpuguard.host.echo import cut
 from gpuguard.host.numparse import clip, parse_decimal
 from gpuguard.host.paths import Root
 from gpuguard.host.safeio import CGROUP_MAX, PROC_MAX, UnsafeFileError, read_bytes, read_kernel_text
@@ -164,18 +166,27 @@ def _dir_names(d: str) -> list[str]:
     return out
 
 
-def _subdirs(d: Path) -> list[tuple[str, Path]]:
-    """Child directories, sorted; [] with a debug reason when ``d`` vanished or is odd."""
-    return sorted((name, d / name) for name in _dir_names(os.fspath(d)))
+def _subdirs(d: Path, refused: Optional[list[Path]] = None) -> list[tuple[str, Path]]:
+    """Child directories, sorted; [] with a debug reason when ``d`` vanished or is odd.
+    A name with a control character is never matched against a pattern: it goes to
+    `refused` (a finding), or is skipped."""
+    out = []
+    for name in _dir_names(os.fspath(d)):
+        if has_control(name):
+            if refused is not None:
+                refused.append(d / name)
+            continue
+        out.append((name, d / name))
+    return sorted(out)
 
 
-def _systemd_pods(kubepods: Path) -> Iterator[tuple[str, Path]]:
-    for name, path in _subdirs(kubepods):
+def _systemd_pods(kubepods: Path, refused: list[Path]) -> Iterator[tuple[str, Path]]:
+    for name, path in _subdirs(kubepods, refused):
         uid = systemd_pod_uid(name)
         if uid:
             yield uid, path
-        elif SYSTEMD_QOS.match(name):
-            for qname, qpath in _subdirs(path):
+        elif SYSTEMD_QOS.fullmatch(name):
+            for qname, qpath in _subdirs(path, refused):
                 quid = systemd_pod_uid(qname)
                 if quid:
                     yield quid, qpath
@@ -185,14 +196,14 @@ def _systemd_pods(kubepods: Path) -> Iterator[tuple[str, Path]]:
             log.debug("skipping %s: not a pod or QoS slice", path)
 
 
-def _cgroupfs_pods(kubepods: Path) -> Iterator[tuple[str, Path]]:
-    for name, path in _subdirs(kubepods):
-        m = CGROUPFS_POD.match(name)
+def _cgroupfs_pods(kubepods: Path, refused: list[Path]) -> Iterator[tuple[str, Path]]:
+    for name, path in _subdirs(kubepods, refused):
+        m = CGROUPFS_POD.fullmatch(name)
         if m:
             yield m.group(1), path
         elif name in CGROUPFS_QOS:
-            for qname, qpath in _subdirs(path):
-                qm = CGROUPFS_POD.match(qname)
+            for qname, qpath in _subdirs(path, refused):
+                qm = CGROUPFS_POD.fullmatch(qname)
                 if qm:
                     yield qm.group(1), qpath
                 else:
@@ -201,20 +212,20 @@ def _cgroupfs_pods(kubepods: Path) -> Iterator[tuple[str, Path]]:
             log.debug("skipping %s: not a pod or QoS directory", path)
 
 
-def _walk(hierarchy: Path) -> Iterator[_Found]:
+def _walk(hierarchy: Path, refused: list[Path]) -> Iterator[_Found]:
     systemd = hierarchy / KUBEPODS_SLICE
-    for uid, pod in _systemd_pods(systemd) if systemd.is_dir() else ():
-        for name, path in _subdirs(pod):
-            m = SYSTEMD_CONTAINER.match(name)
+    for uid, pod in _systemd_pods(systemd, refused) if systemd.is_dir() else ():
+        for name, path in _subdirs(pod, refused):
+            m = SYSTEMD_CONTAINER.fullmatch(name)
             if not m:
                 # crio-conmon-<id>.scope is the monitor, not the container
                 log.debug("skipping %s: not a container scope", path)
                 continue
             yield _Found(uid, m.group(2), RUNTIME[m.group(1)], "systemd", name, path)
     cgroupfs = hierarchy / KUBEPODS_DIR
-    for uid, pod in _cgroupfs_pods(cgroupfs) if cgroupfs.is_dir() else ():
-        for name, path in _subdirs(pod):
-            m = CGROUPFS_CONTAINER.match(name)
+    for uid, pod in _cgroupfs_pods(cgroupfs, refused) if cgroupfs.is_dir() else ():
+        for name, path in _subdirs(pod, refused):
+            m = CGROUPFS_CONTAINER.fullmatch(name)
             if not m:
                 log.debug("skipping %s: not a container directory", path)
                 continue
@@ -277,20 +288,48 @@ def discover_containers(
     layout = layout or detect_layout(root)
     sub = cgroup_root.strip("/")
     found: dict[tuple[str, str], dict[str, _Found]] = {}
+    refused: list[Path] = []
     for which, mount in (("v1", layout.v1_devices), ("v2", layout.v2)):
         if mount is None:
             continue
         base = root.path(mount)
         if sub:
             base = base / sub
-        for f in _walk(base):
+        for f in _walk(base, refused):
             found.setdefault((f.pod_uid, f.container_id), {})[which] = f
     out: list[ContainerCgroup] = []
     for key in sorted(found):
         c = _container(root, found[key], skip_pause)
         if c is not None:
             out.append(c)
-    return tuple(out)
+    return tuple(out) + _refused(refused)
+
+
+def _refused(paths: list[Path]) -> tuple[ContainerCgroup, ...]:
+    """A cgroup under kubepods whose name has a control character, as a container that
+    cannot be audited (its finding names it, escaped): never matched as a pod or a
+    container, never granted, never given a drop-in under a name systemd would not
+    load. One per name (a hybrid host lists it in both hierarchies)."""
+    out: dict[str, ContainerCgroup] = {}
+    for p in paths:
+        name = cut(p.name, 100)
+        out.setdefault(
+            name,
+            ContainerCgroup(
+                pod_uid=cut(p.parent.name, 100),
+                container_id=f"refused:{name}",
+                runtime="unknown",
+                driver="systemd" if p.name.endswith((".scope", ".slice")) else "cgroupfs",
+                cgroup_v1_devices=None,
+                cgroup_v2=None,
+                unit=None,
+                pids=(),
+                problem=f"cgroup {cut(str(p), 300)}: its name has a control character; "
+                "no runtime makes one and systemd loads no unit by it, so gpuguard "
+                "refuses it — remove the directory or find what made it",
+            ),
+        )
+    return tuple(out[k] for k in sorted(out))
 
 
 def _container(root: Root, by: dict[str, _Found], skip_pause: bool) -> Optional[ContainerCgroup]:
@@ -347,7 +386,7 @@ def _scope_under(kubepods: str, unit: str) -> Optional[tuple[str, str]]:
         if uid:
             if os.path.isdir(os.path.join(kubepods, name, unit)):
                 return uid, f"{name}/{unit}"
-        elif SYSTEMD_QOS.match(name):
+        elif SYSTEMD_QOS.fullmatch(name):
             for qname in _dir_names(os.path.join(kubepods, name)):
                 quid = systemd_pod_uid(qname)
                 if quid and os.path.isdir(os.path.join(kubepods, name, qname, unit)):
@@ -366,7 +405,7 @@ def find_scope(
     looking for it in each pod slice rather than walking every container: a new scope's
     fast path must not cost a walk of the whole tree. None: no such cgroup (not started
     yet, or gone), not a container scope, or the pod's sandbox."""
-    m = SYSTEMD_CONTAINER.match(unit)
+    m = SYSTEMD_CONTAINER.fullmatch(unit)
     if m is None:
         return None
     layout = layout or detect_layout(root)

@@ -13,7 +13,11 @@ Two other records are cross-checked, never used to add anything:
 - the kubelet checkpoint's device IDs for the pod (passed in as pod_uid -> IDs).
 
 A GPU node whose GPU contradicts BOTH is a conflict: reported, not entitled. One
-contradiction alone (e.g. index-based IDs after a renumbering, F6) is only a note.
+contradiction alone (e.g. index-based IDs after a renumbering, F6) is only a note. The
+record of checkpoint entries gpuguard dropped (checkpoint/dropped.py) never adds to
+this: it stands in for a pod's entries only once the checkpoint names the pod no more,
+and a node that only a record names beside a live entry is `kept` (its existing
+access is not called a conflict) but never granted.
 """
 
 from __future__ import annotations
@@ -112,6 +116,9 @@ class Entitlement:
     # (its node, the host's node of that path) where the numbers differ: the node was
     # made before a module reload gave the driver a new major; present, but stale
     stale: tuple[tuple[DeviceNode, DeviceNode], ...] = ()
+    # GPU nodes that contradict NVIDIA_VISIBLE_DEVICES and the live checkpoint entry but
+    # that a dropped-entries record names: not a conflict, and never granted
+    kept: tuple[DeviceNode, ...] = ()
 
     @property
     def is_gpu_container(self) -> bool:
@@ -126,12 +133,14 @@ def compute_entitlement(
     gpus: Sequence[GpuLike],
     visible: VisibleDevices,
     checkpoint_ids: Optional[AbstractSet[str]],
+    recorded_ids: Optional[AbstractSet[str]] = None,
 ) -> Entitlement:
     """Pure: the entitlement from what the container's /dev holds.
 
     ``container_nodes`` as listed from its /dev, ``host_nodes`` the host's (listed or
     expected), ``checkpoint_ids`` the pod's IDs in the kubelet checkpoint (None: the pod
-    has no entry there)."""
+    has no entry there), ``recorded_ids`` what its dropped entries named (evidence that
+    keeps, never grants)."""
     host_by_key = {n.key: n for n in host_nodes}
     host_by_path = {n.path: n for n in host_nodes}
     stale: list[tuple[DeviceNode, DeviceNode]] = []
@@ -150,6 +159,7 @@ def compute_entitlement(
             present.append(hn)
     entitled: list[DeviceNode] = []
     conflicts: list[DeviceNode] = []
+    kept: list[DeviceNode] = []
     for hn in present:
         if hn.role != ROLE_GPU:
             entitled.append(hn)
@@ -163,6 +173,14 @@ def compute_entitlement(
             visible.kind == "list" and not _designates(visible.ids, gpu)
         )
         ckpt_no = checkpoint_ids is not None and not _designates(checkpoint_ids, gpu)
+        if env_no and ckpt_no and recorded_ids is not None and _designates(recorded_ids, gpu):
+            kept.append(hn)
+            notes.append(
+                f"{hn.path} ({gpu.uuid}): only a record of dropped checkpoint entries names "
+                f"it, neither {ENV_NAME} nor the checkpoint; its access is left as it is, "
+                "never granted"
+            )
+            continue
         if env_no and ckpt_no:
             conflicts.append(hn)
             notes.append(
@@ -196,6 +214,7 @@ def compute_entitlement(
         visible=visible,
         notes=tuple(notes),
         stale=tuple(stale),
+        kept=tuple(kept),
     )
 
 
@@ -206,6 +225,7 @@ def read_entitlement(
     majors: NvidiaMajors,
     gpus: Sequence[GpuLike],
     checkpoint: Mapping[str, AbstractSet[str]],
+    recorded: Optional[Mapping[str, AbstractSet[str]]] = None,
 ) -> Entitlement:
     """Read the container's /dev and environ through its first live process that is the
     container already (not the runtime's init, not on the host's /dev: see
@@ -239,6 +259,7 @@ def read_entitlement(
             gpus,
             parse_visible_devices(env.get(ENV_NAME)),
             checkpoint.get(container.pod_uid),
+            (recorded or {}).get(container.pod_uid),
         )
     if pending:  # judged by a later pass, once the container runs (never cached)
         return unreadable_entitlement(container, f"not judged yet: {pending}")

@@ -13,12 +13,20 @@ import os
 from dataclasses import dataclass
 
 from gpuguard.host.paths import Root
-from gpuguard.host.safeio import proc_text
+from gpuguard.host.safeio import UnsafeFileError, read_attr
 
 log = logging.getLogger(__name__)
 
 PCI_DEVICES = "/sys/bus/pci/devices"
 NVIDIA_VENDOR = "0x10de"
+
+
+@dataclass(frozen=True)
+class PciFunction:
+    address: str  # 0000:17:00.0
+    vendor: str  # 0x10de
+    device_id: str  # 0x2330
+    klass: str  # 0x030200
 
 
 @dataclass(frozen=True)
@@ -28,29 +36,42 @@ class PciGpu:
     driver: str  # the bound driver ("nvidia", "vfio-pci") or ""
 
 
-def read_pci_gpus(root: Root) -> tuple[PciGpu, ...]:
-    """The NVIDIA display-class functions under /sys/bus/pci/devices, sorted.
+def read_pci_functions(root: Root) -> tuple[PciFunction, ...]:
+    """Every function under /sys/bus/pci/devices with its vendor, device and class, as
+    the kernel shows them (lower-case hex), sorted by address.
 
-    Raises OSError when the directory itself cannot be listed (no sysfs: the caller
-    says "unknown"); unreadable entries are skipped."""
+    Each attribute is read as the kernel serves it (safeio.read_attr: sysfs reports a
+    size of 4096 for every attribute, so the bound is the bytes read). Raises OSError
+    when the directory itself cannot be listed (no sysfs: the caller says "unknown");
+    an entry whose attributes cannot be read is skipped."""
     base = root.path(PCI_DEVICES)
     out = []
     for name in sorted(os.listdir(base)):
         d = base / name
         try:
-            vendor = proc_text(d / "vendor", max_bytes=64).strip().lower()
-            if vendor != NVIDIA_VENDOR:
-                continue
-            klass = proc_text(d / "class", max_bytes=64).strip().lower()
-            device = proc_text(d / "device", max_bytes=64).strip().lower()
-        except OSError as e:
-            log.debug("skipping %s: %s", d, e.strerror)
+            vendor = read_attr(d / "vendor")
+            klass = read_attr(d / "class")
+            device = read_attr(d / "device")
+        except UnsafeFileError as e:
+            log.debug("skipping %s: %s", d, e.message)
             continue
-        if not klass.startswith("0x03"):
+        if vendor is None or klass is None or device is None:
+            log.debug("skipping %s: an attribute is gone", d)
+            continue
+        out.append(PciFunction(name, vendor.lower(), device.lower(), klass.lower()))
+    return tuple(out)
+
+
+def read_pci_gpus(root: Root) -> tuple[PciGpu, ...]:
+    """The NVIDIA display-class functions under /sys/bus/pci/devices, sorted (OSError:
+    no sysfs, as read_pci_functions)."""
+    out = []
+    for f in read_pci_functions(root):
+        if f.vendor != NVIDIA_VENDOR or not f.klass.startswith("0x03"):
             continue
         try:
-            driver = os.path.basename(os.readlink(d / "driver"))
+            driver = os.path.basename(os.readlink(root.path(PCI_DEVICES) / f.address / "driver"))
         except OSError:
             driver = ""
-        out.append(PciGpu(name, device, driver))
+        out.append(PciGpu(f.address, f.device_id, driver))
     return tuple(out)

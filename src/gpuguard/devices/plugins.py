@@ -51,12 +51,12 @@ KUBELET_SOCKET = "kubelet.sock"
 SO_ACCEPTCON = 0x10000  # __SO_ACCEPTCON in /proc/net/unix Flags: a listening socket
 
 # The nodes a plugin hands to containers (seed 004's apiDeviceSpecs) and the GPUs.
-_PLUGIN_NODE = re.compile(r"^nvidia(?:[0-9]+|ctl|-uvm|-uvm-tools|-modeset)$")
-GPU_NODE = re.compile(r"^nvidia[0-9]+$")
+_PLUGIN_NODE = re.compile(r"nvidia(?:[0-9]+|ctl|-uvm|-uvm-tools|-modeset)")  # fullmatch
+GPU_NODE = re.compile(r"nvidia[0-9]+")  # fullmatch
 UVM_PATH = "/dev/nvidia-uvm"
 
 _SOCKET_GPU = ("nvidia.sock", "nvidia-gpu.sock")
-_SOCKET_NVIDIA = re.compile(r"^nvidia-(.+)\.sock$")
+_SOCKET_NVIDIA = re.compile(r"nvidia-([\x21-\x7e]+)\.sock")  # fullmatch; printable ASCII
 
 
 def resource_for_socket(name: str, extra: Optional[Mapping[str, str]] = None) -> str:
@@ -66,7 +66,7 @@ def resource_for_socket(name: str, extra: Optional[Mapping[str, str]] = None) ->
             return resource
     if name in _SOCKET_GPU:
         return "nvidia.com/gpu"
-    m = _SOCKET_NVIDIA.match(name)
+    m = _SOCKET_NVIDIA.fullmatch(name)
     return f"nvidia.com/{m.group(1)}" if m else ""
 
 
@@ -176,7 +176,7 @@ def list_nodes(
     dev_dir: Path, pattern: re.Pattern[str] = _PLUGIN_NODE
 ) -> Optional[tuple[NodeInfo, ...]]:
     """The NVIDIA nodes a plugin cares about in ``dev_dir`` (None: not listable)."""
-    return list_dev_dir(dev_dir, lambda name: bool(pattern.match(name)), block=True, ctime=True)
+    return list_dev_dir(dev_dir, lambda name: bool(pattern.fullmatch(name)), block=True, ctime=True)
 
 
 def discover_plugins(

@@ -12,13 +12,14 @@ name, and the caller shows its pod UID as before.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional
 
+from gpuguard.host.echo import cut
 from gpuguard.host.paths import Root
 from gpuguard.host.safeio import UnsafeFileError, read_bytes
+from gpuguard.host.statefile import parse_json
 
 # Where each runtime keeps a running container's OCI spec ({id}: the container id).
 BUNDLES = (
@@ -39,8 +40,8 @@ class PodName:
     name: str
     uid: str  # "" when the runtime did not record it
 
-    def __str__(self) -> str:
-        return f"{self.namespace}/{self.name}"
+    def __str__(self) -> str:  # the runtime's annotations, echoed: cut and escaped
+        return f"{cut(self.namespace, 63)}/{cut(self.name, 253)}"
 
 
 def from_annotations(annotations: Mapping[str, object]) -> Optional[PodName]:
@@ -62,7 +63,7 @@ def pod_of_container(root: Root, container_id: str) -> Optional[PodName]:
             continue
         try:
             data, _st = read_bytes(path, what="OCI spec", max_bytes=MAX_SPEC)
-            spec = json.loads(data)
+            spec = parse_json(data)  # bounded numbers and nesting; SchemaError: ValueError
         except (UnsafeFileError, ValueError):
             continue
         annotations = spec.get("annotations") if isinstance(spec, dict) else None

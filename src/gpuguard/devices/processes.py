@@ -77,11 +77,13 @@ class ProcessInfo:
 
 
 def boot_time(root: Root) -> float:
+    """When this boot began (btime of /proc/stat, Unix seconds); 0 when unknown."""
     try:
         for line in proc_text(root.path("/proc/stat")).splitlines():
             if line.startswith("btime "):
-                return float(line.split()[1])
-    except (OSError, ValueError, IndexError):
+                value = parse_decimal(line.split()[1])
+                return float(value) if value is not None else 0.0
+    except (OSError, IndexError):
         pass
     return 0.0
 
@@ -119,14 +121,14 @@ def classify_cgroup(path: str) -> tuple[str, str, str, str, str]:
     parts = [p for p in path.split("/") if p]
     pod = ""
     for i, part in enumerate(parts):
-        m = SYSTEMD_CONTAINER.match(part)
+        m = SYSTEMD_CONTAINER.fullmatch(part)
         if m:
             if i > 0:
                 pod = systemd_pod_uid(parts[i - 1]) or ""
             return ("container", m.group(2), RUNTIME[m.group(1)], pod, "")
-        pm2 = CGROUPFS_POD.match(part)
+        pm2 = CGROUPFS_POD.fullmatch(part)
         if pm2 and i + 1 < len(parts):
-            cm = CGROUPFS_CONTAINER.match(parts[i + 1])
+            cm = CGROUPFS_CONTAINER.fullmatch(parts[i + 1])
             if cm:
                 rt = RUNTIME[cm.group(1)] if cm.group(1) else "unknown"
                 return ("container", cm.group(2), rt, pm2.group(1), "")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import glob
-import json
 import os
 import re
 import time
@@ -29,11 +28,13 @@ from gpuguard.devices.nodes import (
 from gpuguard.devices.pci import read_pci_gpus
 from gpuguard.doctor.kubelet import hook_dropin, kubelet_config, units_to_check
 from gpuguard.doctor.textconf import toml_scalars, toml_tables
-from gpuguard.engine.passes import STATUS_FILE
 from gpuguard.host import safeio
 from gpuguard.host.inventory import Inventory
 from gpuguard.host.offswitch import OffSwitch, read_off_switch
 from gpuguard.host.paths import Root
+from gpuguard.host.statefile import load
+from gpuguard.reporting.status import SPEC as STATUS_SPEC
+from gpuguard.reporting.status import STATUS_FILE, Status
 from gpuguard.steps.gpu_count.reconcile import GpuCounts, registered_gpus
 
 TOOLKIT_CONFIG = "/etc/nvidia-container-runtime/config.toml"
@@ -71,8 +72,8 @@ class PluginSettings:
 
 @dataclass(frozen=True)
 class DaemonState:
-    doc: Optional[Mapping[str, object]]
-    error: str  # "" when doc is set
+    status: Optional[Status]
+    error: str  # "" when status is set
     alive: Optional[bool]  # the status file's pid still runs
 
 
@@ -237,19 +238,11 @@ def _read_text(root: Root, path: str) -> tuple[str, str]:
 
 
 def daemon_state(root: Root) -> DaemonState:
-    path = root.path(STATUS_FILE)
-    try:
-        data, _st = safeio.read_bytes(path, what="status file", max_bytes=safeio.STATUS_MAX)
-        doc = json.loads(data)
-    except safeio.UnsafeFileError as e:
-        if e.errno == errno.ENOENT:
-            return DaemonState(None, f"no {STATUS_FILE}", None)
-        return DaemonState(None, f"cannot read {STATUS_FILE}: {e.message}", None)
-    except ValueError as e:
-        return DaemonState(None, f"{STATUS_FILE} is not valid JSON (half-written?): {e}", None)
-    if not isinstance(doc, dict) or not isinstance(doc.get("pid"), int):
-        return DaemonState(None, f"{STATUS_FILE} has no pid: not a gpuguard status file", None)
-    return DaemonState(doc, "", root.path(f"/proc/{doc['pid']}").is_dir())
+    """The daemon's status file through its one loader (reporting/status.py)."""
+    got = load(root.path(STATUS_FILE), STATUS_SPEC)
+    if got.value is None:
+        return DaemonState(None, f"no {STATUS_FILE}" if got.absent else got.why, None)
+    return DaemonState(got.value, "", root.path(f"/proc/{got.value.pid}").is_dir())
 
 
 def gpu_counts(

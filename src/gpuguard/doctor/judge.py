@@ -15,6 +15,7 @@ from typing import Optional
 from gpuguard.doctor.facts import ConfFile, Facts
 from gpuguard.doctor.model import BROKEN, EXPOSED, OK, UNKNOWN, Check, Report
 from gpuguard.engine.passes import STATUS_FILE
+from gpuguard.steps.gpu_count.reconcile import DRIVER_DOWN_NEXT
 from gpuguard.steps.gpu_count.reconcile import judge as judge_counts
 
 SPEC_MODES = ("cdi", "jit-cdi", "csv")
@@ -333,23 +334,22 @@ def check_daemon(f: Facts) -> Check:
     fix = "systemctl enable --now gpuguard; journalctl -u gpuguard"
     if f.off_switch is not None:
         return Check("daemon", EXPOSED, "stopped by the off switch", "gpuguard enable")
-    if d.doc is None:
+    if d.status is None:
         if d.error.startswith("no "):
             return Check(
                 "daemon", EXPOSED, f"{d.error}: gpuguard daemon not running, nothing repairs", fix
             )
         return Check("daemon", UNKNOWN, d.error)
-    pid = d.doc.get("pid")
+    pid = d.status.pid
     if not d.alive:
         return Check("daemon", EXPOSED, f"{STATUS_FILE}: pid {pid} is gone (stale status)", fix)
-    last = d.doc.get("last_pass")
-    if not isinstance(last, dict) or not isinstance(last.get("ended"), (int, float)):
+    last = d.status.last_pass
+    if last is None:
         return Check("daemon", UNKNOWN, f"{STATUS_FILE}: pid {pid} running, no pass finished yet")
-    age = f.now - float(last["ended"])
-    findings = last.get("findings") or []
+    age = f.now - last.ended
     evidence = (
-        f"{STATUS_FILE}: pid {pid}, last pass {last.get('number')} {age:.0f}s ago, "
-        f"{len(findings) if isinstance(findings, list) else '?'} finding(s)"
+        f"{STATUS_FILE}: pid {pid}, last pass {last.number} {age:.0f}s ago, "
+        f"{len(last.findings)} finding(s), node {d.status.node}"
     )
     if age > STALE_PASS_AFTER:
         return Check("daemon", EXPOSED, evidence + ": no pass for hours", fix)
@@ -360,7 +360,9 @@ def check_gpu_count(f: Facts) -> Check:
     layer, text = judge_counts(f.counts)
     if layer is not None:
         fix = {
-            "driver": "check dmesg (Xid) and nvidia-smi; reset or reboot the GPU",
+            "driver": DRIVER_DOWN_NEXT
+            if f.counts.nvml is None
+            else "check dmesg (Xid) and nvidia-smi; reset or reboot the GPU",
             "device-plugin": "restart the device plugin pod",
             "kubelet": "gpuguard check (repairs the checkpoint)",
         }.get(layer, "")

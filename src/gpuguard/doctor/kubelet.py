@@ -12,7 +12,6 @@ read, and the evidence says so.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
@@ -20,6 +19,7 @@ from typing import Callable, Mapping, Optional, Sequence
 from gpuguard.devices.kubeletproc import KubeletFlags, KubeletProcess, kubelet_flags
 from gpuguard.doctor.textconf import yaml_top_scalars
 from gpuguard.host.paths import Root
+from gpuguard.host.statefile import parse_json
 
 # Where each layout keeps kubelet's configuration when no running kubelet says.
 KNOWN_CONFIGS = (
@@ -53,7 +53,7 @@ def parse_config(text: str) -> dict[str, str]:
     """Top-level scalar fields of a KubeletConfiguration in YAML or JSON."""
     if text.lstrip().startswith("{"):
         try:
-            doc = json.loads(text)
+            doc = parse_json(text.encode())  # bounded numbers and nesting
         except ValueError:
             return {}
         if not isinstance(doc, dict):

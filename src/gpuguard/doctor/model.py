@@ -6,12 +6,14 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from gpuguard import exitcodes
+from gpuguard.host.echo import cut
 
 OK = "ok"
 EXPOSED = "exposed"  # nothing is broken now, but a known event would break it (F1-F4)
 BROKEN = "broken"  # GPUs are unusable or missing now
 UNKNOWN = "unknown"  # the evidence could not be read; the reason says why
 VERDICTS = (OK, UNKNOWN, EXPOSED, BROKEN)  # in order of severity
+EVIDENCE_MAX = 400  # characters of a check's evidence or fix
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,11 @@ class Check:
     verdict: str
     evidence: str  # the file and the value the verdict rests on (or why there is none)
     fix: str = ""  # the next step; empty when there is nothing to do
+
+    def __post_init__(self) -> None:
+        # configuration values and command output are echoed here: one line, bounded
+        object.__setattr__(self, "evidence", cut(self.evidence, EVIDENCE_MAX))
+        object.__setattr__(self, "fix", cut(self.fix, EVIDENCE_MAX))
 
     def to_json(self) -> dict[str, str]:
         return {

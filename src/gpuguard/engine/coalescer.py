@@ -1,6 +1,7 @@
-"""Coalesces marks from sources into passes: one at a time, after a quiet period.
+"""Coalesces marks into passes: one at a time, after a quiet period.
 
-Sources call mark(reconcilers, why, urgent). A pass starts once no mark arrived for
+The daemon calls mark(steps, why, urgent) for each event a source emits (the steps the
+registry wakes on it) and each follow-up a step asked for. A pass starts once no mark arrived for
 the quiet period (the timer restarts on every mark, so a daemon-reload's burst of
 hundreds of signals becomes one pass), but never later than max_delay after the
 first pending mark. Urgent marks (systemd's Reloading end, a reexec) use the short
@@ -17,6 +18,7 @@ import time
 from typing import Awaitable, Callable, Optional
 
 from gpuguard.engine.passes import Work
+from gpuguard.host import aio
 
 RunPass = Callable[[Work], Awaitable[None]]
 
@@ -44,7 +46,7 @@ class Coalescer:
         self._last = 0.0
         self._urgent = False
         self._held_since: Optional[float] = None
-        self._wake = asyncio.Event()
+        self._wake = aio.Event()  # made in main, before the loop runs (aio.py)
         self._stopping = False
         self.passes = 0
         self.running = False

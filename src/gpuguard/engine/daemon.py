@@ -1,4 +1,8 @@
-"""`gpuguard daemon`: one asyncio loop, sources mark work, one coalesced pass at a time.
+"""`gpuguard daemon`: one asyncio loop, sources emit events, one coalesced pass at a time.
+
+An event wakes the steps the registry declares for its kind (steps/registry.py): the
+fast paths that serve it run first (found by their protocols), then those steps are
+marked; a pass runs them through the one runner (runner.py), as `gpuguard check` does.
 
 Start-up order matters: subscribe to udev and systemd FIRST, then run the initial
 full pass (so nothing that happens during start-up falls in between), and only then
@@ -9,7 +13,6 @@ once the node has been repaired).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
@@ -17,13 +20,16 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from gpuguard.config import Config, load_config
+from gpuguard.engine import report
 from gpuguard.engine.coalescer import Coalescer
 from gpuguard.engine.gcpause import collector_paused, freeze_long_lived, thaw
 from gpuguard.engine.inventory_reader import InventoryReader
 from gpuguard.engine.operation import OffSwitchGate, journal_observe
-from gpuguard.engine.passes import STATUS_FILE, PassContext, Step, Work
+from gpuguard.engine.passes import PassContext, Work
+from gpuguard.engine.runner import Due, PassRunner
 from gpuguard.engine.snapshot import HostSnapshot, Planned
-from gpuguard.errors import ConfigError, GpuguardError
+from gpuguard.errors import ConfigError
+from gpuguard.host import aio
 from gpuguard.host.inventory import Inventory
 from gpuguard.host.notify import Notifier, watchdog_interval
 from gpuguard.host.paths import Root
@@ -32,8 +38,19 @@ from gpuguard.journal.log import EventLog
 from gpuguard.reporting.ledger import Ledger
 from gpuguard.reporting.metrics_output import MetricsOutput
 from gpuguard.reporting.metrics_state import REPAIR_HISTOGRAM
+from gpuguard.reporting.status import OutcomeRecord, PassRecord, Status
 from gpuguard.sources import Sources
-from gpuguard.steps.registry import CONTAINER_ACCESS, STEP_ORDER, check_names
+from gpuguard.steps.events import Event, EventKind
+from gpuguard.steps.registry import (
+    STEP_ORDER,
+    WAKES,
+    ReloadFastPath,
+    ScopeFastPath,
+    Step,
+    Wakes,
+    check_names,
+    woken_by,
+)
 
 PASS_STUCK_AFTER = 300.0  # a pass this old stops the watchdog pings: systemd restarts us
 
@@ -52,10 +69,12 @@ class Daemon:
         steps: Mapping[str, Step],
         sources: Optional[Sources] = None,
         step_order: Sequence[str] = STEP_ORDER,
+        wakes: Wakes = WAKES,
         dry_run: bool = False,
         metrics: Optional[MetricsOutput] = None,
     ) -> None:
-        # Steps run in step_order (steps/registry.py says why); marks name steps from it.
+        # Steps run in step_order (steps/registry.py says why), woken by the events the
+        # registry declares for them (`wakes`); marks name steps from it.
         check_names(steps, step_order, "Daemon(steps=...)")
         self.root = root
         self.config = config
@@ -67,24 +86,24 @@ class Daemon:
         self.cli_dry_run = dry_run  # --dry-run: kept across reloads
         self.dry_run = dry_run or config.daemon.observe  # Mode=observe, DryRun=yes
         self.step_order = tuple(step_order)
-        self.steps = {name: steps[name] for name in self.step_order if name in steps}
+        self.runner = PassRunner(steps, self.step_order, wakes=wakes)
+        self.steps = self.runner.steps  # in step_order
+        self.wakes = wakes
         self.passes = 0
         self.started_wall = time.time()
-        self.last_pass: dict[str, Any] = {}
-        self.first_pass: dict[str, Any] = {}
+        self.last_pass: Optional[PassRecord] = None
+        self.first_pass: Optional[PassRecord] = None
         self.ledger = Ledger()  # each step's latest result and the last hour's changes
         self.metrics = metrics
         self.inventory: Optional[Inventory] = None
         self._followups: dict[tuple[frozenset[str], str], float] = {}
         self._planned = Planned()  # a dry-run's nodes and links not made (snapshot.py)
-        self.first_pass_done = asyncio.Event()
+        self.first_pass_done = aio.Event()
         self.coalescer = self._make_coalescer()
         self.sources = sources
         self.sd_source = sources.systemd if sources is not None else None
         if sources is not None:
-            sources.sink.connect(
-                self.mark, self.coalescer.hold, self.on_reloaded, self.on_scope_started
-            )
+            sources.sink.connect(self.on_event, self.coalescer.hold)
         self.udev: Any = None
         self.transient: Any = None  # sources/transient.py, once started
         self.off_switch = OffSwitchGate(root, log)  # once seen, the daemon stops
@@ -95,49 +114,63 @@ class Daemon:
         return self.sd_source.client if self.sd_source is not None else None
 
     def mark(self, names: frozenset[str], why: str, urgent: bool) -> None:
-        """Every mark, the sources' and the follow-ups': steps by their registry names."""
+        """Every mark, the events' and the follow-ups': steps by their registry names."""
         check_names(names, self.step_order, f"mark ({why})")
         self.coalescer.mark(names, why, urgent)
 
+    def on_event(self, event: Event) -> None:
+        """An event from a source (or the daemon's own: start-up, SIGHUP): the steps the
+        registry wakes on it are marked, after the fast paths that serve it. Nothing once
+        the off switch is set (the daemon is stopping)."""
+        if self.switched_off():
+            return
+        names = woken_by(event.kind, frozenset(self.step_order), self.wakes)
+        if event.kind is EventKind.SYSTEMD_RELOADED:
+            self._reload_fast_paths(event.at)
+        elif event.kind is EventKind.SCOPE_STARTED:
+            names -= self._scope_fast_paths(names, event)
+        if names:
+            self.mark(names, event.why, event.urgent)
+
     # -- fast paths: work that must not wait for the quiet period or a running pass --
 
-    def on_reloaded(self, signal: float) -> None:
+    def _reload_fast_paths(self, signal: float) -> None:
         """systemd ended a daemon-reload/reexec: each step's reload fast path, inline on
         the loop, now (the pass that repairs the rest is marked next, urgently), with no
         garbage collection in between (gcpause.py)."""
-        if self.switched_off():
-            return
+        restored: list[float] = []
         with collector_paused():
             for name, step in self.steps.items():
-                fast = getattr(step, "on_reload", None)
-                if fast is None:
+                if not isinstance(step, ReloadFastPath):
                     continue
                 try:
-                    fast(self, signal)
+                    done = step.on_reload(self, signal)
                 except Exception as e:  # the pass that follows retries: never the loop down
                     self.log.crashed(name, "reload fast path", e)
+                    continue
+                if done is not None:
+                    restored.append(done)
         # This reload's repair time, written with the next pass's metrics
-        repair = getattr(self.steps.get(CONTAINER_ACCESS), "last_reload", None)
-        done = repair.restored if repair is not None and repair.signal == signal else None
-        if self.metrics is not None and done is not None:
-            self.metrics.state.observe(REPAIR_HISTOGRAM, max(0.0, done - signal))
+        if self.metrics is not None and restored:
+            self.metrics.state.observe(REPAIR_HISTOGRAM, max(0.0, max(restored) - signal))
 
-    def on_scope_started(self, unit: str) -> None:
-        """A container scope's job ended: its step handles that scope on its own, and
-        asks for a pass when it is done (or marks one at once when it has no fast path)."""
-        if self.switched_off():
-            return
-        step = self.steps.get(CONTAINER_ACCESS)
-        fast = getattr(step, "on_new_scope", None)
-
-        def again(why: str) -> None:
-            self.mark(frozenset({CONTAINER_ACCESS}), why, False)
-
-        if fast is None:
-            again(f"systemd: new container scope {unit}")
-            return
+    def _scope_fast_paths(self, names: frozenset[str], event: Event) -> frozenset[str]:
+        """A container scope's job ended: the woken steps with a fast path for it handle
+        that scope on their own, and each asks for its pass when it is done. Returns
+        those steps (the others are marked at once)."""
         gpus = self.inventory.gpus if self.inventory is not None else ()
-        fast(self, unit, gpus, again)
+        served = set()
+        for name, step in self.steps.items():
+            if name in names and isinstance(step, ScopeFastPath):
+                step.on_new_scope(self, event.unit, gpus, self._again(name))
+                served.add(name)
+        return frozenset(served)
+
+    def _again(self, name: str) -> Callable[[str], None]:
+        def again(why: str) -> None:
+            self.mark(frozenset({name}), why, False)
+
+        return again
 
     def _make_coalescer(self) -> Coalescer:
         d = self.config.daemon
@@ -169,7 +202,7 @@ class Daemon:
             return 0
         if self.dry_run:
             journal_observe(self.log, "start-up")
-        self.mark(frozenset(self.step_order), "start-up", True)
+        self.on_event(Event(EventKind.START_UP, "start-up", urgent=True))
         pass_task = asyncio.create_task(self.coalescer.run())
         first = asyncio.create_task(self.first_pass_done.wait())
         await asyncio.wait({first, pass_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -265,7 +298,7 @@ class Daemon:
             self.sources.reconfigure(new)
         self.log.event("config-reloaded", "configuration reloaded (SIGHUP)", level="notice")
         self.notifier.send("READY=1", f"STATUS={self.status_line()}")
-        self.mark(frozenset(self.step_order), "configuration reloaded", False)
+        self.on_event(Event(EventKind.CONFIG_RELOADED, "configuration reloaded"))
 
     async def _watchdog(self, interval: float) -> None:
         while True:
@@ -286,47 +319,38 @@ class Daemon:
         if self.dry_run:  # plan on the last pass's planned nodes and links, as the real
             # run acts on the ones it made then (its follow-up pass: durable grants)
             ctx.snapshot = self._snapshot_with(self._planned)
-        steps_ms: dict[str, float] = {}
-        for name, step in self.steps.items():  # in step_order: it matters
-            if name not in work.reconcilers:
-                continue
-            t_step = time.monotonic()
-            n_findings, n_outcomes, error = len(ctx.findings), len(ctx.outcomes), None
-            gauges_before = set(ctx.gauges)
-            try:
-                await step(self, ctx)
-            except Exception as e:
-                error = f"{type(e).__name__}: {e}"
-                self.log.crashed(name, f"reconciler {name}", e)
-            steps_ms[name] = round((time.monotonic() - t_step) * 1000, 2)
+        results = await self.runner.run(self, ctx, work.reconcilers)
+        for r in results:
             self.ledger.record(
-                name,
+                r.name,
                 self.passes,
-                ctx.findings[n_findings:],
-                ctx.outcomes[n_outcomes:],
-                error,
-                gauges={k: v for k, v in ctx.gauges.items() if k not in gauges_before},
+                list(r.findings),
+                list(r.outcomes),
+                r.error,
+                gauges=r.gauges,
+                unknown=list(r.unknown),
             )
+        steps_ms = {r.name: r.ms for r in results}
         duration = time.monotonic() - t0
         if self.dry_run and ctx.snapshot is not None:
             self._planned = ctx.snapshot.planned
         if ctx.known_inventory is not None:
             self.inventory = ctx.known_inventory
         changed = [o for o in ctx.outcomes if o.status == "done"]
-        self.last_pass = {
-            "number": self.passes,
-            "reasons": list(work.reasons[:8]),
-            "reconcilers": sorted(work.reconcilers),
-            "first_mark_age_ms": round((t0 - work.first_mark) * 1000, 1),
-            "started": started_wall,
-            "ended": time.time(),
-            "duration_ms": round(duration * 1000, 2),
-            "steps_ms": steps_ms,
-            "findings": [f.to_json() for f in ctx.findings],
-            "outcomes": [o.to_json() for o in ctx.outcomes],
-            "gpus": len(self.inventory.gpus) if self.inventory else None,
-        }
-        if not self.first_pass:
+        self.last_pass = PassRecord(
+            number=self.passes,
+            reasons=tuple(work.reasons[:8]),
+            reconcilers=tuple(sorted(work.reconcilers)),
+            first_mark_age_ms=round((t0 - work.first_mark) * 1000, 1),
+            started=started_wall,
+            ended=time.time(),
+            duration_ms=round(duration * 1000, 2),
+            steps_ms=steps_ms,
+            findings=tuple(ctx.findings),
+            outcomes=tuple(OutcomeRecord.of(o) for o in ctx.outcomes),
+            gpus=len(self.inventory.gpus) if self.inventory else None,
+        )
+        if self.first_pass is None:
             self.first_pass = self.last_pass
         level = "notice" if changed else "debug"  # findings are journaled by their steps
         self.log.event(
@@ -343,7 +367,7 @@ class Daemon:
             },
         )
         self._write_status()
-        self._schedule_followups(ctx.followups)
+        self._schedule_followups(self.runner.due(ctx))
         self.notifier.status(self.status_line())
         self.first_pass_done.set()
         if ctx.findings or ctx.outcomes:
@@ -353,7 +377,7 @@ class Daemon:
         seed = Planned(dict(planned.nodes), set(planned.links))
         return HostSnapshot(self.root, self.config.kubelet.checkpoint_path, planned=seed)
 
-    def _schedule_followups(self, followups: list[tuple[float, frozenset[str], str]]) -> None:
+    def _schedule_followups(self, followups: list[Due]) -> None:
         loop = asyncio.get_running_loop()
         now = loop.time()
         for delay, reconcilers, why in followups:
@@ -395,56 +419,17 @@ class Daemon:
 
     def status_line(self) -> str:
         p = self.last_pass
-        if not p:
+        if p is None:
             return "starting"
-        gpus = "no GPU inventory" if p["gpus"] is None else f"{p['gpus']} GPU(s)"
+        gpus = "no GPU inventory" if p.gpus is None else f"{p.gpus} GPU(s)"
         bus = "bus ok" if self.systemd is not None else "bus down"
         return (
-            f"pass {p['number']}: {len(p['findings'])} finding(s), "
-            f"{sum(o['status'] == 'done' for o in p['outcomes'])} change(s); {gpus}; {bus}"
+            f"pass {p.number}: {len(p.findings)} finding(s), {p.changes} change(s); {gpus}; {bus}"
         )
 
-    def _reload_signal(self) -> dict[str, Any]:
-        """Where systemd's Reloading comes from (sources/reload_socket.py)."""
-        sd = self.sd_source
-        private = sd.private if sd is not None else None
-        return {
-            "private_socket": private is not None and private.connected,
-            "last_via": sd.last_reload_via if sd is not None else "",
-            # every reload arrives on both paths and is acted on once
-            "reloads": sd.reloads_acted if sd is not None else 0,
-            "received": {
-                via: {"starts": n[0], "ends": n[1]}
-                for via, n in (sd.received.items() if sd is not None else ())
-            },
-        }
+    def status(self) -> Status:
+        """The status file's model (reporting/status.py) as of now."""
+        return report.daemon_status(self)
 
     def _write_status(self) -> None:
-        from gpuguard.actuate.files import write_new
-
-        fast_status = getattr(self.steps.get(CONTAINER_ACCESS), "fast_status", None)
-        doc = {
-            "pid": os.getpid(),
-            "started": self.started_wall,
-            "passes": self.passes,
-            "bus_connected": self.systemd is not None,
-            "reload_signal": self._reload_signal(),
-            "dry_run": self.dry_run,
-            "off_switch": self.off_switch.seen.to_json() if self.off_switch.seen else None,
-            "first_pass": self.first_pass,
-            "last_pass": self.last_pass,
-            "fast_paths": fast_status() if fast_status is not None else {},
-            **self.ledger.to_json(),
-        }
-        path = self.root.path(STATUS_FILE)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_new(path, json.dumps(doc, indent=1).encode(), mode=0o644)
-        except OSError as e:
-            self.log.debug(f"cannot write {path}: {e}")
-        except GpuguardError as e:  # a state directory that is a link or not root's
-            self.log.warning(f"status file not written: {e.message}")
-        if self.metrics is not None:
-            self.metrics.after_pass(
-                self.last_pass, doc, self.root, self.config.metrics.textfile_directory, self.log
-            )
+        report.write_status(self)

@@ -1,27 +1,29 @@
-"""The device steps outside the daemon: `gpuguard check` runs them once, `gpuguard status`
-reads the same observations without acting."""
+"""The steps outside the daemon: `gpuguard check` runs them once through the daemon's
+runner, `gpuguard status` reads the same observations without acting."""
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from gpuguard.config import Config
 from gpuguard.devices.nodes import nvidia_majors, read_proc_devices
 from gpuguard.engine.passes import STATUS_FILE, PassContext, Work
+from gpuguard.engine.runner import PassRunner, StepResult
 from gpuguard.engine.snapshot import HostSnapshot
-from gpuguard.host import safeio
 from gpuguard.host.inventory import Inventory
 from gpuguard.host.paths import Root
+from gpuguard.host.statefile import load
 from gpuguard.journal.log import EventLog
-from gpuguard.model import Finding, Outcome
-from gpuguard.steps.registry import CHECK_ORDER, CHECKPOINT, CONTAINER_ACCESS, STEPS, build_steps
+from gpuguard.reporting.status import SPEC as STATUS_SPEC
+from gpuguard.reporting.status import Status
+from gpuguard.steps.registry import CHECK_ORDER, STEPS, build_steps
 
 if TYPE_CHECKING:
     from gpuguard.devices.containers import ContainerCgroup
     from gpuguard.host.systemd import Systemd
+    from gpuguard.steps.registry import Step
 
 
 def driver_loaded(root: Root) -> bool:
@@ -44,21 +46,37 @@ class OneShotServices:
         return self.client
 
 
-async def run_device_steps(
-    svc: OneShotServices, inventory: Optional[Inventory], snapshot: HostSnapshot
-) -> tuple[list[Finding], list[Outcome]]:
-    """The device steps of `gpuguard check`, in the daemon's order (registry.CHECK_ORDER),
-    deciding from `snapshot`, the one the checkpoint step of the same run uses."""
+def check_steps(given: Mapping[str, Step]) -> dict[str, Step]:
+    """`gpuguard check`'s steps (registry.CHECK_ORDER), built as the daemon builds its
+    own; `given`: steps by name made by the caller (the checkpoint step with the
+    command's settings)."""
+    return {
+        **build_steps([s for s in STEPS if s.name in CHECK_ORDER and s.name not in given]),
+        **given,
+    }
+
+
+async def run_check_pass(
+    svc: OneShotServices,
+    steps: Mapping[str, Step],
+    inventory: Optional[Inventory],
+    snapshot: HostSnapshot,
+) -> list[StepResult]:
+    """`gpuguard check`'s one pass: `steps` in the daemon's order (registry.CHECK_ORDER)
+    through the daemon's runner, deciding from `snapshot`, then the daemon's immediate
+    follow-up pass once (links just made: durable grants now). Only systemd's
+    DeviceAllow= depends on what the first run made, so that follow-up needs the bus. A
+    dry-run makes no link and plans on the links it planned (snapshot.Planned): it
+    prints the grants the real run makes then, each change once. An error of any step
+    ends the run (a bug: exit 70; the checkpoint's: its own exit code)."""
     from gpuguard.host.systemd import Systemd, SystemdError
 
     async def load() -> Optional[Inventory]:
         return inventory
 
-    # CHECK_ORDER's device steps; the checkpoint, last, is run_check's (cli/check.py).
-    steps = build_steps([s for s in STEPS if s.name in CHECK_ORDER and s.name != CHECKPOINT])
     now = time.monotonic()
     ctx = PassContext(
-        Work(frozenset(), ("check",), now, now, urgent=True),  # kubelet waits on it
+        Work(frozenset(steps), ("check",), now, now, urgent=True),  # kubelet waits on it
         load,
         previous_inventory=inventory,
         snapshot=snapshot,
@@ -69,38 +87,22 @@ async def run_device_steps(
         svc.client = sd
     except SystemdError:
         svc.client = None  # no systemd: direct cgroup repairs only
+    runner = PassRunner(steps, CHECK_ORDER, propagate=(Exception,))
     try:
-        for name in CHECK_ORDER:
-            if name in steps:
-                await steps[name](svc, ctx)
-        # The daemon's immediate follow-up pass (links just made: durable grants now),
-        # once. Only systemd's DeviceAllow= depends on the links. A dry-run makes no
-        # link, so it runs that pass on the links it planned (snapshot.Planned): it
-        # prints the grants the real run makes then, each change once.
-        again = {n for delay, names, _ in ctx.followups if delay == 0 for n in names}
-        if svc.dry_run and snapshot.planned.links:
-            again.add(CONTAINER_ACCESS)
-        if svc.client is not None and again:
-            first, done = list(ctx.findings), len(ctx.outcomes)
-            for name in CHECK_ORDER:
-                if name in steps and name in again:
-                    await steps[name](svc, ctx)
-            ctx.findings = first + [f for f in ctx.findings[len(first) :] if f not in first]
-            if svc.dry_run:  # what the first run planned is not planned twice
-                planned = {o.action for o in ctx.outcomes[:done]}
-                ctx.outcomes[done:] = [o for o in ctx.outcomes[done:] if o.action not in planned]
+        return await runner.run_once(svc, ctx, steps, follow_up=svc.client is not None)
     finally:
         sd.disconnect()
-    return ctx.findings, ctx.outcomes
 
 
 def container_status(
     root: Root, cfg: Config, inventory: Optional[Inventory]
 ) -> list[dict[str, Any]]:
+    from gpuguard.steps.container_access.cgroups import Cgroups
     from gpuguard.steps.container_access.observe import AccessObserver
     from gpuguard.steps.container_access.reconcile import audit
 
-    view = AccessObserver().observe(
+    cgroups = Cgroups()
+    view = AccessObserver(cgroups).observe(
         root,
         inventory,
         HostSnapshot(root, cfg.kubelet.checkpoint_path),
@@ -112,6 +114,7 @@ def container_status(
         view.containers,
         view.entitlements,
         view.access,
+        cgroup_of=cgroups.of,
         device_rules=view.rules,
         plugin_containers=view.plugin_containers,
     )
@@ -167,30 +170,7 @@ def _unreadable_row(c: ContainerCgroup, why: str) -> dict[str, Any]:
     }
 
 
-def daemon_status(root: Root) -> Optional[dict[str, Any]]:
-    """The daemon's status file; None when it is absent or not one the daemon wrote."""
-    try:
-        raw, _st = safeio.read_bytes(
-            root.path(STATUS_FILE), what="status file", max_bytes=safeio.STATUS_MAX
-        )
-        doc = json.loads(raw)
-    except (safeio.UnsafeFileError, ValueError, RecursionError):
-        return None
-    return doc if _status_shape_ok(doc) else None
-
-
-def _status_shape_ok(doc: Any) -> bool:
-    """The fields `gpuguard status` prints have the types the daemon writes."""
-    if not isinstance(doc, dict) or type(doc.get("pid")) is not int:
-        return False
-    if type(doc.get("passes")) is not int:
-        return False
-    last = doc.get("last_pass")
-    if last is None:
-        return True
-    return (
-        isinstance(last, dict)
-        and isinstance(last.get("reasons", []), list)
-        and all(isinstance(r, str) for r in last.get("reasons", []))
-        and isinstance(last.get("findings", []), list)
-    )
+def daemon_status(root: Root) -> Optional[Status]:
+    """The daemon's status file (reporting/status.py's loader, whether its daemon still
+    runs or not); None when it is absent or not one this gpuguard writes."""
+    return load(root.path(STATUS_FILE), STATUS_SPEC).value

@@ -13,6 +13,7 @@ from gpuguard.host.inventory import Inventory
 from gpuguard.host.paths import Root
 from gpuguard.journal.log import EventLog
 from gpuguard.model import Finding, Outcome
+from gpuguard.steps.events import EventKind
 
 if TYPE_CHECKING:
     from gpuguard.engine.snapshot import HostSnapshot
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 
 STATUS_FILE = "/run/gpuguard/status.json"
 
-__all__ = ["STATUS_FILE", "PassContext", "Services", "Step", "Work"]
+__all__ = ["STATUS_FILE", "FollowUp", "PassContext", "Services", "Work"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,19 @@ class Work:
     # An urgent mark among them (a reload's end, start-up, a reconnection): losses are
     # likely, and the steps repair what they already know before looking further.
     urgent: bool = False
+
+
+@dataclass(frozen=True)
+class FollowUp:
+    """A pass a step wants later (`delay` seconds after this one): for itself (`step`,
+    e.g. when a grace period ends, which nothing else announces) or for the steps an
+    event of its own wakes (`event`, e.g. the /dev/char links it made); the runner
+    resolves it to step names through the registry."""
+
+    delay: float
+    why: str
+    step: str = ""
+    event: Optional[EventKind] = None
 
 
 @dataclass
@@ -52,11 +66,14 @@ class PassContext:
     snapshot: Optional[HostSnapshot] = None
     findings: list[Finding] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)
-    # (delay seconds, reconcilers, why): passes a step wants later, e.g. when a grace
-    # period ends; nothing else would announce that moment.
-    followups: list[tuple[float, frozenset[str], str]] = field(default_factory=list)
+    # passes the steps want later (recheck, announce); the runner resolves them
+    followups: list[FollowUp] = field(default_factory=list)
+    step: str = ""  # the step running now (the runner sets it)
     # Figures a step measured (gpu_containers, gpus_pci, ...): the status file and metrics.
     gauges: dict[str, float] = field(default_factory=dict)
+    # What a step could not see (a layer it could not read, no GPU inventory): its
+    # verdict is "unknown" there, never "ok" (status file, npd, metrics).
+    unknown: list[str] = field(default_factory=list)
     _inventory: Optional[Inventory] = None
     _loaded: bool = False
 
@@ -68,8 +85,14 @@ class PassContext:
             self.snapshot = HostSnapshot(svc.root, svc.config.kubelet.checkpoint_path)
         return self.snapshot
 
-    def recheck(self, after: float, reconcilers: frozenset[str], why: str) -> None:
-        self.followups.append((max(0.0, after), reconcilers, why))
+    def recheck(self, after: float, why: str) -> None:
+        """This step again, `after` seconds from now."""
+        self.followups.append(FollowUp(max(0.0, after), why, step=self.step))
+
+    def announce(self, kind: EventKind, why: str) -> None:
+        """Something this step did is an event for other steps (the registry says which):
+        a pass for them right after this one."""
+        self.followups.append(FollowUp(0.0, why, event=kind))
 
     async def inventory(self) -> Optional[Inventory]:
         if not self._loaded:
@@ -101,7 +124,3 @@ class Services(Protocol):
 
     @property
     def systemd(self) -> Optional[Systemd]: ...
-
-
-# A step observes, runs one reconciler and hands its actions to actuators.
-Step = Callable[[Services, PassContext], Awaitable[None]]

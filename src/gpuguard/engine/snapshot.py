@@ -12,9 +12,11 @@ daemon-reload repairs container access from its cache and must not wait for a
 the only step that changes the checkpoint decides from `checkpoint()` too: the snapshot
 is read before that write, whichever step asks first.
 
-Across passes, the repair records the entries it drops (checkpoint/dropped.py), and
-`pod_device_ids` is the checkpoint's entries plus those records: what the checkpoint
-said before gpuguard touched it.
+Across passes, the repair records the entries it drops or remaps (checkpoint/dropped.py),
+and `pod_device_ids` is the checkpoint's entries (a remapped entry's record in place of
+the IDs gpuguard wrote), or for a pod the checkpoint no longer names, those records: what
+the checkpoint said before gpuguard touched it. A record never widens a live entry
+(issue 28: a stale record naming another GPU made a live pod entitled to both).
 
 Within a dry-run, `planned` holds what an earlier step would have created and did not
 (device nodes, /dev/char links), so later steps plan against the host as the real run
@@ -85,13 +87,19 @@ class HostSnapshot:
 
     @cached_property
     def pod_device_ids(self) -> Mapping[str, frozenset[str]]:
-        """pod UID -> the device IDs its checkpoint entries name, dropped ones included.
+        """pod UID -> the device IDs the checkpoint gives it: its live entries, or, for
+        a pod whose entries gpuguard dropped, those (dropped.pod_device_ids).
 
         An unreadable checkpoint gives no evidence (the checkpoint step reports it); a
         checksum kubelet would reject does not make the entries less true."""
         c = self._checkpoint
         entries = c.checkpoint.entries or () if isinstance(c, Loaded) else ()
         return dropped.pod_device_ids(entries, self.dropped_entries[0])
+
+    @cached_property
+    def pod_recorded_ids(self) -> Mapping[str, frozenset[str]]:
+        """pod UID -> what its dropped entries named (never a grant: entitlement.py)."""
+        return dropped.recorded_device_ids(self.dropped_entries[0])
 
     @cached_property
     def majors(self) -> NvidiaMajors:

@@ -1,4 +1,4 @@
-"""The one parser for decimal integers read from files, and bounded echoes of values.
+"""The one parser for decimal integers read from files.
 
 Python's int() takes Unicode digits ("٣" is 3), underscores and spaces, and refuses
 numbers past 4,300 digits with a ValueError whose text no operator should see. Every
@@ -12,19 +12,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-MAX_ECHO = 80  # characters of a value echoed in a message
-
-
-def clip(value: object, limit: int = MAX_ECHO) -> str:
-    """repr() of `value`, cut to `limit` characters with an ellipsis: an error message
-    must stay one readable line whatever the input held."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def cut(text: str, limit: int = MAX_ECHO) -> str:
-    """`text` itself (no quotes), cut to `limit` characters with an ellipsis."""
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+# The bounded, escaped echoes live in host/echo.py; re-exported for the parsers' callers.
+from gpuguard.host.echo import MAX_ECHO as MAX_ECHO
+from gpuguard.host.echo import clip as clip
+from gpuguard.host.echo import cut as cut
 
 
 def _digits(text: str) -> bool:

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from gpuguard.host.numparse import cut
+from gpuguard.host.echo import cut
 from gpuguard.host.paths import Root
 from gpuguard.host.safeio import UnsafeFileError, read_bytes
 

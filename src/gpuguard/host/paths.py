@@ -31,6 +31,8 @@ STATE_DIR = "/var/lib/gpuguard"
 BACKUP_DIR = "/var/lib/gpuguard/backups"
 # checkpoint entries gpuguard dropped, kept as evidence (checkpoint/dropped.py)
 DROPPED_ENTRIES_FILE = "/var/lib/gpuguard/checkpoint-dropped.json"
+# each GPU's identity across boots, for the checkpoint remap (checkpoint/history.py)
+GPU_HISTORY_FILE = "/var/lib/gpuguard/gpu-identity.json"
 CONFIG_FILE = "/etc/gpuguard/gpuguard.conf"
 CONFIG_DROPIN_DIR = "/etc/gpuguard/gpuguard.conf.d"
 HOOKS_DIR = "/etc/gpuguard/hooks.d"

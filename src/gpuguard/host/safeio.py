@@ -5,8 +5,12 @@ and /proc files) goes through read_bytes()/read_text(), so none can hang or exha
 the daemon: the open is non-blocking (a FIFO must not block us), by default does not
 follow a symbolic link in the last component (a link could point anywhere), only a
 regular file is read (a FIFO, a device such as /dev/zero, a directory or a socket is
-refused), and no more than the cap for its kind is read, whatever st_size claims (cgroup
-and /proc files report 0 or 4096).
+refused), and no more than the cap for its kind is read. The bound is the bytes read,
+never st_size: sysfs attributes report 4096 whatever they hold, procfs and cgroupfs
+files 0, so a check of the reported size refused every real sysfs attribute (the PCI
+GPU count was 0 on every kernel) and passed any /proc file. read_attr() is the reader
+of one kernel attribute (sysfs, procfs, cgroupfs): a page at most, as the kernel
+serves it.
 
 Problems are UnsafeFileError (a BadInputError): one line with the path, what is wrong
 and the next step. `errno` tells a caller a vanished file (ENOENT) from a bad one.
@@ -30,6 +34,8 @@ CONFIG_MAX = 1024 * 1024
 STATUS_MAX = 4 * 1024 * 1024
 CGROUP_MAX = 1024 * 1024  # devices.list, cgroup.procs: a few KB on a busy node
 PROC_MAX = 4 * 1024 * 1024  # /proc/devices, mountinfo, environ, cmdline
+ATTR_MAX = 4096  # one sysfs/procfs attribute: the kernel serves at most a page
+STATE_MAX = 4 * 1024 * 1024  # a gpuguard state file (status, metrics, hook records)
 
 
 class UnsafeFileError(BadInputError):
@@ -82,8 +88,6 @@ def read_bytes(
             f"{path}: is over the {max_bytes}-byte limit for a {what}; refusing to read it "
             f"— {next_step}"
         )
-        if st.st_size > max_bytes:
-            raise UnsafeFileError(too_big)
         chunks = []
         left = max_bytes + 1  # one byte more tells us it grew past the limit
         while left > 0:
@@ -140,6 +144,20 @@ def read_kernel_text(path: Path, *, what: str, max_bytes: int = PROC_MAX) -> Opt
             return None
         raise
     return data.decode("utf-8", errors="replace")
+
+
+def read_attr(path: Path, *, what: str = "kernel attribute") -> Optional[str]:
+    """One sysfs, procfs or cgroupfs attribute (``vendor``, ``class``, ``comm``) as
+    stripped text, bad bytes replaced; None when it vanished or cannot be read (a
+    device unbound meanwhile, EACCES, EIO from a device gone off the bus). A FIFO, a
+    link or an attribute over a page (ATTR_MAX) in a fake root raises UnsafeFileError."""
+    try:
+        data, _st = read_bytes(path, what=what, max_bytes=ATTR_MAX)
+    except UnsafeFileError as e:
+        if e.errno in (_errno.ENOENT, _errno.ESRCH, _errno.ENOTDIR, _errno.EACCES, _errno.EIO):
+            return None
+        raise
+    return data.decode("utf-8", errors="replace").strip()
 
 
 def proc_bytes(path: Path, *, max_bytes: int = PROC_MAX) -> bytes:

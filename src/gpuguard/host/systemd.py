@@ -20,6 +20,8 @@ from typing import Any, Callable, Iterable, Optional
 from dbus_next import BusType, Message, MessageType, Variant
 from dbus_next.aio import MessageBus
 
+from gpuguard.host import aio
+
 SYSTEMD = "org.freedesktop.systemd1"
 MANAGER_PATH = "/org/freedesktop/systemd1"
 MANAGER = "org.freedesktop.systemd1.Manager"
@@ -91,7 +93,7 @@ class Systemd:
     def __init__(self, bus_address: str, *, max_in_flight: int = 64, timeout: float = 30.0):
         self.bus_address = bus_address
         self.timeout = timeout
-        self._sem = asyncio.Semaphore(max_in_flight)
+        self._sem = aio.Semaphore(max_in_flight)
         self._bus: Optional[MessageBus] = None
         self._job_waiters: dict[str, asyncio.Future[str]] = {}
         self._finished_jobs: dict[str, str] = {}  # JobRemoved seen before its waiter

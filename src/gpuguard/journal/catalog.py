@@ -11,6 +11,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
+from gpuguard.journal.catalog_checkpoint import CHECKPOINT_KINDS
 from gpuguard.journal.catalog_ops import OPS_KINDS
 
 NAMESPACE = uuid.UUID("5b0f3c2e-8d7a-4c1e-9f55-6a1d2b3c4e5f")
@@ -26,13 +27,6 @@ class KindDoc:
     text: str
 
 
-_CHECKPOINT_WHY = (
-    "The kubelet device-manager checkpoint "
-    "(/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint) names devices "
-    "by ID. After a reboot or an instance replacement GPUs can come back with new "
-    "UUIDs; kubelet then fails re-admitted pods with UnexpectedAdmissionError."
-)
-
 KINDS: dict[str, KindDoc] = {
     # generic levels, for entries that are not findings or actions
     "debug": KindDoc("gpuguard debug message", "Diagnostic detail."),
@@ -41,93 +35,10 @@ KINDS: dict[str, KindDoc] = {
     "error": KindDoc(
         "gpuguard error", "An error gpuguard could not work around; see the message above."
     ),
-    # checkpoint (F1)
-    "checkpoint-stale-registered": KindDoc(
-        "Checkpoint registers a device this host no longer has",
-        _CHECKPOINT_WHY + " A stale RegisteredDevices ID is mostly harmless; gpuguard "
-        "drops it when it repairs the file.",
-    ),
-    "checkpoint-stale-entry": KindDoc(
-        "Checkpoint allocates a device this host no longer has to a pod",
-        _CHECKPOINT_WHY + " gpuguard drops this pod entry (only this one) while kubelet is "
-        "stopped, so kubelet re-allocates the pod's devices at its next admission.",
-    ),
-    "checkpoint-unknown-id": KindDoc(
-        "Checkpoint holds a device ID gpuguard does not understand",
-        "The ID is neither a GPU or MIG UUID, a legacy MIG-GPU id, a replica, nor an index. "
-        "gpuguard leaves its resource untouched.",
-    ),
-    "checkpoint-corrupt": KindDoc(
-        "Kubelet checkpoint cannot be used",
-        "The file is not valid JSON, has a bad checksum or bad base64. Kubelet will discard it and "
-        "start with no device allocations. gpuguard does not modify it; restore a backup from "
-        "/var/lib/gpuguard/backups or let kubelet rebuild it.",
-    ),
-    "checkpoint-refused": KindDoc(
-        "gpuguard declined to repair the checkpoint",
-        "A safety rule stopped the repair (for example NVML reports no GPU at all, which more "
-        "likely means a driver problem than GPUs that all changed). Nothing was modified. Check "
-        "`nvidia-smi` and the message above for the reason.",
-    ),
-    "checkpoint-repaired": KindDoc(
-        "Kubelet checkpoint repaired",
-        "gpuguard rewrote the checkpoint without the stale IDs and pod entries, with a checksum "
-        "kubelet accepts. The previous file is saved as @BACKUP@. The pod entries it dropped are "
-        "recorded in /var/lib/gpuguard/checkpoint-dropped.json, so their pods' running containers "
-        "keep being judged by what the entries said.",
-    ),
-    "checkpoint-deleted": KindDoc(
-        "Kubelet checkpoint deleted (policy delete)",
-        "With Policy=delete gpuguard removes the whole checkpoint, as Alibaba's gpuops does; "
-        "kubelet rebuilds it and forgets every allocation. The old file is saved as @BACKUP@; its "
-        "pod entries are recorded in /var/lib/gpuguard/checkpoint-dropped.json.",
-    ),
-    "kubelet-restart": KindDoc(
-        "gpuguard restarted kubelet to repair its checkpoint",
-        "Kubelet overwrites the checkpoint from memory, so the file can only be repaired while "
-        "kubelet is stopped. gpuguard restarted kubelet.service so that its ExecStartPre= hook "
-        "(kubelet.service.d/10-gpuguard.conf) repairs the file before kubelet reads it. The repair "
-        "is then verified; when it cannot be, checkpoint-repair-unverified follows.",
-    ),
-    "kubelet-stop": KindDoc(
-        "gpuguard stopped kubelet to repair its checkpoint",
-        "The kubelet drop-in is not installed, so gpuguard stopped kubelet, repairs the file while "
-        "it is stopped (checkpoint-repaired) and starts kubelet again (kubelet-start). Install the "
-        "drop-in to make this a plain restart.",
-    ),
-    "kubelet-start": KindDoc(
-        "gpuguard started kubelet again after repairing its checkpoint",
-        "The end of a stop, repair, start (kubelet-stop): gpuguard starts kubelet whether the "
-        "repair succeeded or not, so a node is never left without kubelet.",
-    ),
-    "kubelet-coordination-failed": KindDoc(
-        "gpuguard could not coordinate with kubelet",
-        "Kubelet runs but could not be stopped or restarted through systemd (not a systemd unit, "
-        "or the job failed). The checkpoint was not modified.",
-    ),
-    "unit-job-failed": KindDoc(
-        "A systemd job gpuguard queued did not succeed",
-        "gpuguard asked systemd to restart, stop or start @UNIT@ (for the reason in the message: "
-        "kubelet around a checkpoint repair, or a device plugin run as a host service) and the job "
-        "ended otherwise than 'done', or systemd refused it: @JOB_RESULT@. The unit may now be "
-        "stopped: see `systemctl status` and `journalctl -u` for it. What it means for the repair "
-        "follows in gpuguard's next entry (kubelet-coordination-failed, "
-        "checkpoint-repair-unverified or plugin-restart-failed).",
-    ),
-    "checkpoint-repair-unverified": KindDoc(
-        "A checkpoint repair during a kubelet restart could not be verified",
-        "gpuguard restarted kubelet so that its ExecStartPre= hook would repair the checkpoint, "
-        "but the hook left no result for that restart, reported that it did not repair the file, "
-        "or the file still names stale devices after the restart. The message above says which. "
-        "The repair is counted as failed (exit code 5). See `journalctl -u kubelet` for the hook's "
-        "own entries, fix the cause (driver, configuration), then run `gpuguard check` again.",
-    ),
-    "kubelet-hook-skipped": KindDoc(
-        "kubelet's pre-start hook had nothing to do",
-        "The hook found nothing it can or should check (no NVIDIA driver or NVML, or no checkpoint "
-        "file yet) and exited 0 so kubelet's status shows no failing ExecStartPre=. Logged once "
-        "per state and boot; nothing was modified.",
-    ),
+    # checkpoint (F1): catalog_checkpoint.py
+    **{k: KindDoc(*v) for k, v in CHECKPOINT_KINDS.items()},
+    # operating gpuguard itself (the off switch, observe-only): catalog_ops.py
+    **{k: KindDoc(*v) for k, v in OPS_KINDS.items()},
     # device nodes and /dev/char links (F2, F3)
     "device-node-created": KindDoc(
         "gpuguard created an NVIDIA device node",
@@ -421,8 +332,6 @@ KINDS: dict[str, KindDoc] = {
         "plugin pod (kubectl describe) and how its /dev is populated.",
     ),
 }
-
-KINDS.update({kind: KindDoc(*doc) for kind, doc in OPS_KINDS.items()})
 
 
 def render_catalog() -> str:

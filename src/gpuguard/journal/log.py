@@ -25,10 +25,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, TextIO
 
+from gpuguard.host.echo import cut
 from gpuguard.journal.catalog import message_id
 from gpuguard.model import Finding, Outcome
 
 LEVELS = {"debug": 7, "info": 6, "notice": 5, "warning": 4, "error": 3}
+MESSAGE_MAX = 2000  # characters of one journal message: a few findings' worth
+FIELD_MAX = 1000  # of one structured field's value
 
 Sender = Callable[..., None]
 
@@ -165,7 +168,11 @@ class EventLog:
         prio = LEVELS[level]
         if prio > self.threshold:
             return
-        extra = {**self.static, **{k: str(v) for k, v in (fields or {}).items()}}
+        # Whatever a message echoes (file contents, names, command output): one line,
+        # bounded and escaped (host/echo.py); a field's value bounded (journald and the
+        # JSON lines carry a newline in a field safely)
+        msg = cut(msg, MESSAGE_MAX)
+        extra = {**self.static, **{k: str(v)[:FIELD_MAX] for k, v in (fields or {}).items()}}
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)) if exc else ""
         sent = False
         if self.journal is not None:

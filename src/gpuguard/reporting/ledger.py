@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from gpuguard.model import Finding, Outcome
+from gpuguard.reporting.status import Change, OutcomeRecord, StepResult
 
 RECENT_WINDOW = 3600.0
 RECENT_MAX = 500  # a bound on the status file, not an expected number
@@ -21,8 +22,8 @@ RECENT_MAX = 500  # a bound on the status file, not an expected number
 
 class Ledger:
     def __init__(self) -> None:
-        self.steps: dict[str, dict[str, Any]] = {}
-        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_MAX)
+        self.steps: dict[str, StepResult] = {}
+        self.recent: deque[Change] = deque(maxlen=RECENT_MAX)
 
     def record(
         self,
@@ -33,30 +34,25 @@ class Ledger:
         error: Optional[str] = None,
         now: Optional[float] = None,
         gauges: Optional[Mapping[str, float]] = None,
+        unknown: Sequence[str] = (),
     ) -> None:
         now = time.time() if now is None else now
-        self.steps[step] = {
-            "pass": pass_number,
-            "ended": now,
-            "error": error,
-            "findings": [f.to_json() for f in findings],
-            "outcomes": [o.to_json() for o in outcomes],
-            "gauges": dict(gauges or {}),
-        }
+        self.steps[step] = StepResult(
+            pass_number=pass_number,
+            ended=now,
+            error=error,
+            findings=tuple(findings),
+            outcomes=tuple(OutcomeRecord.of(o) for o in outcomes),
+            gauges=dict(gauges or {}),
+            unknown=tuple(unknown),
+        )
         for o in outcomes:
             if o.status in ("done", "failed", "declined"):
-                self.recent.append(
-                    {
-                        "time": now,
-                        "step": step,
-                        "kind": o.action.kind,
-                        "status": o.status,
-                        "target": o.action.target,
-                    }
-                )
+                self.recent.append(Change(now, step, o.action.kind, o.status, o.action.target))
 
-    def to_json(self, now: Optional[float] = None) -> dict[str, Any]:
+    def recent_changes(self, now: Optional[float] = None) -> tuple[Change, ...]:
+        """The changes of the last RECENT_WINDOW seconds (older ones are dropped)."""
         now = time.time() if now is None else now
-        while self.recent and now - self.recent[0]["time"] > RECENT_WINDOW:
+        while self.recent and now - self.recent[0].time > RECENT_WINDOW:
             self.recent.popleft()
-        return {"steps": self.steps, "recent_changes": list(self.recent)}
+        return tuple(self.recent)

@@ -12,10 +12,8 @@ raises ImportError and the callers say so (metrics_state.MISSING_LIBRARY).
 
 from __future__ import annotations
 
-import errno
-import json
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -27,8 +25,10 @@ from prometheus_client.core import (
 from prometheus_client.utils import floatToGoString
 
 from gpuguard.errors import BadInputError
-from gpuguard.host import safeio
-from gpuguard.reporting.metrics_state import COUNTER, FAMILIES, FORMAT, GAUGE, STATE_MAX, Family
+from gpuguard.host.echo import cut
+from gpuguard.host.statefile import load
+from gpuguard.reporting.metrics_file import SPEC, AnySeries, Histogram, MetricsValues, Series
+from gpuguard.reporting.metrics_state import COUNTER, FAMILIES, GAUGE, HISTOGRAM, Family
 
 go_float: Callable[[float], str] = floatToGoString  # how a Histogram spells its bounds
 
@@ -37,75 +37,44 @@ class MetricsFileError(BadInputError):
     """metrics.json is missing, unreadable or not what the daemon writes."""
 
 
-def _number(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{what} is not a number")
-    return float(value)
-
-
-def _labels(series: Mapping[str, Any], family: Family) -> list[str]:
-    labels = series.get("labels")
-    if (
-        not isinstance(labels, list)
-        or len(labels) != len(family.labels)
-        or not all(isinstance(v, str) for v in labels)
-    ):
-        raise ValueError(f"{family.name}: labels are not {len(family.labels)} strings")
-    return labels
-
-
-def _family(family: Family, series: Sequence[Mapping[str, Any]]) -> Metric:
+def _family(family: Family, series: Sequence[AnySeries]) -> Metric:
     if family.kind == COUNTER:
         c = CounterMetricFamily(family.name, family.help, labels=family.labels)
         for s in series:
-            created = s.get("created")
-            c.add_metric(
-                _labels(s, family),
-                _number(s.get("value"), f"{family.name} value"),
-                created=None if created is None else _number(created, f"{family.name} created"),
-            )
+            if isinstance(s, Series):
+                c.add_metric(list(s.labels), s.value, created=s.created)
         return c
     if family.kind == GAUGE:
         g = GaugeMetricFamily(family.name, family.help, labels=family.labels)
         for s in series:
-            g.add_metric(_labels(s, family), _number(s.get("value"), f"{family.name} value"))
+            if isinstance(s, Series):
+                g.add_metric(list(s.labels), s.value)
         return g
     h = HistogramMetricFamily(family.name, family.help, labels=family.labels)
     for s in series:
-        labels = _labels(s, family)
-        bounds = [_number(b, f"{family.name} bound") for b in s.get("bounds") or ()]
-        counts = [_number(n, f"{family.name} count") for n in s.get("counts") or ()]
-        if len(counts) != len(bounds) + 1 or bounds != sorted(bounds):
-            raise ValueError(f"{family.name}: bounds and counts do not match")
+        if not isinstance(s, Histogram):
+            continue
         cumulative, buckets = 0.0, []
-        for bound, n in zip([*bounds, float("inf")], counts):
+        for bound, n in zip([*s.bounds, float("inf")], s.counts):
             cumulative += n
             buckets.append((go_float(bound), cumulative))
-        h.add_metric(labels, buckets, _number(s.get("sum"), f"{family.name} sum"))
-        if s.get("created") is not None:  # the family has no argument for it
-            created = _number(s["created"], f"{family.name} created")
-            h.add_sample(family.name + "_created", dict(zip(family.labels, labels)), created)
+        h.add_metric(list(s.labels), buckets, s.sum)
+        if s.created is not None:  # the family has no argument for it
+            h.add_sample(family.name + "_created", dict(zip(family.labels, s.labels)), s.created)
     return h
 
 
-def families(doc: Any) -> list[Metric]:
-    """Every family in FAMILIES' order, with the values in `doc` (ValueError if it is
-    not what metrics_state writes)."""
-    if not isinstance(doc, dict):
-        raise ValueError("not a JSON object")
-    if doc.get("format") != FORMAT:
-        raise ValueError(
-            f"format {doc.get('format')!r}, this gpuguard reads format {FORMAT} (restart "
-            "gpuguard.service and gpuguard-metrics.service after an upgrade)"
-        )
-    values = doc.get("families")
-    if not isinstance(values, dict):
-        raise ValueError("no families")
+def families(values: MetricsValues) -> list[Metric]:
+    """Every family in FAMILIES' order, with its values (ValueError when a series does
+    not fit its family: a label count that differs, a histogram where a gauge was)."""
     out = []
     for f in FAMILIES:
-        series = values.get(f.name, [])
-        if not isinstance(series, list) or not all(isinstance(s, dict) for s in series):
-            raise ValueError(f"{f.name}: not a list of series")
+        series = values.families.get(f.name, ())
+        for s in series:
+            if len(s.labels) != len(f.labels):
+                raise ValueError(f"{f.name}: labels are not {len(f.labels)} strings")
+            if isinstance(s, Histogram) != (f.kind == HISTOGRAM):
+                raise ValueError(f"{f.name}: not a {f.kind}'s series")
         out.append(_family(f, series))
     return out
 
@@ -116,44 +85,37 @@ class StateCollector:
     class: Ubuntu 22.04's prometheus_client 0.9 has none, and register() needs only
     collect()."""
 
-    def __init__(self, doc: Any) -> None:
-        self.metrics = families(doc)
+    def __init__(self, values: MetricsValues) -> None:
+        self.metrics = families(values)
 
     def collect(self) -> Iterator[Metric]:
         yield from self.metrics
 
 
-def render(doc: Mapping[str, Any]) -> bytes:
+def render(values: MetricsValues) -> bytes:
     """The text exposition (format 0.0.4) of a metrics.json document."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StateCollector(doc))  # type: ignore[arg-type]
+    registry.register(StateCollector(values))  # type: ignore[arg-type]
     return generate_latest(registry)
 
 
 def render_file(path: Path, disabled: bool = False) -> bytes:
-    """render() of the file the daemon wrote, with gpuguard_disabled as the off switch is
-    now; MetricsFileError, one line, otherwise. With the switch set and no file (the
-    daemon does not run), the families without values: gpuguard_disabled 1 still says
-    why."""
+    """render() of the file the daemon wrote (metrics_file.SPEC's loader), with
+    gpuguard_disabled as the off switch is now; MetricsFileError, one line, otherwise.
+    With the switch set and no file (the daemon does not run), the families without
+    values: gpuguard_disabled 1 still says why."""
+    got = load(path, SPEC)
+    if got.value is not None:
+        values = got.value
+    elif got.absent and disabled:
+        values = MetricsValues({})
+    else:
+        why = f"{path}: does not exist — is gpuguard.service running?" if got.absent else got.why
+        raise MetricsFileError(why)
+    switch = (Series((), float(disabled)),)
     try:
-        data, _st = safeio.read_bytes(
-            path,
-            what="metrics state",
-            max_bytes=STATE_MAX,
-            missing="does not exist — is gpuguard.service running?",
-            next_step="gpuguard.service writes it after every pass; restart it",
-        )
-    except safeio.UnsafeFileError as e:
-        if not disabled or e.errno != errno.ENOENT:
-            raise
-        data = json.dumps({"format": FORMAT, "families": {}}).encode()
-    try:
-        doc = json.loads(data)
-        if isinstance(doc, dict) and isinstance(doc.get("families"), dict):
-            doc["families"]["gpuguard_disabled"] = [{"labels": [], "value": float(disabled)}]
-        return render(doc)
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError included
+        return render(MetricsValues({**values.families, "gpuguard_disabled": switch}))
+    except ValueError as e:
         raise MetricsFileError(
-            f"{path}: not gpuguard's metrics ({e}) — gpuguard.service rewrites it after its "
-            "next pass; restart it if this stays"
+            cut(f"{path}: not gpuguard's metrics ({e}); {SPEC.next_step}", 400)
         ) from None

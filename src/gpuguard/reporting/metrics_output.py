@@ -6,19 +6,19 @@ daemon that writes no textfile never loads it (metrics_state.py says why)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Callable, Optional
 
 from gpuguard.host.paths import Root
 from gpuguard.journal.log import EventLog
+from gpuguard.reporting.metrics_file import SPEC, STATE_FILE
 from gpuguard.reporting.metrics_state import (
     MISSING_LIBRARY,
-    STATE_FILE,
     TEXTFILE_NAME,
     MetricsState,
     Render,
 )
+from gpuguard.reporting.status import PassRecord, Status
 
 
 def load_renderer() -> Render:
@@ -40,8 +40,8 @@ class MetricsOutput:
 
     def after_pass(
         self,
-        last_pass: Mapping[str, Any],
-        status: Mapping[str, Any],
+        last_pass: PassRecord,
+        status: Status,
         root: Root,
         textfile_dir: Optional[str],
         log: EventLog,
@@ -66,16 +66,25 @@ class MetricsOutput:
 
     def publish(
         self,
-        last_pass: Mapping[str, Any],
-        status: Mapping[str, Any],
+        last_pass: PassRecord,
+        status: Status,
         root: Root,
         textfile_dir: Optional[str],
     ) -> list[str]:
         """Update and write; the errors not reported by the previous call."""
+        from gpuguard.actuate.statefile import write_state
+        from gpuguard.errors import GpuguardError
+
         self.state.observe_pass(last_pass, status)
-        doc = self.state.to_json()
-        data = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
-        errors = export(data, [root.path(STATE_FILE)])
+        doc = self.state.to_values()
+        errors = []
+        path = root.path(STATE_FILE)
+        try:
+            write_state(path, SPEC, doc)
+        except OSError as e:
+            errors.append(f"cannot write metrics to {path}: {e.strerror}")
+        except GpuguardError as e:  # a runtime directory that is a link or not root's
+            errors.append(f"cannot write metrics: {e.message}")
         if textfile_dir:
             textfile = root.path(textfile_dir) / TEXTFILE_NAME
             render = self._renderer()

@@ -24,15 +24,17 @@ import platform
 import time
 from collections import Counter as Tally
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Callable, Optional
 
 from gpuguard import __version__
-from gpuguard.reporting.npd import CONDITIONS, DEFAULT_MAX_AGE, OK, PROBLEM, evaluate
+from gpuguard.reporting.metrics_file import FORMAT as FORMAT
+from gpuguard.reporting.metrics_file import STATE_FILE as STATE_FILE
+from gpuguard.reporting.metrics_file import STATE_MAX as STATE_MAX
+from gpuguard.reporting.metrics_file import AnySeries, Histogram, MetricsValues, Series
+from gpuguard.reporting.npd import CONDITIONS, DEFAULT_MAX_AGE, STATE_NAMES, evaluate
+from gpuguard.reporting.status import PassRecord, Status
 from gpuguard.steps.registry import CONTAINER_ACCESS, GPU_COUNT
 
-STATE_FILE = "/run/gpuguard/metrics.json"
-FORMAT = 1  # metrics.json's layout; a reader refuses another
-STATE_MAX = 4 * 1024 * 1024  # a busy node's is a few KB
 TEXTFILE_NAME = "gpuguard.prom"
 # From a 5 ms container re-grant to a pass that restarts kubelet (tens of seconds).
 PASS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -45,9 +47,10 @@ MISSING_LIBRARY = (
     "in Prometheus's format — install it (python3-prometheus_client on RHEL)"
 )
 
+
 COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
 Key = tuple[str, ...]
-Render = Callable[[Mapping[str, Any]], bytes]
+Render = Callable[[MetricsValues], bytes]
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,14 @@ FAMILIES = (
         ("condition",),
     ),
     Family(
+        "gpuguard_node_condition_status",
+        GAUGE,
+        "Each node condition's state, as kube-state-metrics shows a node's: 1 for the "
+        "status it has (true: the problem is present, false: it is not, unknown: it "
+        "could not be judged), 0 for the others (the same answer as `gpuguard npd`).",
+        ("condition", "status"),
+    ),
+    Family(
         "gpuguard_disabled",
         GAUGE,
         "1 while the off switch /etc/gpuguard/disabled is set (`gpuguard disable`: gpuguard "
@@ -146,7 +157,7 @@ _BY_NAME = {f.name: f for f in FAMILIES}
 
 
 class MetricsState:
-    """Every metric's values, updated by observe_pass() and written by to_json()."""
+    """Every metric's values, updated by observe_pass(), written as to_values()."""
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
@@ -162,7 +173,7 @@ class MetricsState:
         self.buckets = {f.name: [0] * (len(f.buckets) + 1) for f in FAMILIES if f.buckets}
         self.sums = {name: 0.0 for name in self.buckets}
         self.start = start
-        self.counted: Any = None  # the number of the last pass counted
+        self.counted: Optional[int] = None  # the number of the last pass counted
         self.set("gpuguard_build_info", 1, __version__, platform.python_version())
 
     def _series(self, name: str, labels: Key) -> dict[Key, float]:
@@ -200,73 +211,72 @@ class MetricsState:
     def observe_duration(self, seconds: float) -> None:
         self.observe("gpuguard_pass_duration_seconds", seconds)
 
-    def observe_pass(self, last_pass: Mapping[str, Any], status: Mapping[str, Any]) -> None:
-        """Count one pass (the daemon's last_pass document; each pass once, by its
-        number) and refresh the gauges from the status document (each step's latest
-        result, the mode, the off switch)."""
-        if last_pass.get("number") != self.counted:
-            self.counted = last_pass.get("number")
+    def observe_pass(self, last_pass: PassRecord, status: Status) -> None:
+        """Count one pass (each once, by its number: the daemon stopped by the off switch
+        writes its status again) and refresh the gauges from each step's latest result,
+        the mode and the off switch."""
+        if last_pass.number != self.counted:
+            self.counted = last_pass.number
             self._count(last_pass)
-        steps: Mapping[str, Any] = status.get("steps") or {}
+        steps = status.steps
         self.clear("gpuguard_open_findings")
         for name, st in steps.items():
-            for (kind, step), n in Tally((f["kind"], name) for f in st["findings"]).items():
+            for (kind, step), n in Tally((f.kind, name) for f in st.findings).items():
                 self.set("gpuguard_open_findings", n, kind, step)
         access = steps.get(CONTAINER_ACCESS)
-        if access is not None and access.get("pass") == last_pass.get("number"):
-            gauges = access.get("gauges") or {}
-            if "gpu_containers" in gauges:
-                self.set("gpuguard_gpu_containers", gauges["gpu_containers"])
+        if access is not None and access.pass_number == last_pass.number:
+            if "gpu_containers" in access.gauges:
+                self.set("gpuguard_gpu_containers", access.gauges["gpu_containers"])
             denied = {
-                f["fields"].get("CONTAINER_ID")
-                for f in access["findings"]
-                if f["kind"] in DENIED_KINDS
+                f.fields.get("CONTAINER_ID") for f in access.findings if f.kind in DENIED_KINDS
             }
             self.set("gpuguard_gpu_containers_without_access", len(denied))
-        counts = (steps.get(GPU_COUNT) or {}).get("gauges") or {}
+        counts = steps[GPU_COUNT].gauges if GPU_COUNT in steps else {}
         for layer in ("pci", "nvml", "kubelet"):
-            if counts.get(f"gpus_{layer}") is not None:
+            if f"gpus_{layer}" in counts:
                 self.set("gpuguard_gpus", counts[f"gpus_{layer}"], layer)
         self.clear("gpuguard_mode")
-        self.set("gpuguard_mode", 1, "observe" if status.get("dry_run") else "repair")
-        self.set("gpuguard_disabled", 1 if status.get("off_switch") else 0)
+        self.set("gpuguard_mode", 1, status.mode)
+        self.set("gpuguard_disabled", 1 if status.off_switch is not None else 0)
         self.clear("gpuguard_node_condition")
-        now = float(last_pass.get("ended", 0.0))
+        self.clear("gpuguard_node_condition_status")
         for c in CONDITIONS:
-            code, _ = evaluate(c, {"steps": steps}, now, DEFAULT_MAX_AGE)
-            if code in (OK, PROBLEM):
-                self.set("gpuguard_node_condition", 1 if code == PROBLEM else 0, c.type)
+            code, _ = evaluate(c, steps, last_pass.ended, DEFAULT_MAX_AGE)
+            state = STATE_NAMES[code]
+            if state != "unknown":
+                self.set("gpuguard_node_condition", 1 if state == "problem" else 0, c.type)
+            for name, label in (("problem", "true"), ("ok", "false"), ("unknown", "unknown")):
+                self.set("gpuguard_node_condition_status", int(state == name), c.type, label)
 
-    def _count(self, last_pass: Mapping[str, Any]) -> None:
+    def _count(self, last_pass: PassRecord) -> None:
         self.inc("gpuguard_passes")
-        self.observe_duration(float(last_pass.get("duration_ms", 0.0)) / 1000.0)
-        self.set("gpuguard_last_pass_timestamp_seconds", float(last_pass.get("ended", 0.0)))
-        for f in last_pass.get("findings", ()):
-            self.inc("gpuguard_findings", f["kind"], f["reconciler"])
-        for o in last_pass.get("outcomes", ()):
-            self.inc("gpuguard_actions", o["kind"], o["status"])
-            if o["kind"] == "restart-plugin":
-                self.inc("gpuguard_plugin_restarts", o["status"])
+        self.observe_duration(last_pass.duration_ms / 1000.0)
+        self.set("gpuguard_last_pass_timestamp_seconds", last_pass.ended)
+        for f in last_pass.findings:
+            self.inc("gpuguard_findings", f.kind, f.reconciler)
+        for o in last_pass.outcomes:
+            self.inc("gpuguard_actions", o.kind, o.status)
+            if o.kind == "restart-plugin":
+                self.inc("gpuguard_plugin_restarts", o.status)
 
-    def to_json(self) -> dict[str, Any]:
-        """metrics.json: per family, its series in the order they appeared; a counter's
-        with `created` (Unix time), the histogram's with its bounds (+Inf implied)."""
-        families: dict[str, list[dict[str, Any]]] = {}
+    def to_values(self) -> MetricsValues:
+        """metrics.json's model: per family, its series in the order they appeared; a
+        counter's with `created` (Unix time), the histogram's with its bounds."""
+        families: dict[str, tuple[AnySeries, ...]] = {}
         for f in FAMILIES:
             if f.kind == HISTOGRAM:
-                families[f.name] = [
-                    {
-                        "labels": [],
-                        "bounds": list(f.buckets),
-                        "counts": list(self.buckets[f.name]),
-                        "sum": self.sums[f.name],
-                        "created": self.start,
-                    }
-                ]
+                families[f.name] = (
+                    Histogram(
+                        (),
+                        f.buckets,
+                        tuple(float(n) for n in self.buckets[f.name]),
+                        self.sums[f.name],
+                        self.start,
+                    ),
+                )
                 continue
             created = self.created[f.name]
-            families[f.name] = [
-                {"labels": list(k), "value": v, **({"created": created[k]} if k in created else {})}
-                for k, v in self.values[f.name].items()
-            ]
-        return {"format": FORMAT, "families": families}
+            families[f.name] = tuple(
+                Series(k, v, created.get(k)) for k, v in self.values[f.name].items()
+            )
+        return MetricsValues(families)

@@ -8,29 +8,28 @@ anything else is unknown too) and its trimmed stdout, cut at `max_output_length`
 The answer comes from the daemon's status file (/run/gpuguard/status.json: each step's
 latest findings and outcomes, see ledger.py): no second audit, milliseconds. A finding
 counts as a problem until a pass of its step repaired it (every outcome done or already
-so); a step that never ran, crashed or is older than `max_age` is unknown, as is a
-status file that cannot be read or a daemon that is gone.
+so); a step that never ran, crashed, is older than `max_age` or could not see a layer
+it judges (its `unknown`: no GPU inventory, sysfs unreadable, no checkpoint) is
+unknown, as is a status file that cannot be read or a daemon that is gone. Never "OK"
+about what was not seen.
 """
 
 from __future__ import annotations
 
-import errno
-import json
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from gpuguard.host.paths import Root
-from gpuguard.host.safeio import UnsafeFileError, read_bytes
+from gpuguard.model import Finding
+from gpuguard.reporting.status import STATUS_FILE as STATUS_FILE
+from gpuguard.reporting.status import ConditionState, Status, StepResult
+from gpuguard.reporting.status import read_status as load_status
 from gpuguard.steps.registry import CHECKPOINT, CONTAINER_ACCESS, DEVICE_PLUGIN, GPU_COUNT
-
-# passes.STATUS_FILE, repeated so `gpuguard npd` imports nothing heavy (a test keeps them equal).
-STATUS_FILE = "/run/gpuguard/status.json"
 
 OK, PROBLEM, UNKNOWN = 0, 1, 2
 DEFAULT_MAX_LENGTH = 80  # NPD's default max_output_length
 DEFAULT_MAX_AGE = 7200.0  # two default audit intervals
-MAX_STATUS_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -107,57 +106,64 @@ CONDITIONS: tuple[Condition, ...] = (
 BY_NAME = {c.name: c for c in CONDITIONS}
 
 
-def read_status(root: Root) -> tuple[Optional[Mapping[str, Any]], str]:
-    """(status document, "") or (None, why it cannot be used)."""
-    path = root.path(STATUS_FILE)
-    try:  # non-blocking, regular files only, bounded: a FIFO here must not hang NPD
-        data, _st = read_bytes(path, what="status file", max_bytes=MAX_STATUS_BYTES)
-    except UnsafeFileError as e:
-        if e.errno == errno.ENOENT:
-            return None, f"no {STATUS_FILE}: gpuguard daemon not running"
-        return None, f"cannot read {STATUS_FILE}: {e.message}"
-    try:
-        doc = json.loads(data)
-    except ValueError:
-        return None, f"{STATUS_FILE} is not valid JSON (half-written?)"
-    if not isinstance(doc, dict) or not isinstance(doc.get("pid"), int):
-        return None, f"{STATUS_FILE} is not a gpuguard status file"
-    if not root.path(f"/proc/{doc['pid']}").is_dir():
-        return None, f"gpuguard daemon (pid {doc['pid']}) is gone; status is stale"
-    return doc, ""
+def read_status(root: Root) -> tuple[Optional[Status], str]:
+    """(status, "") or (None, why it cannot be used): reporting/status.py's loader, so a
+    FIFO, a link, a huge, deep or malformed file here is "unknown", never a hang or a
+    traceback."""
+    return load_status(root)
 
 
 def evaluate(
-    cond: Condition, doc: Mapping[str, Any], now: float, max_age: float
+    cond: Condition, steps: Mapping[str, StepResult], now: float, max_age: float
 ) -> tuple[int, str]:
-    """(exit status, message) for one condition from a status document."""
-    steps = doc.get("steps")
-    if not isinstance(steps, dict):
-        return UNKNOWN, "status file has no per-step results (daemon too old?)"
-    open_findings: list[Mapping[str, Any]] = []
+    """(exit status, message) for one condition from each step's latest result.
+
+    Problem: a finding of its kinds not repaired by its step's pass. Unknown: a step
+    that never ran, crashed, is older than `max_age`, or could not see a layer it
+    judges (its `unknown`), while no problem is known. OK otherwise."""
+    open_findings: list[Finding] = []
+    unknown: list[str] = []
     for name in cond.steps:
         st = steps.get(name)
-        if not isinstance(st, dict):
-            return UNKNOWN, f"no {name} check has run yet"
-        if st.get("error"):
-            return UNKNOWN, f"{name} check failed: {st['error']}"
-        ended = st.get("ended")
-        if not isinstance(ended, (int, float)) or now - ended > max_age:
-            return UNKNOWN, f"last {name} check is older than {max_age:.0f}s"
-        findings = [
-            f
-            for f in st.get("findings") or ()
-            if isinstance(f, dict) and f.get("kind") in cond.kinds
-        ]
-        outcomes = [o for o in st.get("outcomes") or () if isinstance(o, dict)]
-        repaired = bool(outcomes) and all(o.get("status") in ("done", "skipped") for o in outcomes)
+        if st is None:
+            unknown.append(f"no {name} check has run yet")
+            continue
+        if st.error:
+            unknown.append(f"{name} check failed: {st.error}")
+            continue
+        if now - st.ended > max_age:
+            unknown.append(f"last {name} check is older than {max_age:.0f}s")
+            continue
+        findings = [f for f in st.findings if f.kind in cond.kinds]
+        repaired = bool(st.outcomes) and all(o.status in ("done", "skipped") for o in st.outcomes)
         if findings and not repaired:
             open_findings += findings
-    if not open_findings:
-        return OK, cond.ok_message
-    first = str(open_findings[0].get("summary", cond.reason))
-    more = f" (+{len(open_findings) - 1} more)" if len(open_findings) > 1 else ""
-    return PROBLEM, first + more
+        unknown += st.unknown
+    if open_findings:
+        first = open_findings[0].summary or cond.reason
+        more = f" (+{len(open_findings) - 1} more)" if len(open_findings) > 1 else ""
+        return PROBLEM, first + more
+    if unknown:
+        more = f" (+{len(unknown) - 1} more)" if len(unknown) > 1 else ""
+        return UNKNOWN, unknown[0] + more
+    return OK, cond.ok_message
+
+
+STATE_NAMES = {OK: "ok", PROBLEM: "problem", UNKNOWN: "unknown"}
+
+
+def judge_conditions(
+    steps: Mapping[str, StepResult], now: float, max_age: float = DEFAULT_MAX_AGE
+) -> tuple[str, dict[str, ConditionState]]:
+    """The node's state (problem if any condition has one, else unknown if any is
+    unknown, else ok) and each condition's, by its type."""
+    out = {}
+    for c in CONDITIONS:
+        code, msg = evaluate(c, steps, now, max_age)
+        out[c.type] = ConditionState(STATE_NAMES[code], msg)
+    states = {v.state for v in out.values()}
+    node = "problem" if "problem" in states else "unknown" if "unknown" in states else "ok"
+    return node, out
 
 
 def one_line(text: str, limit: int) -> str:
@@ -177,10 +183,10 @@ def answer(
     if off is not None:  # nothing is checked: never "OK"
         why = off.reason or f"{off.path} is set"
         return UNKNOWN, f"gpuguard is disabled: {why} (gpuguard enable)"
-    doc, why = read_status(root)
-    if doc is None:
+    status, why = read_status(root)
+    if status is None:
         return UNKNOWN, why
-    return evaluate(cond, doc, time.time() if now is None else now, max_age)
+    return evaluate(cond, status.steps, time.time() if now is None else now, max_age)
 
 
 PLUGIN_PATH = "/usr/libexec/gpuguard/npd-condition"  # hooks/npd-condition, as packaged

@@ -7,25 +7,31 @@ import time
 from collections import Counter
 from typing import Any, Mapping, Optional, Sequence
 
+from gpuguard.host.echo import cut
 from gpuguard.host.paths import Root
 from gpuguard.reporting.npd import CONDITIONS, DEFAULT_MAX_AGE, OK, PROBLEM, evaluate
+from gpuguard.reporting.status import Status
+
+MESSAGE_MAX = 300  # characters of one problem in `gpuguard status`
 
 
 def summarize(
-    doc: Optional[Mapping[str, Any]],
+    status: Optional[Status],
     why: str,
     containers: Sequence[Mapping[str, Any]],
     now: Optional[float] = None,
 ) -> dict[str, Any]:
     """{"verdict": ok|problem|unknown, "problems": [...], "unknown": [...], "last_pass": ...,
-    "repairs_last_hour": n, "repairs_by_kind": {...}}."""
+    "repairs_last_hour": n, "repairs_by_kind": {...}}. Unknown when the daemon's file
+    cannot be read, or any condition could not be judged; never ok about what no pass
+    saw."""
     now = time.time() if now is None else now
     problems, unknown = [], []
-    if doc is None:
+    if status is None:
         unknown.append(why)
     else:
         for c in CONDITIONS:
-            code, msg = evaluate(c, doc, now, DEFAULT_MAX_AGE)
+            code, msg = evaluate(c, status.steps, now, DEFAULT_MAX_AGE)
             if code == PROBLEM:
                 problems.append(f"{c.type}: {msg}")
             elif code != OK:
@@ -33,51 +39,47 @@ def summarize(
     denied = [r for r in containers if r.get("access") == "denied"]
     if denied:
         problems.append(f"{len(denied)} GPU container(s) denied their devices now")
-    last = (doc or {}).get("last_pass") or {}
-    changes = [c for c in (doc or {}).get("recent_changes") or () if isinstance(c, dict)]
-    done = [c for c in changes if c.get("status") == "done" and now - c.get("time", 0) <= 3600]
+    unread = [r for r in containers if r.get("access") == "unreadable"]
+    if unread:
+        unknown.append(f"{len(unread)} GPU container(s) could not be read now")
+    last = status.last_pass if status is not None else None
+    changes = status.recent_changes if status is not None else ()
+    done = [c for c in changes if c.status == "done" and now - c.time <= 3600]
     return {
         "verdict": "problem" if problems else ("unknown" if unknown else "ok"),
         "problems": problems,
         "unknown": unknown,
         "last_pass": {
-            "number": last.get("number"),
-            "age_s": round(now - last["ended"], 1)
-            if isinstance(last.get("ended"), (int, float))
-            else None,
-            "reasons": list(last.get("reasons") or ())[:2],
-            "findings": len(last.get("findings") or ()),
+            "number": last.number,
+            "age_s": round(now - last.ended, 1),
+            "reasons": list(last.reasons[:2]),
+            "findings": len(last.findings),
         }
-        if last
+        if last is not None
         else None,
         "repairs_last_hour": len(done),
-        "repairs_by_kind": dict(Counter(str(c.get("kind")) for c in done)),
-        "last_reload": _last_reload(doc or {}),
+        "repairs_by_kind": dict(Counter(c.kind for c in done)),
+        "last_reload": _last_reload(status),
     }
 
 
-def _last_reload(doc: Mapping[str, Any]) -> Optional[dict[str, Any]]:
+def _last_reload(status: Optional[Status]) -> Optional[dict[str, Any]]:
     """The reload fast path's last repair (status file `fast_paths.reload`)."""
-    fast = doc.get("fast_paths")
-    r = fast.get("reload") if isinstance(fast, dict) else None
-    if not isinstance(r, dict) or not isinstance(r.get("signal"), (int, float)):
+    r = status.fast_paths.reload if status is not None else None
+    if status is None or r is None:
         return None
-    restored = r.get("restored")
-    signal = doc.get("reload_signal")
     return {
-        "containers": r.get("containers"),
-        "checked": r.get("checked"),
-        "repair_ms": round((restored - r["signal"]) * 1000, 1)
-        if isinstance(restored, (int, float))
-        else None,
-        "via": signal.get("last_via") if isinstance(signal, dict) else None,
+        "containers": r.containers,
+        "checked": r.checked,
+        "repair_ms": round((r.restored - r.signal) * 1000, 1) if r.restored is not None else None,
+        "via": status.reload_signal.last_via or None,
     }
 
 
 def render(s: Mapping[str, Any]) -> list[str]:
     lines = [f"node:       {s['verdict'].upper()}"]
-    lines += [f"  problem:  {p}" for p in s["problems"]]
-    lines += [f"  unknown:  {u}" for u in s["unknown"]]
+    lines += [f"  problem:  {cut(p, MESSAGE_MAX)}" for p in s["problems"]]
+    lines += [f"  unknown:  {cut(u, MESSAGE_MAX)}" for u in s["unknown"]]
     last = s["last_pass"]
     if last is None:
         lines.append("last pass:  none")
@@ -110,5 +112,5 @@ def render(s: Mapping[str, Any]) -> list[str]:
 def node_summary(root: Root, containers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     from gpuguard.reporting.npd import read_status
 
-    doc, why = read_status(root)
-    return summarize(doc, why, containers)
+    status, why = read_status(root)
+    return summarize(status, why, containers)

@@ -1,8 +1,10 @@
-"""Event sources: translate outside signals into "these steps may have work".
+"""Event sources: translate outside signals into typed events (steps/events.py).
 
-A source never acts; it only calls the mark function it was given. main() builds the
-sources (build_sources) and hands them to the daemon, which connects their marks to its
-coalescer: the sources exist before the daemon, so they mark through a MarkSink.
+A source never acts and never names a step: it emits an `Event`, and the registry
+(steps/registry.py) says which steps the event's kind wakes. main() builds the sources
+(build_sources) and hands them to the daemon, which connects their events to its
+dispatch (fast paths, then marks for its coalescer): the sources exist before the
+daemon, so they emit through an EventSink.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Callable, Optional
 
-from gpuguard.steps.registry import CONTAINER_ACCESS
+from gpuguard.steps.events import Event
 
 if TYPE_CHECKING:
     from gpuguard.config import Config
@@ -21,50 +23,29 @@ if TYPE_CHECKING:
     from gpuguard.sources.transient import TransientWatch
     from gpuguard.sources.udev import UdevSource
 
-Mark = Callable[[frozenset[str], str, bool], None]
+Emit = Callable[[Event], None]
 Hold = Callable[[bool], None]
 
 
-class MarkSink:
-    """Where the sources send their marks; the daemon connects it to its coalescer."""
+class EventSink:
+    """Where the sources send their events; the daemon connects it to its dispatch."""
 
     def __init__(self) -> None:
-        self._mark: Optional[Mark] = None
+        self._emit: Optional[Emit] = None
         self._hold: Optional[Hold] = None
-        self._reloaded: Optional[Callable[[float], None]] = None
-        self._scope_started: Optional[Callable[[str], None]] = None
 
-    def connect(
-        self,
-        mark: Mark,
-        hold: Hold,
-        reloaded: Optional[Callable[[float], None]] = None,
-        scope_started: Optional[Callable[[str], None]] = None,
-    ) -> None:
-        self._mark, self._hold = mark, hold
-        self._reloaded, self._scope_started = reloaded, scope_started
+    def connect(self, emit: Emit, hold: Hold) -> None:
+        self._emit, self._hold = emit, hold
 
-    def mark(self, names: frozenset[str], why: str, urgent: bool) -> None:
-        if self._mark is None:
-            raise RuntimeError(f"a source marked {sorted(names)} before the daemon connected")
-        self._mark(names, why, urgent)
+    def emit(self, event: Event) -> None:
+        if self._emit is None:
+            raise RuntimeError(f"a source sent {event.kind.value} before the daemon connected")
+        self._emit(event)
 
     def hold(self, on: bool) -> None:
         if self._hold is None:
             raise RuntimeError("a source held passes before the daemon connected")
         self._hold(on)
-
-    def reloaded(self, when: float) -> None:
-        """systemd ended a reload (`when`: monotonic): the daemon's fast path, at once."""
-        if self._reloaded is not None:
-            self._reloaded(when)
-
-    def scope_started(self, unit: str) -> None:
-        """A container scope's job ended: the daemon handles that scope on its own."""
-        if self._scope_started is not None:
-            self._scope_started(unit)
-        else:
-            self.mark(frozenset({CONTAINER_ACCESS}), f"systemd: new container scope {unit}", False)
 
 
 class Sources:
@@ -74,7 +55,7 @@ class Sources:
 
     def __init__(
         self,
-        sink: MarkSink,
+        sink: EventSink,
         systemd: SystemdSource,
         timer: AuditTimer,
         udev: Optional[Callable[[asyncio.AbstractEventLoop], UdevSource]],
@@ -105,7 +86,7 @@ def build_sources(
     from gpuguard.sources.systemd import SystemdSource
     from gpuguard.sources.timer import AuditTimer
 
-    sink = MarkSink()
+    sink = EventSink()
     sources: Sources
 
     def client() -> Systemd:
@@ -116,12 +97,12 @@ def build_sources(
 
         run_dir = str(root.path("/run"))
         logger = stdlib_logger(log, "udev")
-        return UdevSource(loop, sink.mark, source=choose_source(run_dir), log=logger)
+        return UdevSource(loop, sink.emit, source=choose_source(run_dir), log=logger)
 
     def make_transient(loop: asyncio.AbstractEventLoop) -> Optional[TransientWatch]:
         from gpuguard.sources.transient import RUN_SYSTEMD, make_transient_watch
 
-        return make_transient_watch(loop, sink.mark, str(root.path(RUN_SYSTEMD)))
+        return make_transient_watch(loop, sink.emit, str(root.path(RUN_SYSTEMD)))
 
     socket = config.daemon.private_socket
 
@@ -131,16 +112,14 @@ def build_sources(
 
     systemd = SystemdSource(
         client,
-        sink.mark,
+        sink.emit,
         sink.hold,
         log,
         kubelet_units=config.systemd.kubelet_units,
         runtime_units=config.systemd.runtime_units,
-        reloaded=sink.reloaded,
-        scope_started=sink.scope_started,
         private=private if socket else None,
     )
-    timer = AuditTimer(sink.mark, config.daemon.audit_interval)
+    timer = AuditTimer(sink.emit, config.daemon.audit_interval)
     sources = Sources(sink, systemd, timer, make_udev if udev else None,
                       config.systemd.max_in_flight, make_transient)  # fmt: skip
     return sources

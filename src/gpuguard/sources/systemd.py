@@ -1,28 +1,31 @@
 """systemd over D-Bus: daemon-reload/reexec, boot finished, runtime and kubelet (re)starts.
 
-Only marks work. What each signal means:
+Only emits events (steps/events.py; the registry says which steps each wakes). What
+each signal means:
 - Reloading(true) ... Reloading(false): a daemon-reload (also the two halves of a
   daemon-reexec). Units are in flux in between, so the coalescer is held, and the
-  end marks everything urgently: this is when device cgroups were rewritten. The end
-  is also announced at once (`reloaded`), so the known GPU containers are re-granted
-  before the quiet period, or a pass already running, delays them. Taken from
+  end is an urgent SYSTEMD_RELOADED: this is when device cgroups were rewritten. The
+  daemon runs the steps' reload fast paths on it at once, so the known GPU containers
+  are re-granted before the quiet period, or a pass already running, delays them. Taken from
   systemd's private socket while that connection is up (tens of ms earlier than the
   bus delivers it: reload_socket.py), from the bus otherwise.
 - NameOwnerChanged of org.freedesktop.systemd1 from one unique name to another: a
-  reexec. It arrives inside its Reloading pair; outside one it marks on its own.
-- StartupFinished: boot is complete.
+  reexec. It arrives inside its Reloading pair; outside one it is SYSTEMD_REEXECUTED.
+- StartupFinished: boot is complete (BOOT_FINISHED).
 - PropertiesChanged of a watched unit whose ActiveState becomes "active" from
-  anything else: a (re)start. A reload re-sends properties of every unit; those
-  keep ActiveState "active" and are ignored, so a reload is one pass, not many.
+  anything else: a (re)start (KUBELET_STARTED, RUNTIME_STARTED). A reload re-sends
+  properties of every unit; those keep ActiveState "active" and are ignored, so a
+  reload is one pass, not many.
 - JobRemoved of a container scope's job (cri-containerd-/crio-/docker-*.scope, result
   "done"): a new container whose device grant can be made durable before any reload,
-  announced on its own (`scope_started`; the end of a stop job is announced too: the
-  step finds it gone). Not UnitNew: systemd sends a UnitNew for every unit on every
-  reload (hundreds on a busy node), all parsed before the Reloading(false) behind
-  them, while a reload starts no job; and at UnitNew the scope may not even have its
-  cgroup yet, while at its start job's end it holds the runtime's process.
+  SCOPE_STARTED (the daemon hands it to the step's new-scope fast path; the end of a
+  stop job is announced too: the step finds it gone). Not UnitNew: systemd sends a
+  UnitNew for every unit on every reload (hundreds on a busy node), all parsed before
+  the Reloading(false) behind them, while a reload starts no job; and at UnitNew the
+  scope may not even have its cgroup yet, while at its start job's end it holds the
+  runtime's process.
 The connection is re-made with back-off when the bus goes away (dbus restart), and
-a full pass follows every reconnection.
+a full pass follows every reconnection (BUS_RECONNECTED).
 """
 
 from __future__ import annotations
@@ -34,19 +37,15 @@ from typing import Callable, Iterable, Optional
 from dbus_next import Message
 
 from gpuguard.devices.cgroupnames import ANY_CONTAINER_SCOPE
+from gpuguard.host import aio
 from gpuguard.host.systemd import MANAGER, PROPS, UNIT, Systemd, SystemdError, unit_object_path
 from gpuguard.journal.log import EventLog
 from gpuguard.sources.reload_socket import PrivateReloadWatch
-from gpuguard.steps.registry import ALL_STEPS, CHECKPOINT, CONTAINER_ACCESS, DEVICE_PLUGIN
+from gpuguard.steps.events import Event, EventKind
 
-Mark = Callable[[frozenset[str], str, bool], None]
+Emit = Callable[[Event], None]
 VIA_BUS, VIA_PRIVATE = "bus", "private-socket"
-Announce = Callable[[str], None]
 
-ALL = ALL_STEPS
-ON_RUNTIME_START = frozenset({CONTAINER_ACCESS, DEVICE_PLUGIN})
-ON_KUBELET_START = frozenset({CHECKPOINT, CONTAINER_ACCESS, DEVICE_PLUGIN})
-ON_SCOPE_NEW = frozenset({CONTAINER_ACCESS})
 __all__ = ["SystemdSource", "unit_object_path"]  # the path's home is gpuguard.host.systemd
 
 
@@ -54,28 +53,23 @@ class SystemdSource:
     def __init__(
         self,
         make_client: Callable[[], Systemd],
-        mark: Mark,
+        emit: Emit,
         hold: Callable[[bool], None],
         log: EventLog,
         *,
         kubelet_units: Iterable[str] = ("kubelet.service",),
         runtime_units: Iterable[str] = ("containerd.service", "crio.service", "docker.service"),
         clock: Callable[[], float] = time.monotonic,
-        reloaded: Optional[Callable[[float], None]] = None,
-        scope_started: Optional[Announce] = None,
         private: Optional[Callable[[Callable[[bool], None]], PrivateReloadWatch]] = None,
     ) -> None:
         self.make_client = make_client
-        self.mark = mark
+        self.emit = emit
         self.hold = hold
-        # The fast paths (the daemon's): None marks the container access step instead.
-        self.reloaded = reloaded
-        self.scope_started = scope_started
         self.log = log
         self.clock = clock
         self.client: Optional[Systemd] = None
-        self.connected = asyncio.Event()
-        self.first_attempt_done = asyncio.Event()
+        self.connected = aio.Event()
+        self.first_attempt_done = aio.Event()
         self._stopping = False
         self._reloading = False
         self._reload_ended = -1e9
@@ -96,11 +90,11 @@ class SystemdSource:
 
     def set_units(self, kubelet_units: Iterable[str], runtime_units: Iterable[str]) -> None:
         old = set(getattr(self, "_watch", ()))
-        self._watch: dict[str, tuple[str, frozenset[str]]] = {}
+        self._watch: dict[str, tuple[str, EventKind]] = {}
         for u in runtime_units:
-            self._watch[unit_object_path(u)] = (u, ON_RUNTIME_START)
+            self._watch[unit_object_path(u)] = (u, EventKind.RUNTIME_STARTED)
         for u in kubelet_units:
-            self._watch[unit_object_path(u)] = (u, ON_KUBELET_START)
+            self._watch[unit_object_path(u)] = (u, EventKind.KUBELET_STARTED)
         self._active: dict[str, str] = {}
         client = getattr(self, "client", None)
         if client is not None:  # a SIGHUP named other units: watch them from now on
@@ -159,7 +153,7 @@ class SystemdSource:
             backoff = 0.25
             self.log.event("dbus-connected", f"subscribed to systemd at {client.bus_address}")
             if ever_connected:
-                self.mark(ALL, "reconnected to the system bus", True)
+                self.emit(Event(EventKind.BUS_RECONNECTED, "reconnected to the system bus", True))
             ever_connected = True
             try:
                 await client.wait_for_disconnect()
@@ -213,9 +207,8 @@ class SystemdSource:
         if not active:
             self.last_reload_via = via
             self._reload_ended = self.clock()
-            if self.reloaded is not None:  # before anything else
-                self.reloaded(self._reload_ended)
-            self.mark(ALL, "systemd: daemon-reload/reexec finished", True)
+            why = "systemd: daemon-reload/reexec finished"
+            self.emit(Event(EventKind.SYSTEMD_RELOADED, why, urgent=True, at=self._reload_ended))
 
     def _handle(self, msg: Message) -> None:
         member = msg.member
@@ -224,21 +217,19 @@ class SystemdSource:
                 (active,) = msg.body
                 self.reloading(bool(active), VIA_BUS)
             elif member == "StartupFinished":
-                self.mark(ALL, "systemd: startup finished", False)
+                self.emit(Event(EventKind.BOOT_FINISHED, "systemd: startup finished"))
             elif member == "JobRemoved" and not self._reloading:
                 _id, _job, unit, result = msg.body
-                if result == "done" and ANY_CONTAINER_SCOPE.match(str(unit)):
-                    if self.scope_started is not None:
-                        self.scope_started(str(unit))
-                    else:
-                        self.mark(ON_SCOPE_NEW, f"systemd: new container scope {unit}", False)
+                if result == "done" and ANY_CONTAINER_SCOPE.fullmatch(str(unit)):
+                    why = f"systemd: new container scope {unit}"
+                    self.emit(Event(EventKind.SCOPE_STARTED, why, unit=str(unit)))
         elif (
             member == "NameOwnerChanged" and msg.body and msg.body[0] == "org.freedesktop.systemd1"
         ):
             _name, old, new = msg.body
             recent = self.clock() - self._reload_ended < 2.0
             if old and new and old != new and not self._reloading and not recent:
-                self.mark(ALL, "systemd: daemon-reexec", True)
+                self.emit(Event(EventKind.SYSTEMD_REEXECUTED, "systemd: daemon-reexec", True))
         elif member == "PropertiesChanged" and msg.interface == PROPS:
             watched = self._watch.get(msg.path or "")
             if watched is None or not msg.body or msg.body[0] != UNIT:
@@ -249,8 +240,8 @@ class SystemdSource:
             state = str(changed["ActiveState"].value)
             before = self._active.get(msg.path or "", "")
             self._active[msg.path or ""] = state
-            # Inside a reload the Reloading end marks everything anyway; a unit that
+            # Inside a reload the Reloading end wakes every step anyway; a unit that
             # looked new to us there is re-registration, not a start.
             if state == "active" and before != "active" and not self._reloading:
-                unit, reconcilers = watched
-                self.mark(reconcilers, f"systemd: {unit} started", False)
+                unit, kind = watched
+                self.emit(Event(kind, f"systemd: {unit} started"))

@@ -1,4 +1,4 @@
-"""The periodic audit: every AuditInterval= seconds, every step may have work.
+"""The periodic audit: every AuditInterval= seconds, an AUDIT event (every step looks).
 
 Catches what no event announces (a device rule rewritten by hand, a plugin gone stale
 without a restart)."""
@@ -8,17 +8,17 @@ from __future__ import annotations
 import asyncio
 from typing import Callable
 
-from gpuguard.steps.registry import ALL_STEPS
+from gpuguard.steps.events import Event, EventKind
 
-Mark = Callable[[frozenset[str], str, bool], None]
+Emit = Callable[[Event], None]
 
 
 class AuditTimer:
-    def __init__(self, mark: Mark, interval: float) -> None:
-        self.mark = mark
+    def __init__(self, emit: Emit, interval: float) -> None:
+        self.emit = emit
         self.interval = interval  # re-read each round: SIGHUP may change it
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.interval)
-            self.mark(ALL_STEPS, "periodic audit", False)
+            self.emit(Event(EventKind.AUDIT, "periodic audit"))

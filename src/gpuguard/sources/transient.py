@@ -13,13 +13,13 @@ see such a reset only at its next audit (AuditInterval=, 5 min by default).
 
 For a transient unit (every container scope), systemd writes each property set at
 runtime to /run/systemd/transient/UNIT.d/50-NAME.conf, atomically: the file arrives by
-a rename. A change to DevicePolicy= or DeviceAllow= there marks the container access
-step at once.
+a rename. A change to DevicePolicy= or DeviceAllow= there is a SCOPE_DEVICES_SET event at
+once (the registry: the container access step).
 
 gpuguard's own DeviceAllow= writes the same file, so each of its grants brings one more
 pass. That pass finds the grant in place and writes nothing, so there is no loop
-(tests/integration/test_runtime_device_reset.py counts the passes). A source only marks
-(sources/__init__.py).
+(tests/integration/test_runtime_device_reset.py counts the passes). A source only emits
+events (sources/__init__.py).
 
 inotify is not recursive. The transient directory is watched for each scope's new `.d`
 directory, and each such directory for its files. While the transient directory does
@@ -36,9 +36,9 @@ import struct
 from typing import Callable, Optional
 
 from gpuguard.devices.cgroupnames import scope_of_dropin_dir
-from gpuguard.steps.registry import CONTAINER_ACCESS
+from gpuguard.steps.events import Event, EventKind
 
-Mark = Callable[[frozenset[str], str, bool], None]
+Emit = Callable[[Event], None]
 
 RUN_SYSTEMD = "/run/systemd"
 TRANSIENT = "transient"
@@ -70,12 +70,13 @@ def _libc() -> ctypes.CDLL:
 
 
 class TransientWatch:
-    """Marks the container access step when a runtime sets a container scope's
-    DevicePolicy= or DeviceAllow=. `run_systemd`: /run/systemd through the root prefix."""
+    """A SCOPE_DEVICES_SET event when a runtime sets a container scope's DevicePolicy=
+    or DeviceAllow= (or when such a change may have been missed). `run_systemd`:
+    /run/systemd through the root prefix."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, mark: Mark, run_systemd: str) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, emit: Emit, run_systemd: str) -> None:
         self.loop = loop
-        self.mark = mark
+        self.emit = emit
         self.run_systemd = run_systemd
         self.transient = os.path.join(run_systemd, TRANSIENT)
         self.fd = -1
@@ -137,11 +138,11 @@ class TransientWatch:
             return  # gone meanwhile, a link, not a directory, or no watch left: the audit
         self.dirs[wd] = unit
         if announce and WATCHED_FILES & set(_listdir(path)):
-            self._mark(unit, "DevicePolicy= or DeviceAllow=")
+            self._set(unit, "DevicePolicy= or DeviceAllow=")
 
-    def _mark(self, unit: str, what: str) -> None:
+    def _set(self, unit: str, what: str) -> None:
         why = f"systemd: {unit}: {what} set at runtime (a runtime's update, or a grant)"
-        self.mark(frozenset({CONTAINER_ACCESS}), why, False)
+        self.emit(Event(EventKind.SCOPE_DEVICES_SET, why))
 
     def _readable(self) -> None:
         try:
@@ -150,7 +151,7 @@ class TransientWatch:
             return
         for wd, mask, name in _events(data):
             if mask & IN_Q_OVERFLOW:  # events lost: a pass looks at every container
-                self.mark(frozenset({CONTAINER_ACCESS}), "inotify queue overflowed", False)
+                self.emit(Event(EventKind.SCOPE_DEVICES_SET, "inotify queue overflowed"))
             elif mask & IN_IGNORED:  # the directory went away
                 self.dirs.pop(wd, None)
                 if wd == self.top:
@@ -160,12 +161,12 @@ class TransientWatch:
                     self._libc.inotify_rm_watch(self.fd, wd)
                     self._rewatch()
                     for unit in self.dirs.values():
-                        self._mark(unit, "DevicePolicy= or DeviceAllow=")
+                        self._set(unit, "DevicePolicy= or DeviceAllow=")
             elif wd == self.top:
                 if mask & IN_ISDIR:
                     self._watch_scope(name, announce=True)
             elif wd in self.dirs and name in WATCHED_FILES:
-                self._mark(self.dirs[wd], f"{name[3:-5]}=")
+                self._set(self.dirs[wd], f"{name[3:-5]}=")
 
     def _rewatch(self) -> None:
         """The top watch again, from the loop: where that fails (no watch left), the
@@ -174,7 +175,8 @@ class TransientWatch:
             self._watch_top()
         except InotifyError:
             self.top = -1
-            self.mark(frozenset({CONTAINER_ACCESS}), "runtime property watch lost", False)
+            lost = "runtime property watch lost"
+            self.emit(Event(EventKind.SCOPE_DEVICES_SET, lost))
 
 
 def _listdir(path: str) -> list[str]:
@@ -197,11 +199,11 @@ def _events(data: bytes) -> list[tuple[int, int, str]]:
 
 
 def make_transient_watch(
-    loop: asyncio.AbstractEventLoop, mark: Mark, run_systemd: str
+    loop: asyncio.AbstractEventLoop, emit: Emit, run_systemd: str
 ) -> Optional[TransientWatch]:
     """The watch, started; None where /run/systemd does not exist (not systemd)."""
     if not os.path.isdir(run_systemd):
         return None
-    w = TransientWatch(loop, mark, run_systemd)
+    w = TransientWatch(loop, emit, run_systemd)
     w.start()
     return w

@@ -1,8 +1,9 @@
 """udev source: NVIDIA driver modules and NVIDIA PCI functions coming and going.
 
-The source only MARKS work (which reconcilers may have something to do, and why);
-it never touches the host. It is a pyudev netlink monitor whose fd sits on the
-daemon's asyncio loop (``loop.add_reader``): no thread.
+The source only EMITS events (an NVIDIA module or PCI function changed, and why; the
+registry says which steps that wakes); it never touches the host. It is a pyudev
+netlink monitor whose fd sits on the daemon's asyncio loop (``loop.add_reader``): no
+thread.
 
 Which netlink source to use
 ---------------------------
@@ -16,11 +17,11 @@ receives nothing, hence the warning in :meth:`UdevSource.start`.
 ``source="kernel"``: raw kernel uevents, before udevd (if any) has processed them.
 Use it where no udevd runs at all (early boot before systemd-udevd.service, minimal
 hosts, a daemon running in a container without udev). Device nodes may not exist
-yet when the mark arrives; the reconcilers re-observe the host anyway and the
+yet when the event arrives; the steps re-observe the host anyway and the
 coalescer's quiet period absorbs the gap. :func:`choose_source` picks one.
 
 Classification uses only properties the kernel puts in the uevent itself
-(SUBSYSTEM, ACTION, DEVPATH, PCI_ID, MODALIAS), so both sources give the same marks
+(SUBSYSTEM, ACTION, DEVPATH, PCI_ID, MODALIAS), so both sources give the same events
 and a ``remove`` (when sysfs attributes are already gone) still classifies.
 """
 
@@ -34,21 +35,12 @@ import os
 import socket
 from typing import Any, Callable, Iterable, Mapping
 
-from gpuguard.steps.registry import (
-    ALL_STEPS,
-    CONTAINER_ACCESS,
-    DEVICE_NODES,
-    DEVICE_PLUGIN,
-    GPU_COUNT,
-)
+from gpuguard.steps.events import Event, EventKind
 
-ALL_RECONCILERS: frozenset[str] = ALL_STEPS
 # A driver module load/unload changes device nodes (majors, /dev/nvidia-uvm), what
-# containers may open, and what the device plugin advertises; the set of GPUs (and
-# so the checkpoint) is a PCI matter.
-MODULE_RECONCILERS: frozenset[str] = frozenset(
-    {DEVICE_NODES, CONTAINER_ACCESS, DEVICE_PLUGIN, GPU_COUNT}
-)
+# containers may open, and what the device plugin advertises (NVIDIA_MODULE); the set of
+# GPUs (and so the checkpoint) is a PCI matter (NVIDIA_PCI): the registry says which
+# steps each wakes.
 
 DEFAULT_MODULES: tuple[str, ...] = ("nvidia", "nvidia_uvm", "nvidia_modeset", "nvidia_drm")
 NVIDIA_PCI_VENDOR = "10DE"
@@ -86,8 +78,7 @@ def size_receive_buffer(fd: int, want: int) -> int:
         sock.close()
 
 
-Mark = Callable[[frozenset[str], str, bool], None]
-"""mark(reconciler names, why, urgent)."""
+Emit = Callable[[Event], None]
 
 
 def _pci_vendor(props: Mapping[str, str]) -> str | None:
@@ -108,8 +99,8 @@ def classify(
     *,
     modules: Iterable[str] = DEFAULT_MODULES,
     pci_vendors: Iterable[str] = DEFAULT_PCI_VENDORS,
-) -> tuple[frozenset[str], str] | None:
-    """Which reconcilers an event concerns, and a human 'why'; None to ignore it.
+) -> tuple[EventKind, str] | None:
+    """What kind of event a uevent is, and a human 'why'; None to ignore it.
 
     Pure: looks only at the uevent's properties. ``modules`` / ``pci_vendors`` are
     parameters so tests can widen the match to hardware present on a machine
@@ -124,7 +115,7 @@ def classify(
 
     if subsystem == "module":
         if action in MODULE_ACTIONS and name in frozenset(modules):
-            return MODULE_RECONCILERS, f"udev: module {name} {action}"
+            return EventKind.NVIDIA_MODULE, f"udev: module {name} {action}"
         return None
 
     if subsystem == "pci":
@@ -140,7 +131,7 @@ def classify(
             err = props.get("ERROR_EVENT")
             if err:
                 why += f" ERROR_EVENT={err}"
-            return ALL_RECONCILERS, why
+            return EventKind.NVIDIA_PCI, why
         return None
 
     return None
@@ -160,12 +151,12 @@ class UdevSourceError(RuntimeError):
 
 
 class UdevSource:
-    """pyudev netlink monitor on the asyncio loop; marks reconcilers, never acts."""
+    """pyudev netlink monitor on the asyncio loop; emits events, never acts."""
 
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
-        mark: Mark,
+        emit: Emit,
         *,
         modules: Iterable[str] = DEFAULT_MODULES,
         pci_vendors: Iterable[str] = DEFAULT_PCI_VENDORS,
@@ -176,7 +167,7 @@ class UdevSource:
         if source not in ("udev", "kernel"):
             raise ValueError(f"udev source must be 'udev' or 'kernel', not {source!r}")
         self._loop = loop
-        self._mark = mark
+        self._emit = emit
         self._modules = tuple(modules)
         self._pci_vendors = tuple(v.upper() for v in pci_vendors)
         self._source = source
@@ -267,7 +258,8 @@ class UdevSource:
             except OSError as exc:
                 if exc.errno == errno.ENOBUFS:
                     # The kernel dropped events: we no longer know what changed.
-                    self._mark(ALL_RECONCILERS, "udev: monitor overflowed, events lost", True)
+                    lost = "udev: monitor overflowed, events lost"
+                    self._emit(Event(EventKind.UDEV_EVENTS_LOST, lost, urgent=True))
                     continue
                 # A garbled or untrusted message (libudev rejects it with an errno);
                 # it has been consumed, so go on with the next one.
@@ -294,6 +286,6 @@ class UdevSource:
         result = classify(props, modules=self._modules, pci_vendors=self._pci_vendors)
         if result is None:
             return
-        names, why = result
+        kind, why = result
         self._log.debug("%s", why)
-        self._mark(names, why, is_urgent(props))
+        self._emit(Event(kind, why, urgent=is_urgent(props)))

@@ -1,20 +1,36 @@
-"""Every step by name, the order of a pass and of `gpuguard check`, each reason once.
+"""Every step by name, the events that wake it, the order of a pass and of `gpuguard
+check`, each reason once; and the contract a step fulfils.
 
-Sources mark steps by these names, the daemon runs them in STEP_ORDER, `gpuguard check`
-in CHECK_ORDER. Adding a step is its package under steps/ and one line in STEPS.
+Sources emit events (steps/events.py); the registry says which steps each kind wakes
+(`WAKES`), the daemon runs the woken steps in STEP_ORDER, `gpuguard check` in
+CHECK_ORDER. Adding a step is its package under steps/ and one line in STEPS: its name,
+its class, why it sits where it does, and the events that wake it.
 
-Cheap to import (no step code is loaded until build_steps()): the udev and systemd
-sources and `gpuguard check` import it.
+Cheap to import (no step code is loaded until build_steps()): the sources, the daemon
+and `gpuguard check` import it.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import (
+    TYPE_CHECKING,
+    AbstractSet,
+    Callable,
+    Iterable,
+    Mapping,
+    Optional,
+    Protocol,
+    Sequence,
+    runtime_checkable,
+)
+
+from gpuguard.steps.events import EventKind as E
 
 if TYPE_CHECKING:
-    from gpuguard.engine.passes import Step
+    from gpuguard.devices.nodes import GpuLike
+    from gpuguard.engine.passes import PassContext, Services
 
 CONTAINER_ACCESS = "container_access"
 DEVICE_NODES = "device_nodes"
@@ -23,14 +39,54 @@ DEVICE_PLUGIN = "device_plugin"
 GPU_COUNT = "gpu_count"
 
 
+class Step(Protocol):
+    """A step: observes the host (in a worker thread), runs its pure reconciler, hands
+    the actions to actuators, and adds its findings and outcomes to the pass (`ctx`).
+    State that must outlive a pass (caches, rate limits) lives in the step object."""
+
+    async def __call__(self, svc: Services, ctx: PassContext) -> None: ...
+
+
+@runtime_checkable
+class ReloadFastPath(Protocol):
+    """A step with work that must not wait for the pass a reload's end marks: run inline
+    on the loop the moment systemd's reload ends (SYSTEMD_RELOADED), before that pass.
+    Returns when the last access it restored was back (monotonic; None: none), for the
+    repair-time histogram. `fast_status` is what its fast paths last did, for the status
+    file."""
+
+    def on_reload(self, svc: Services, signal: float) -> Optional[float]: ...
+
+    def fast_status(self) -> Mapping[str, object]: ...
+
+
+@runtime_checkable
+class ScopeFastPath(Protocol):
+    """A step that handles a new container scope (SCOPE_STARTED) on its own instead of
+    being marked: it calls `again(why)` to ask for its full pass once it is done."""
+
+    def on_new_scope(
+        self, svc: Services, unit: str, gpus: Sequence[GpuLike], again: Callable[[str], None]
+    ) -> None: ...
+
+
+# What may change anything on the node: every step looks.
+EVERY_CHANGE: frozenset[E] = frozenset({
+    E.START_UP, E.CONFIG_RELOADED, E.AUDIT, E.SYSTEMD_RELOADED, E.SYSTEMD_REEXECUTED,
+    E.BOOT_FINISHED, E.BUS_RECONNECTED, E.NVIDIA_PCI, E.UDEV_EVENTS_LOST,
+})  # fmt: skip
+
+
 @dataclass(frozen=True)
 class StepSpec:
     """One step: its name, where its class lives ("module:Class", imported only when
-    the daemon builds its steps) and why it sits where it does in the pass."""
+    the daemon builds its steps), why it sits where it does in the pass, and the events
+    that wake it."""
 
     name: str
     load: str
     why: str
+    wakes: frozenset[E] = EVERY_CHANGE
 
     def build(self) -> Step:
         module, _, attr = self.load.partition(":")
@@ -42,16 +98,22 @@ class StepSpec:
 # The order of the steps in every pass, the daemon's and `gpuguard check`'s alike.
 STEPS: tuple[StepSpec, ...] = (
     StepSpec(CONTAINER_ACCESS, "gpuguard.steps.container_access:ContainerAccessStep",
-             "first: after a daemon-reload every millisecond counts"),
+             "first: after a daemon-reload every millisecond counts",
+             EVERY_CHANGE | {E.NVIDIA_MODULE, E.RUNTIME_STARTED, E.KUBELET_STARTED,
+                             E.SCOPE_STARTED, E.SCOPE_DEVICES_SET, E.DEVICE_LINKS_CREATED}),
     StepSpec(DEVICE_NODES, "gpuguard.steps.device_nodes:DeviceNodesStep",
              "a new /dev/char link asks for an immediate second container access run, "
-             "so durable grants follow at once"),
+             "so durable grants follow at once",
+             EVERY_CHANGE | {E.NVIDIA_MODULE}),
     StepSpec(CHECKPOINT, "gpuguard.steps.checkpoint:CheckpointStep",
-             "may restart kubelet, so after the urgent device repairs"),
+             "may restart kubelet, so after the urgent device repairs",
+             EVERY_CHANGE | {E.KUBELET_STARTED}),
     StepSpec(DEVICE_PLUGIN, "gpuguard.steps.device_plugin:DevicePluginStep",
-             "judges the plugins once nodes and the checkpoint are repaired"),
+             "judges the plugins once nodes and the checkpoint are repaired",
+             EVERY_CHANGE | {E.NVIDIA_MODULE, E.RUNTIME_STARTED, E.KUBELET_STARTED}),
     StepSpec(GPU_COUNT, "gpuguard.steps.gpu_count:GpuCountStep",
-             "last, report only: it judges what the plugins' repairs left"),
+             "last, report only: it judges what the plugins' repairs left",
+             EVERY_CHANGE | {E.NVIDIA_MODULE}),
 )  # fmt: skip
 STEP_ORDER: tuple[str, ...] = tuple(s.name for s in STEPS)
 ALL_STEPS: frozenset[str] = frozenset(STEP_ORDER)
@@ -61,6 +123,25 @@ ALL_STEPS: frozenset[str] = frozenset(STEP_ORDER)
 # restarts need a cool-down and a budget that outlive one run); the GPU count is in
 # `gpuguard doctor`.
 CHECK_ORDER: tuple[str, ...] = (CONTAINER_ACCESS, DEVICE_NODES, CHECKPOINT)
+
+Wakes = Mapping[E, frozenset[str]]
+
+
+def wakes_of(specs: Sequence[StepSpec] = STEPS) -> Wakes:
+    """Each event kind -> the steps of `specs` it wakes (kinds that wake none absent)."""
+    table: dict[E, set[str]] = {}
+    for s in specs:
+        for kind in s.wakes:
+            table.setdefault(kind, set()).add(s.name)
+    return {kind: frozenset(names) for kind, names in table.items()}
+
+
+WAKES: Wakes = wakes_of()
+
+
+def woken_by(kind: E, among: AbstractSet[str] = ALL_STEPS, wakes: Wakes = WAKES) -> frozenset[str]:
+    """The steps (of `among`) an event of `kind` wakes."""
+    return wakes.get(kind, frozenset()) & among
 
 
 class UnknownStepError(ValueError):

@@ -1,23 +1,24 @@
-"""Throw-away Debian 12 roots for package tests, and the package builds they install.
+"""Throw-away Debian roots for package and stack tests, and the package builds they install.
 
 * :func:`built_packages` runs packaging/build-deb and packaging/build-rpm once per
-  pytest process and version suffix (into build/test-dist/).
+  pytest process, version suffix and variant (into build/test-dist/).
 * :func:`debian_root` makes (once, cached under /var/cache/gpuguard-tests/) a
-  debootstrapped Debian 12 minbase root with systemd, dbus, udev and gpuguard's
-  dependencies, so installing the .deb needs no network.
-* :class:`PackageRoot` boots a real systemd as PID 1 of private namespaces in a
-  copy-on-write copy of that root (pkgroot/boot-root.sh), reusing the safety
+  debootstrapped minbase root of a Debian release (bullseye, bookworm, trixie, sid)
+  with its own systemd, dbus, udev, containerd, runc, crun and gpuguard's
+  dependencies, so installing the .deb needs no network (``roots.py``).
+* :class:`PackageRoot` boots the root's OWN systemd as PID 1 of private namespaces in
+  a copy-on-write copy of that root (pkgroot/boot-root.sh), reusing the safety
   measures and API of harness.sysns.SystemdNamespace: per-instance cgroups,
   container mode, private /run /tmp /dev, masks, pdeathsig, SIGRTMIN+4 stop.
   The host's /etc/systemd, /run, /dev and dpkg database are never touched: the
-  host root is detached (pivot_root) before systemd starts.
+  host root is detached (pivot_root) before systemd starts. It checks that the
+  namespace runs the stack it was asked for (layout, systemd version) and fails
+  when it does not.
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -25,29 +26,25 @@ import time
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
-from integration.harness.sysns import DEFAULT_MASKS, INNER_PATH, REQUIRED_TOOLS, SystemdNamespace
+from integration.harness.sysns import (
+    DEFAULT_MASKS,
+    INNER_PATH,
+    REQUIRED_TOOLS,
+    NamespaceError,
+    SystemdNamespace,
+)
+from integration.pkgroot.roots import (
+    CACHE,
+    DEBIAN_PATH,
+    SUITES,
+    debian_env,
+    debian_root,
+    root_path,
+)
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 BOOT_SCRIPT = HERE / "boot-root.sh"
-DEBIAN_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
-
-SUITE = "bookworm"
-MIRROR = os.environ.get("GPUGUARD_TEST_MIRROR", "http://deb.debian.org/debian")
-#: Installed in the cached root: systemd + D-Bus to boot, udev for udevadm, and
-#: the .deb's dependencies so `apt-get install ./gpuguard_*.deb` works offline.
-ROOT_PACKAGES: Tuple[str, ...] = (
-    "systemd",
-    "dbus",
-    "udev",
-    "python3",
-    "python3-pyudev",
-    "python3-dbus-next",
-    "python3-systemd",
-    "procps",
-)
-CACHE = Path(os.environ.get("GPUGUARD_TEST_CACHE", "/var/cache/gpuguard-tests"))
-
 #: Inside the root nothing needs these either.
 ROOT_EXTRA_MASKS: Tuple[str, ...] = (
     "systemd-networkd.service",
@@ -62,19 +59,22 @@ ROOT_EXTRA_MASKS: Tuple[str, ...] = (
 _built: Dict[str, Dict[str, Path]] = {}
 build_seconds: Dict[str, float] = {}
 
+#: Package variants: the build scripts' options for each.
+VARIANTS: Dict[str, Dict[str, Tuple[str, ...]]] = {
+    "": {"deb": (), "rpm": ()},
+    # dbus-next shipped privately (Ubuntu 22.04, Debian 11; RHEL 9's .rpm)
+    "bundled": {"deb": ("--bundle-dbus-next",), "rpm": ("--el9",)},
+}
 
-def debian_env() -> Dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
-    env["PATH"] = DEBIAN_PATH
-    env["LC_ALL"] = "C.UTF-8"
-    return env
 
-
-def built_packages(suffix: str = "") -> Dict[str, Path]:
-    """{"deb": path, "rpm": path} of this checkout, version + ``suffix`` (e.g. "+test1")."""
-    if suffix in _built:
-        return _built[suffix]
-    dist = REPO / "build" / "test-dist" / (suffix.lstrip("+") or "base")
+def built_packages(suffix: str = "", variant: str = "") -> Dict[str, Path]:
+    """{"deb": path, "rpm": path} of this checkout, version + ``suffix`` (e.g. "+test1");
+    ``variant`` "bundled": the .deb with dbus-next bundled and the .rpm for el9."""
+    key = f"{suffix}/{variant}"
+    if key in _built:
+        return _built[key]
+    name = "-".join(x for x in (suffix.lstrip("+"), variant) if x) or "base"
+    dist = REPO / "build" / "test-dist" / name
     shutil.rmtree(dist, ignore_errors=True)
     dist.mkdir(parents=True)
     env = debian_env()
@@ -84,14 +84,18 @@ def built_packages(suffix: str = "") -> Dict[str, Path]:
     for kind, script in (("deb", "build-deb"), ("rpm", "build-rpm")):
         t0 = time.monotonic()
         res = subprocess.run(
-            [str(REPO / "packaging" / script)], env=env, capture_output=True, text=True, timeout=600
+            [str(REPO / "packaging" / script), *VARIANTS[variant][kind]],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
-        build_seconds[f"{kind}{suffix}"] = time.monotonic() - t0
+        build_seconds[f"{kind}{suffix}{variant}"] = time.monotonic() - t0
         if res.returncode != 0:
             raise AssertionError(f"{script} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
         out[kind] = Path(res.stdout.strip().splitlines()[-1])
         assert out[kind].is_file(), res.stdout
-    _built[suffix] = out
+    _built[key] = out
     return out
 
 
@@ -102,58 +106,6 @@ def source_version() -> str:
     raise AssertionError("no __version__ in src/gpuguard/__init__.py")
 
 
-def root_key() -> str:
-    text = "|".join(["v1", SUITE, "minbase", MIRROR, ",".join(sorted(ROOT_PACKAGES))])
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def debian_root() -> Tuple[Path, Optional[float]]:
-    """The cached debootstrap root (made if absent) and the seconds it took to make, if made now."""
-    CACHE.mkdir(parents=True, exist_ok=True)
-    final = CACHE / f"debootstrap-{SUITE}-{root_key()}"
-    with open(CACHE / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (final / ".complete").exists():
-            return final, None
-        shutil.rmtree(final, ignore_errors=True)
-        tmp = CACHE / f".tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        t0 = time.monotonic()
-        # In a private mount namespace: a debootstrap failing half-way cannot
-        # leave its proc/sys mounts behind on the host.
-        res = subprocess.run(
-            [
-                "unshare",
-                "-m",
-                "--propagation",
-                "private",
-                "--",
-                "debootstrap",
-                "--variant=minbase",
-                "--include=" + ",".join(ROOT_PACKAGES),
-                SUITE,
-                str(tmp),
-                MIRROR,
-            ],
-            env=debian_env(),
-            capture_output=True,
-            text=True,
-            timeout=1200,
-        )
-        if res.returncode != 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise AssertionError(
-                f"debootstrap failed ({res.returncode}):\n"
-                f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
-            )
-        # Drop downloaded .debs; keep apt lists (offline dependency resolution).
-        for deb in (tmp / "var/cache/apt/archives").glob("*.deb"):
-            deb.unlink()
-        (tmp / ".complete").write_text(f"{SUITE} {MIRROR} {' '.join(ROOT_PACKAGES)}\n")
-        os.rename(tmp, final)
-        return final, time.monotonic() - t0
-
-
 def require_pkgroot_tools() -> None:
     from conftest import require_root, require_tool
 
@@ -161,18 +113,79 @@ def require_pkgroot_tools() -> None:
     require_tool(*REQUIRED_TOOLS, "debootstrap", "pivot_root", "dpkg-buildpackage", "rpmbuild")
 
 
-class PackageRoot(SystemdNamespace):
-    """SystemdNamespace whose root is a copy-on-write copy of ``lower`` (not the host's)."""
+#: systemd versions each suite's root may run (sid moves: any version 258 on).
+SYSTEMD_VERSIONS: Dict[str, Tuple[int, int]] = {
+    "bullseye": (247, 247),
+    "bookworm": (252, 252),
+    "trixie": (257, 257),
+    "sid": (258, 9999),
+}
+#: What ``stat -fc %T /sys/fs/cgroup`` shows inside on each layout.
+LAYOUT_FSTYPE = {"v1": "tmpfs", "v2": "cgroup2fs"}
 
-    def __init__(self, workdir: Path, lower: Path, **kwargs: object) -> None:
+
+def version_of(text: str) -> str:
+    """The first dotted version number in a tool's --version output."""
+    m = re.search(r"(?<![\w/.])v?(\d+(?:\.\d+)+(?:[~+-]\w[\w.~+-]*)?)", text) or re.search(
+        r"(?<![\w/.])(\d+)\b", text
+    )
+    if not m:
+        raise NamespaceError(f"no version in {text!r}")
+    return m.group(1)
+
+
+class PackageRoot(SystemdNamespace):
+    """SystemdNamespace whose root is a copy-on-write copy of ``lower`` (not the host's).
+
+    ``suite``: the Debian release ``lower`` holds; the booted systemd's version must be
+    that release's (:data:`SYSTEMD_VERSIONS`). The layout is checked in every case."""
+
+    def __init__(
+        self, workdir: Path, lower: Path, *, suite: Optional[str] = None, **kwargs: object
+    ) -> None:
         kwargs.setdefault("extra_mask", ROOT_EXTRA_MASKS)
         super().__init__(workdir, **kwargs)  # type: ignore[arg-type]
         self.lower = lower
+        self.suite = suite
+        self.systemd_version: Optional[int] = None
 
     @property
     def upper(self) -> Path:
         """Host dir holding every file the root changed (overlayfs upper layer)."""
         return self.state / "upper"
+
+    def start(self) -> None:
+        super().start()
+        try:
+            self.check_stack()
+        except BaseException:
+            self.stop()
+            raise
+
+    def check_stack(self) -> None:
+        """Fail unless the namespace runs what was asked: the layout, and the suite's
+        systemd (a harness that booted another stack would prove nothing)."""
+        fstype = self.run(["stat", "-fc", "%T", "/sys/fs/cgroup"], check=True).stdout.strip()
+        if fstype != LAYOUT_FSTYPE[self.layout]:
+            raise NamespaceError(
+                f"asked for cgroup {self.layout}, booted /sys/fs/cgroup is {fstype}"
+            )
+        out = self.run(["systemctl", "--version"], check=True).stdout
+        m = re.match(r"systemd (\d+)", out)
+        if not m:
+            raise NamespaceError(f"systemctl --version: {out!r}")
+        self.systemd_version = int(m.group(1))
+        if self.suite is not None:
+            lo, hi = SYSTEMD_VERSIONS[self.suite]
+            if not lo <= self.systemd_version <= hi:
+                raise NamespaceError(
+                    f"{self.suite} root runs systemd {self.systemd_version}, expected {lo}-{hi}"
+                )
+
+    def tool_version(self, argv: Tuple[str, ...]) -> str:
+        """``argv`` (e.g. ("runc", "--version")) run inside: its version number."""
+        res = self.run(list(argv), check=True)
+        return version_of(res.stdout + res.stderr)
 
     def _prepare_state(self) -> None:
         super()._prepare_state()
@@ -203,4 +216,15 @@ class PackageRoot(SystemdNamespace):
             )
 
 
-__all__ = ["DEFAULT_MASKS", "PackageRoot", "built_packages", "debian_root", "require_pkgroot_tools"]
+__all__ = [
+    "CACHE",
+    "DEBIAN_PATH",
+    "DEFAULT_MASKS",
+    "SUITES",
+    "PackageRoot",
+    "built_packages",
+    "debian_env",
+    "debian_root",
+    "require_pkgroot_tools",
+    "root_path",
+]

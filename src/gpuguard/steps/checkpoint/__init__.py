@@ -1,4 +1,4 @@
-"""`gpuguard check`: the one-shot checkpoint repair (F1), coordinated with kubelet.
+"""The checkpoint step (F1): the daemon's and `gpuguard check`'s, coordinated with kubelet.
 
 Kubelet reads the checkpoint only at start-up and rewrites it from memory, so the
 file is changed only while kubelet is stopped:
@@ -30,7 +30,13 @@ if TYPE_CHECKING:  # dbus-next costs import time; a healthy node never needs it
     from gpuguard.steps.checkpoint.actuate import CheckpointActuator
     from gpuguard.steps.checkpoint.report import CheckReport, CheckSettings
 
-__all__ = ["CheckReport", "CheckSettings", "CheckpointStep", "check_checkpoint", "run_check"]
+__all__ = [
+    "CheckReport",
+    "CheckSettings",
+    "CheckpointStep",
+    "analyse_checkpoint",
+    "check_checkpoint",
+]
 
 
 def __getattr__(name: str) -> object:
@@ -44,25 +50,6 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def run_check(
-    root: Root,
-    inventory: Inventory,
-    s: CheckSettings,
-    log: EventLog,
-    snapshot: Optional[HostSnapshot] = None,
-) -> CheckReport:
-    """The CLI's entry. An event loop and a bus connection only when kubelet must be
-    asked about: a healthy node never loads asyncio or D-Bus."""
-    report, actuator = analyse_checkpoint(root, inventory, s, log, snapshot)
-    if actuator is None:
-        return report
-    import asyncio
-
-    from gpuguard.steps.checkpoint.kubelet import coordinate
-
-    return asyncio.run(coordinate(root, s, report, actuator, log, None, inventory))
-
-
 async def check_checkpoint(
     root: Root,
     inventory: Inventory,
@@ -73,15 +60,32 @@ async def check_checkpoint(
     snapshot: Optional[HostSnapshot] = None,
     conditions: Optional[Conditions] = None,
 ) -> CheckReport:
-    """The same for the daemon, on its own bus connection (`systemd`). `on_restart` is
-    called just before kubelet is restarted or stopped, whatever comes of it; the
-    findings are journaled through `conditions` (once while they last)."""
+    """The check: the analysis, then kubelet's coordination where a repair needs kubelet
+    stopped, on the pass's bus connection (`systemd`; None: one of its own). `on_restart`
+    is called just before kubelet is restarted or stopped, whatever comes of it; the
+    findings are journaled through `conditions` (the daemon's: once while they last)."""
     report, actuator = analyse_checkpoint(root, inventory, s, log, snapshot, conditions)
-    if actuator is None:
-        return report
-    from gpuguard.steps.checkpoint.kubelet import coordinate
+    if actuator is not None:
+        from gpuguard.steps.checkpoint.kubelet import coordinate
 
-    return await coordinate(root, s, report, actuator, log, systemd, inventory, on_restart)
+        report = await coordinate(root, s, report, actuator, log, systemd, inventory, on_restart)
+    return _remember_gpus(root, inventory, s, log, report)
+
+
+def _remember_gpus(
+    root: Root, inventory: Inventory, s: CheckSettings, log: EventLog, report: CheckReport
+) -> CheckReport:
+    """Record the GPUs as the history's newest generation once the checkpoint matches them
+    (healthy, repaired, or none yet): never before, so that the check after a reboot
+    still finds the generation the checkpoint was written under."""
+    from gpuguard import exitcodes
+
+    if s.dry_run or report.exit_code != exitcodes.OK or report.remap_inputs is None:
+        return report
+    from gpuguard.steps.checkpoint.actuate import record_history
+
+    record_history(root, inventory, report.remap_inputs, log, report.remap_inputs.path)
+    return report
 
 
 def analyse_checkpoint(
@@ -100,6 +104,7 @@ def analyse_checkpoint(
     from gpuguard.journal.conditions import log_findings
     from gpuguard.steps.checkpoint import reconcile as ckpt
     from gpuguard.steps.checkpoint.actuate import CheckpointActuator
+    from gpuguard.steps.checkpoint.observe import remap_inputs
     from gpuguard.steps.checkpoint.report import CheckReport, apply_repair
 
     path = root.path(s.checkpoint_path)
@@ -112,11 +117,21 @@ def analyse_checkpoint(
     except BadInputError as e:
         log.event("checkpoint-corrupt", e.message, level="error", fields={"CHECKPOINT": path})
         raise
+    inputs = remap_inputs(root, inventory, loaded.stat.st_mtime if loaded is not None else 0.0)
+    report.remap_inputs = inputs
+    if inputs.problem:
+        log.event(
+            "gpu-history-unusable",
+            f"{inputs.problem}; stale checkpoint entries can only be dropped, not remapped, "
+            "until the GPUs are recorded again",
+            level="warning",
+            fields={"GPUGUARD_RECONCILER": ckpt.NAME, "HISTORY": inputs.path},
+        )
     if loaded is None:
         report.result = "no checkpoint file (kubelet's device manager has not written one yet)"
         return report, None
     cp, raw = loaded.checkpoint, loaded.raw
-    analysis = ckpt.analyse(cp, inventory, s.resources)
+    analysis = ckpt.analyse(cp, inventory, s.resources, inputs)
     report.findings = list(analysis.findings)
     if conditions is None:  # a one-shot run: everything it found
         for f in report.findings:
@@ -157,45 +172,51 @@ def analyse_checkpoint(
 
 
 class CheckpointStep:
-    """The daemon's checkpoint step: the same check, on the daemon's bus connection.
+    """The checkpoint step, one for the daemon and for `gpuguard check`.
 
-    Restarting kubelet is rate limited here: at most once per KUBELET_RESTART_COOLDOWN,
+    The daemon's (`given` None) takes its settings from the configuration, and turns a
+    check that cannot go on (a corrupt checkpoint, kubelet that cannot be coordinated)
+    into a finding. `gpuguard check`'s is given the settings its options make, and lets
+    that error end the run with its exit code; its report (`report`) is what it prints.
+
+    Restarting kubelet is rate limited in the daemon: at most once per COOLDOWN,
     whatever the passes find, so a checkpoint that keeps coming back stale (a plugin
     re-registering old IDs?) is reported, never fought in a restart loop.
     """
 
     COOLDOWN = 600.0
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        given: Optional[CheckSettings] = None,
+    ) -> None:
         from gpuguard.journal.conditions import Conditions
 
         self.clock = clock
         self.last_restart = -1e18
-        self.conditions = Conditions()  # findings journaled once while they last
+        self.given = given  # `gpuguard check`'s settings; None: the daemon's
+        self.report: Optional[CheckReport] = None  # the last check's
+        self.conditions = Conditions()  # the daemon's findings, journaled once while they last
 
     def _restarting(self) -> None:
         # Counted when the restart is attempted, not when it succeeds: a restart whose
         # repair could not be verified must not be retried on the next pass either.
         self.last_restart = self.clock()
 
-    async def __call__(self, svc: Services, ctx: PassContext) -> None:
-        from gpuguard.journal.conditions import log_findings
-        from gpuguard.model import Finding
-        from gpuguard.steps.checkpoint import reconcile as ckpt
+    def settings(
+        self, svc: Services, ctx: PassContext, inventory: Inventory, starting: bool = False
+    ) -> CheckSettings:
+        """`gpuguard check`'s given settings, or the daemon's from its configuration
+        (`starting`: its first pass, which leaves a kubelet restart to the next)."""
+        if self.given is not None:
+            return self.given
         from gpuguard.steps.checkpoint.report import CheckSettings, simulation
 
-        inventory = await ctx.inventory()
-        if inventory is None:
-            return
-        k = svc.config.kubelet
         cooled = self.clock() - self.last_restart > self.COOLDOWN
-        # The daemon's first pass runs before READY=1, and kubelet's unit is ordered
-        # After=gpuguard.service: a restart job queued now would wait for gpuguard's own
-        # start, which waits for this pass. The restart is the next pass's, right after.
-        first = getattr(svc, "first_pass_done", None)
-        starting = first is not None and not first.is_set()
-        settings = CheckSettings.from_config(
-            k,
+        return CheckSettings.from_config(
+            svc.config.kubelet,
             dry_run=svc.dry_run,
             reason="daemon: " + ctx.work.reasons[0],
             bus_address=svc.bus_address,
@@ -203,6 +224,44 @@ class CheckpointStep:
             simulation=simulation(inventory.source, False, svc.config.inventory),
             kubelet_units=svc.config.systemd.kubelet_units,
         )
+
+    def run_alone(
+        self, root: Root, inventory: Inventory, log: EventLog, snapshot: HostSnapshot
+    ) -> CheckReport:
+        """`gpuguard check` when it runs no other step (kubelet's pre-start hook, a node
+        without the driver): the same check, with an event loop and a bus connection
+        only when kubelet must be asked about, so a healthy node never loads asyncio or
+        D-Bus."""
+        assert self.given is not None, "the daemon's step runs in a pass"
+        report, actuator = analyse_checkpoint(root, inventory, self.given, log, snapshot)
+        if actuator is not None:
+            import asyncio
+
+            from gpuguard.steps.checkpoint.kubelet import coordinate
+
+            done = coordinate(root, self.given, report, actuator, log, None, inventory)
+            report = asyncio.run(done)
+        self.report = _remember_gpus(root, inventory, self.given, log, report)
+        return self.report
+
+    async def __call__(self, svc: Services, ctx: PassContext) -> None:
+        from gpuguard.journal.conditions import log_findings
+        from gpuguard.model import Finding
+        from gpuguard.steps.checkpoint import reconcile as ckpt
+
+        inventory = await ctx.inventory()
+        if inventory is None:
+            ctx.unknown.append(
+                "no GPU inventory (NVML unavailable): the checkpoint's device IDs cannot "
+                "be judged against this node's GPUs"
+            )
+            return
+        # The daemon's first pass runs before READY=1, and kubelet's unit is ordered
+        # After=gpuguard.service: a restart job queued now would wait for gpuguard's own
+        # start, which waits for this pass. The restart is the next pass's, right after.
+        first = getattr(svc, "first_pass_done", None)
+        starting = first is not None and not first.is_set()
+        settings = self.settings(svc, ctx, inventory, starting)
         try:
             report = await check_checkpoint(
                 svc.root,
@@ -212,9 +271,11 @@ class CheckpointStep:
                 systemd=svc.systemd,
                 on_restart=self._restarting,
                 snapshot=ctx.host(svc),
-                conditions=self.conditions,
+                conditions=None if self.given is not None else self.conditions,
             )
         except GpuguardError as e:
+            if self.given is not None:
+                raise  # `gpuguard check`: the error is its exit code
             if isinstance(e, KubeletError) and settings.restart_kubelet and not svc.dry_run:
                 # A restart job that failed or was canceled (kubelet stopped meanwhile)
                 # counts too: otherwise every pass would try again, a restart loop.
@@ -226,12 +287,17 @@ class CheckpointStep:
             )
             ctx.findings.append(Finding(kind, ckpt.NAME, e.message, severity="error"))
             return
+        self.report = report
+        if self.given is not None:  # `gpuguard check`: its report says it all
+            ctx.findings += report.findings
+            ctx.outcomes += report.outcomes
+            return
         # Why a repair waits for kubelet's next start (a simulation, restarts off): said
         # once while it lasts, like the findings.
         left = []
         if starting and report.kubelet and report.result.startswith("not repaired"):
             report.coordination = "kubelet is running and gpuguard is starting: next pass"
-            ctx.recheck(0.5, frozenset({ckpt.NAME}), "kubelet restart after gpuguard's start")
+            ctx.recheck(0.5, "kubelet restart after gpuguard's start")
         elif report.kubelet and report.result.startswith("not repaired"):
             why = f"{report.checkpoint}: {report.result}"
             left.append(Finding("checkpoint-refused", ckpt.NAME, why, severity="warning"))

@@ -1,5 +1,6 @@
 """Applies checkpoint actions: check the file is unchanged, back it up, record the pod
-entries it drops, replace or delete.
+entries it drops, replace or delete, journal each remapped and dropped entry; and
+records the GPUs in the identity history once the checkpoint matches them.
 
 The caller guarantees kubelet is stopped (kubelet rewrites the file from memory). The
 dropped entries are recorded before the file changes (checkpoint/dropped.py): they are
@@ -21,15 +22,19 @@ from gpuguard.actuate.files import (
     backup,
     fsync_dir,
     remove_stale_temps,
-    write_new,
 )
-from gpuguard.checkpoint import dropped
+from gpuguard.actuate.statefile import write_state
+from gpuguard.checkpoint import dropped, history
+from gpuguard.checkpoint.model import PodDevicesEntry
 from gpuguard.checkpoint.reader import DEFAULT_MAX_BYTES as CHECKPOINT_MAX
 from gpuguard.errors import BadInputError
 from gpuguard.host import safeio
+from gpuguard.host.inventory import Inventory
+from gpuguard.host.paths import Root
 from gpuguard.journal.log import EventLog
 from gpuguard.model import Action, Outcome
-from gpuguard.steps.checkpoint.reconcile import DeleteCheckpoint, RewriteCheckpoint, sha256
+from gpuguard.steps.checkpoint.reconcile import NAME, DeleteCheckpoint, RewriteCheckpoint, sha256
+from gpuguard.steps.checkpoint.remap import RemapInputs
 
 
 @dataclass(frozen=True)
@@ -91,16 +96,62 @@ class CheckpointActuator:
                 **action.fields(),
             },
         )
+        self._journal_entries(action)
         return Outcome(action, "done", detail)
 
+    def _journal_entries(self, action: Union[RewriteCheckpoint, DeleteCheckpoint]) -> None:
+        """One entry per pod entry remapped or dropped: pod, container, old and new IDs."""
+        path = {"CHECKPOINT": str(action.path), "GPUGUARD_RECONCILER": action.reconciler}
+        for r in getattr(action, "remaps", ()):
+            old, new = ",".join(r.old_ids()), ",".join(r.new_ids())
+            self.log.event(
+                "checkpoint-entry-remapped",
+                f"pod {r.old.pod_uid} container {r.old.container_name}: {r.old.resource_name} "
+                f"{old} -> {new} ({r.how})",
+                level="notice",
+                fields={**_entry(r.old), "OLD_DEVICE_IDS": old, "NEW_DEVICE_IDS": new, **path},
+            )
+        drops = getattr(action, "drops", ()) or [
+            _Drop(e, "Policy=delete" if isinstance(action, DeleteCheckpoint) else action.reason)
+            for e in action.dropped
+        ]
+        for d in drops:
+            old = ",".join(d.entry.all_device_ids())
+            self.log.event(
+                "checkpoint-entry-dropped",
+                f"pod {d.entry.pod_uid} container {d.entry.container_name}: "
+                f"{d.entry.resource_name} {old} dropped: {d.why}",
+                level="notice",
+                fields={**_entry(d.entry), "OLD_DEVICE_IDS": old, "DROP_REASON": d.why, **path},
+            )
+
     def _record_dropped(self, action: Union[RewriteCheckpoint, DeleteCheckpoint]) -> str:
-        """Add the entries `action` drops to the record file; its path, or "" if none."""
-        if self.dropped_file is None or not action.dropped:
+        """Add the entries `action` drops or remaps to the record file (the evidence their
+        pods' containers keep being judged by); its path, or "" if none."""
+        remaps = getattr(action, "remaps", ())
+        if self.dropped_file is None or not (action.dropped or remaps):
             return ""
         when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         old = dropped.read(self.dropped_file)
-        records = dropped.merge(old, dropped.dropped_from(action.dropped, when))
-        write_new(self.dropped_file, dropped.render(records), mode=0o600)
+        drops = getattr(action, "drops", ())
+        if drops or remaps:  # as evidence in today's numbering (remap.py), own IDs kept
+            new = tuple(
+                dropped.DroppedEntry(
+                    d.entry.pod_uid, d.entry.container_name, d.entry.resource_name,
+                    d.evidence, when, original_ids=d.entry.all_device_ids(),
+                )
+                for d in drops
+            ) + tuple(
+                dropped.DroppedEntry(
+                    r.old.pod_uid, r.old.container_name, r.old.resource_name, r.evidence,
+                    when, original_ids=r.old_ids(), remapped_to=r.new_ids(),
+                )
+                for r in remaps
+            )  # fmt: skip
+        else:
+            new = dropped.dropped_from(action.dropped, when)
+        records = dropped.merge(old, new)
+        write_state(self.dropped_file, dropped.SPEC, records)
         return str(self.dropped_file)
 
     def _failed(self, action: Action, why: str) -> Outcome:
@@ -111,3 +162,50 @@ class CheckpointActuator:
             fields={"GPUGUARD_RECONCILER": action.reconciler, "GPUGUARD_ACTION": action.kind},
         )
         return Outcome(action, "failed", why)
+
+
+@dataclass(frozen=True)
+class _Drop:
+    entry: PodDevicesEntry
+    why: str
+
+
+def _entry(e: PodDevicesEntry) -> dict[str, str]:
+    return {"POD_UID": e.pod_uid, "CONTAINER_NAME": e.container_name, "RESOURCE": e.resource_name}
+
+
+def record_history(
+    root: Root, inventory: Inventory, inputs: RemapInputs, log: EventLog, path: str
+) -> bool:
+    """Make the inventory's GPUs the history's newest generation (nothing is written when
+    they already are). A history that cannot be written is journaled, never fatal: the
+    next check then finds the older generation and tries again."""
+    from gpuguard.steps.checkpoint.observe import boot_id
+
+    gen = history.generation_of(
+        inventory.gpus, inputs.numa, when=time.time(), boot_id=boot_id(root),
+        source=inventory.source,
+    )  # fmt: skip
+    new = history.advance(inputs.history, gen)
+    if new is None:
+        return False
+    target = Path(path)
+    try:
+        write_state(target, history.SPEC, new)
+    except (OSError, BadInputError) as e:
+        why = e.message if isinstance(e, BadInputError) else e.strerror
+        log.event(
+            "warning",
+            f"{target}: cannot record the GPUs ({why}); a later check tries again",
+            level="warning",
+            fields={"GPUGUARD_RECONCILER": NAME, "HISTORY": str(target)},
+        )
+        return False
+    log.event(
+        "gpu-history-recorded",
+        f"{target}: recorded {len(gen.gpus)} GPU(s) as the newest of "
+        f"{len(new.generations)} generation(s), the checkpoint matching them",
+        level="info",
+        fields={"GPUGUARD_RECONCILER": NAME, "HISTORY": str(target), "GPUS": str(len(gen.gpus))},
+    )
+    return True

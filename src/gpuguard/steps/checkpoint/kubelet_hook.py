@@ -19,14 +19,19 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
+import re
+import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from gpuguard.actuate.files import write_new
+from gpuguard.actuate.statefile import write_state
+from gpuguard.errors import BadInputError
+from gpuguard.host import safeio
+from gpuguard.host.echo import cut
 from gpuguard.host.paths import Root
+from gpuguard.host.statefile import Obj, SchemaError, StateFile, load
 from gpuguard.steps.registry import CHECKPOINT
 
 if TYPE_CHECKING:  # the hook's healthy path parses and analyses nothing
@@ -45,6 +50,11 @@ NOT_REPAIRED = "not-repaired"  # findings left as they are (refused, Policy=repo
 FAILED = "failed"  # it tried and failed (bad configuration or input, kubelet still up, ...)
 
 
+OUTCOMES = (REPAIRED, HEALTHY, SKIPPED, NOT_REPAIRED, FAILED)
+_HEX = re.compile(r"[0-9a-f]{0,64}")
+RECORD_MAX = 64 * 1024  # a request or result is a few hundred bytes
+
+
 @dataclass(frozen=True)
 class HookResult:
     token: str  # the caller's token from REQUEST, "" when nobody asked
@@ -55,8 +65,67 @@ class HookResult:
     time: float
     exit_code: int
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True) + "\n"
+
+def _hex(o: Obj, key: str) -> str:
+    v = o.text(key, max_len=64)
+    if not _HEX.fullmatch(v):
+        raise SchemaError(f"{key}: not a hex digest or token")
+    return v
+
+
+def _parse_result(o: Obj) -> HookResult:
+    outcome = o.text("outcome", max_len=32)
+    if outcome not in OUTCOMES:
+        raise SchemaError(f"outcome: not one of {', '.join(OUTCOMES)}")
+    return HookResult(
+        token=_hex(o, "token"),
+        outcome=outcome,
+        detail=o.text("detail", max_len=8192),
+        before_sha256=_hex(o, "before_sha256"),
+        after_sha256=_hex(o, "after_sha256"),
+        time=o.real("time"),
+        exit_code=o.integer("exit_code", hi=255),
+    )
+
+
+def _render_result(r: HookResult) -> dict[str, Any]:
+    return {
+        "token": r.token,
+        "outcome": r.outcome,
+        "detail": r.detail[:8192],
+        "before_sha256": r.before_sha256,
+        "after_sha256": r.after_sha256,
+        "time": r.time,
+        "exit_code": r.exit_code,
+    }
+
+
+@dataclass(frozen=True)
+class HookRequest:
+    token: str
+    time: float
+
+
+REQUEST_SPEC: StateFile[HookRequest] = StateFile(
+    path=REQUEST,
+    what="kubelet hook request",
+    version=1,
+    parse=lambda o: HookRequest(_hex(o, "token"), o.real("time")),
+    render=lambda r: {"token": r.token, "time": r.time},
+    max_bytes=RECORD_MAX,
+    mode=0o600,
+    dir_mode=0o755,
+)
+RESULT_SPEC: StateFile[HookResult] = StateFile(
+    path=RESULT,
+    what="kubelet hook result",
+    version=1,
+    parse=_parse_result,
+    render=_render_result,
+    max_bytes=RECORD_MAX,
+    mode=0o644,
+    dir_mode=0o755,
+)
 
 
 def new_token() -> str:
@@ -66,56 +135,39 @@ def new_token() -> str:
 
 
 def file_sha256(path: Path) -> str:
-    """sha256 of a regular file's bytes; "" when it is absent or unreadable."""
+    """sha256 of a regular file's bytes (safeio: a FIFO, /dev/zero or a link there is
+    refused at once, never read); "" when it is absent, unsafe or unreadable."""
     try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError:
+        raw, _st = safeio.read_bytes(path, what="checkpoint", max_bytes=safeio.CHECKPOINT_MAX)
+    except BadInputError:
         return ""
-
-
-def _ensure_dir(root: Root, host_path: str) -> Path:
-    path = root.path(host_path)
-    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-    return path
+    return hashlib.sha256(raw).hexdigest()
 
 
 def write_request(root: Root, token: str) -> None:
-    doc = {"token": token, "time": time.time()}
-    write_new(_ensure_dir(root, REQUEST), (json.dumps(doc) + "\n").encode(), mode=0o600)
+    write_state(root.path(REQUEST), REQUEST_SPEC, HookRequest(token, time.time()))
 
 
 def clear_request(root: Root) -> None:
     root.path(REQUEST).unlink(missing_ok=True)
 
 
-def read_request_token(root: Root) -> str:
-    """The token a caller left for this run; "" without one (a plain kubelet start)."""
-    try:
-        doc = json.loads(root.path(REQUEST).read_text())
-        token = doc["token"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return ""
-    return token if isinstance(token, str) else ""
+def read_request_token(root: Root) -> tuple[str, str]:
+    """The token a caller left for this run; "" without one (a plain kubelet start) or
+    when the record is unusable (a FIFO, /dev/zero, garbage: never waited on), with
+    why in the second place ("" when it was fine or absent)."""
+    got = load(root.path(REQUEST), REQUEST_SPEC)
+    if got.value is None:
+        return "", "" if got.absent else got.why
+    return got.value.token, ""
 
 
 def write_result(root: Root, result: HookResult) -> None:
-    write_new(_ensure_dir(root, RESULT), result.to_json().encode(), mode=0o644)
+    write_state(root.path(RESULT), RESULT_SPEC, result)
 
 
 def read_result(root: Root) -> Optional[HookResult]:
-    try:
-        doc = json.loads(root.path(RESULT).read_text())
-        return HookResult(
-            token=str(doc["token"]),
-            outcome=str(doc["outcome"]),
-            detail=str(doc["detail"]),
-            before_sha256=str(doc["before_sha256"]),
-            after_sha256=str(doc["after_sha256"]),
-            time=float(doc["time"]),
-            exit_code=int(doc["exit_code"]),
-        )
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    return load(root.path(RESULT), RESULT_SPEC).value
 
 
 @dataclass(frozen=True)
@@ -144,7 +196,8 @@ def judge(
     if result.outcome not in (REPAIRED, HEALTHY):
         return Verdict(
             False,
-            f"kubelet's pre-start hook {result.outcome} (exit {result.exit_code}): {result.detail}",
+            f"kubelet's pre-start hook {result.outcome} (exit {result.exit_code}): "
+            f"{cut(result.detail, 300)}",
         )
     if stale_after is None:
         return Verdict(False, f"the checkpoint cannot be re-read after the restart: {reread_error}")
@@ -200,25 +253,95 @@ def verify(
     )
 
 
+DEADLINE = 10.0  # seconds: kubelet's start waits no longer for its pre-start hook
+DEADLINE_EXIT = 5  # exitcodes.KUBELET: the hook gave up, kubelet starts as it is
+BACKSTOP = 5  # seconds after the deadline: the kernel ends what Python could not
+
+
 class HookRun:
     """One run of `gpuguard check --kubelet-stopped`: the result it leaves in RESULT,
-    with the token of the caller that restarted kubelet (if one did)."""
+    with the token of the caller that restarted kubelet (if one did).
+
+    `arm()` gives the run an overall deadline: kubelet's start must proceed within
+    seconds whatever is on disk or however NVML behaves (the drop-in's `-` ignores a
+    failure, not a hang). A timer thread writes the result (`failed`, with why) and
+    ends the process at the deadline; a SIGALRM left at its default action (the kernel
+    terminates the process) is the backstop should Python itself be stuck. Every write
+    of the checkpoint is atomic, so ending at any point leaves the old file or the new
+    one."""
 
     def __init__(self, root: Root) -> None:
         self.root = root
-        self.token = read_request_token(root)
+        self.token, why = read_request_token(root)
+        # state files it could not use, each said once in the journal by the run
+        self.unusable: list[str] = [why] if why else []
         self.checkpoint: Optional[Path] = None
         self.before = ""
+        self._lock = threading.Lock()
+        self._finished = False
+        self._timer: Optional[threading.Timer] = None
+        self._alarm = False
+
+    def arm(self, seconds: float, on_expiry: Optional[Any] = None) -> None:
+        """Start the deadline; `on_expiry(message, exit code)` replaces the process's
+        end (tests)."""
+        import signal
+
+        self._timer = threading.Timer(seconds, self._expired, (seconds, on_expiry))
+        self._timer.daemon = True
+        self._timer.start()
+        if on_expiry is None and signal.getsignal(signal.SIGALRM) == signal.SIG_DFL:
+            signal.alarm(int(seconds) + BACKSTOP)
+            self._alarm = True
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._alarm:
+            import signal
+
+            signal.alarm(0)
+            self._alarm = False
+
+    def _expired(self, seconds: float, on_expiry: Optional[Any]) -> None:
+        import os
+        import sys
+
+        why = (
+            f"stopped at its {seconds:g} s deadline (NVML or the checkpoint took too long); "
+            "kubelet starts with the checkpoint as it is — run `gpuguard check` once it is up"
+        )
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+        result = HookResult(self.token, FAILED, why, self.before, "", time.time(), DEADLINE_EXIT)
+        with contextlib.suppress(OSError, BadInputError):
+            write_result(self.root, result)
+        message = f"gpuguard: kubelet pre-start hook {why}"
+        if on_expiry is not None:
+            on_expiry(message, DEADLINE_EXIT)
+            return
+        with contextlib.suppress(OSError):
+            sys.stderr.write(message + "\n")
+            sys.stderr.flush()
+        os._exit(DEADLINE_EXIT)
 
     def start(self, checkpoint: Path) -> None:
         self.checkpoint = checkpoint
         self.before = file_sha256(checkpoint)
 
     def finish(self, outcome: str, detail: str, exit_code: int) -> int:
+        with self._lock:
+            if self._finished:
+                return exit_code
+            self._finished = True
+        self.disarm()
         after = file_sha256(self.checkpoint) if self.checkpoint is not None else ""
         result = HookResult(self.token, outcome, detail, self.before, after, time.time(), exit_code)
-        # A read-only /run: the caller then finds no result and reports exactly that.
-        with contextlib.suppress(OSError):
+        # A read-only /run, an unsafe directory: the caller then finds no result and
+        # reports exactly that.
+        with contextlib.suppress(OSError, BadInputError):
             write_result(self.root, result)
         return exit_code
 

@@ -14,18 +14,64 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from gpuguard import __version__
 from gpuguard.errors import BadInputError
 from gpuguard.host import safeio
 from gpuguard.host.inventory import Inventory
 from gpuguard.host.paths import STATE_DIR, Root
+from gpuguard.host.statefile import Loaded, Obj, SchemaError, StateFile, load
 
 MEMO = f"{STATE_DIR}/kubelet-hook.memo.json"
 MEMO_MAX = 64 * 1024
 FORMAT = 1
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class MemoKey:
+    """What the hook's verdict depends on; equal keys: the verdict stands."""
+
+    gpuguard: str
+    checkpoint: str
+    checkpoint_sha256: str
+    inventory: str
+    resources: tuple[str, ...]
+
+
+def _sha(o: Obj, key: str) -> str:
+    v = o.text(key, max_len=64)
+    if not _SHA256.fullmatch(v):
+        raise SchemaError(f"{key}: not a sha256")
+    return v
+
+
+SPEC: StateFile[MemoKey] = StateFile(
+    path=MEMO,
+    what="kubelet hook memo",
+    version=FORMAT,
+    parse=lambda o: MemoKey(
+        o.text("gpuguard", max_len=64),
+        o.text("checkpoint", max_len=4096),
+        _sha(o, "checkpoint_sha256"),
+        _sha(o, "inventory"),
+        o.texts("resources", max_items=256, max_len=256),
+    ),
+    render=lambda k: {
+        "gpuguard": k.gpuguard,
+        "checkpoint": k.checkpoint,
+        "checkpoint_sha256": k.checkpoint_sha256,
+        "inventory": k.inventory,
+        "resources": list(k.resources),
+    },
+    max_bytes=MEMO_MAX,
+    mode=0o600,
+    version_key="format",
+)
 
 
 def inventory_identity(inventory: Inventory) -> str:
@@ -36,38 +82,36 @@ def inventory_identity(inventory: Inventory) -> str:
 
 def memo_key(
     checkpoint_path: str, checkpoint_sha256: str, inventory: Inventory, resources: Sequence[str]
-) -> dict[str, Any]:
-    return {
-        "format": FORMAT,
-        "gpuguard": __version__,
-        "checkpoint": checkpoint_path,
-        "checkpoint_sha256": checkpoint_sha256,
-        "inventory": inventory_identity(inventory),
-        "resources": sorted(resources),
-    }
+) -> MemoKey:
+    return MemoKey(
+        __version__,
+        checkpoint_path,
+        checkpoint_sha256,
+        inventory_identity(inventory),
+        tuple(sorted(resources)),
+    )
 
 
-def read_memo(root: Root) -> Optional[dict[str, Any]]:
-    """The recorded key; None when missing, unsafe or malformed (then: the full check)."""
-    try:
-        data, _st = safeio.read_bytes(root.path(MEMO), what="kubelet hook memo", max_bytes=MEMO_MAX)
-        doc = json.loads(data)
-    except (BadInputError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) else None
+def read_memo(root: Root) -> Loaded[MemoKey]:
+    """The recorded key; none when missing, unsafe or malformed (then: the full check,
+    and `why` for the journal when it was there and unusable)."""
+    return load(root.path(MEMO), SPEC)
 
 
-def unchanged(root: Root, key: dict[str, Any]) -> bool:
-    return read_memo(root) == key
+def unchanged(root: Root, key: MemoKey, unusable: Optional[list[str]] = None) -> bool:
+    got = read_memo(root)
+    if got.value is None and not got.absent and unusable is not None:
+        unusable.append(got.why)
+    return got.value == key
 
 
-def write_memo(root: Root, key: dict[str, Any]) -> bool:
+def write_memo(root: Root, key: MemoKey) -> bool:
     """Record a verified healthy state; False when it cannot be written (a read-only or
     unsafe state directory: the next start then simply takes the full check)."""
-    from gpuguard.actuate.files import write_new
+    from gpuguard.actuate.statefile import write_state
 
     try:
-        write_new(root.path(MEMO), (json.dumps(key, sort_keys=True) + "\n").encode())
+        write_state(root.path(MEMO), SPEC, key)
     except (OSError, BadInputError):
         return False
     return True

@@ -1,4 +1,6 @@
-"""Is kubelet running, and how can we get it stopped around a checkpoint repair?
+"""Is kubelet running, and how can we get it stopped around a checkpoint repair? And
+what the remap needs from the host: the GPU identity history, the GPUs' NUMA nodes, when
+this boot began.
 
 Kubelet counts as running when systemd reports its unit active, or when a process
 named `kubelet` exists under the root's /proc. With no systemd reachable and no such
@@ -10,13 +12,52 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from gpuguard.devices.processes import kubelet_pids
-from gpuguard.host.paths import Root
+from gpuguard.checkpoint import history
+from gpuguard.devices.processes import boot_time, kubelet_pids
+from gpuguard.host.inventory import Inventory
+from gpuguard.host.numparse import parse_decimal
+from gpuguard.host.paths import GPU_HISTORY_FILE, Root
+from gpuguard.host.safeio import proc_text
+from gpuguard.steps.checkpoint.remap import RemapInputs
 
 if TYPE_CHECKING:
     from gpuguard.host.systemd import Systemd, UnitState
 
 DROPIN_NAME = "10-gpuguard.conf"
+
+
+def boot_id(root: Root) -> str:
+    try:
+        text = proc_text(root.path("/proc/sys/kernel/random/boot_id"), max_bytes=64).strip()
+    except OSError:
+        return ""
+    return text if len(text) <= 64 and text.isprintable() else ""
+
+
+def numa_nodes(root: Root, inventory: Inventory) -> dict[str, int]:
+    """The NUMA node of each GPU's PCI function, by bus id (sysfs form); GPUs whose node
+    is unknown or -1 (no NUMA) are left out."""
+    out: dict[str, int] = {}
+    for g in inventory.gpus:
+        bus = history.normal_bus_id(g.pci_bus_id)
+        if "/" in bus or bus.startswith("."):
+            continue
+        try:
+            text = proc_text(root.path(f"/sys/bus/pci/devices/{bus}/numa_node"), max_bytes=64)
+        except OSError:
+            continue
+        node = parse_decimal(text.strip(), hi=4095)
+        if node is not None:
+            out[bus] = node
+    return out
+
+
+def remap_inputs(root: Root, inventory: Inventory, checkpoint_mtime: float) -> RemapInputs:
+    path = root.path(GPU_HISTORY_FILE)
+    hist, problem = history.read(path)
+    return RemapInputs(
+        hist, problem, str(path), numa_nodes(root, inventory), checkpoint_mtime, boot_time(root)
+    )
 
 
 @dataclass(frozen=True)

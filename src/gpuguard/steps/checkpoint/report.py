@@ -11,6 +11,7 @@ from gpuguard.steps.checkpoint.actuate import CheckpointActuator
 
 if TYPE_CHECKING:
     from gpuguard.config import KubeletConfig
+    from gpuguard.steps.checkpoint.remap import RemapInputs
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,8 @@ class CheckReport:
     coordination: str = ""
     result: str = ""
     exit_code: int = exitcodes.OK
+    # what the remap read from the host (the history among it); not part of the report
+    remap_inputs: Optional[RemapInputs] = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -120,7 +123,9 @@ class CheckReport:
             out.append((f"inventory:  {len(inv['gpus'])} GPU(s) from {inv['source']}", {}))
             out += [(f"            {g['index']}: {g['uuid']}", {}) for g in inv["gpus"]]
         out += [(f"{f.severity + ':':9}  {f.summary}", f.fields) for f in self.findings]
-        out += [(f"plan:       {a.describe()}", a.fields()) for a in self.actions]
+        for a in self.actions:
+            out.append((f"plan:       {a.describe()}", a.fields()))
+            out += [(f"            {d}", a.fields()) for d in getattr(a, "details", tuple)()]
         if self.kubelet:
             out.append((f"kubelet:    {self.kubelet}", {}))
         if self.coordination:

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
+from gpuguard.actuate.safewrite import UnsafeWriteError, open_control_file
 from gpuguard.devices.rules import DeviceRules, allows, parse_rule, parsed_devices_list
 from gpuguard.errors import GpuguardError
 from gpuguard.host.safeio import CGROUP_MAX, UnsafeFileError, read_kernel_text
@@ -34,7 +35,10 @@ class CgroupWriteError(GpuguardError):
 
 
 def _write_lines(path: Path, lines: Iterable[str]) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        fd = open_control_file(path)  # no link, no FIFO, never blocks
+    except UnsafeWriteError as e:
+        raise CgroupWriteError(e.message) from None
     try:
         for line in lines:
             try:
@@ -75,7 +79,7 @@ _parsed_rule = functools.lru_cache(maxsize=256)(parse_rule)
 def write_grants(cgroup_dir: Path, rules: Sequence[str], *, dry_run: bool) -> tuple[str, str]:
     """The direct re-grant: microseconds, CUDA works again at once. Returns an
     Outcome's status and detail; the caller builds the action after its last write
-    (reload.py: building one costs more than the write). A `done` from here is
+    (cgroupv1.py's reload sweep: building one costs more than the write). A `done` from here is
     provisional until `confirm_v1` has read it back: callers write every container
     first (each one's access back as soon as possible), then confirm them all."""
     if dry_run:

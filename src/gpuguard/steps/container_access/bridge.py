@@ -34,7 +34,9 @@ Why it is safe:
   DurableGrants=no (nothing would follow it) or without a bus.
 
 The plan is pure (bridgeplan.py); `Bridges` makes the bridges (the pass's, and a reload's sweep)
-and keeps those whose DeviceAllow= is still to come.
+and keeps those whose DeviceAllow= is still to come. The v2 layout (cgroupv2.py) owns
+it: it says which cgroup's programs decide for a container (`dir_of`) and how one is
+looked at (`look`).
 """
 
 from __future__ import annotations
@@ -46,7 +48,6 @@ import time
 from pathlib import Path
 from typing import (
     TYPE_CHECKING,
-    AbstractSet,
     Awaitable,
     Callable,
     Mapping,
@@ -63,18 +64,14 @@ from gpuguard.model import Outcome
 from gpuguard.steps.container_access.bridgeplan import (
     BridgeAttach,
     BridgeDetach,
+    DirOf,
     bridge_actions,
     bridge_nodes,
     bridge_targets,
     detach_of,
 )
-from gpuguard.steps.container_access.observe import AccessView, scope_verdicts, systemd_denied
-from gpuguard.steps.container_access.reconcile import (
-    RECONCILER,
-    AccessKey,
-    UnitDeviceAllow,
-)
-from gpuguard.steps.container_access.settle import outside_apply
+from gpuguard.steps.container_access.reconcile import RECONCILER, UnitDeviceAllow
+from gpuguard.steps.container_access.view import AccessKey, AccessView
 from gpuguard.steps.registry import CONTAINER_ACCESS
 
 if TYPE_CHECKING:
@@ -87,9 +84,14 @@ if TYPE_CHECKING:
 
 Pair = tuple["ContainerCgroup", "Entitlement"]  # a known container and what it was given
 Written = tuple[float, Outcome]  # when a bridge was made, and how it went
-# a bridge made or refused: the scope, its nodes, when, and the swap or why not
-Made = tuple["ContainerCgroup", "tuple[DeviceNode, ...]", float, Union[Replacement, str]]
+# a bridge made or refused: the scope, its cgroup, its nodes, when, and the swap or why not
+Made = tuple["ContainerCgroup", Path, "tuple[DeviceNode, ...]", float, Union[Replacement, str]]
 Grant = Callable[[UnitDeviceAllow, "Services", "Optional[Systemd]"], Awaitable[Outcome]]
+# one known scope's access now, outside a pass (cgroupv2.py): its cgroup's programs read
+# through the loop's cache (their ids into the list), its directory open
+Look = Callable[
+    ["ContainerCgroup", "Entitlement", list[int], int], Mapping[AccessKey, Optional[bool]]
+]
 # Waiting for systemd's program after its DeviceAllow= call returned: one more reply
 # from systemd, then sleeps doubling from 10 ms (about 5 s in all: after a reload
 # systemd answers hundreds of calls before it applies them); the next pass does the rest.
@@ -192,13 +194,16 @@ class Bridges:
         self,
         backoff: Backoff,
         clock: Callable[[], float],
-        durable: Mapping[str, AbstractSet[str]],
         grant: Grant,
         carry: Callable[[Outcome], None],
+        *,
+        dir_of: DirOf,
+        look: Look,
     ) -> None:
         self.pending: dict[str, tuple[BridgeAttach, UnitDeviceAllow]] = {}
-        self.durable = durable  # the step's: unit -> numbers in its DeviceAllow=
         self.grant = grant  # the step's DeviceAllow= (the same journal entry)
+        self.dir_of = dir_of
+        self.look = look
         self.carry = carry  # done between passes: into the next pass's result
         self.cache = ProgramCache()  # programs read on the loop (a pass's thread has its own)
         self.in_flight: set[str] = set()  # units whose DeviceAllow= is being set here
@@ -219,10 +224,10 @@ class Bridges:
         each was made and how it went, by container. `record=False`: a failure is not
         held back (on the reload's signal systemd may be swapping programs still)."""
         made: list[Made] = []
-        for c, denied in bridge_targets(view, self.backoff.failures, self.clock()):
-            assert c.cgroup_v2 is not None
-            r = attach(c.cgroup_v2, _pairs(denied), self.cache, self.loaded, dry_run=svc.dry_run)
-            made.append((c, denied, time.monotonic(), r))
+        now = self.clock()
+        for c, cg, denied in bridge_targets(view, self.backoff.failures, now, self.dir_of):
+            r = attach(cg, _pairs(denied), self.cache, self.loaded, dry_run=svc.dry_run)
+            made.append((c, cg, denied, time.monotonic(), r))
         return self._made(made, svc.dry_run, record)
 
     def claim(self, units: Optional[set[str]] = None) -> dict[str, BridgeAttach]:
@@ -241,48 +246,26 @@ class Bridges:
         made: list[Made] = []
         now = self.clock()
         for c, ent in pairs:
-            if c.cgroup_v2 is None:
-                continue
+            cg = self.dir_of(c)
             try:
-                fd = open_cgroup(c.cgroup_v2)
+                fd = open_cgroup(cg)
             except OSError:
                 continue  # gone; a pass reports what cannot be read
             try:
                 ids: list[int] = []
-                seen = self._look(c, ent, ids, fd)
+                seen = self.look(c, ent, ids, fd)
                 access.update(seen)
-                denied = bridge_nodes(c, ent, seen, self.backoff.failures, tuple(ids), now)
+                denied = bridge_nodes(c, cg, ent, seen, self.backoff.failures, tuple(ids), now)
                 if denied:
-                    r = attach(
-                        c.cgroup_v2,
-                        _pairs(denied),
-                        self.cache,
-                        self.loaded,
-                        dry_run=svc.dry_run,
-                        fd=fd,
-                    )
-                    made.append((c, denied, time.monotonic(), r))
+                    loaded = self.loaded
+                    r = attach(cg, _pairs(denied), self.cache, loaded, dry_run=svc.dry_run, fd=fd)
+                    made.append((c, cg, denied, time.monotonic(), r))
             finally:
                 os.close(fd)
         out = self._made(made, svc.dry_run, record)
         self.cache.forget_unseen()
         self.release()
         return out, access
-
-    def _look(
-        self, c: ContainerCgroup, ent: Entitlement, ids: list[int], fd: int
-    ) -> Mapping[AccessKey, Optional[bool]]:
-        """One known scope's access now, outside a pass, as the fast path judges it: a
-        denial its DeviceAllow= covers waits for the pass unless systemd's own program
-        denies it (settle.outside_apply)."""
-        seen = scope_verdicts(self.cache, c, ent, ids, fd)
-        if seen is None:
-            return {}
-        if not (c.unit in self.durable and False in seen.values()):
-            return seen  # nothing covered is denied (the usual case: no systemd_denied)
-        sd = systemd_denied(self.cache, c, ent, ids)
-        settled = outside_apply((c,), {c.key: ent}, seen, self.durable, sd)
-        return seen if settled is None else settled
 
     def _made(
         self,
@@ -294,8 +277,8 @@ class Bridges:
         last one: the attached ones pending their DeviceAllow=, a failure held back
         (`record`) with the programs the kernel runs for the cgroup now."""
         out: dict[str, Written] = {}
-        for c, denied, at, r in made:
-            b, allow = bridge_actions(c, denied)
+        for c, cg, denied, at, r in made:
+            b, allow = bridge_actions(c, cg, denied)
             if isinstance(r, str):
                 out[c.container_id] = (at, Outcome(b, "failed", r))
                 if record:
@@ -386,13 +369,13 @@ class Bridges:
         for c in view.containers:
             if c.container_id not in view.bridged or c.unit in self.pending:
                 continue
-            assert c.cgroup_v2 is not None
+            cg = str(self.dir_of(c))
             a = BridgeDetach(
                 reconciler=RECONCILER,
                 reason="a bridge of gpuguard's left attached (an earlier repair) and "
                 "systemd's program is attached again",
-                target=str(c.cgroup_v2),
-                cgroup_dir=str(c.cgroup_v2),
+                target=cg,
+                cgroup_dir=cg,
                 unit=c.unit or "",
                 pod_uid=c.pod_uid,
                 container_id=c.container_id,

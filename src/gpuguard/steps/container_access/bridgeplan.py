@@ -1,21 +1,23 @@
 """The v2 bridge's plan (pure): which scopes get a bridge, for which nodes, and the
 actions journaled for it: the attach, the DeviceAllow= that follows, the detach.
-What a bridge is and why it is safe: bridge.py.
+What a bridge is and why it is safe: bridge.py. Only the v2 layout (cgroupv2.py) plans
+bridges, for its own containers; it says which cgroup's programs decide for each
+(`dir_of`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping, Optional, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
 from gpuguard.steps.container_access.inplace import Failure
-from gpuguard.steps.container_access.observe import AccessView
 from gpuguard.steps.container_access.reconcile import (
     RECONCILER,
-    AccessKey,
     ContainerDeviceAction,
     UnitDeviceAllow,
 )
+from gpuguard.steps.container_access.view import AccessKey, AccessView
 
 if TYPE_CHECKING:
     from gpuguard.devices.containers import ContainerCgroup
@@ -24,6 +26,8 @@ if TYPE_CHECKING:
 
 ACTION_ATTACH = "v2-bridge-attach"
 ACTION_DETACH = "v2-bridge-detach"
+
+DirOf = Callable[["ContainerCgroup"], Path]  # the cgroup whose programs decide for it
 
 
 @dataclass(frozen=True)
@@ -54,31 +58,31 @@ class BridgeDetach(BridgeAttach):
 
 def bridge_nodes(
     c: ContainerCgroup,
+    cgroup_dir: Path,
     ent: Optional[Entitlement],
     access: Mapping[AccessKey, Optional[bool]],
     failures: Mapping[str, Failure],
     effective: Optional[tuple[int, ...]],
     now: float,
 ) -> tuple[DeviceNode, ...]:
-    """The entitled nodes a bridge gives back to `c` (none: no bridge): on a v2 systemd
-    scope, those its cgroup denies (verdicts False; unknown ones wait for the pass),
-    unless the back-off holds the cgroup with the programs it runs now (`effective`)."""
-    if c.unit is None or c.cgroup_v2 is None or c.cgroup_v1_devices is not None:
-        return ()
-    if ent is None or not ent.readable:
+    """The entitled nodes a bridge gives back to `c` (none: no bridge): in a systemd
+    scope, those its cgroup (`cgroup_dir`) denies (verdicts False; unknown ones wait for
+    the pass), unless the back-off holds the cgroup with the programs it runs now
+    (`effective`)."""
+    if c.unit is None or ent is None or not ent.readable:
         return ()
     denied = tuple(n for n in ent.nodes if access.get((c.container_id, n.numbers)) is False)
-    f = failures.get(str(c.cgroup_v2))
+    f = failures.get(str(cgroup_dir))
     if not denied or (f is not None and f.holds(effective, now)):
         return ()
     return denied
 
 
 def bridge_actions(
-    c: ContainerCgroup, denied: Sequence[DeviceNode]
+    c: ContainerCgroup, cgroup_dir: Path, denied: Sequence[DeviceNode]
 ) -> tuple[BridgeAttach, UnitDeviceAllow]:
-    """A bridge for `denied` on `c`, and the DeviceAllow= that follows it."""
-    assert c.unit is not None and c.cgroup_v2 is not None
+    """A bridge for `denied` on `c`'s `cgroup_dir`, and the DeviceAllow= that follows."""
+    assert c.unit is not None, "a container in a scope"
     what = ", ".join(n.path for n in denied)
     common = dict(
         reconciler=RECONCILER,
@@ -90,8 +94,8 @@ def bridge_actions(
     bridge = BridgeAttach(
         reason=f"{what} denied on the scope's cgroup v2: stand in for systemd's program "
         "until the DeviceAllow= that follows is applied",
-        target=str(c.cgroup_v2),
-        cgroup_dir=str(c.cgroup_v2),
+        target=str(cgroup_dir),
+        cgroup_dir=str(cgroup_dir),
         unit=c.unit,
         **common,  # type: ignore[arg-type]
     )
@@ -106,28 +110,31 @@ def bridge_actions(
 
 
 def bridge_targets(
-    view: AccessView, failures: Mapping[str, Failure], now: float
-) -> list[tuple[ContainerCgroup, tuple[DeviceNode, ...]]]:
-    """Each v2 scope of `view` to bridge, with the nodes (`bridge_nodes`)."""
+    view: AccessView, failures: Mapping[str, Failure], now: float, dir_of: DirOf
+) -> list[tuple[ContainerCgroup, Path, tuple[DeviceNode, ...]]]:
+    """Each scope of `view` (v2 containers) to bridge: its cgroup and the nodes
+    (`bridge_nodes`)."""
     out = []
     for c in view.containers:
         if c.container_id in view.broken:
             continue
         ent = view.entitlements.get(c.key)
-        denied = bridge_nodes(
-            c, ent, view.access, failures, view.effective.get(c.container_id), now
-        )
+        cg = dir_of(c)
+        eff = view.effective.get(c.container_id)
+        denied = bridge_nodes(c, cg, ent, view.access, failures, eff, now)
         if denied:
-            out.append((c, denied))
+            out.append((c, cg, denied))
     return out
 
 
 def plan_bridges(
-    view: AccessView, failures: Mapping[str, Failure], now: float
+    view: AccessView, failures: Mapping[str, Failure], now: float, dir_of: DirOf
 ) -> tuple[tuple[BridgeAttach, UnitDeviceAllow], ...]:
-    """A bridge, and the DeviceAllow= that follows it, for each v2 scope in `view` whose
-    cgroup denies entitled nodes (verdicts False; unknown ones wait for the pass)."""
-    return tuple(bridge_actions(c, d) for c, d in bridge_targets(view, failures, now))
+    """A bridge, and the DeviceAllow= that follows it, for each scope in `view` (v2
+    containers) whose cgroup denies entitled nodes (verdicts False; unknown ones wait
+    for the pass)."""
+    targets = bridge_targets(view, failures, now, dir_of)
+    return tuple(bridge_actions(c, cg, d) for c, cg, d in targets)
 
 
 def detach_of(a: BridgeAttach, reason: str) -> BridgeDetach:

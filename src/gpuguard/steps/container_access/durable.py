@@ -8,8 +8,8 @@ from typing import AbstractSet, Mapping, Optional
 
 from gpuguard.model import Action
 from gpuguard.steps.container_access.actions import UnitDropInRemove
-from gpuguard.steps.container_access.observe import AccessView
 from gpuguard.steps.container_access.reconcile import UnitDeviceAllow
+from gpuguard.steps.container_access.view import AccessView
 from gpuguard.steps.registry import CONTAINER_ACCESS
 
 NAME = CONTAINER_ACCESS

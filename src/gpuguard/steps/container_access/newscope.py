@@ -35,9 +35,9 @@ from gpuguard.devices.nodes import GpuLike, list_nvidia_nodes, nvidia_majors, re
 from gpuguard.errors import GpuguardError
 from gpuguard.host.paths import DROPPED_ENTRIES_FILE, Root
 from gpuguard.model import Outcome
-from gpuguard.steps.container_access.observe import AccessView
 from gpuguard.steps.container_access.reconcile import UnitDeviceAllow
 from gpuguard.steps.container_access.scopequeue import ScopeQueue
+from gpuguard.steps.container_access.view import AccessView
 
 if TYPE_CHECKING:
     from gpuguard.engine.passes import Services

@@ -1,252 +1,67 @@
 """What the container_access step reads: GPU containers, what each was given and what
-its cgroup admits (a worker thread runs this), and the grants systemd already keeps."""
+its cgroup admits (a worker thread runs this; each container's layout reads its
+verdicts: devcgroup.py), and the grants systemd already keeps."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AbstractSet, Container, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, AbstractSet, Optional, Sequence
 
-from gpuguard.devices.bpfread import BRIDGE_NAME, SYSTEMD_NAME, ProgramCache, judge
-from gpuguard.devices.containers import ContainerCgroup
 from gpuguard.devices.entitlement import Entitlement, read_entitlement, unreadable_entitlement
-from gpuguard.devices.nodes import (
-    list_nvidia_nodes,
-)
+from gpuguard.devices.nodes import list_nvidia_nodes
 from gpuguard.devices.plugins import discover_plugins
-from gpuguard.devices.probe import probe_open_all, query_device_programs
-from gpuguard.devices.rules import DeviceRules, parsed_devices_list
 from gpuguard.errors import GpuguardError
 from gpuguard.host.inventory import Inventory
 from gpuguard.host.paths import DEVICE_PLUGINS_DIR, Root
-from gpuguard.host.safeio import CGROUP_MAX, UnsafeFileError, read_kernel_text
-from gpuguard.steps.container_access.reconcile import (
-    AccessKey,
-    verdicts_from_rules,
-)
+
+# The records, re-exported: the step, the CLI and tests import them from here.
+from gpuguard.steps.container_access.view import AccessView as AccessView
+from gpuguard.steps.container_access.view import Pair, Readings
 
 if TYPE_CHECKING:
     from gpuguard.engine.snapshot import HostSnapshot
     from gpuguard.host.systemd import Systemd
+    from gpuguard.steps.container_access.cgroups import Cgroups
+    from gpuguard.steps.container_access.devcgroup import DeviceCgroup
 
 SCOPE_IFACE = "org.freedesktop.systemd1.Scope"
 
 
-@dataclass(frozen=True)
-class AccessView:
-    containers: tuple[ContainerCgroup, ...]
-    entitlements: Mapping[tuple[str, str], Entitlement]
-    access: Mapping[AccessKey, Optional[bool]]
-    rules: Mapping[str, DeviceRules]
-    # container_id -> why its own files could not be read: it gets a finding and is
-    # neither judged nor granted anything; every other container goes on.
-    broken: Mapping[str, str] = field(default_factory=dict)
-    # device plugins' own containers: the plugin step judges their view of the nodes
-    plugin_containers: frozenset[str] = frozenset()
-    # v2 containers without a scope: the device programs attached to their own cgroup
-    # (None: BPF_PROG_QUERY failed), for the in-place repair's checks (inplace.py)
-    programs: Mapping[str, Optional[tuple[int, ...]]] = field(default_factory=dict)
-    # v2 containers with a bridge of gpuguard's among their programs (bridge.py), and
-    # the v2 (container, node) pairs that a program of systemd's itself denies
-    bridged: frozenset[str] = frozenset()
-    systemd_denies: frozenset[AccessKey] = frozenset()
-    # v2 containers: the ids of every device program the kernel runs for their cgroup
-    # (a failed bridge waits until these change: bridge.py)
-    effective: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
-
-
-def scope_verdicts(
-    cache: ProgramCache,
-    c: ContainerCgroup,
-    ent: Entitlement,
-    ids: list[int],
-    fd: Optional[int] = None,
-) -> Optional[dict[AccessKey, bool]]:
-    """Whether the device programs the kernel runs for `c`'s v2 cgroup admit each node
-    it was given (None: not readable, ask a probe); `ids` receives those programs' ids.
-    `fd`: the cgroup's directory, open."""
-    assert c.cgroup_v2 is not None
-    nodes = [(n.major, n.minor) for n in ent.nodes]
-    verdicts = judge(cache, c.cgroup_v2, nodes, ids, fd)
-    if verdicts is None:
-        return None
-    return {(c.container_id, n.numbers): verdicts[(n.major, n.minor)] for n in ent.nodes}
-
-
-def systemd_denied(
-    cache: ProgramCache, c: ContainerCgroup, ent: Entitlement, ids: Sequence[int]
-) -> set[AccessKey]:
-    """The nodes given to `c` that a program of systemd's among `ids` denies."""
-    sd = [(i, cache.get(i)) for i in ids if cache.name(i) == SYSTEMD_NAME]
-    if not sd:
-        return set()
-    return {
-        (c.container_id, n.numbers)
-        for n in ent.nodes
-        if any(p and not cache.admits_rw(i, p, (n.major, n.minor)) for i, p in sd)
-    }
-
-
 class AccessObserver:
-    """Reads the host for the step; caches each container's entitlement by its PID."""
+    """Reads the host for the step; caches each container's entitlement by its PID,
+    and keeps the last pass's GPU containers for the fast paths."""
 
-    def __init__(self) -> None:
+    def __init__(self, cgroups: Cgroups) -> None:
+        self.cgroups = cgroups
         self._cache: dict[tuple[str, str], tuple[int, Entitlement]] = {}
-        # The v1 GPU containers of the last pass, for fast_view() after a reload, and the
-        # devices.list text of each that admitted everything it was given.
-        self._known_v1: tuple[tuple[ContainerCgroup, Entitlement], ...] = ()
-        self._good: dict[str, str] = {}
         self._host_signature: tuple[tuple[str, str], ...] = ()
-        # The same for v2: the last pass's GPU containers judged by their device programs.
-        self._known_v2: tuple[tuple[ContainerCgroup, Entitlement], ...] = ()
-        self._programs = ProgramCache()
-        self._root: Optional[Root] = None
-
-    def _read_v2(
-        self,
-        root: Root,
-        pairs: Sequence[tuple[ContainerCgroup, Entitlement]],
-        access: dict[AccessKey, Optional[bool]],
-        programs: dict[str, Optional[tuple[int, ...]]],
-        *,
-        probe: bool = True,
-        planned: Container[str] = (),
-        bridged: Optional[set[str]] = None,
-        cache: Optional[ProgramCache] = None,
-        sd_denies: Optional[set[AccessKey]] = None,
-        effective: Optional[dict[str, tuple[int, ...]]] = None,
-    ) -> None:
-        """v2 verdicts from the programs the kernel runs for each cgroup, parsed once
-        each (no fork); a probe, one fork per container, where a program cannot be read
-        or parsed (``probe=False``: left unknown, for the fast path on the loop).
-        ``planned``: nodes a dry-run only planned, not on the host: a probe has nothing
-        to open there (the container's own node is a path it controls), so unknown.
-        ``bridged``: receives the containers with a bridge of gpuguard's attached;
-        ``sd_denies``: the (container, node) pairs a program of systemd's denies."""
-        programs_cache = self._programs if cache is None else cache
-        for c, ent in pairs:
-            assert c.cgroup_v2 is not None
-            ids: list[int] = []
-            verdicts = scope_verdicts(programs_cache, c, ent, ids)
-            if effective is not None:
-                effective[c.container_id] = tuple(ids)
-            if bridged is not None and any(programs_cache.name(i) == BRIDGE_NAME for i in ids):
-                bridged.add(c.container_id)
-            if sd_denies is not None and verdicts is not None:
-                sd_denies |= systemd_denied(programs_cache, c, ent, ids)
-            if verdicts is not None:
-                access.update(verdicts)
-            elif probe:
-                real = [n for n in ent.nodes if n.path not in planned]
-                res = probe_open_all([root.path(n.path) for n in real], [c.cgroup_v2])
-                for n, r in zip(real, res):
-                    access[(c.container_id, n.numbers)] = r.verdict
-                for n in ent.nodes:
-                    if n.path in planned:
-                        access[(c.container_id, n.numbers)] = None
-            if c.unit is None and probe:
-                try:
-                    programs[c.container_id] = query_device_programs(c.cgroup_v2)
-                except OSError:
-                    programs[c.container_id] = None
+        # The last pass's GPU containers with their entitlements, by the layout that
+        # serves each (grouped once: a reload's sweep starts writing at once)
+        self._known: tuple[tuple[DeviceCgroup, tuple[Pair, ...]], ...] = ()
 
     @property
-    def known_v1(self) -> tuple[tuple[ContainerCgroup, Entitlement], ...]:
-        """The last pass's v1 GPU containers with their entitlements."""
-        return self._known_v1
+    def known(self) -> tuple[tuple[DeviceCgroup, tuple[Pair, ...]], ...]:
+        """The last pass's GPU containers with their entitlements, by layout."""
+        return self._known
 
-    @property
-    def known_v2_scopes(self) -> tuple[tuple[ContainerCgroup, Entitlement], ...]:
-        """The last pass's v2 GPU containers in a systemd scope."""
-        return tuple(p for p in self._known_v2 if p[0].unit is not None)
+    def know(self, pairs: Sequence[Pair]) -> list[tuple[DeviceCgroup, list[Pair]]]:
+        """`pairs` (a pass's GPU containers) by layout, kept as the ones known now."""
+        groups = self.cgroups.group(pairs)
+        self._known = tuple((cg, tuple(some)) for cg, some in groups)
+        return groups
 
-    def read_v1(
-        self,
-        pairs: Sequence[tuple[ContainerCgroup, Entitlement]],
-        access: dict[AccessKey, Optional[bool]],
-        rules: dict[str, DeviceRules],
-        broken: dict[str, str],
-        remember: bool = False,
-    ) -> None:
-        """`pairs`' devices.list read into `access`, `rules` and `broken`. `remember`
-        (what was last seen intact) only within a pass: its observe() in the pass's
-        thread, or its fast view on the loop before that thread starts; a reload's sweep
-        (reload.py), which can run while a pass's thread does, reads without it."""
-        for c, ent in pairs:
-            assert c.cgroup_v1_devices is not None
-            path = c.cgroup_v1_devices / "devices.list"
-            try:
-                text = read_kernel_text(path, what="devices.list", max_bytes=CGROUP_MAX)
-            except UnsafeFileError as e:
-                broken[c.container_id] = e.message
-                continue
-            if text is None:
-                continue  # the container went away
-            if self._good.get(c.container_id) == text:  # unchanged since it was fine
-                access.update({(c.container_id, n.numbers): True for n in ent.nodes})
-                continue
-            try:
-                r = parsed_devices_list(text)
-            except ValueError as e:  # not what the kernel writes: this container only
-                broken[c.container_id] = f"{path}: {e}; check what wrote this file"
-                continue
-            rules[c.container_id] = r
-            verdicts = verdicts_from_rules(c.container_id, ent.nodes, r)
-            access.update(verdicts)
-            if not remember:
-                continue
-            if all(verdicts.values()):
-                self._good[c.container_id] = text
-            else:
-                self._good.pop(c.container_id, None)
-
-    def fast_view(
-        self,
-        remember: bool = True,
-        pairs: Optional[Sequence[tuple[ContainerCgroup, Entitlement]]] = None,
-        cache: Optional[ProgramCache] = None,
-    ) -> AccessView:
+    def fast_view(self, root: Root) -> AccessView:
         """The last pass's GPU containers with their access as of now: no tree walk,
-        no /proc reads. A reload's wipe is repaired from this before anything else.
-        `remember=False` outside a pass: a pass's observe() may be running in its
-        thread, and only that thread updates what was last seen intact. `pairs`: some
-        of the last pass's containers only; `cache`: the programs read outside a pass."""
-        access: dict[AccessKey, Optional[bool]] = {}
-        rules: dict[str, DeviceRules] = {}
-        broken: dict[str, str] = {}
-        programs: dict[str, Optional[tuple[int, ...]]] = {}
-        sd_denies: set[AccessKey] = set()
-        effective: dict[str, tuple[int, ...]] = {}
-        # one reference: observe() replaces it, never changes it
-        v1 = self._known_v1
-        v2 = self._known_v2
-        if pairs is not None:
-            v1 = tuple(p for p in pairs if p[0].cgroup_v1_devices is not None)
-            v2 = tuple(p for p in pairs if p[0].cgroup_v1_devices is None)
-        self.read_v1(v1, access, rules, broken, remember)
-        if self._root is not None and v2:
-            self._read_v2(
-                self._root,
-                v2,
-                access,
-                programs,
-                probe=False,
-                cache=cache,
-                sd_denies=sd_denies,
-                effective=effective,
-            )
-        known = v1 + v2
-        return AccessView(
-            tuple(c for c, _ in known),
-            {c.key: e for c, e in known},
-            access,
-            rules,
-            broken,
-            programs=programs,
-            systemd_denies=frozenset(sd_denies),
-            effective=effective,
-        )
+        no /proc reads, no fork (unknown where a probe would be needed). A reload's
+        wipe is repaired from this before anything else; on the loop, within a pass
+        (its worker thread has not started)."""
+        known = self._known  # one reference: observe() replaces it, never changes it
+        r = Readings()
+        for cg, some in known:
+            cg.read(root, some, r, full=False)
+        pairs = [p for _cg, some in known for p in some]
+        return AccessView.of(tuple(c for c, _ in pairs), {c.key: e for c, e in pairs}, r)
 
     def observe(
         self,
@@ -267,9 +82,9 @@ class AccessObserver:
         signature = tuple(sorted((n.path, n.numbers) for n in host_nodes))
         if signature != self._host_signature:
             # Entitlements are judged against the host's nodes (a node made or removed
-            # since, e.g. by the device_nodes step, changes them): judge afresh.
+            # since, e.g. by the device_nodes step, changes them): judge afresh (and
+            # what a layout remembers of a verdict holds for its entitlement only).
             self._cache.clear()
-            self._good.clear()
             self._host_signature = signature
         ents: dict[tuple[str, str], Entitlement] = {}
         broken: dict[str, str] = {}
@@ -285,7 +100,15 @@ class AccessObserver:
                 ents[c.key] = cached[1]
                 continue
             try:
-                ent = read_entitlement(root, c, host_nodes, majors, gpus, snapshot.pod_device_ids)
+                ent = read_entitlement(
+                    root,
+                    c,
+                    host_nodes,
+                    majors,
+                    gpus,
+                    snapshot.pod_device_ids,
+                    snapshot.pod_recorded_ids,
+                )
             except GpuguardError as e:  # its environ or /dev is not what it should be
                 broken[c.container_id] = e.message
                 ents[c.key] = unreadable_entitlement(c, e.message)
@@ -295,34 +118,13 @@ class AccessObserver:
                 self._cache[c.key] = (c.pids[0], ent)
         for gone in set(self._cache) - live:
             del self._cache[gone]
-        access: dict[AccessKey, Optional[bool]] = {}
-        rules: dict[str, DeviceRules] = {}
         gpu = [(c, ents[c.key]) for c in containers if ents[c.key].is_gpu_container]
-        v1 = tuple((c, e) for c, e in gpu if c.cgroup_v1_devices is not None)
-        self.read_v1(v1, access, rules, broken, remember=True)
-        for c, _ent in v1:
-            if c.container_id in broken:  # never granted anything, even durably
-                ents[c.key] = unreadable_entitlement(c, broken[c.container_id])
-        v2 = tuple((c, e) for c, e in gpu if c.cgroup_v1_devices is None and c.cgroup_v2)
-        programs: dict[str, Optional[tuple[int, ...]]] = {}
-        bridged: set[str] = set()
-        effective: dict[str, tuple[int, ...]] = {}
-        self._read_v2(
-            root,
-            v2,
-            access,
-            programs,
-            planned=snapshot.planned.nodes,
-            bridged=bridged,
-            effective=effective,
-        )
-        self._programs.forget_unseen()
-        self._root, self._known_v2 = root, v2
-        self._known_v1 = v1
-        for stale_id in set(self._good) - {c.container_id for c, _ in v1}:
-            del self._good[stale_id]
-        for cid in broken:  # a container we could not read is judged afresh next pass
-            self._good.pop(cid, None)
+        r = Readings()
+        for cg, pairs in self.know(gpu):
+            cg.read(root, pairs, r, full=True, planned=snapshot.planned.nodes)
+        for c, _ent in gpu:
+            if c.container_id in r.broken:  # never granted anything, even durably
+                ents[c.key] = unreadable_entitlement(c, r.broken[c.container_id])
         plugins: frozenset[str] = frozenset()
         if any(e.missing or e.stale for _, e in gpu):  # rare: only then find the plugins
             plugins = frozenset(
@@ -330,17 +132,7 @@ class AccessObserver:
                 for p in discover_plugins(root, plugin_socket_dir)
                 if p.process is not None and p.process.container_id
             )
-        return AccessView(
-            tuple(containers),
-            ents,
-            access,
-            rules,
-            broken=broken,
-            plugin_containers=plugins,
-            programs=programs,
-            bridged=frozenset(bridged),
-            effective=effective,
-        )
+        return AccessView.of(tuple(containers), ents, r, broken=broken, plugin_containers=plugins)
 
 
 def _numbers_of(root: Root, path: str) -> Optional[str]:

@@ -2,21 +2,23 @@
 
 Inputs are observations, never the OS: the containers, their entitlements and the
 observed access verdict per (container, node): from `rules.allows` over devices.list on
-cgroup v1 (`verdicts_from_rules`), from `probe` or a BPF verdict on cgroup v2.
+cgroup v1 (`verdicts_from_rules`), from `probe` or a BPF verdict on cgroup v2 (each
+layout's reading: devcgroup.py).
 
-Actions re-grant exactly the entitled nodes that are denied, never anything else; their
-kinds are in actions.py.
+Actions re-grant exactly the entitled nodes that are denied, never anything else: the
+in-place re-grant each container's layout plans (`DeviceCgroup.plan_regrant`, given
+here as `cgroup_of`), and, for a container in a systemd scope, the scope's
+DeviceAllow= that makes it durable. Their kinds are in actions.py.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import AbstractSet, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, AbstractSet, Mapping, Optional, Sequence
 
 from gpuguard.devices.containers import ContainerCgroup
 from gpuguard.devices.entitlement import Entitlement
 from gpuguard.devices.nodes import ROLE_CTL, ROLE_GPU, ROLE_UVM, ROLE_UVM_TOOLS, DeviceNode
-from gpuguard.devices.rules import DeviceRules, allows, looks_runc_written
+from gpuguard.devices.rules import DeviceRules, allows
 from gpuguard.model import Action, Finding
 
 # The actions (actions.py), re-exported: the step, the CLI and tests import them from here.
@@ -26,7 +28,11 @@ from gpuguard.steps.container_access.actions import RestartContainer as RestartC
 from gpuguard.steps.container_access.actions import UnitDeviceAllow as UnitDeviceAllow
 from gpuguard.steps.container_access.actions import V2ProgramReplace as V2ProgramReplace
 from gpuguard.steps.container_access.actions import V2ReportOnly as V2ReportOnly
+from gpuguard.steps.container_access.view import AccessKey as AccessKey
 from gpuguard.steps.registry import CONTAINER_ACCESS
+
+if TYPE_CHECKING:
+    from gpuguard.steps.container_access.devcgroup import CgroupOf
 
 RECONCILER = CONTAINER_ACCESS
 
@@ -48,24 +54,6 @@ CAUSE_RELOADED = "the driver module was reloaded after the container started"
 
 _UVM_ROLES = (ROLE_UVM, ROLE_UVM_TOOLS)
 
-AccessKey = tuple[str, str]  # (container_id, "MAJ:MIN")
-
-
-def v1_allow(c: ContainerCgroup, cgroup_dir: Path, denied: Sequence[DeviceNode]) -> CgroupV1Allow:
-    """The direct re-grant of `denied` (entitled nodes the cgroup refuses) for `c`."""
-    what = ", ".join(n.path for n in denied)
-    return CgroupV1Allow(
-        reason=f"re-grant {what} given to the container and denied by its cgroup",
-        target=str(cgroup_dir),
-        cgroup_dir=str(cgroup_dir),
-        rules=tuple(n.allow_line("rw") for n in denied),
-        reconciler=RECONCILER,
-        pod_uid=c.pod_uid,
-        container_id=c.container_id,
-        nodes=tuple(n.path for n in denied),
-        numbers=tuple(n.numbers for n in denied),
-    )
-
 
 def verdicts_from_rules(
     container_id: str, nodes: Sequence[DeviceNode], rules: DeviceRules, access: str = "rw"
@@ -80,9 +68,11 @@ def _cause(
     node: DeviceNode,
     denied: Sequence[DeviceNode],
     ent: Entitlement,
-    rules: Optional[DeviceRules],
+    rewritten: Optional[str],
     verdict: Mapping[str, Optional[bool]],
 ) -> str:
+    """`rewritten`: the cause of a container that lost every GPU, where its layout can
+    tell it (DeviceCgroup.rewrite_cause)."""
     gpu_nodes = [n for n in ent.nodes if n.role == ROLE_GPU]
     all_gpus_denied = bool(gpu_nodes) and all(n in denied for n in gpu_nodes)
     if node.role in _UVM_ROLES:
@@ -92,11 +82,8 @@ def _cause(
         if others_ok and all(n.role in _UVM_ROLES for n in denied):
             # seed 004: GPUs and ctl in the spec, uvm not: the plugin never saw it.
             return CAUSE_PLUGIN_UVM
-    if all_gpus_denied:
-        if rules is not None and looks_runc_written(rules):
-            return CAUSE_REWRITE  # seeds 002/003: runc's defaults + spec, hook's grants gone
-        if rules is None:
-            return CAUSE_REWRITE_V2
+    if all_gpus_denied and rewritten is not None:
+        return rewritten
     return CAUSE_UNKNOWN
 
 
@@ -157,18 +144,19 @@ def audit(
     entitlements: Mapping[tuple[str, str], Entitlement],
     access: Mapping[AccessKey, Optional[bool]],
     *,
+    cgroup_of: CgroupOf,
     device_rules: Optional[Mapping[str, DeviceRules]] = None,
-    restart_on_v2: bool = False,
-    inplace_on_v2: bool = False,
+    remedy: str = "report",
     plugin_containers: AbstractSet[str] = frozenset(),
 ) -> tuple[tuple[Finding, ...], tuple[Action, ...]]:
     """Findings and actions for every GPU container.
 
     ``entitlements`` by ``ContainerCgroup.key``; ``access`` by (container_id, "MAJ:MIN"):
     True allowed, False denied, None / absent unknown (nothing is done on unknown);
-    ``device_rules``: the parsed v1 devices.list per container_id, for cause heuristics;
-    ``restart_on_v2``: propose RestartContainer instead of V2ReportOnly where no in-place
-    repair exists; ``inplace_on_v2``: propose V2ProgramReplace there (wins over a restart);
+    ``cgroup_of``: each container's layout, which plans its in-place re-grant and may
+    tell the cause of a loss; ``device_rules``: the parsed v1 devices.list per
+    container_id, for cause heuristics; ``remedy``: V2Remedy=, what a cgroup with no
+    re-grant in place gets (a report, a restart, a program replaced in place);
     ``plugin_containers``: IDs of device plugins' own containers, whose
     view of the host's nodes the device plugin step judges (and restarts them for)."""
     rules_by_id = device_rules or {}
@@ -196,7 +184,6 @@ def audit(
             continue
         verdict = {n.numbers: access.get((c.container_id, n.numbers)) for n in ent.nodes}
         denied = [n for n in ent.nodes if verdict[n.numbers] is False]
-        rules = rules_by_id.get(c.container_id)
         own = c.container_id in plugin_containers
         for node in () if own else ent.missing:
             cause = CAUSE_PLUGIN_UVM if node.role in _UVM_ROLES else CAUSE_PLUGIN_CTL
@@ -227,8 +214,10 @@ def audit(
             )
         if not denied:
             continue
+        cg = cgroup_of(c)
+        rewritten = cg.rewrite_cause(rules_by_id.get(c.container_id)) if cg else None
         for node in denied:
-            cause = _cause(node, denied, ent, rules, verdict)
+            cause = _cause(node, denied, ent, rewritten, verdict)
             findings.append(
                 _finding(
                     FINDING_DENIED,
@@ -243,8 +232,8 @@ def audit(
         paths = tuple(n.path for n in denied)
         numbers = tuple(n.numbers for n in denied)
         what = ", ".join(n.path for n in denied)
-        if c.cgroup_v1_devices is not None:
-            actions.append(v1_allow(c, c.cgroup_v1_devices, denied))
+        if cg is not None:  # the re-grant in place first: the fastest repair
+            actions += cg.plan_regrant(c, denied, remedy)
         if c.unit is not None:
             actions.append(
                 UnitDeviceAllow(
@@ -259,45 +248,4 @@ def audit(
                     numbers=numbers,
                 )
             )
-        elif c.cgroup_v1_devices is None:
-            v2 = str(c.cgroup_v2) if c.cgroup_v2 is not None else ""
-            if inplace_on_v2 and v2:
-                actions.append(
-                    V2ProgramReplace(
-                        reason=f"cgroup v2 without a systemd unit: add {what} to its program",
-                        target=v2,
-                        cgroup_dir=v2,
-                        reconciler=RECONCILER,
-                        pod_uid=c.pod_uid,
-                        container_id=c.container_id,
-                        nodes=paths,
-                        numbers=numbers,
-                    )
-                )
-            elif restart_on_v2:
-                actions.append(
-                    RestartContainer(
-                        reason=f"cgroup v2 without a systemd unit: recreate to regain {what}",
-                        target=c.container_id,
-                        runtime_name=c.runtime,
-                        reconciler=RECONCILER,
-                        pod_uid=c.pod_uid,
-                        container_id=c.container_id,
-                        nodes=paths,
-                        numbers=numbers,
-                    )
-                )
-            else:
-                actions.append(
-                    V2ReportOnly(
-                        reason=f"cgroup v2 BPF device policy denies {what}; recreate the pod",
-                        target=v2,
-                        cgroup_dir=v2,
-                        reconciler=RECONCILER,
-                        pod_uid=c.pod_uid,
-                        container_id=c.container_id,
-                        nodes=paths,
-                        numbers=numbers,
-                    )
-                )
     return tuple(findings), tuple(actions)

@@ -24,11 +24,7 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, AbstractSet, Awaitable, Callable, Mapping, Optional, Sequence
 
-from gpuguard.devices.probe import probe_open
-from gpuguard.devices.rules import DeviceRules
-from gpuguard.host.safeio import UnsafeFileError
-from gpuguard.steps.container_access.actuate import read_devices_list
-from gpuguard.steps.container_access.reconcile import AccessKey, verdicts_from_rules
+from gpuguard.steps.container_access.view import AccessKey, AccessView, Readings
 
 if TYPE_CHECKING:
     from gpuguard.devices.containers import ContainerCgroup
@@ -36,7 +32,7 @@ if TYPE_CHECKING:
     from gpuguard.host.paths import Root
     from gpuguard.host.systemd import Systemd
     from gpuguard.journal.log import EventLog
-    from gpuguard.steps.container_access.observe import AccessView
+    from gpuguard.steps.container_access.devcgroup import CgroupOf, DeviceCgroup
 
 # Seconds: above the longest window seen (8.8 ms, load average 11), for the runtime's own
 # writes; systemd's apply is awaited by the call that follows, however long it takes.
@@ -101,33 +97,22 @@ async def settle(sd: Optional[Systemd], unit: str) -> None:
 
 
 def reread(
-    root: Root, pairs: Sequence[tuple[ContainerCgroup, Entitlement]]
-) -> tuple[dict[AccessKey, Optional[bool]], dict[str, DeviceRules]]:
-    """Each container's verdicts read afresh (blocking: call from a thread). A container
-    that went away or reads badly now is unknown: nothing is done for it this pass."""
-    access: dict[AccessKey, Optional[bool]] = {}
-    rules: dict[str, DeviceRules] = {}
+    root: Root, pairs: Sequence[tuple[ContainerCgroup, Entitlement]], cgroup_of: CgroupOf
+) -> Readings:
+    """Each container's verdicts read afresh by its layout (blocking: call from a
+    thread). A container that went away or reads badly now is unknown: nothing is done
+    for it this pass."""
+    mine: dict[int, tuple[DeviceCgroup, list[tuple[ContainerCgroup, Entitlement]]]] = {}
     for c, ent in pairs:
-        if c.cgroup_v1_devices is not None:
-            r = _rules(c)
-            if r is None:
-                access.update({(c.container_id, n.numbers): None for n in ent.nodes})
-                continue
-            rules[c.container_id] = r
-            access.update(verdicts_from_rules(c.container_id, ent.nodes, r))
-        elif c.cgroup_v2 is not None:
-            for n in ent.nodes:
-                res = probe_open(root.path(n.path), [c.cgroup_v2])
-                access[(c.container_id, n.numbers)] = res.verdict
-    return access, rules
-
-
-def _rules(c: ContainerCgroup) -> Optional[DeviceRules]:
-    assert c.cgroup_v1_devices is not None
-    try:
-        return read_devices_list(c.cgroup_v1_devices)
-    except (UnsafeFileError, ValueError):
-        return None
+        cg = cgroup_of(c)
+        if cg is not None:
+            mine.setdefault(id(cg), (cg, []))[1].append((c, ent))
+    out = Readings()
+    for cg, some in mine.values():
+        r = cg.reread(root, some)
+        out.access.update(r.access)
+        out.rules.update(r.rules)
+    return out
 
 
 async def confirm(
@@ -136,6 +121,7 @@ async def confirm(
     root: Root,
     sd: Optional[Systemd],
     log: EventLog,
+    cgroup_of: CgroupOf,
     wait: Settle = settle,
 ) -> AccessView:
     """`view` with every covered denial judged again after the apply has settled."""
@@ -146,7 +132,8 @@ async def confirm(
     pairs = [(c, view.entitlements[c.key]) for c in view.containers if c.container_id in ids]
     t0 = time.monotonic()
     await wait(sd, next(c.unit for c, _ in pairs if c.unit is not None))
-    fresh, rules = await asyncio.to_thread(reread, root, pairs)
+    r = await asyncio.to_thread(reread, root, pairs, cgroup_of)
+    fresh, rules = r.access, r.rules
     waited = (time.monotonic() - t0) * 1000
     for cid, numbers in sorted(keys):
         if fresh.get((cid, numbers)) is True:

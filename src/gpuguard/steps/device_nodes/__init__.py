@@ -23,7 +23,7 @@ from gpuguard.journal.conditions import Conditions, log_findings
 from gpuguard.model import Action, Finding, Outcome
 from gpuguard.steps.device_nodes import reconcile as device_nodes
 from gpuguard.steps.device_nodes.actuate import DeviceNodeActuator
-from gpuguard.steps.registry import CONTAINER_ACCESS
+from gpuguard.steps.events import EventKind
 
 if TYPE_CHECKING:
     from gpuguard.engine.passes import PassContext, Services
@@ -119,4 +119,4 @@ class DeviceNodesStep:
             made = ("done", "dry-run")  # a dry-run's follow-up plans on its planned links
             if any(o.status in made and o.action.kind == "char-link-created" for o in outcomes):
                 # durable DeviceAllow= grants resolve through the links just made
-                ctx.recheck(0.0, frozenset({CONTAINER_ACCESS}), "device links created")
+                ctx.announce(EventKind.DEVICE_LINKS_CREATED, "device links created")

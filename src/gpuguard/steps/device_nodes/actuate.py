@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from gpuguard.actuate.safewrite import UnsafeWriteError, check_real_dir, chmod_node
 from gpuguard.host.commands import CommandError, run
 from gpuguard.host.paths import Root
 from gpuguard.journal.log import EventLog
@@ -55,6 +56,8 @@ class DeviceNodeActuator:
                 raise TypeError(f"not a device node action: {action!r}")
         except OSError as e:
             outcome = Outcome(action, "failed", f"{action.target}: {e.strerror}")
+        except UnsafeWriteError as e:
+            outcome = Outcome(action, "failed", e.message)
         self.log.outcome(outcome)
         return outcome
 
@@ -81,16 +84,18 @@ class DeviceNodeActuator:
                 self.log.warning(f"nvidia-modprobe failed ({e}); using mknod")
             if res is not None and self._matches(path, a):
                 return Outcome(a, "done", "by nvidia-modprobe")
+        check_real_dir(self.root, path.parent)  # nothing made through a link
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         try:
             os.mknod(path, stat.S_IFCHR | a.mode, os.makedev(a.major, a.minor))
         except FileExistsError:
             return Outcome(a, "skipped", "appeared meanwhile")
-        os.chmod(path, a.mode)  # mknod's mode is filtered by the umask
+        chmod_node(path, a.mode, (a.major, a.minor))  # mknod's mode is filtered by the umask
         return Outcome(a, "done", "mknod")
 
     def _link(self, a: CreateCharLink) -> Outcome:
         link = self.root.path(a.link)
+        check_real_dir(self.root, link.parent)  # /dev/char linked elsewhere: refused
         link.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         tmp = link.parent / f".gpuguard-{link.name}.{secrets.token_hex(3)}"
         os.symlink(a.points_to, tmp)

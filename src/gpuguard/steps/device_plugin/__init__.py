@@ -18,7 +18,6 @@ daemon restart, or a crash in the middle of one, does not reset it.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import TYPE_CHECKING, Callable, Optional
@@ -100,13 +99,12 @@ class DevicePluginStep:
         self.state = read_states(root.path(self.state_file), elog)
 
     def _save(self, root: Root, elog: EventLog) -> None:
-        from gpuguard.actuate.files import write_new
+        from gpuguard.actuate.statefile import write_state
+        from gpuguard.steps.device_plugin.state import SPEC
 
         path = root.path(self.state_file)
-        doc = {"version": 1, "plugins": {k: v.to_json() for k, v in sorted(self.state.items())}}
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_new(path, json.dumps(doc, indent=1).encode(), mode=0o644)
+            write_state(path, SPEC, self.state)
         except (OSError, GpuguardError) as e:
             elog.warning(f"cannot save plugin restart budgets to {path}: {e}")
 
@@ -185,7 +183,6 @@ class DevicePluginStep:
             # F4 can only be judged once the grace period is over: ask for that pass.
             ctx.recheck(
                 k + cfg.registration_grace - obs.now + 0.2,
-                frozenset({RECONCILER}),
                 "device plugin registration grace period over",
             )
         for p in obs.plugins:
@@ -245,9 +242,7 @@ class DevicePluginStep:
                 # Nothing else announces the end of the cool-down: ask for that pass
                 # (the budget and back-off are checked again then).
                 ctx.recheck(
-                    a.process.start + cfg.cool_down - now + 0.2,
-                    frozenset({RECONCILER}),
-                    "device plugin cool-down over",
+                    a.process.start + cfg.cool_down - now + 0.2, "device plugin cool-down over"
                 )
             level = "info" if st.declined == code else "notice"
             st.declined = code

@@ -24,7 +24,7 @@ class ContainerDev:
 
     @property
     def is_gpu(self) -> bool:
-        return any(GPU_NODE.match(os.path.basename(n.path)) for n in self.dev)
+        return any(GPU_NODE.fullmatch(os.path.basename(n.path)) for n in self.dev)
 
 
 @dataclass(frozen=True)

@@ -4,15 +4,13 @@ that file is read (a bad file starts the budgets afresh, with a warning)."""
 
 from __future__ import annotations
 
-import errno
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from gpuguard.devices.processes import ProcessInfo
-from gpuguard.host import safeio
 from gpuguard.host.paths import STATE_DIR
+from gpuguard.host.statefile import Obj, StateFile, load, number
 
 if TYPE_CHECKING:
     from gpuguard.journal.log import EventLog
@@ -47,42 +45,54 @@ class PluginState:
         }
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> PluginState:
-        def proc(v: Any) -> Optional[ProcessInfo]:
-            return ProcessInfo.from_json(v) if isinstance(v, dict) else None
-
-        def ok(v: Any) -> bool:  # a finite time or count, as this daemon writes them
-            return isinstance(v, (int, float)) and -(2**53) <= v <= 2**53
-
-        def num(v: Any) -> float:
-            return float(v) if ok(v) else 0.0
-
-        r = d.get("restarts")
+    def parse(cls, v: Any, where: str) -> PluginState:
+        o = Obj(v, where)
         return cls(
-            restarts=[float(x) for x in r if ok(x)] if isinstance(r, list) else [],
-            failures=int(num(d.get("failures"))),
-            last_failure=num(d.get("last_failure")),
-            last=proc(d.get("last")),
-            last_seen=num(d.get("last_seen")),
-            socket=str(d.get("socket") or ""),
-            pending_since=num(d.get("pending_since")),
-            pending_deadline=num(d.get("pending_deadline")),
-            pending_old=proc(d.get("pending_old")),
+            restarts=list(o.items("restarts", lambda x, w: number(x, w, 0.0), max_items=1000)),
+            failures=o.integer("failures", hi=1_000_000),
+            last_failure=o.real("last_failure"),
+            last=_process(o, "last"),
+            last_seen=o.real("last_seen"),
+            socket=o.text("socket", max_len=4096),
+            pending_since=o.real("pending_since"),
+            pending_deadline=o.real("pending_deadline"),
+            pending_old=_process(o, "pending_old"),
         )
+
+
+def _process(o: Obj, key: str) -> Optional[ProcessInfo]:
+    p = o.opt_obj(key)
+    if p is None:
+        return None
+    return ProcessInfo(
+        pid=p.integer("pid", hi=2**22),
+        start=p.real("start"),
+        comm=p.text("comm", max_len=64),
+        kind=p.text("kind", max_len=64),
+        container_id=p.text("container_id", max_len=256),
+        runtime=p.text("runtime", max_len=64),
+        pod_uid=p.text("pod_uid", max_len=256),
+        unit=p.text("unit", max_len=1024),
+        cgroup=p.text("cgroup", max_len=4096),
+    )
+
+
+SPEC: StateFile[dict[str, PluginState]] = StateFile(
+    path=STATE_FILE,
+    what="plugin state file",
+    version=1,
+    parse=lambda o: o.mapping("plugins", PluginState.parse, max_items=1000),
+    render=lambda states: {"plugins": {k: v.to_json() for k, v in sorted(states.items())}},
+    mode=0o644,
+)
 
 
 def read_states(path: Path, elog: EventLog) -> dict[str, PluginState]:
-    """The remembered state of each plugin, by identity ({} when absent or unreadable)."""
-    try:
-        doc = json.loads(
-            safeio.read_text(path, what="plugin state file", max_bytes=safeio.STATUS_MAX)
-        )
-        plugins = doc.get("plugins", {}) if isinstance(doc, dict) else {}
-        return {str(k): PluginState.from_json(v) for k, v in plugins.items() if isinstance(v, dict)}
-    except safeio.UnsafeFileError as e:
-        if e.errno != errno.ENOENT:
-            elog.warning(f"ignoring {e.message}; plugin restart budgets start afresh")
+    """The remembered state of each plugin, by identity ({} when absent; an unusable
+    file is said once and the budgets start afresh)."""
+    got = load(path, SPEC)
+    if got.value is None:
+        if not got.absent:
+            elog.warning(f"ignoring {got.why}; plugin restart budgets start afresh")
         return {}
-    except (OSError, ValueError, AttributeError, RecursionError) as e:
-        elog.warning(f"ignoring unreadable {path} ({e}); plugin restart budgets start afresh")
-        return {}
+    return got.value

@@ -13,7 +13,7 @@ from gpuguard.errors import GpuguardError
 from gpuguard.host.inventory import Inventory
 from gpuguard.host.paths import Root
 from gpuguard.journal.conditions import Conditions, log_findings
-from gpuguard.steps.gpu_count.reconcile import GpuCounts, findings, registered_gpus
+from gpuguard.steps.gpu_count.reconcile import GpuCounts, findings, registered_gpus, unknowns
 
 if TYPE_CHECKING:
     from gpuguard.engine.passes import PassContext, Services
@@ -58,3 +58,5 @@ class GpuCountStep:
         found = findings(counts)
         log_findings(svc.log, self.conditions, "gpu_count", found, lasting_clears=True)
         ctx.findings += found
+        if not found:
+            ctx.unknown += unknowns(counts)

@@ -48,8 +48,22 @@ def registered_gpus(
     return None
 
 
+DRIVER_DOWN_NEXT = (
+    "check `nvidia-smi` and `dmesg`, that the driver's kernel module is built and loaded "
+    "for the running kernel (`dkms status`, `modprobe nvidia`), and that the user-space "
+    "driver matches it; then restart the device plugin"
+)
+
+
 def judge(c: GpuCounts) -> tuple[Optional[str], str]:
     """(None when consistent, else which layer lost GPUs; the one-line explanation)."""
+    if c.pci and c.nvml is None:
+        # The most common GPU node failure (a broken driver after a kernel update):
+        # kubelet may still list the GPUs, NVML answers nothing. Never "agree".
+        return "driver", (
+            f"NVML is unavailable while {c.pci} NVIDIA GPU(s) are on the PCI bus: the "
+            f"NVIDIA driver is not working; {DRIVER_DOWN_NEXT}"
+        )
     if c.pci is not None and c.nvml is not None and c.nvml < c.pci:
         return "driver", (
             f"NVML sees {c.nvml} of the {c.pci} NVIDIA GPU(s) on the PCI bus: the driver "
@@ -77,6 +91,19 @@ def judge(c: GpuCounts) -> tuple[Optional[str], str]:
             f"{have}: stale registrations (F1), repaired with the checkpoint"
         )
     return None, _counts(c)
+
+
+def unknowns(c: GpuCounts) -> list[str]:
+    """The layers that could not be read: the count is then "unknown", never "ok"
+    (a node without NVIDIA GPUs on its bus and no NVML has nothing to count)."""
+    out = []
+    if c.pci is None:
+        out.append("the PCI bus (/sys/bus/pci/devices) could not be read")
+    if c.nvml is None and c.pci != 0:
+        out.append("no GPU inventory (NVML unavailable)")
+    if c.registered is None and (c.nvml or c.pci):
+        out.append(f"kubelet's registrations of {c.resource} could not be read (no checkpoint?)")
+    return out
 
 
 def _counts(c: GpuCounts) -> str:

@@ -1,0 +1,234 @@
+"""A checkpoint entry's AllocResp: the device plugin's protobuf ContainerAllocateResponse.
+
+Kubelet stores the plugin's answer to Allocate and replays it whenever it (re)creates the
+container, so after a GPU got a new identity the answer must name the new one too. The
+message (k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1, api.proto) is small and stable:
+
+    1 envs         map<string, string>          (entry: 1 key, 2 value)
+    2 mounts       repeated Mount               (1 container_path, 2 host_path, 3 read_only)
+    3 devices      repeated DeviceSpec          (1 container_path, 2 host_path, 3 permissions)
+    4 annotations  map<string, string>
+    5 cdi_devices  repeated CDIDevice           (1 name)
+
+Read and written with a hand-written walk of the wire format rather than the protobuf
+library: rewrite() changes only the strings it is asked to change and keeps every other
+byte where it was (field order, unknown fields, a plugin's own encoding choices), which
+a decode and re-encode through generated classes would not; and gpuguard needs no
+protobuf runtime (a compiled extension) on every node for five fields. A message that
+does not follow the wire format, or that gives one of the fields above a wire type Go's
+generated decoder would reject, is an AllocRespError: kubelet itself skips such an
+entry ("Can't unmarshal allocResp"), and gpuguard does not rewrite what it cannot read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
+
+LEN = 2  # the length-delimited wire type
+VARINT = 0
+_MAX_DEPTH_FIELDS = 100_000  # far above any real response (a few dozen fields)
+
+# Where a string sits in the message, as rewrite() names it to its callback.
+ENV = "env"  # key: the variable's name
+ANNOTATION = "annotation"  # key: the annotation's name
+MOUNT_CONTAINER, MOUNT_HOST = "mount.container_path", "mount.host_path"
+DEVICE_CONTAINER, DEVICE_HOST = "device.container_path", "device.host_path"
+DEVICE_PERMISSIONS = "device.permissions"
+CDI_NAME = "cdi.name"
+
+# (field number of the top-level message) -> the strings of its sub-message by number
+_SUB: dict[int, dict[int, str]] = {
+    2: {1: MOUNT_CONTAINER, 2: MOUNT_HOST},
+    3: {1: DEVICE_CONTAINER, 2: DEVICE_HOST, 3: DEVICE_PERMISSIONS},
+    5: {1: CDI_NAME},
+}
+_MAPS = {1: ENV, 4: ANNOTATION}
+# Scalar fields of the sub-messages, with the wire type Go's decoder requires.
+_SCALARS = {2: {3: VARINT}}  # Mount.read_only
+
+
+class AllocRespError(ValueError):
+    """The bytes are not a ContainerAllocateResponse gpuguard can read."""
+
+
+# One string of the message: (where, key, value); key is the map key for envs and
+# annotations, "" elsewhere.
+Text = Tuple[str, str, str]
+Fix = Callable[[str, str, str], str]
+
+
+@dataclass(frozen=True)
+class _Field:
+    number: int
+    wire: int
+    start: int  # of the tag
+    body: int  # of the payload (after a length prefix)
+    end: int
+
+
+def _varint(data: bytes, i: int) -> Tuple[int, int]:
+    value = shift = 0
+    for k in range(i, min(len(data), i + 10)):
+        b = data[k]
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, k + 1
+        shift += 7
+    raise AllocRespError("a varint runs past its end or past 10 bytes")
+
+
+def _encode_varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _fields(data: bytes) -> List[_Field]:
+    out = []
+    i, n = 0, len(data)
+    while i < n:
+        tag, j = _varint(data, i)
+        number, wire = tag >> 3, tag & 7
+        if number == 0:
+            raise AllocRespError("field number 0")
+        if wire == LEN:
+            size, body = _varint(data, j)
+            end = body + size
+        elif wire == VARINT:
+            body = j
+            end = _varint(data, j)[1]
+        elif wire in (1, 5):
+            body = j
+            end = j + (8 if wire == 1 else 4)
+        else:  # groups (3, 4) and the undefined 6, 7
+            raise AllocRespError(f"wire type {wire} (field {number})")
+        if end > n:
+            raise AllocRespError(f"field {number} runs past the end of the message")
+        out.append(_Field(number, wire, i, body, end))
+        if len(out) > _MAX_DEPTH_FIELDS:
+            raise AllocRespError("too many fields")
+        i = end
+    return out
+
+
+def _text(data: bytes, f: _Field) -> str:
+    # Go's decoder of this API does not check UTF-8; keep any byte as it is.
+    return data[f.body : f.end].decode("utf-8", "surrogateescape")
+
+
+def _len_field(number: int, payload: bytes) -> bytes:
+    return _encode_varint(number << 3 | LEN) + _encode_varint(len(payload)) + payload
+
+
+def _sub(data: bytes, top: int, fix: Optional[Fix], out: List[Text]) -> Optional[bytes]:
+    """A Mount, DeviceSpec or CDIDevice: its strings reported (and fixed: the new bytes,
+    or None when nothing changed)."""
+    names, scalars = _SUB[top], _SCALARS.get(top, {})
+    parts: List[bytes] = []
+    changed = False
+    for f in _fields(data):
+        where = names.get(f.number)
+        if where is not None:
+            if f.wire != LEN:
+                raise AllocRespError(f"{where} has wire type {f.wire}")
+            old = _text(data, f)
+            out.append((where, "", old))
+            new = fix(where, "", old) if fix is not None else old
+            if new != old:
+                parts.append(_len_field(f.number, new.encode("utf-8", "surrogateescape")))
+                changed = True
+                continue
+        elif f.number in scalars and f.wire != scalars[f.number]:
+            raise AllocRespError(f"field {top}.{f.number} has wire type {f.wire}")
+        parts.append(data[f.start : f.end])
+    return b"".join(parts) if changed else None
+
+
+def _map_entry(data: bytes, where: str, fix: Optional[Fix], out: List[Text]) -> Optional[bytes]:
+    key = value = ""
+    value_field: Optional[_Field] = None
+    fields = _fields(data)
+    for f in fields:
+        if f.number in (1, 2) and f.wire != LEN:
+            raise AllocRespError(f"a {where} entry has wire type {f.wire}")
+        if f.number == 1:
+            key = _text(data, f)
+        elif f.number == 2:
+            value, value_field = _text(data, f), f
+    out.append((where, key, value))
+    new = fix(where, key, value) if fix is not None else value
+    if new == value:
+        return None
+    # Go keeps the last value of a repeated field: change that one, keep the rest.
+    parts = []
+    for f in fields:
+        if f is value_field:
+            parts.append(_len_field(2, new.encode("utf-8", "surrogateescape")))
+        else:
+            parts.append(data[f.start : f.end])
+    if value_field is None:  # an entry without a value: its value is ""
+        parts.append(_len_field(2, new.encode("utf-8", "surrogateescape")))
+    return b"".join(parts)
+
+
+def _walk(data: bytes, fix: Optional[Fix]) -> Tuple[List[Text], Optional[bytes]]:
+    texts: List[Text] = []
+    parts: List[bytes] = []
+    changed = False
+    for f in _fields(data):
+        if f.number in _MAPS or f.number in _SUB:
+            if f.wire != LEN:
+                raise AllocRespError(f"field {f.number} has wire type {f.wire}")
+            body = data[f.body : f.end]
+            if f.number in _MAPS:
+                new = _map_entry(body, _MAPS[f.number], fix, texts)
+            else:
+                new = _sub(body, f.number, fix, texts)
+            if new is not None:
+                parts.append(_len_field(f.number, new))
+                changed = True
+                continue
+        parts.append(data[f.start : f.end])
+    return texts, (b"".join(parts) if changed else None)
+
+
+def strings(data: bytes) -> List[Text]:
+    """Every string of the response the API defines, in wire order: (where, key, value)."""
+    return _walk(data, None)[0]
+
+
+def rewrite(data: bytes, fix: Fix) -> bytes:
+    """`data` with each string value replaced by fix(where, key, value). Strings fix()
+    returns unchanged keep their bytes, and so does everything else; with no change at
+    all the result is `data` itself. Map keys are never changed."""
+    new = _walk(data, fix)[1]
+    return data if new is None else new
+
+
+def encode(
+    envs: Tuple[Tuple[str, str], ...] = (),
+    devices: Tuple[Tuple[str, str, str], ...] = (),
+    mounts: Tuple[Tuple[str, str, bool], ...] = (),
+    annotations: Tuple[Tuple[str, str], ...] = (),
+    cdi_devices: Tuple[str, ...] = (),
+) -> bytes:
+    """A response in the field order Go's generated marshaller writes (envs, mounts,
+    devices, annotations, CDI devices; map entries as given): for tests and benchmarks."""
+
+    def kv(number: int, k: str, v: str) -> bytes:
+        return _len_field(number, _len_field(1, k.encode()) + _len_field(2, v.encode()))
+
+    out = b"".join(kv(1, k, v) for k, v in envs)
+    for container, host, ro in mounts:
+        m = _len_field(1, container.encode()) + _len_field(2, host.encode())
+        out += _len_field(2, m + (b"\x18\x01" if ro else b""))
+    for container, host, perms in devices:
+        d = _len_field(1, container.encode()) + _len_field(2, host.encode())
+        out += _len_field(3, d + _len_field(3, perms.encode()))
+    out += b"".join(kv(4, k, v) for k, v in annotations)
+    out += b"".join(_len_field(5, _len_field(1, name.encode())) for name in cdi_devices)
+    return out

@@ -1,0 +1,148 @@
+"""The journal catalog's entries for the kubelet checkpoint (F1): (subject, text) by kind.
+
+Merged into catalog.KINDS, which gives each its MESSAGE_ID; kept apart only for size.
+"""
+
+from __future__ import annotations
+
+_CHECKPOINT_WHY = (
+    "The kubelet device-manager checkpoint "
+    "(/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint) names devices "
+    "by ID. After a reboot or an instance replacement GPUs can come back with new "
+    "UUIDs; kubelet then fails re-admitted pods with UnexpectedAdmissionError."
+)
+
+CHECKPOINT_KINDS: dict[str, tuple[str, str]] = {
+    "checkpoint-stale-registered": (
+        "Checkpoint registers a device this host no longer has",
+        _CHECKPOINT_WHY + " A stale RegisteredDevices ID is mostly harmless; gpuguard "
+        "drops it when it repairs the file.",
+    ),
+    "checkpoint-stale-entry": (
+        "Checkpoint allocates a device this host no longer has to a pod",
+        _CHECKPOINT_WHY + " gpuguard drops this pod entry (only this one) while kubelet is "
+        "stopped, so kubelet re-allocates the pod's devices at its next admission.",
+    ),
+    "checkpoint-unknown-id": (
+        "Checkpoint holds a device ID gpuguard does not understand",
+        "The ID is neither a GPU or MIG UUID, a legacy MIG-GPU id, a replica, nor an index. "
+        "gpuguard leaves its resource untouched.",
+    ),
+    "checkpoint-corrupt": (
+        "Kubelet checkpoint cannot be used",
+        "The file is not valid JSON, has a bad checksum or bad base64. Kubelet will discard it and "
+        "start with no device allocations. gpuguard does not modify it; restore a backup from "
+        "/var/lib/gpuguard/backups or let kubelet rebuild it.",
+    ),
+    "checkpoint-refused": (
+        "gpuguard declined to repair the checkpoint",
+        "A safety rule stopped the repair (for example NVML reports no GPU at all, which more "
+        "likely means a driver problem than GPUs that all changed). Nothing was modified. Check "
+        "`nvidia-smi` and the message above for the reason.",
+    ),
+    "checkpoint-repaired": (
+        "Kubelet checkpoint repaired",
+        "gpuguard rewrote the checkpoint without the stale IDs and pod entries, with a checksum "
+        "kubelet accepts. The previous file is saved as @BACKUP@. The pod entries it dropped are "
+        "recorded in /var/lib/gpuguard/checkpoint-dropped.json, so their pods' running containers "
+        "keep being judged by what the entries said.",
+    ),
+    "checkpoint-entry-remap": (
+        "Checkpoint allocates to a pod GPUs that came back under new IDs",
+        _CHECKPOINT_WHY + " The GPU identity history (/var/lib/gpuguard/gpu-identity.json) "
+        "pairs each old GPU one to one with the GPU now in its place (same UUID, else same PCI "
+        "bus id, else same index when that is unambiguous). gpuguard rewrites this pod entry "
+        "while kubelet is stopped: its device IDs (@OLD_DEVICE_IDS@ become @NEW_DEVICE_IDS@), "
+        "their NUMA node and the saved allocation response, so the pod runs again on the GPU "
+        "of the same slot.",
+    ),
+    "checkpoint-entry-remapped": (
+        "Pod entry remapped to the GPUs now in its GPUs' places",
+        "gpuguard rewrote the checkpoint entry of pod @POD_UID@ container @CONTAINER_NAME@ "
+        "(@RESOURCE@): @OLD_DEVICE_IDS@ -> @NEW_DEVICE_IDS@, with its NUMA node and allocation "
+        "response (NVIDIA_VISIBLE_DEVICES, device paths, annotations, CDI names) to match. "
+        "Kubelet reuses the entry when it re-admits the pod, so the pod keeps the GPU of the "
+        "same slot and nothing is allocated twice. The previous file is in the backups.",
+    ),
+    "checkpoint-entry-dropped": (
+        "Pod entry dropped from the checkpoint",
+        "gpuguard removed the checkpoint entry of pod @POD_UID@ container @CONTAINER_NAME@ "
+        "(@RESOURCE@, @OLD_DEVICE_IDS@) because it could not be remapped: @DROP_REASON@. "
+        "Kubelet allocates the pod's devices afresh at its next admission, and fails a pod it "
+        "admits before the device plugin has registered (UnexpectedAdmissionError): such a "
+        "pod must be recreated.",
+    ),
+    "checkpoint-remap-unavailable": (
+        "Stale checkpoint entries are dropped, not remapped",
+        "gpuguard remaps a stale pod entry to the GPU now in its GPU's place only with a GPU "
+        "identity history that knows the old GPUs: @REASON@. The stale entries are dropped "
+        "as before this history existed. The history is recorded at every check once the "
+        "checkpoint matches the GPUs, so the next change of GPUs can be remapped.",
+    ),
+    "gpu-history-unusable": (
+        "The GPU identity history cannot be used",
+        "@HISTORY@ is not a file gpuguard wrote (a link, a FIFO, too big, malformed or of "
+        "another version); see the message. gpuguard ignores it (no remap is possible from "
+        "it) and replaces it with the GPUs present at the next check that finds the "
+        "checkpoint matching them.",
+    ),
+    "gpu-history-recorded": (
+        "GPUs recorded in the identity history",
+        "The checkpoint matches this host's GPUs, which differ from the newest generation "
+        "recorded in @HISTORY@ (or none was recorded): gpuguard recorded them (UUID, PCI bus "
+        "id, index, minor, NUMA node, MIG devices) as the newest generation, keeping the "
+        "previous ones, so that a later change of GPUs can be remapped.",
+    ),
+    "checkpoint-deleted": (
+        "Kubelet checkpoint deleted (policy delete)",
+        "With Policy=delete gpuguard removes the whole checkpoint, as Alibaba's gpuops does; "
+        "kubelet rebuilds it and forgets every allocation. The old file is saved as @BACKUP@; its "
+        "pod entries are recorded in /var/lib/gpuguard/checkpoint-dropped.json.",
+    ),
+    "kubelet-restart": (
+        "gpuguard restarted kubelet to repair its checkpoint",
+        "Kubelet overwrites the checkpoint from memory, so the file can only be repaired while "
+        "kubelet is stopped. gpuguard restarted kubelet.service so that its ExecStartPre= hook "
+        "(kubelet.service.d/10-gpuguard.conf) repairs the file before kubelet reads it. The repair "
+        "is then verified; when it cannot be, checkpoint-repair-unverified follows.",
+    ),
+    "kubelet-stop": (
+        "gpuguard stopped kubelet to repair its checkpoint",
+        "The kubelet drop-in is not installed, so gpuguard stopped kubelet, repairs the file while "
+        "it is stopped (checkpoint-repaired) and starts kubelet again (kubelet-start). Install the "
+        "drop-in to make this a plain restart.",
+    ),
+    "kubelet-start": (
+        "gpuguard started kubelet again after repairing its checkpoint",
+        "The end of a stop, repair, start (kubelet-stop): gpuguard starts kubelet whether the "
+        "repair succeeded or not, so a node is never left without kubelet.",
+    ),
+    "kubelet-coordination-failed": (
+        "gpuguard could not coordinate with kubelet",
+        "Kubelet runs but could not be stopped or restarted through systemd (not a systemd unit, "
+        "or the job failed). The checkpoint was not modified.",
+    ),
+    "unit-job-failed": (
+        "A systemd job gpuguard queued did not succeed",
+        "gpuguard asked systemd to restart, stop or start @UNIT@ (for the reason in the message: "
+        "kubelet around a checkpoint repair, or a device plugin run as a host service) and the job "
+        "ended otherwise than 'done', or systemd refused it: @JOB_RESULT@. The unit may now be "
+        "stopped: see `systemctl status` and `journalctl -u` for it. What it means for the repair "
+        "follows in gpuguard's next entry (kubelet-coordination-failed, "
+        "checkpoint-repair-unverified or plugin-restart-failed).",
+    ),
+    "checkpoint-repair-unverified": (
+        "A checkpoint repair during a kubelet restart could not be verified",
+        "gpuguard restarted kubelet so that its ExecStartPre= hook would repair the checkpoint, "
+        "but the hook left no result for that restart, reported that it did not repair the file, "
+        "or the file still names stale devices after the restart. The message above says which. "
+        "The repair is counted as failed (exit code 5). See `journalctl -u kubelet` for the hook's "
+        "own entries, fix the cause (driver, configuration), then run `gpuguard check` again.",
+    ),
+    "kubelet-hook-skipped": (
+        "kubelet's pre-start hook had nothing to do",
+        "The hook found nothing it can or should check (no NVIDIA driver or NVML, or no checkpoint "
+        "file yet) and exited 0 so kubelet's status shows no failing ExecStartPre=. Logged once "
+        "per state and boot; nothing was modified.",
+    ),
+}

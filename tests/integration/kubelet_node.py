@@ -1,0 +1,260 @@
+"""A GPU node with the real kubelet (harness/kubelet.py), with or without gpuguard.
+
+With gpuguard the node has what a host that installed the package has: the repo's
+gpuguard.service running the daemon from this checkout, and its kubelet drop-in, so
+the pre-start hook runs at every kubelet start (integration/gpuguard_ns.py); without,
+kubelet.service has no drop-in at all. Either way the node has fake GPUs (nodes
+``c 195 <minor>`` in the namespace's private /dev), NVIDIA's driver registration in
+/proc/devices (integration/gpu_scopes.py), one inventory file that the device plugin
+double, the runtime hook and gpuguard all read, and the plugin double as a host
+service (``nvidia-device-plugin.service``) or as a privileged static pod.
+
+A "reboot" (:meth:`GpuNode.reboot`) is what a node goes through when its instance is
+restarted or replaced: kubelet, the plugin and gpuguard stop, every pod's processes
+die, containerd starts again, the GPUs come back (maybe with other UUIDs, maybe fewer),
+then gpuguard starts (ordered before kubelet), kubelet, and the plugin.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import pytest
+
+from gpuguard.checkpoint import parse
+from gpuguard.devices.probe import probe_open
+from integration.gpu_scopes import UVM_MAJOR, fake_proc_devices, gpu_inventory, node_units
+from integration.gpuguard_ns import settle
+from integration.harness import SystemdNamespace, require_systemd_ns
+from integration.harness.kubelet import (
+    CHECKPOINT,
+    CONTAINERD_UNIT,
+    LOG,
+    MANIFESTS,
+    PLUGIN_UNIT,
+    REQUIRED_TOOLS,
+    Container,
+    KubeletNode,
+    api_code,
+    kubelet_binary,
+    kubelet_unit,
+    prepare,
+)
+from integration.harness.pods import INVENTORY, busybox_pod
+
+PLUGIN = "nvidia-device-plugin.service"
+NsFactory = Callable[..., SystemdNamespace]
+CONFIG = "[Inventory]\nFile=/etc/gpuguard/inventory.json\n"
+
+
+def gpus(n: int) -> List[Dict[str, Any]]:
+    """``n`` GPUs in slots 0..n-1 (gpu_scopes' layout), each with a UUID of this boot."""
+    return [{**g, "uuid": f"GPU-{uuid.uuid4()}"} for g in gpu_inventory(n)["gpus"]]
+
+
+def gpu_pod(name: str, n: int = 1, **limits: Any) -> Dict[str, Any]:
+    """A static pod holding ``n`` GPUs; its UID derived from its name (stable)."""
+    uid = str(uuid.uuid5(uuid.NAMESPACE_DNS, f"{name}.gpuguard.test"))
+    return busybox_pod(name, uid, {"nvidia.com/gpu": n, **limits})
+
+
+class GpuNode(KubeletNode):
+    """The kubelet node with its GPUs, plugin, gpuguard (or not), and reboots."""
+
+    def __init__(self, ns: SystemdNamespace, devices: Path, *, gpuguard: bool) -> None:
+        super().__init__(ns)
+        self.gpuguard = gpuguard
+        self.proc_devices = devices  # host file bound over the namespace's /proc/devices
+
+    # -- GPUs ------------------------------------------------------------------------------
+    @property
+    def inventory(self) -> List[Dict[str, Any]]:
+        return list(json.loads(self.ns.path(INVENTORY).read_text())["gpus"])
+
+    def set_gpus(self, gpus: Sequence[Mapping[str, Any]]) -> None:
+        """The inventory file (atomically) and the GPU nodes in the private /dev."""
+        path = self.ns.path(INVENTORY)
+        old = {g["minor"] for g in self.inventory} if path.exists() else set()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(".inventory.tmp")
+        tmp.write_text(json.dumps({"gpus": list(gpus)}))
+        tmp.rename(path)
+        new = {g["minor"] for g in gpus}
+        for minor in old - new:
+            self.ns.run(["rm", "-f", f"/dev/nvidia{minor}"], check=True)
+        for minor in sorted(new - old):
+            self.mknod(f"nvidia{minor}", 195, minor)
+
+    def mknod(self, name: str, major: int, minor: int, *, check: bool = True) -> None:
+        """A node in the namespace's private /dev (never the host's)."""
+        argv = ["mknod", "-m", "666", f"/dev/{name}", "c", str(major), str(minor)]
+        self.ns.run(argv, check=check)
+
+    def load_uvm(self) -> None:
+        """nvidia_uvm loaded later: registered in /proc/devices, its nodes made (as
+        nvidia-modprobe -u -c0 makes them the first time CUDA runs on the host)."""
+        fake_proc_devices(self.proc_devices, uvm=True)
+        for name, minor in (("nvidia-uvm", 0), ("nvidia-uvm-tools", 1)):
+            self.mknod(name, UVM_MAJOR, minor, check=False)  # gpuguard may have made it
+            assert self.ns.path(f"/dev/{name}").exists()
+
+    def slot(self, c: Container) -> str:
+        """The PCI bus id of the GPU the container was given (by NVIDIA_VISIBLE_DEVICES)."""
+        (g,) = [g for g in self.inventory if g["uuid"] == c.visible]
+        return str(g["pci_bus_id"])
+
+    def verdicts(self, c: Container) -> Dict[int, Optional[bool]]:
+        """minor -> the kernel's answer to opening /dev/nvidia<minor> from the
+        container's devices cgroup (True: allowed, ENXIO; False: denied, EPERM)."""
+        cgroup = self.devices_cgroup(c)
+        return {
+            g["minor"]: probe_open(self.ns.fake_node(195, g["minor"]), [cgroup]).verdict
+            for g in self.inventory
+        }
+
+    # -- services --------------------------------------------------------------------------
+    def start_plugin(self, args: str = "") -> None:
+        if args:
+            dropin = f"[Service]\nEnvironment=PLUGIN_ARGS={args}\n"
+            self.ns.write_unit(f"{PLUGIN}.d/args.conf", dropin)
+            self.ns.systemctl("daemon-reload")
+        self.ns.systemctl("start", PLUGIN)
+        self.ns.wait_active(PLUGIN)
+        self.wait_registered()
+
+    def start_gpuguard(self) -> None:
+        assert self.gpuguard
+        self.ns.systemctl("start", "gpuguard.service")
+        self.ns.wait_active("gpuguard.service", timeout=30)
+        settle(self.ns)
+
+    def reboot(self, gpus: Sequence[Mapping[str, Any]], *, lose_state: bool = False) -> float:
+        """The node restarted with ``gpus``; returns time.monotonic() at kubelet's start.
+        ``lose_state``: gpuguard's state directory did not survive (a new disk)."""
+        self.stop_kubelet()
+        self.ns.systemctl("stop", PLUGIN)
+        if self.gpuguard:
+            self.ns.systemctl("stop", "gpuguard.service")
+            if lose_state:
+                self.ns.run(["sh", "-c", "rm -rf /var/lib/gpuguard/*"], check=True)
+        self.kill_all()
+        self.set_gpus(gpus)
+        if self.gpuguard:
+            self.start_gpuguard()
+        t0 = self.start_kubelet()
+        # As at a boot: the plugin (a DaemonSet's pod, or a unit ordered after kubelet)
+        # starts after kubelet has re-admitted its pods (each has a phase once judged).
+        names = [p.stem for p in self.ns.path(MANIFESTS).glob("*.json")]
+        self.wait_pods(lambda p: all(n in p and p[n].phase for n in names), 60, "re-admission")
+        self.start_plugin()
+        return t0
+
+    def checkpoint_ids(self) -> Dict[str, List[str]]:
+        """pod UID -> the device IDs of its entries in kubelet's checkpoint."""
+        data = parse(self.ns.path(CHECKPOINT).read_bytes(), source="kubelet")
+        out: Dict[str, List[str]] = {}
+        for e in data.entries or ():
+            out.setdefault(e.pod_uid, []).extend(e.all_device_ids())
+        return out
+
+
+def boot(
+    factory: NsFactory,
+    tmp: Path,
+    api: Path,
+    *,
+    gpuguard: bool,
+    n_gpus: int = 3,
+    flags: Sequence[str] = (),
+    config: str = "",
+    uvm: bool = True,
+    plugin: bool = True,
+) -> GpuNode:
+    """A booted node with containerd and kubelet running (and gpuguard's daemon before
+    kubelet, when ``gpuguard``); the plugin double started as a service if ``plugin``."""
+    require_systemd_ns()
+    from conftest import require_tool
+
+    require_tool(*REQUIRED_TOOLS)
+    binds, ro = prepare(tmp / "kubelet", api)
+    devices = fake_proc_devices(tmp / "devices", uvm=uvm)
+    ro |= {"/run/fake/devices": devices, "/proc/devices": devices}
+    units = {
+        "containerd.service": CONTAINERD_UNIT,
+        "kubelet.service": kubelet_unit(kubelet_binary(), flags),
+        PLUGIN: PLUGIN_UNIT,
+    }
+    ns = factory(units=node_units(units) if gpuguard else units, binds=binds, ro_binds=ro)
+    node = GpuNode(ns, devices, gpuguard=gpuguard)
+    node.mknod("nvidiactl", 195, 255)
+    if uvm:
+        node.mknod("nvidia-uvm", UVM_MAJOR, 0)
+        node.mknod("nvidia-uvm-tools", UVM_MAJOR, 1)
+    node.set_gpus(gpus(n_gpus))
+    if gpuguard:
+        (ns.path("/etc/gpuguard") / "gpuguard.conf").write_text(CONFIG + config)
+    node.start_runtime()
+    if gpuguard:
+        node.start_gpuguard()
+    node.start_kubelet()
+    if plugin:
+        node.start_plugin()
+    return node
+
+
+@pytest.fixture(scope="session")
+def api(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The deviceplugin v1beta1 code, generated once per session from kubelet's proto."""
+    require_systemd_ns()
+    return api_code(tmp_path_factory.mktemp("deviceplugin-api"))
+
+
+def free_minor(node: GpuNode, held: Sequence[Container]) -> List[int]:
+    used = {g["minor"] for g in node.inventory for c in held if g["uuid"] == c.visible}
+    return sorted({g["minor"] for g in node.inventory} - used)
+
+
+def hook_log(node: GpuNode) -> List[Dict[str, Any]]:
+    """What the runtime hook granted: one entry (id, value, cgroup) per container."""
+    p = node.ns.path(f"{LOG}/hook.log")
+    return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
+
+
+# -- F1: two GPU pods, then a reboot into other UUIDs (test_kubelet_f1.py, bench) -------------
+
+F1_CASES = ("all", "one", "gone")
+F1_PODS = ("gpu-a", "gpu-b")
+
+
+def two_gpu_pods(node: GpuNode) -> Dict[str, str]:
+    """gpu-a and gpu-b running; the PCI bus id of each one's GPU."""
+    for name in F1_PODS:
+        node.write_pod(gpu_pod(name))
+    node.wait_pods(lambda p: all(n in p and p[n].running for n in F1_PODS), 60, "two GPU pods")
+    return {name: node.slot(node.running(name)) for name in F1_PODS}
+
+
+def gpus_after(node: GpuNode, case: str, victim: str) -> List[Dict[str, Any]]:
+    """The GPUs the node comes back with: every one with a new UUID (``all``), only the
+    one in slot ``victim`` (``one``), or every one new and ``victim``'s gone (``gone``)."""
+    fresh = {g["pci_bus_id"]: g["uuid"] for g in gpus(len(node.inventory))}
+    out = []
+    for g in node.inventory:
+        if case == "gone" and g["pci_bus_id"] == victim:
+            continue
+        if case in ("all", "gone") or g["pci_bus_id"] == victim:
+            g = {**g, "uuid": fresh[g["pci_bus_id"]]}
+        out.append(g)
+    return out
+
+
+def f1_reboot(node: GpuNode, case: str, **kw: Any) -> Tuple[Dict[str, str], Dict[str, str], float]:
+    """Two GPU pods, then the reboot of ``case`` (gpu-b's GPU the one that changes or
+    goes): (each pod's slot, slot -> UUID before, time.monotonic() at kubelet's start)."""
+    slots = two_gpu_pods(node)
+    before = {g["pci_bus_id"]: g["uuid"] for g in node.inventory}
+    t0 = node.reboot(gpus_after(node, case, slots["gpu-b"]), **kw)
+    return slots, before, t0

@@ -1,0 +1,1 @@
+"""The stacks fleets run, booted from Debian releases' own roots (test_stacks_f2.py)."""
