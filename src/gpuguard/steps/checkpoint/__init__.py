@@ -185,6 +185,7 @@ class CheckpointStep:
     """
 
     COOLDOWN = 600.0
+    HOOK_RECHECK = 10.0  # a repair left to kubelet's pre-start hook: looked at again
 
     def __init__(
         self,
@@ -223,6 +224,7 @@ class CheckpointStep:
             may_restart=cooled and not starting,
             simulation=simulation(inventory.source, False, svc.config.inventory),
             kubelet_units=svc.config.systemd.kubelet_units,
+            kubelet_waits=starting,
         )
 
     def run_alone(
@@ -295,7 +297,9 @@ class CheckpointStep:
         # Why a repair waits for kubelet's next start (a simulation, restarts off): said
         # once while it lasts, like the findings.
         left = []
-        if starting and report.kubelet and report.result.startswith("not repaired"):
+        if report.hook_pending:  # kubelet's unit was starting or stopping
+            ctx.recheck(self.HOOK_RECHECK, "kubelet's unit was starting or stopping")
+        elif starting and report.kubelet and report.result.startswith("not repaired"):
             report.coordination = "kubelet is running and gpuguard is starting: next pass"
             ctx.recheck(0.5, "kubelet restart after gpuguard's start")
         elif report.kubelet and report.result.startswith("not repaired"):

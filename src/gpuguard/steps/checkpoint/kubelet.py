@@ -78,6 +78,21 @@ async def _coordinated(
     else:
         status = await kubelet_status(root, systemd, s.kubelet_unit)
     report.kubelet = status.describe()
+    if status.hook_will_run(jobs=not s.kubelet_waits):
+        # A start or restart of kubelet's unit is under way, and its pre-start hook
+        # repairs the file before kubelet reads it: two writers of one file around one
+        # restart would race (and the second's backup would be the first's repair).
+        state = status.unit_state
+        assert state is not None
+        report.coordination = (
+            f"{s.kubelet_unit} is {state.active_state}"
+            f"{' with a job queued' if state.job_pending else ''}: its pre-start hook "
+            "repairs the file before kubelet starts; checked again after"
+        )
+        report.result = "left to kubelet's pre-start hook (its unit is starting or stopping)"
+        report.hook_pending = True
+        report.exit_code = exitcodes.FINDINGS
+        return report
     if not status.running:
         report.coordination = "kubelet is not running: repair directly"
         return apply_repair(report, actuator, s)

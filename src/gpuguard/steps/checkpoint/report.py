@@ -27,6 +27,9 @@ class CheckSettings:
     kubelet_stopped: bool  # we run as kubelet's ExecStartPre=: kubelet is not up
     bus_address: Optional[str]
     reason: str = "check"
+    # The daemon's first pass: a kubelet start job queued now waits for gpuguard's own
+    # start (After=gpuguard.service), so it is no restart under way (kubelet.py)
+    kubelet_waits: bool = False
     # [Systemd] KubeletUnits=: where an empty kubelet_unit is looked for
     kubelet_units: tuple[str, ...] = ("kubelet.service",)
     # Non-empty: the inventory is a simulation (`check --inventory`), so a running
@@ -46,6 +49,7 @@ class CheckSettings:
         kubelet_stopped: bool = False,
         simulation: str = "",
         kubelet_units: tuple[str, ...] = ("kubelet.service",),
+        kubelet_waits: bool = False,
     ) -> CheckSettings:
         """The one way from [Kubelet] to a check's settings (`gpuguard check`, the daemon)."""
         return cls(
@@ -62,6 +66,7 @@ class CheckSettings:
             reason=reason,
             simulation=simulation,
             kubelet_units=tuple(kubelet_units),
+            kubelet_waits=kubelet_waits,
         )
 
 
@@ -98,6 +103,8 @@ class CheckReport:
     coordination: str = ""
     result: str = ""
     exit_code: int = exitcodes.OK
+    # left to kubelet's pre-start hook: its unit was starting or stopping (kubelet.py)
+    hook_pending: bool = False
     # what the remap read from the host (the history among it); not part of the report
     remap_inputs: Optional[RemapInputs] = field(default=None, repr=False, compare=False)
 
