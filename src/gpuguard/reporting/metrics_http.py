@@ -30,7 +30,7 @@ from typing import Callable, Optional
 
 from gpuguard import exitcodes
 from gpuguard.errors import BadInputError, ConfigError, GpuguardError
-from gpuguard.reporting.metrics_state import MISSING_LIBRARY
+from gpuguard.reporting.metrics_state import MISSING_LIBRARY, unimportable
 
 # metrics.json's path, whether the off switch is set -> the text exposition
 RenderFile = Callable[[Path, bool], bytes]
@@ -54,15 +54,17 @@ def systemd_socket() -> Optional[socket.socket]:
     return socket.socket(fileno=SD_LISTEN_FDS_START)
 
 
-def load_render_file() -> Optional[RenderFile]:
-    """metrics.render_file, or None without prometheus_client."""
+def load_render_file() -> tuple[Optional[RenderFile], str]:
+    """(metrics.render_file, ""), or (None, why) when prometheus_client cannot be
+    imported (not installed, or a module it needs missing)."""
     try:
         from gpuguard.reporting.metrics import render_file
     except ImportError as e:
-        if not (e.name or "").startswith("prometheus_client"):
+        why = unimportable(e)
+        if why is None:
             raise
-        return None
-    return render_file
+        return None, why
+    return render_file, ""
 
 
 def _answer(code: int, body: bytes, ctype: str, head: bool) -> bytes:
@@ -88,11 +90,13 @@ class MetricsServer:
         path: Path,
         render_file: Optional[RenderFile],
         disabled: SwitchReader = lambda: False,
+        missing: str = MISSING_LIBRARY,
     ) -> None:
         self.sock = sock
         self.path = path
         self.render_file = render_file
         self.disabled = disabled
+        self.missing = missing  # why there is no render_file
         self.server_address = sock.getsockname()
         # connection -> when it was accepted, while its request is not complete
         self.waiting: dict[asyncio.StreamWriter, float] = {}
@@ -177,7 +181,7 @@ class MetricsServer:
         if target not in (b"/metrics", b"/"):
             return _answer(404, b"gpuguard serves /metrics only\n", "text/plain", is_head)
         if self.render_file is None:
-            body = f"no metrics: {MISSING_LIBRARY}\n".encode()
+            body = f"no metrics: {self.missing}\n".encode()
             return _answer(503, body, "text/plain", is_head)
         async with renders:
             try:
@@ -193,8 +197,10 @@ def make_server(
     path: Path,
     render_file: Optional[RenderFile],
     disabled: SwitchReader = lambda: False,
+    missing: str = MISSING_LIBRARY,
 ) -> MetricsServer:
-    return MetricsServer(sock, path, render_file, disabled)
+    """`missing`: why there is no `render_file` (every scrape's 503 says it)."""
+    return MetricsServer(sock, path, render_file, disabled, missing)
 
 
 def listen(address: str) -> socket.socket:
@@ -210,9 +216,9 @@ def listen(address: str) -> socket.socket:
 
 def print_file(path: Path, disabled: bool = False) -> int:
     """`gpuguard metrics`: the metrics the daemon wrote, rendered, on stdout."""
-    render_file = load_render_file()
+    render_file, why = load_render_file()
     if render_file is None:
-        raise GpuguardError(MISSING_LIBRARY, exit_code=exitcodes.USAGE)
+        raise GpuguardError(why, exit_code=exitcodes.USAGE)
     sys.stdout.buffer.write(render_file(path, disabled))
     return exitcodes.OK
 
@@ -227,11 +233,11 @@ def serve(path: Path, address: Optional[str], disabled: SwitchReader) -> int:
         raise ConfigError(
             "no socket from systemd (start gpuguard-metrics.socket) and no --listen HOST:PORT"
         )
-    render_file = load_render_file()
+    render_file, why = load_render_file()
     if render_file is None:  # said once here (the journal); every scrape gets a 503
-        print(f"gpuguard: {MISSING_LIBRARY}; every scrape gets a 503", file=sys.stderr)
+        print(f"gpuguard: {why}; every scrape gets a 503", file=sys.stderr)
     try:
-        make_server(sock, path, render_file, disabled).serve_forever()
+        make_server(sock, path, render_file, disabled, why).serve_forever()
     except OSError as e:
         raise GpuguardError(f"metrics server stopped: {e}", exit_code=exitcodes.USAGE) from None
     return exitcodes.OK

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from gpuguard import __version__
+from gpuguard.host.echo import cut
 from gpuguard.reporting.metrics_file import FORMAT as FORMAT
 from gpuguard.reporting.metrics_file import STATE_FILE as STATE_FILE
 from gpuguard.reporting.metrics_file import STATE_MAX as STATE_MAX
@@ -46,6 +47,26 @@ MISSING_LIBRARY = (
     "python3-prometheus-client is not installed, so gpuguard cannot render its metrics "
     "in Prometheus's format — install it (python3-prometheus_client on RHEL)"
 )
+
+
+def unimportable(e: ImportError) -> Optional[str]:
+    """Why the renderer (prometheus_client) cannot be imported, in one line; None when
+    the import that failed is gpuguard's own (a bug). A module the library needs that is
+    missing is named (Debian's python3-prometheus-client imports python3-decorator's
+    `decorator`): "not installed" would send the operator to the wrong package."""
+    name = e.name or ""
+    top = name.split(".")[0]
+    if top == "gpuguard":
+        return None
+    if top == "prometheus_client":
+        return MISSING_LIBRARY
+    if not top:
+        return f"prometheus_client cannot be imported ({cut(str(e), 120)}); reinstall it"
+    return (
+        f"prometheus_client cannot be imported: the module '{cut(name, 60)}' it needs is "
+        f"missing — install it (python3-{cut(top, 60)}, a dependency of "
+        "python3-prometheus-client)"
+    )
 
 
 COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
