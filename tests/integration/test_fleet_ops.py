@@ -258,8 +258,10 @@ def test_2_observe_mode_changes_nothing(node: Node) -> None:
     assert "observe-only" in kinds and "container-device-denied" in kinds
     plans = [e for e in gpuguard_entries(ns) if e.get("GPUGUARD_STATUS") == "dry-run"]
     assert plans and all(int(e["PRIORITY"]) == 6 for e in plans)
-    status = json.loads(ns.run(["gpuguard", "status", "--json"], check=True).stdout)
-    assert status["mode"] == "observe"
+    res = ns.run(["gpuguard", "status", "--json"])
+    assert res.returncode == 1, res  # the losses it left as they are: a problem, never OK
+    status = json.loads(res.stdout)
+    assert status["mode"] == "observe" and status["summary"]["verdict"] == "problem"
     metrics = json.loads(ns.path("/run/gpuguard/metrics.json").read_text())["families"]
     assert metrics["gpuguard_mode"] == [{"labels": ["observe"], "value": 1.0}]
 

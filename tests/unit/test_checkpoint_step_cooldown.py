@@ -15,6 +15,7 @@ from gpuguard.config import Config
 from gpuguard.engine.oneshot import OneShotServices
 from gpuguard.engine.passes import PassContext, Work
 from gpuguard.errors import KubeletError
+from gpuguard.host import aio
 from gpuguard.host.inventory import Inventory, parse_inventory
 from gpuguard.host.paths import Root
 from gpuguard.journal.log import EventLog
@@ -97,7 +98,7 @@ def test_the_daemons_first_pass_leaves_the_restart_to_the_next_pass(
     monkeypatch.setattr(check, "check_checkpoint", fake_check)
     step = CheckpointStep(clock=Clock())
     svc = OneShotServices(Root(tmp_path), Config(), EventLog(level="error"), False, "")
-    first_pass_done = asyncio.Event()
+    first_pass_done = aio.Event()  # made in the loop that uses it (Python 3.9)
     svc.first_pass_done = first_pass_done  # type: ignore[attr-defined]
     ctx = _ctx()
     ctx.step = "checkpoint"  # as the runner sets it
