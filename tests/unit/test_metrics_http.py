@@ -152,3 +152,19 @@ def test_the_off_switch_is_reported_even_without_the_daemons_file(tmp_path: Path
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_while_off_every_condition_is_unknown_whatever_the_last_pass_found(
+    state_file: Path,
+) -> None:
+    """The daemon's last metrics say ok or problem; with the switch set nothing is
+    checked, so the scrape says unknown, as `gpuguard npd` does (never OK)."""
+    on = render_file(state_file, False).decode()
+    assert (
+        'gpuguard_node_condition_status{condition="GPUDeviceAccessLost",status="unknown"} 0.0' in on
+    )
+    off = render_file(state_file, True).decode()
+    lines = [line for line in off.splitlines() if line.startswith("gpuguard_node_condition")]
+    assert lines and all(line.endswith(" 0.0") != ('status="unknown"' in line) for line in lines)
+    assert not any(line.startswith("gpuguard_node_condition{") for line in lines)
+    assert "\ngpuguard_disabled 1.0\n" in off

@@ -29,6 +29,7 @@ from gpuguard.host.echo import cut
 from gpuguard.host.statefile import load
 from gpuguard.reporting.metrics_file import SPEC, AnySeries, Histogram, MetricsValues, Series
 from gpuguard.reporting.metrics_state import COUNTER, FAMILIES, GAUGE, HISTOGRAM, Family
+from gpuguard.reporting.npd import CONDITIONS
 
 go_float: Callable[[float], str] = floatToGoString  # how a Histogram spells its bounds
 
@@ -99,6 +100,21 @@ def render(values: MetricsValues) -> bytes:
     return generate_latest(registry)
 
 
+def with_switch(values: MetricsValues, disabled: bool) -> MetricsValues:
+    """`values` with gpuguard_disabled as the off switch is now; while it is set every
+    node condition is unknown (nothing is checked: as `gpuguard npd` says), whatever the
+    daemon's last pass found."""
+    families = {**values.families, "gpuguard_disabled": (Series((), float(disabled)),)}
+    if disabled:
+        families["gpuguard_node_condition"] = ()
+        families["gpuguard_node_condition_status"] = tuple(
+            Series((c.type, label), float(label == "unknown"))
+            for c in CONDITIONS
+            for label in ("true", "false", "unknown")
+        )
+    return MetricsValues(families)
+
+
 def render_file(path: Path, disabled: bool = False) -> bytes:
     """render() of the file the daemon wrote (metrics_file.SPEC's loader), with
     gpuguard_disabled as the off switch is now; MetricsFileError, one line, otherwise.
@@ -112,9 +128,8 @@ def render_file(path: Path, disabled: bool = False) -> bytes:
     else:
         why = f"{path}: does not exist — is gpuguard.service running?" if got.absent else got.why
         raise MetricsFileError(why)
-    switch = (Series((), float(disabled)),)
     try:
-        return render(MetricsValues({**values.families, "gpuguard_disabled": switch}))
+        return render(with_switch(values, disabled))
     except ValueError as e:
         raise MetricsFileError(
             cut(f"{path}: not gpuguard's metrics ({e}); {SPEC.next_step}", 400)
