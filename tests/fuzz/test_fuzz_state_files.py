@@ -223,7 +223,7 @@ def _scrape(root: Path) -> tuple[int, bytes]:
     from gpuguard.reporting.metrics_http import listen, make_server
 
     server = make_server(listen("127.0.0.1:0"), root / "run/gpuguard/metrics.json", render_file)
-    threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True).start()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
         try:

@@ -60,6 +60,8 @@ def gpuguard_units(config: str = "") -> Dict[str, str]:
         # ProtectHome= would hide a checkout under /tmp or /root, so it is bound in.
         "gpuguard.service.d/50-checkout.conf": (
             f"[Service]\nExecStart=\nExecStart={GPUGUARD} daemon\nBindReadOnlyPaths={REPO}\n"
+            f"ExecReload=\nExecReload={GPUGUARD} config --check\n"
+            "ExecReload=/bin/kill -HUP $MAINPID\n"
         ),
         "kubelet.service": FAKE_KUBELET,
         "kubelet.service.d/10-gpuguard.conf": dropin.replace(

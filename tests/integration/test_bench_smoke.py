@@ -39,3 +39,18 @@ def test_bench_daemon_quick_prints_its_figures() -> None:
     for pattern in EXPECTED:
         assert re.search(pattern, res.stdout, re.M), f"missing {pattern!r} in:\n{res.stdout}"
     print(res.stdout)
+
+
+def test_bench_journal_quiet_prints_its_figure() -> None:
+    require_systemd_ns()
+    res = subprocess.run(
+        [sys.executable, str(REPO / "bench/bench_journal_quiet.py"), "--passes", "3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    pattern = rf"^lines per healthy pass at info or above: {NUM}; per node-day at the default"
+    assert re.search(pattern, res.stdout, re.M), res.stdout
+    print(res.stdout)

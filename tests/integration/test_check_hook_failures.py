@@ -161,12 +161,13 @@ def test_an_inventory_file_never_restarts_kubelet_without_the_flag(systemd_ns) -
 
 def test_the_daemon_reports_an_unverified_repair_and_restarts_kubelet_once(systemd_ns) -> None:  # type: ignore[no-untyped-def]
     ns = systemd_ns(units=gpuguard_units())
-    setup_node(ns, stale=False)
+    allow = "[Inventory]\nAllowKubeletRestart=yes\n"  # the inventory file is a simulation
+    setup_node(ns, stale=False, config=allow)
     assert ns.systemctl("start", "gpuguard.service").returncode == 0
     start_kubelet(ns)
     settle(ns)
     hook_wrapper(ns, "kill -KILL $$")  # the daemon-reload in it makes a pass too
-    setup_node(ns, stale=True)
+    setup_node(ns, stale=True, config=allow)
     ns.systemctl("daemon-reload")
     wait_for(lambda: events(ns, "checkpoint-repair-unverified"), what="the unverified repair")
     (entry,) = events(ns, "checkpoint-repair-unverified")

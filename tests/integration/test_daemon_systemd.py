@@ -127,11 +127,14 @@ def test_kubelet_restart_repairs_before_kubelet_reads(systemd_ns) -> None:  # ty
 
 def test_daemon_restarts_running_kubelet_to_repair(systemd_ns) -> None:  # type: ignore[no-untyped-def]
     ns = systemd_ns(units=gpuguard_units())
-    setup_node(ns, stale=False)
+    # The inventory is a file (a simulation): restarting a running kubelet for it must be
+    # allowed explicitly (test_daemon_leaves_kubelet_alone_for_a_simulated_inventory)
+    allow = "[Inventory]\nAllowKubeletRestart=yes\n"
+    setup_node(ns, stale=False, config=allow)
     _start(ns)
     ns.systemctl("start", "kubelet.service")
     settle(ns)
-    setup_node(ns, stale=True)
+    setup_node(ns, stale=True, config=allow)
     ns.systemctl("daemon-reload")  # any pass finds it; kubelet must be restarted
     wait_for(lambda: len(kubelet_reads(ns)) == 2, what="kubelet restarted by gpuguard")
     seen = parse(kubelet_reads(ns)[-1], source="what kubelet read")
@@ -139,6 +142,25 @@ def test_daemon_restarts_running_kubelet_to_repair(systemd_ns) -> None:  # type:
         i for e in seen.entries or () for i in e.all_device_ids()
     ]
     wait_for(lambda: events(ns, "kubelet-restart"), what="kubelet-restart in the journal")
+
+
+def test_daemon_leaves_kubelet_alone_for_a_simulated_inventory(systemd_ns) -> None:  # type: ignore[no-untyped-def]
+    """docs/inventory.md: a simulation never restarts a running kubelet, whether the
+    file comes from --inventory or [Inventory] File= (here). Its next start repairs it."""
+    ns = systemd_ns(units=gpuguard_units())
+    setup_node(ns, stale=False)
+    _start(ns)
+    ns.systemctl("start", "kubelet.service")
+    invocation = ns.unit_property("kubelet.service", "InvocationID")
+    before = settle(ns)
+    setup_node(ns, stale=True)
+    ns.systemctl("daemon-reload")  # a pass finds the stale checkpoint
+    wait_for(lambda: passes(ns) > before, what="a pass after the reload")
+    left = wait_for(lambda: events(ns, "checkpoint-refused"), what="why it is left")
+    assert "(a simulation)" in left[-1]["MESSAGE"]
+    settle(ns)
+    assert ns.unit_property("kubelet.service", "InvocationID") == invocation
+    assert len(kubelet_reads(ns)) == 1 and not events(ns, "kubelet-restart")
 
 
 def test_survives_dbus_restart(systemd_ns) -> None:  # type: ignore[no-untyped-def]
@@ -172,7 +194,13 @@ def test_sighup_with_broken_config_keeps_the_old_one(systemd_ns) -> None:  # typ
     conf = ns.path("/etc/gpuguard/gpuguard.conf")
     good = conf.read_text()
     conf.write_text(good + "[Daemon]\nQuietPeriod=banana\n")
-    assert ns.systemctl("reload", "gpuguard.service").returncode == 0
+    # systemctl reload checks the file first (ExecReload=gpuguard config --check): it
+    # fails, and the daemon never sees the signal
+    res = ns.systemctl("reload", "gpuguard.service", check=False)
+    assert res.returncode != 0
+    assert not events(ns, "config-rejected") and not events(ns, "config-reloaded")
+    # a SIGHUP sent directly: the daemon itself keeps the previous configuration
+    ns.run(["systemctl", "kill", "-s", "HUP", "gpuguard.service"], check=True)
     rejected = wait_for(lambda: events(ns, "config-rejected"), what="config-rejected")
     assert "gpuguard.conf" in rejected[0]["MESSAGE"] and "QuietPeriod" in rejected[0]["MESSAGE"]
     assert ns.unit_property("gpuguard.service", "ActiveState") == "active"

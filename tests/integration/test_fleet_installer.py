@@ -237,6 +237,10 @@ def test_a_failed_install_stays_up_not_ready_and_changes_nothing(
         _out, err = p.communicate(timeout=10)
         assert p.returncode == 0, err
         assert "delete this pod to try again" in err
+        # its sleep was sent SIGTERM too: gone within moments, not an orphan
+        deadline = time.monotonic() + 10
+        while live_in_group(p.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert not live_in_group(p.pid), "its sleep outlived it"
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -344,6 +348,107 @@ def test_rolls_back_to_the_image_version(node: Dict[str, object]) -> None:
     assert_kubelet_untouched(node)
 
 
+def pod(run: Installer, packages: Path, **env: str) -> subprocess.Popen[str]:
+    """The entrypoint as the pod runs it (no ONESHOT), looking at the daemon every second."""
+    e = dict(run.env(run.ns.pid, packages))
+    del e["GPUGUARD_INSTALLER_ONESHOT"]
+    e.update(GPUGUARD_INSTALLER_WATCH="1", **env)
+    run.status.unlink(missing_ok=True)
+    return subprocess.Popen(
+        ["setpriv", "--pdeathsig", "KILL", "--", "busybox", "sh", str(INSTALLER), "install"],
+        env=e,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def wait_state(run: Installer, state: str, timeout: float = 60.0) -> Dict[str, str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if run.status.exists() and run.read_status().get("state") == state:
+            return run.read_status()
+        time.sleep(0.2)
+    raise AssertionError(
+        f"status never {state}: {run.read_status() if run.status.exists() else '-'}"
+    )
+
+
+def test_a_broken_upgrade_stays_not_ready_with_the_reason(node: Dict[str, object]) -> None:
+    """A drop-in the new version refuses: the upgrade does not restart the running
+    daemon (postinst checks first), and the pod stays not Ready naming the file and
+    line, without running the package manager again; fixed, it turns Ready."""
+    ns: PackageRoot = node["ns"]  # type: ignore[assignment]
+    run: Installer = node["run"]  # type: ignore[assignment]
+    ns.wait_active("gpuguard.service", timeout=20)
+    daemon = ns.unit_property("gpuguard.service", "InvocationID")
+    broken = ns.path("/etc/gpuguard/gpuguard.conf.d/50-broken.conf")
+    broken.write_text("[Daemon]\nMode=fix-everything\n")
+    try:
+        res = run("install", node["upgrade"])  # type: ignore[arg-type]
+        assert res.returncode == 5, f"{res.returncode}\n{res.stdout}\n{res.stderr}"
+        assert "refreshing the host's package index (apt-get update)" in res.stdout
+        assert "NOT restarted after the upgrade" in res.stdout + res.stderr
+        status = run.read_status()
+        assert (status["state"], status["action"], status["daemon"]) == (
+            "not-ready",
+            "updated",
+            "config-invalid",
+        )
+        assert "/etc/gpuguard/gpuguard.conf.d/50-broken.conf:2: " in status["message"]
+        # the previous daemon still runs (not restarted into a failure)
+        assert ns.unit_property("gpuguard.service", "InvocationID") == daemon
+        assert ns.unit_property("gpuguard.service", "ActiveState") == "active"
+        dpkg_status = sha256(ns.path("/var/lib/dpkg/status"))
+        p = pod(run, node["upgrade"])  # type: ignore[arg-type]
+        try:
+            status = wait_state(run, "not-ready")
+            time.sleep(3)  # three more looks: still up, still not Ready, nothing re-run
+            assert p.poll() is None and run.read_status()["state"] == "not-ready"
+            assert sha256(ns.path("/var/lib/dpkg/status")) == dpkg_status
+            broken.unlink()
+            ns.systemctl("restart", "gpuguard.service")
+            status = wait_state(run, "ok")
+            assert status["daemon"] == "active"
+            p.terminate()
+            _out, err = p.communicate(timeout=10)
+            assert p.returncode == 0, err
+            assert err.count("not ready: the configuration is invalid") == 1, err
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    finally:
+        broken.unlink(missing_ok=True)
+    assert any("not ready: the configuration is invalid" in m for m in installer_journal(ns))
+    assert any(m.startswith("ready again: ") for m in installer_journal(ns))
+    assert_kubelet_untouched(node)
+
+
+def test_a_failed_daemon_is_not_ready_and_an_off_switch_is(node: Dict[str, object]) -> None:
+    ns: PackageRoot = node["ns"]  # type: ignore[assignment]
+    run: Installer = node["run"]  # type: ignore[assignment]
+    ns.systemctl("kill", "-s", "KILL", "gpuguard.service")  # a crash ...
+    ns.systemctl("stop", "gpuguard.service")  # ... that is not restarted
+    res = run("install", node["upgrade"])  # type: ignore[arg-type]
+    assert res.returncode == 5, f"{res.returncode}\n{res.stdout}\n{res.stderr}"
+    status = run.read_status()
+    # killed, then stopped before its restart: failed or inactive, as systemd saw it
+    assert status["state"] == "not-ready" and status["daemon"] in ("failed", "inactive"), status
+    assert f"gpuguard.service is {status['daemon']} (result: " in status["message"]
+    res = ns.run(["gpuguard", "disable", "--reason", "INC-7"])
+    assert res.returncode == 0, res.stderr
+    res = run("install", node["upgrade"])  # type: ignore[arg-type]
+    assert res.returncode == 0, f"{res.returncode}\n{res.stdout}\n{res.stderr}"
+    status = run.read_status()
+    assert (status["state"], status["daemon"]) == ("ok", "off"), status
+    assert "turned off with gpuguard disable: INC-7" in status["message"]
+    assert ns.run(["gpuguard", "enable"]).returncode == 0
+    ns.wait_active("gpuguard.service", timeout=20)
+    assert_kubelet_untouched(node)
+
+
 def test_uninstall_removes_the_package(node: Dict[str, object]) -> None:
     ns: PackageRoot = node["ns"]  # type: ignore[assignment]
     run: Installer = node["run"]  # type: ignore[assignment]
@@ -356,4 +461,27 @@ def test_uninstall_removes_the_package(node: Dict[str, object]) -> None:
     assert ns.path("/etc/gpuguard/gpuguard.conf").exists()
     res = run("uninstall", node["base"])  # type: ignore[arg-type]
     assert res.returncode == 0 and run.read_status()["action"] == "unchanged", res.stdout
+    assert_kubelet_untouched(node)
+
+
+def test_a_missing_dependency_is_named(node: Dict[str, object]) -> None:
+    """A host whose repositories lack a dependency: the index refresh fails (no
+    network here) and is said, the install fails naming what is missing, and the node
+    keeps what it had."""
+    ns: PackageRoot = node["ns"]  # type: ignore[assignment]
+    run: Installer = node["run"]  # type: ignore[assignment]
+    ns.run(["dpkg", "--purge", "python3-pyudev"], check=True)
+    # the host's repositories know no python3-pyudev: empty lists over its own
+    ns.run(["mount", "-t", "tmpfs", "tmpfs", "/var/lib/apt/lists"], check=True)
+    try:
+        ns.run(["mkdir", "/var/lib/apt/lists/partial"], check=True)
+        res = run("install", node["base"])  # type: ignore[arg-type]
+    finally:
+        ns.run(["umount", "/var/lib/apt/lists"], check=True)
+    assert res.returncode == 4, f"{res.returncode}\n{res.stdout}\n{res.stderr}"
+    assert "the package index could not be refreshed" in res.stderr
+    status = run.read_status()
+    assert status["state"] == "failed"
+    assert "missing dependencies: python3-pyudev" in status["message"], status
+    assert "installed" not in installed(ns).split()
     assert_kubelet_untouched(node)

@@ -24,6 +24,11 @@ LAYOUT = [
     "/usr/lib/systemd/system/gpuguard.service",
     "/usr/lib/systemd/system/gpuguard-trigger.service",
     "/usr/lib/systemd/system/kubelet.service.d/10-gpuguard.conf",
+    # kubelet inside k3s and RKE2: the same hook for their units
+    "/usr/lib/systemd/system/k3s.service.d/10-gpuguard.conf",
+    "/usr/lib/systemd/system/k3s-agent.service.d/10-gpuguard.conf",
+    "/usr/lib/systemd/system/rke2-agent.service.d/10-gpuguard.conf",
+    "/usr/lib/systemd/system/rke2-server.service.d/10-gpuguard.conf",
     "/usr/libexec/gpuguard/kubelet-pre-start",
     "/usr/libexec/gpuguard/npd-condition",
     "/usr/share/gpuguard/node-problem-detector/gpuguard-monitor.json",
@@ -118,7 +123,10 @@ def test_deb_control(pkgs: Dict[str, Path]) -> None:
     assert conffiles == ["/etc/gpuguard/gpuguard.conf"]
     postinst = sh("dpkg-deb", "-I", deb, "postinst")
     assert "deb-systemd-helper enable 'gpuguard.service'" in postinst
-    assert "deb-systemd-invoke $_dh_action 'gpuguard.service'" in postinst
+    # an upgrade restarts the daemon only after the new version checked the configuration
+    check = postinst.index("/usr/bin/gpuguard config --check")
+    assert check < postinst.index("deb-systemd-invoke restart 'gpuguard.service'")
+    assert "deb-systemd-invoke $_dh_action 'gpuguard.service'" not in postinst
     assert "udevadm control --reload" in postinst and "[ -S /run/udev/control ]" in postinst
     assert "--subsystem-match=module --sysname-match='nvidia*'" in postinst
     assert "--attr-match=vendor=0x10de" in postinst
@@ -132,7 +140,9 @@ def test_deb_control(pkgs: Dict[str, Path]) -> None:
     assert not re.search(r"deb-systemd-invoke \S+ 'gpuguard-metrics", postinst)
     assert "python3-prometheus-client" in sh("dpkg-deb", "-f", deb, "Recommends")
     postrm = sh("dpkg-deb", "-I", deb, "postrm")
-    assert "rm -rf /etc/gpuguard /var/lib/gpuguard" in postrm
+    # purge keeps what an operator made and the checkpoint backups (test_fleet_ops.py)
+    assert "rm -rf /etc/gpuguard" not in postrm and "! -name backups" in postrm
+    assert "60-gpuguard-devices.conf" in postrm
     prerm = sh("dpkg-deb", "-I", deb, "prerm")
     assert "deb-systemd-invoke stop 'gpuguard.service'" in prerm
 
@@ -194,6 +204,9 @@ def test_rpm_requires_and_scripts(pkgs: Dict[str, Path]) -> None:
     assert "systemctl is-enabled --quiet gpuguard.service" in scripts  # then started
     assert "disable --now gpuguard.service" in scripts  # %systemd_preun
     assert "try-restart gpuguard.service" in scripts or "mark-restart-system-units" in scripts
+    posttrans = scripts[scripts.index("posttrans scriptlet") :]
+    assert posttrans.index("gpuguard config --check") < posttrans.index("try-restart")
+    assert "60-gpuguard-devices.conf" in scripts
     assert "--sysname-match='nvidia*'" in scripts and "vendor=0x10de" in scripts
     assert "journalctl --update-catalog" in scripts
     assert not NO_KUBELET_RESTART.search(scripts)

@@ -15,6 +15,7 @@ from gpuguard.config import Config
 from gpuguard.engine.oneshot import OneShotServices
 from gpuguard.engine.passes import PassContext, Work
 from gpuguard.errors import KubeletError
+from gpuguard.host import aio
 from gpuguard.host.inventory import Inventory, parse_inventory
 from gpuguard.host.paths import Root
 from gpuguard.journal.log import EventLog
@@ -78,3 +79,34 @@ def test_one_restart_per_cooldown(
     cd = CheckpointStep.COOLDOWN
     offered = _run_passes(tmp_path, monkeypatch, outcome, [1000, 1001, 1002, 1000 + cd + 1])
     assert offered == [True, False, False, True]
+
+
+def test_the_daemons_first_pass_leaves_the_restart_to_the_next_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before READY=1 a kubelet restart job would wait for gpuguard's own start job
+    (kubelet's drop-in orders it After=gpuguard.service), which waits for this pass."""
+    offered: List[bool] = []
+
+    async def fake_check(*args: Any, **kw: Any) -> CheckReport:
+        offered.append(args[2].restart_kubelet)
+        report = CheckReport(checkpoint="c", kubelet="kubelet.service is active")
+        if not args[2].restart_kubelet:
+            report.result = "not repaired: kubelet must be restarted to apply the repair"
+        return report
+
+    monkeypatch.setattr(check, "check_checkpoint", fake_check)
+    step = CheckpointStep(clock=Clock())
+    svc = OneShotServices(Root(tmp_path), Config(), EventLog(level="error"), False, "")
+    first_pass_done = aio.Event()  # made in the loop that uses it (Python 3.9)
+    svc.first_pass_done = first_pass_done  # type: ignore[attr-defined]
+    ctx = _ctx()
+    ctx.step = "checkpoint"  # as the runner sets it
+    asyncio.run(step(svc, ctx))
+    assert offered == [False]
+    (again,) = ctx.followups
+    assert again.step == "checkpoint" and again.delay < 5 and "start" in again.why
+    assert not ctx.findings  # nothing refused: it is only deferred
+    first_pass_done.set()
+    asyncio.run(step(svc, _ctx()))
+    assert offered == [False, True]

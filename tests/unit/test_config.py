@@ -351,6 +351,7 @@ QuietPeriod=300ms
 MaxDelay=5s
 ReloadQuietPeriod=1ms
 PrivateSocket=
+Mode=observe
 DryRun=yes
 HookTimeout=2.5s
 LogLevel=debug
@@ -385,6 +386,7 @@ Crictl=/opt/bin/crictl
 CriEndpoint=tcp://127.0.0.1:1234
 [Inventory]
 File=/etc/gpuguard/inventory.json
+AllowKubeletRestart=yes
 [Metrics]
 TextfileDirectory=/var/lib/node_exporter/textfile_collector
 """

@@ -28,7 +28,8 @@ from gpuguard.reporting.metrics_output import MetricsOutput
 from gpuguard.reporting.metrics_state import STATE_FILE, MetricsState
 from gpuguard.host.paths import Root
 from gpuguard.reporting.metrics_file import SPEC
-from gpuguard.reporting.status import FastPaths, PassRecord, ReloadSignal, Status
+from gpuguard.reporting.status import PassRecord, Status
+from gpuguard.reporting.status_figures import FastPaths, ReloadSignal
 build_steps()
 root = Root(Path(sys.argv[1]))
 def a_pass(n):

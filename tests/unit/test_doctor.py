@@ -131,7 +131,7 @@ def test_cgroupfs_driver_and_no_cpu_manager_are_ok_even_in_legacy_mode(tmp_path:
         (
             lambda r: os.remove(r / "var/lib/kubelet/config.yaml"),
             "kubelet-cgroup-driver",
-            "config.yaml missing",
+            "none of /var/lib/kubelet/config.yaml",
         ),
         (
             lambda r: write(

@@ -387,6 +387,7 @@ WRITERS: dict[str, str] = {
     "actuate/dropins.py": "systemd drop-ins, unit files systemd reads (not state files)",
     "steps/checkpoint/actuate.py": "kubelet's checkpoint, kubelet's file, with its backup",
     "reporting/metrics_output.py": "node_exporter's textfile, in node_exporter's directory",
+    "actuate/offswitch.py": "the off switch, an operator's plain-text file in /etc/gpuguard",
 }
 
 

@@ -30,6 +30,7 @@ from gpuguard.reporting.metrics_state import (
     STATE_MAX,
     TEXTFILE_NAME,
     MetricsState,
+    unimportable,
 )
 from gpuguard.reporting.status import PassRecord, Status
 
@@ -332,3 +333,54 @@ def test_without_the_library_gpuguard_metrics_says_so_in_one_line(tmp_path: Path
     textfile = tmp_path / "textfile" / TEXTFILE_NAME
     assert p.stdout == f"cannot write metrics to {textfile}: {MISSING_LIBRARY}\n"
     assert (tmp_path / STATE_FILE.lstrip("/")).exists() and not textfile.exists()
+
+
+MISSING_DEPENDENCY = """
+import sys
+sys.path.insert(0, sys.argv[3])  # a prometheus_client that imports `decorator`, as Debian's
+sys.modules["decorator"] = None  # as on a host without python3-decorator
+from pathlib import Path
+from gpuguard.cli import main
+from gpuguard.reporting.metrics_output import MetricsOutput
+from gpuguard.reporting.metrics_state import MetricsState
+from gpuguard.host.paths import Root
+sys.path.insert(0, sys.argv[2])
+import statusdoc
+status = statusdoc.model({"last_pass": {"number": 1}})
+root = Path(sys.argv[1])
+errors = MetricsOutput(MetricsState()).publish(status.last_pass, status, Root(root), "/textfile")
+print(*errors, sep="\\n")
+sys.exit(main(["metrics", "--root", str(root)]))
+"""
+
+
+def test_a_module_the_library_needs_is_named_in_one_line_not_a_crash(tmp_path: Path) -> None:
+    """Debian's python3-prometheus-client imports python3-decorator's `decorator`; without
+    it `gpuguard metrics` exited 70 with a traceback."""
+    lib = tmp_path / "lib" / "prometheus_client"
+    lib.mkdir(parents=True)
+    (lib / "__init__.py").write_text("import decorator\n")
+    (tmp_path / "run/gpuguard").mkdir(parents=True)
+    (tmp_path / "textfile").mkdir()
+    p = subprocess.run(
+        [sys.executable, "-c", MISSING_DEPENDENCY, str(tmp_path), str(REPO / "tests"),
+         str(tmp_path / "lib")],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin"},
+        check=False,
+    )  # fmt: skip
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "'decorator'" in p.stderr and "python3-decorator" in p.stderr, p.stderr
+    textfile = tmp_path / "textfile" / TEXTFILE_NAME
+    assert (
+        p.stdout.startswith(f"cannot write metrics to {textfile}: ") and "'decorator'" in p.stdout
+    )
+    assert (tmp_path / STATE_FILE.lstrip("/")).exists() and not textfile.exists()
+
+
+def test_an_import_error_of_gpuguard_itself_stays_a_bug() -> None:
+    assert unimportable(ImportError("x", name="gpuguard.reporting.metrics")) is None
+    assert unimportable(ModuleNotFoundError("x", name="prometheus_client")) == MISSING_LIBRARY
+    assert "'decorator'" in (unimportable(ModuleNotFoundError("x", name="decorator")) or "")

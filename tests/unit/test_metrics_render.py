@@ -119,6 +119,20 @@ class Reference:
             ["condition", "status"],
             registry=r,
         )
+        # added after the library was dropped: the same Gauges it would have had
+        self.disabled = Gauge(
+            "gpuguard_disabled",
+            "1 while the off switch /etc/gpuguard/disabled is set (`gpuguard disable`: "
+            "gpuguard changes nothing), else 0.",
+            registry=r,
+        )
+        self.mode = Gauge(
+            "gpuguard_mode",
+            "1 for the mode the daemon runs in: repair, or observe (Mode=observe: it reports "
+            "and changes nothing).",
+            ["mode"],
+            registry=r,
+        )
         build = Gauge(
             "gpuguard_build_info",
             "gpuguard's version and the Python running it (always 1).",
@@ -155,6 +169,9 @@ class Reference:
         for layer in ("pci", "nvml", "kubelet"):
             if f"gpus_{layer}" in counts:
                 self.gpus.labels(layer).set(counts[f"gpus_{layer}"])
+        self.mode.clear()
+        self.mode.labels(status.mode).set(1)
+        self.disabled.set(1 if status.off_switch is not None else 0)
         self.condition.clear()
         self.condition_status.clear()
         for c in CONDITIONS:

@@ -15,6 +15,7 @@ from gpuguard.cli.check import cmd_check
 from gpuguard.cli.checkpoint import cmd_checkpoint_canonical, cmd_checkpoint_inspect
 from gpuguard.cli.daemon import cmd_daemon
 from gpuguard.cli.status import cmd_status
+from gpuguard.cli.switch import cmd_disable, cmd_enable
 from gpuguard.errors import GpuguardError
 from gpuguard.host.echo import cut
 
@@ -174,8 +175,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--no-udev", action="store_true", help="do not listen to udev events")
 
-    sub.add_parser(
+    cf = sub.add_parser(
         "config", parents=[common], help="check the configuration and print the effective values"
+    )
+    cf.add_argument(
+        "--check",
+        action="store_true",
+        help="only check it: no output when it is valid; otherwise the file and line, exit 2 "
+        "(what `systemctl reload gpuguard` runs first)",
+    )
+    dis = sub.add_parser(
+        "disable",
+        parents=[common],
+        help="turn gpuguard off on this node (the off switch /etc/gpuguard/disabled): the "
+        "daemon stops, kubelet's pre-start hook and driver loads change nothing; kept "
+        "across reboots and upgrades",
+    )
+    dis.add_argument(
+        "--reason", default="", help="why (shown by status, doctor, the journal and the metrics)"
+    )
+    sub.add_parser(
+        "enable",
+        parents=[common],
+        help="turn gpuguard back on: remove the off switch and start gpuguard.service",
     )
     st = sub.add_parser(
         "status", parents=[common], help="per GPU container: is its device access intact?"
@@ -235,7 +257,8 @@ def cmd_config(args: argparse.Namespace) -> int:
     cfg = _config(args, _root(args))
     for warning in cfg.warnings:
         print(f"gpuguard: warning: {warning}", file=sys.stderr)
-    sys.stdout.write(cfg.render())
+    if not args.check:
+        sys.stdout.write(cfg.render())
     return exitcodes.OK
 
 
@@ -261,7 +284,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     def runner(argv: Sequence[str]) -> str:
         return run(argv, timeout=5.0).stdout
 
-    report = run_doctor(root, inventory, cfg.kubelet.checkpoint_path, runner)
+    report = run_doctor(
+        root,
+        inventory,
+        cfg.kubelet.checkpoint_path,
+        runner,
+        kubelet_units=cfg.systemd.kubelet_units,
+        observe=cfg.daemon.observe,
+    )
     print(json.dumps(report.to_json(), indent=2) if args.json else report.render())
     return report.exit_code
 
@@ -275,11 +305,15 @@ def cmd_npd(args: argparse.Namespace) -> int:
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
+    from gpuguard.host.offswitch import read_off_switch
     from gpuguard.reporting.metrics_http import print_file, serve
     from gpuguard.reporting.metrics_state import STATE_FILE
 
-    path = _root(args).path(STATE_FILE)
-    return serve(path, args.listen) if args.serve else print_file(path)
+    root = _root(args)
+    path = root.path(STATE_FILE)
+    if args.serve:
+        return serve(path, args.listen, lambda: read_off_switch(root) is not None)
+    return print_file(path, read_off_switch(root) is not None)
 
 
 COMMANDS = {
@@ -293,6 +327,8 @@ COMMANDS = {
     "checkpoint-inspect": cmd_checkpoint_inspect,
     "checkpoint-canonical": cmd_checkpoint_canonical,
     "catalog": cmd_catalog,
+    "disable": cmd_disable,
+    "enable": cmd_enable,
 }
 
 

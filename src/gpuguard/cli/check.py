@@ -4,29 +4,37 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 from gpuguard import exitcodes
 from gpuguard.cli.args import _config, _inventory_path, _log, _opt, _root
 from gpuguard.errors import GpuguardError
 
 if TYPE_CHECKING:  # loaded where used: a healthy kubelet hook stays fast
+    from gpuguard.config import Config
     from gpuguard.engine.runner import StepResult
     from gpuguard.engine.snapshot import HostSnapshot
     from gpuguard.host.inventory import Inventory
+    from gpuguard.host.offswitch import OffSwitch
     from gpuguard.host.paths import Root
     from gpuguard.journal.log import EventLog
+    from gpuguard.model import Finding, Outcome
     from gpuguard.steps.checkpoint.kubelet_hook import HookRun
     from gpuguard.steps.checkpoint.memo import MemoKey
     from gpuguard.steps.checkpoint.report import CheckReport
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    if not args.kubelet_stopped:
-        return _check(args, _root(args), None)
-    from gpuguard.steps.checkpoint.kubelet_hook import DEADLINE, FAILED, HookRun
+    from gpuguard.host.offswitch import read_off_switch
 
     root = _root(args)
+    off = read_off_switch(root)  # before the configuration: it works with a broken one
+    if off is not None:
+        return _disabled(args, root, off)
+    if not args.kubelet_stopped:
+        return _check(args, root, None)
+    from gpuguard.steps.checkpoint.kubelet_hook import DEADLINE, FAILED, HookRun
+
     hook = HookRun(root)
     # kubelet waits for this hook: whatever is on disk, it ends within the deadline
     hook.arm(args.deadline or DEADLINE, getattr(args, "on_deadline", None))
@@ -39,13 +47,34 @@ def cmd_check(args: argparse.Namespace) -> int:
         hook.disarm()
 
 
-def _simulation(args: argparse.Namespace) -> str:
-    if _opt(args, "inventory") is None or args.allow_kubelet_restart:
-        return ""
-    return (
-        "the GPU inventory comes from --inventory (a simulation), so a running kubelet is "
-        "not restarted or stopped; pass --allow-kubelet-restart to allow it"
+def _disabled(args: argparse.Namespace, root: Root, off: OffSwitch) -> int:
+    """The off switch is set: kubelet's pre-start hook checks nothing and writes nothing
+    (no result file either); a person's `gpuguard check` runs as a dry run."""
+    log = _log(args, None, root)
+    if args.kubelet_stopped:
+        log.event(
+            "disabled-skip",
+            f"kubelet pre-start: {off.describe()}; the kubelet checkpoint was not checked",
+            level="notice",
+            fields={"REASON": off.reason, "OFF_SWITCH": off.path},
+        )
+        return exitcodes.OK
+    log.event(
+        "disabled-skip",
+        f"{off.describe()}: this check is a dry run and changes nothing "
+        "(`gpuguard enable` turns repairs back on)",
+        level="notice",
+        fields={"REASON": off.reason, "OFF_SWITCH": off.path},
     )
+    args.dry_run = True
+    return _check(args, root, None)
+
+
+def _simulation(args: argparse.Namespace, cfg: Config, inventory: Inventory) -> str:
+    from gpuguard.steps.checkpoint.report import simulation
+
+    cli = _opt(args, "inventory") is not None
+    return simulation(inventory.source, cli, cfg.inventory, allow=args.allow_kubelet_restart)
 
 
 def _check(args: argparse.Namespace, root: Root, hook: Optional[HookRun]) -> int:
@@ -80,17 +109,19 @@ def _check(args: argparse.Namespace, root: Root, hook: Optional[HookRun]) -> int
     from gpuguard.steps.checkpoint import CheckpointStep, CheckSettings
 
     log = log or _log(args, cfg, root)
+    log.facts_as_text = False  # the report below prints them: each fact once
     for why in hook.unusable if hook is not None else ():
         log.warning(f"kubelet pre-start: ignoring {why}")  # one line per unusable file
     settings = CheckSettings.from_config(
         k,
-        dry_run=args.dry_run or cfg.daemon.dry_run,
+        dry_run=args.dry_run or cfg.daemon.observe,
         reason=args.reason,
         bus_address=_opt(args, "bus"),
         policy=args.policy or "",
         may_restart=not args.no_restart,
         kubelet_stopped=args.kubelet_stopped,
-        simulation=_simulation(args),
+        simulation=_simulation(args, cfg, inventory),
+        kubelet_units=cfg.systemd.kubelet_units,
     )
     from gpuguard.engine.oneshot import driver_loaded
     from gpuguard.engine.snapshot import HostSnapshot
@@ -123,6 +154,8 @@ def _check(args: argparse.Namespace, root: Root, hook: Optional[HookRun]) -> int
         _remember_healthy(root, report, snapshot, memo_key)
     doc = report.to_json()
     code = report.exit_code
+    findings: list[Finding] = []
+    outcomes: list[Outcome] = []
     if devices is not None:
         from gpuguard.steps.container_access.reconcile import FINDING_UNREADABLE
 
@@ -141,12 +174,54 @@ def _check(args: argparse.Namespace, root: Root, hook: Optional[HookRun]) -> int
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
-        print(report.render())
-        for f in doc.get("devices", {}).get("findings", []):
-            print(f"{f['severity'] + ':':11} {f['summary']}")
-        for o in doc.get("devices", {}).get("outcomes", []):
-            print(f"{o['status'] + ':':11} {o['kind']} {o['target']}: {o['detail']}")
+        journaled = hook is not None and _stdout_is_journal(log)
+        _print_report(root, report, findings, outcomes, journaled=journaled)
     return code
+
+
+def _stdout_is_journal(log: EventLog) -> bool:
+    """kubelet's pre-start hook: stdout is kubelet's journal stream, which already has
+    every finding and change as the hook's own journal entries."""
+    import sys
+
+    from gpuguard.journal.log import under_journald
+
+    return log.journal is not None and under_journald(sys.stdout)
+
+
+def _print_report(
+    root: Root,
+    report: CheckReport,
+    findings: Sequence[Finding],
+    outcomes: Sequence[Outcome],
+    *,
+    journaled: bool,
+) -> None:
+    """The report, then the device steps' findings and outcomes, each fact once (the log
+    prints none of them as text: `_check`), pods by namespace/name where the runtime
+    knows them. `journaled`: the findings and changes are in the same journal already;
+    only the summary lines are printed."""
+    from gpuguard.devices.podnames import name_pod, pod_names
+
+    if journaled:
+        report = report.summary_only()
+    fields = [f.fields for f in (*findings, *report.findings)]
+    fields += [o.action.fields() for o in outcomes]
+    names = pod_names(root, (f.get("CONTAINER_ID", "") for f in fields))
+    by_uid = {p.uid: p for p in names.values() if p.uid}
+
+    def named(text: str, f: Mapping[str, str]) -> str:
+        uid = f.get("POD_UID", "")
+        return name_pod(text, uid, names.get(f.get("CONTAINER_ID", "")) or by_uid.get(uid))
+
+    print("\n".join(named(line, f) for line, f in report.lines()))
+    if journaled:
+        return
+    for f in findings:
+        print(named(f"{f.severity + ':':11} {f.summary}", f.fields))
+    for o in outcomes:
+        a = o.action
+        print(named(f"{o.status + ':':11} {a.kind} {a.target}: {o.detail}", a.fields()))
 
 
 def _hook_result(hook: HookRun, report: CheckReport, log: EventLog) -> None:

@@ -51,6 +51,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     from gpuguard.engine.daemon import Daemon
     from gpuguard.host.notify import Notifier
     from gpuguard.host.systemd import bus_address_for
+    from gpuguard.journal.conditions import REMINDER
     from gpuguard.reporting.metrics_output import MetricsOutput
     from gpuguard.reporting.metrics_state import MetricsState
     from gpuguard.sources import build_sources
@@ -66,6 +67,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         _log(args, None, root).event("config-invalid", e.message, level="error")
         raise
     log = _log(args, cfg, root)
+    log.repeat_window = REMINDER  # a plan repeated by every pass: once an hour
     bus = _opt(args, "bus") or bus_address_for(root.prefix)
     daemon = Daemon(
         root=root,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from gpuguard import exitcodes
 from gpuguard.cli.args import _config, _inventory_path, _root
@@ -27,17 +28,35 @@ def cmd_status(args: argparse.Namespace) -> int:
         inventory = load_inventory(_inventory_path(args, cfg))
     except NoDriverError:
         inventory = None
+    from gpuguard.devices.podnames import pod_names
     from gpuguard.host.echo import cut
+    from gpuguard.host.offswitch import read_off_switch
     from gpuguard.reporting.status import status_json
     from gpuguard.reporting.summary import node_summary, render
 
     rows = container_status(root, cfg, inventory)
+    names = pod_names(root, (r["container_id"] for r in rows))
+    for r in rows:
+        r["pod"] = str(names[r["container_id"]]) if r["container_id"] in names else ""
     daemon = daemon_status(root)
     summary = node_summary(root, rows)
+    off = read_off_switch(root)
+    observe = cfg.daemon.observe or (daemon is not None and daemon.mode == "observe")
     if args.json:
-        doc = status_json(daemon) if daemon is not None else None
-        print(json.dumps({"summary": summary, "daemon": doc, "containers": rows}, indent=2))
+        doc: dict[str, Any] = {
+            "summary": summary,
+            "daemon": status_json(daemon) if daemon is not None else None,
+            "containers": rows,
+            "off_switch": off.to_json() if off is not None else None,
+            "mode": "observe" if observe else "repair",
+        }
+        print(json.dumps(doc, indent=2))
     else:
+        if off is not None:
+            print(f"gpuguard:   OFF: {off.describe()}; nothing is checked or repaired")
+            print("            turn it back on: gpuguard enable")
+        elif observe:
+            print("gpuguard:   observe-only (Mode=observe): findings are reported, nothing changed")
         print("\n".join(render(summary)))
         if daemon is None:
             print("daemon:     not running (no usable status file)")
@@ -53,8 +72,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         for r in rows:
             what = r["access"] if r["access"] != "denied" else "DENIED " + ", ".join(r["denied"])
             how = MECHANISM_TEXT.get(r["mechanism"], r["mechanism"])
+            pod = f"{r['pod']} ({r['pod_uid']})" if r["pod"] else r["pod_uid"]
             print(
-                f"  pod {r['pod_uid']} {r['container_id'][:12]} {', '.join(r['nodes'])}: {what}"
+                f"  pod {pod} {r['container_id'][:12]} {', '.join(r['nodes'])}: {what}"
                 f" ({r['layout']}, {how})"
             )
             for p in r["problems"]:

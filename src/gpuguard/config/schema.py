@@ -69,12 +69,22 @@ class DaemonConfig:
         "everything else, and for reloads while this connection is down. Empty: the "
         "bus only.",
     )
+    mode: str = _key(
+        "Mode",
+        Choice("repair", "observe"),
+        "repair",
+        "repair: find and repair. observe: find, report, export metrics and node "
+        "conditions and journal the plan, and change nothing anywhere: no checkpoint "
+        "rewrite, no kubelet or device plugin restart, no cgroup write, device program, "
+        "unit property or drop-in, in the daemon, kubelet's pre-start hook and `gpuguard "
+        "check` alike: the canary stage of a rollout. Operator hooks still run, "
+        "with GPUGUARD_DRY_RUN=1.",
+    )
     dry_run: bool = _key(
         "DryRun",
         Bool(),
         "no",
-        "Report what would be changed and change nothing; hooks still run, "
-        "with GPUGUARD_DRY_RUN=1.",
+        "yes: the same as Mode=observe (kept for configurations that set it).",
     )
     hook_timeout: float = _key(
         "HookTimeout",
@@ -90,16 +100,23 @@ class DaemonConfig:
         "The least severe messages that are logged to the journal.",
     )
 
+    @property
+    def observe(self) -> bool:
+        """Mode=observe (or DryRun=yes): find and report, change nothing."""
+        return self.mode == "observe" or self.dry_run
+
 
 @dataclass(frozen=True)
 class KubeletConfig:
     SECTION: ClassVar[str] = "Kubelet"
 
-    unit: str = _key(
+    unit: str | None = _key(
         "Unit",
-        ServiceUnit(),
-        "kubelet.service",
-        "The kubelet's systemd unit, stopped and started around a checkpoint repair.",
+        ServiceUnit(optional=True),
+        "",
+        "The kubelet's systemd unit, restarted (or stopped and started) around a "
+        "checkpoint repair. Empty: the unit the running kubelet is in (its process's "
+        "cgroup), else the first of [Systemd] KubeletUnits= that is loaded.",
     )
     checkpoint_path: str = _key(
         "CheckpointPath",
@@ -156,8 +173,12 @@ class SystemdConfig:
     kubelet_units: Tuple[str, ...] = _key(
         "KubeletUnits",
         SpaceList(ServiceUnit()),
-        "kubelet.service",
-        "Kubelet units whose starts and stops trigger a pass.",
+        "kubelet.service k3s.service k3s-agent.service rke2-agent.service rke2-server.service",
+        "The units that may run kubelet (kubeadm and most distributions: kubelet.service; "
+        "k3s and RKE2 run it inside their own unit): their starts and stops trigger a "
+        "pass, and [Kubelet] Unit= is chosen from them. Units that do not exist are "
+        "ignored. The package installs kubelet's pre-start hook as a drop-in for each of "
+        "these five; another unit needs one too (see gpuguard(8)).",
     )
     max_in_flight: int = _key(
         "MaxInFlight",
@@ -312,6 +333,14 @@ class InventoryConfig:
         "",
         "A JSON GPU inventory to use instead of asking NVML (for simulations and "
         "tests); empty: ask NVML.",
+    )
+    allow_kubelet_restart: bool = _key(
+        "AllowKubeletRestart",
+        Bool(),
+        "no",
+        "With File= set (a simulation), still restart or stop a running kubelet for a "
+        "checkpoint repair. no: the daemon reports the plan and leaves a running kubelet "
+        "alone, as `gpuguard check --inventory` does without --allow-kubelet-restart.",
     )
 
 

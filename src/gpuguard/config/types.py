@@ -222,9 +222,16 @@ _UNIT_NAME = re.compile(r"[A-Za-z0-9:_.\\@-]+\.service")
 
 
 class ServiceUnit(ValueType):
-    describe = "systemd service unit name"
+    """A service unit's name; `optional`: empty means None (chosen at run time)."""
 
-    def parse(self, text: str) -> str:
+    def __init__(self, *, optional: bool = False) -> None:
+        self.optional = optional
+        self.empty_resets = not optional
+        self.describe = "systemd service unit name" + (", or empty" if optional else "")
+
+    def parse(self, text: str) -> str | None:
+        if self.optional and not text:
+            return None
         if _UNIT_NAME.fullmatch(text):
             return text
         if re.fullmatch(r"[A-Za-z0-9:_.\\@-]+", text) and "." not in text:
@@ -232,6 +239,9 @@ class ServiceUnit(ValueType):
         raise ValueError(
             "not a service unit name; write it as systemctl shows it, e.g. kubelet.service"
         )
+
+    def format(self, value: Any) -> str:
+        return "" if value is None else str(value)
 
 
 _RESOURCE = re.compile(r"[A-Za-z0-9*?\[\]][A-Za-z0-9._*?\[\]-]*/[A-Za-z0-9._*?\[\]-]+")

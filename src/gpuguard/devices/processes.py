@@ -212,8 +212,12 @@ def container_init_pid(root: Root, pid: int) -> Optional[int]:
     return None
 
 
+# kubelet's own process, and k3s's, which runs kubelet inside it (devices/kubeletproc.py)
+KUBELET_COMMS = ("kubelet", "k3s-agent", "k3s-server")
+
+
 def kubelet_pids(root: Root) -> tuple[int, ...]:
-    """Every process whose comm is `kubelet` under the root's /proc."""
+    """Every process under the root's /proc that runs kubelet (KUBELET_COMMS)."""
     proc = root.path("/proc")
     pids = []
     try:
@@ -228,7 +232,7 @@ def kubelet_pids(root: Root) -> tuple[int, ...]:
             comm, _st = read_bytes(proc / name / "comm", what="comm", max_bytes=4096)
         except UnsafeFileError:  # the process exited while we looked, or not a comm file
             continue
-        if comm.strip() == b"kubelet":
+        if comm.strip().decode(errors="replace") in KUBELET_COMMS:
             pids.append(pid)
     return tuple(sorted(pids))
 

@@ -26,16 +26,17 @@ from gpuguard.devices.nodes import (
     read_proc_devices,
 )
 from gpuguard.devices.pci import read_pci_gpus
-from gpuguard.doctor.textconf import toml_scalars, toml_tables, yaml_top_scalars
+from gpuguard.doctor.kubelet import hook_dropin, kubelet_config, units_to_check
+from gpuguard.doctor.textconf import toml_scalars, toml_tables
 from gpuguard.host import safeio
 from gpuguard.host.inventory import Inventory
-from gpuguard.host.paths import KUBELET_DROPIN, KUBELET_DROPIN_VENDOR, Root
+from gpuguard.host.offswitch import OffSwitch, read_off_switch
+from gpuguard.host.paths import Root
 from gpuguard.host.statefile import load
 from gpuguard.reporting.status import SPEC as STATUS_SPEC
 from gpuguard.reporting.status import STATUS_FILE, Status
 from gpuguard.steps.gpu_count.reconcile import GpuCounts, registered_gpus
 
-KUBELET_CONFIG = "/var/lib/kubelet/config.yaml"
 TOOLKIT_CONFIG = "/etc/nvidia-container-runtime/config.toml"
 CONTAINERD_CONFIG = "/etc/containerd/config.toml"
 CRIO_CONFIGS = ("/etc/crio/crio.conf", "/etc/crio/crio.conf.d")
@@ -96,6 +97,9 @@ class Facts:
     counts: GpuCounts
     counts_evidence: str
     now: float
+    kubelet_unit: str = "kubelet.service"  # the unit whose pre-start hook was checked
+    off_switch: Optional[OffSwitch] = None  # host/offswitch.py: gpuguard is off
+    observe: bool = False  # Mode=observe (or DryRun=yes)
 
 
 def read_conf(root: Root, path: str, parse: Callable[[str], Mapping[str, str]]) -> ConfFile:
@@ -209,25 +213,28 @@ def systemd_version(root: Root) -> tuple[str, str]:
     return "", "no libsystemd-shared-*.so under " + ", ".join(SYSTEMD_SHARED)
 
 
-def kubelet_dropin(root: Root, run: Runner, live: bool) -> tuple[str, str]:
-    """(path, state): "ok", "masked", "missing", or "not-loaded" when systemd (asked
-    only on the live host) has not read the file yet (no daemon-reload since)."""
-    for path in (KUBELET_DROPIN, KUBELET_DROPIN_VENDOR):
-        p = root.path(path)
-        if os.path.islink(p) and os.readlink(p) == "/dev/null":
-            return path, "masked"
-        if p.is_file():
-            break
-    else:
-        return "", "missing"
-    if live:
+def kubelet_dropin(
+    root: Root, run: Runner, live: bool, units: Sequence[str]
+) -> tuple[str, str, str]:
+    """(path, state, unit) of the pre-start drop-in of the first of `units` that has
+    one (else of the first unit): "ok", "masked", "missing", or "not-loaded" when
+    systemd (asked only on the live host) has not read the file yet."""
+    found = [(u, *hook_dropin(root, u)) for u in units] or [("kubelet.service", "", "missing")]
+    unit, path, state = next((x for x in found if x[2] != "missing"), found[0])
+    if state == "ok" and live:
         try:
-            loaded = run(["systemctl", "show", "kubelet.service", "-p", "DropInPaths", "--value"])
+            loaded = run(["systemctl", "show", unit, "-p", "DropInPaths", "--value"])
         except Exception:  # no systemd, no bus: the file is the evidence
-            return path, "ok"
+            return path, state, unit
         if loaded.strip() and path not in loaded.split():
-            return path, "not-loaded"
-    return path, "ok"
+            return path, "not-loaded", unit
+    return path, state, unit
+
+
+def _read_text(root: Root, path: str) -> tuple[str, str]:
+    """A kubelet configuration's text and "", or "" and why not ("missing")."""
+    c = read_conf(root, path, lambda text: {"text": text})
+    return c.values.get("text", ""), c.error
 
 
 def daemon_state(root: Root) -> DaemonState:
@@ -264,9 +271,16 @@ def gather(
     registered: Optional[Sequence[tuple[str, Optional[Sequence[str]]]]],
     run: Runner,
     live: Optional[bool] = None,
+    kubelet_units: Sequence[str] = ("kubelet.service",),
+    observe: bool = False,
 ) -> Facts:
-    """`live`: whether to ask systemd too (default: only when the root is "/")."""
+    """`live`: whether to ask systemd too (default: only when the root is "/");
+    `kubelet_units`: where kubelet may run ([Systemd] KubeletUnits=)."""
     live = root.is_host if live is None else live
+    kc = kubelet_config(root, lambda path: _read_text(root, path))
+    dropin_path, dropin_state, unit = kubelet_dropin(
+        root, run, live, units_to_check(kc.process, kubelet_units)
+    )
     layout, cg_evidence = cgroup_layout(root)
     crio = [read_conf(root, CRIO_CONFIGS[0], toml_scalars)]
     try:
@@ -285,7 +299,7 @@ def gather(
     return Facts(
         cgroup_layout=layout,
         cgroup_evidence=cg_evidence,
-        kubelet=read_conf(root, KUBELET_CONFIG, yaml_top_scalars),
+        kubelet=ConfFile(kc.where, kc.values, (), kc.error),
         toolkit=read_conf(root, TOOLKIT_CONFIG, toml_scalars),
         containerd=read_conf(root, CONTAINERD_CONFIG, toml_scalars),
         crio=tuple(c for c in crio if c.error != "missing"),
@@ -298,9 +312,12 @@ def gather(
             root, run, TOOLKIT_RUNTIMES, r"version (\d+\.\d+\.\d+)", "nvidia-container-runtime"
         ),
         systemd=systemd_version(root),
-        dropin=kubelet_dropin(root, run, live),
+        dropin=(dropin_path, dropin_state),
         daemon=daemon_state(root),
         counts=counts,
         counts_evidence=counts_evidence,
         now=time.time(),
+        kubelet_unit=unit,
+        off_switch=read_off_switch(root),
+        observe=observe,
     )

@@ -81,7 +81,7 @@ def check_cgroup(f: Facts) -> Check:
 
 
 def check_cgroup_driver(f: Facts) -> Check:
-    bad = _unreadable(f.kubelet, "not a kubeadm-style kubelet?")
+    bad = _unreadable(f.kubelet, "no kubelet configuration found")
     if bad:
         return Check("kubelet-cgroup-driver", UNKNOWN, bad)
     driver = f.kubelet.values.get("cgroupDriver", "cgroupfs")
@@ -99,7 +99,7 @@ def check_cgroup_driver(f: Facts) -> Check:
 
 
 def check_cpu_manager(f: Facts) -> Check:
-    bad = _unreadable(f.kubelet, "not a kubeadm-style kubelet?")
+    bad = _unreadable(f.kubelet, "no kubelet configuration found")
     if bad:
         return Check("kubelet-cpu-manager", UNKNOWN, bad)
     policy = f.kubelet.values.get("cpuManagerPolicy", "none")
@@ -276,18 +276,22 @@ def check_systemd(f: Facts) -> Check:
 
 def check_dropin(f: Facts) -> Check:
     path, state = f.dropin
+    unit = f.kubelet_unit
     if state == "ok":
         return Check(
-            "kubelet-dropin", OK, f"{path} present (kubelet's ExecStartPre= repairs the checkpoint)"
+            "kubelet-dropin",
+            OK,
+            f"{path} present ({unit}'s ExecStartPre= repairs the checkpoint)",
         )
     fix = (
-        "install the gpuguard package's kubelet.service.d/10-gpuguard.conf; systemctl daemon-reload"
+        f"copy /usr/lib/systemd/system/kubelet.service.d/10-gpuguard.conf to "
+        f"/etc/systemd/system/{unit}.d/; systemctl daemon-reload"
     )
     if state == "not-loaded":
         return Check(
             "kubelet-dropin",
             EXPOSED,
-            f"{path} present but not in kubelet.service's DropInPaths (no daemon-reload since)",
+            f"{path} present but not in {unit}'s DropInPaths (no daemon-reload since)",
             "systemctl daemon-reload",
         )
     if state == "masked":
@@ -295,19 +299,41 @@ def check_dropin(f: Facts) -> Check:
             "kubelet-dropin",
             EXPOSED,
             f"{path} masked: stale checkpoints reach kubelet at boot (F1)",
-            fix,
+            f"remove the mask: rm {path}; systemctl daemon-reload",
         )
     return Check(
         "kubelet-dropin",
         EXPOSED,
-        "no kubelet.service.d/10-gpuguard.conf: stale checkpoints reach kubelet at boot (F1)",
+        f"no {unit}.d/10-gpuguard.conf: stale checkpoints reach kubelet at boot (F1)",
         fix,
     )
+
+
+def check_mode(f: Facts) -> Check:
+    """Is gpuguard on, and does it repair? (the off switch, Mode=observe)"""
+    if f.off_switch is not None:
+        return Check(
+            "gpuguard-mode",
+            EXPOSED,
+            f"{f.off_switch.describe()}: nothing is checked or repaired",
+            "gpuguard enable",
+        )
+    if f.observe:
+        return Check(
+            "gpuguard-mode",
+            EXPOSED,
+            "Mode=observe: findings are reported and nothing is repaired",
+            "set Mode=repair in a drop-in of /etc/gpuguard/gpuguard.conf.d/; "
+            "systemctl reload gpuguard",
+        )
+    return Check("gpuguard-mode", OK, "Mode=repair, no off switch")
 
 
 def check_daemon(f: Facts) -> Check:
     d = f.daemon
     fix = "systemctl enable --now gpuguard; journalctl -u gpuguard"
+    if f.off_switch is not None:
+        return Check("daemon", EXPOSED, "stopped by the off switch", "gpuguard enable")
     if d.status is None:
         if d.error.startswith("no "):
             return Check(
@@ -367,6 +393,7 @@ CHECKS = (
     check_runc,
     check_systemd,
     check_dropin,
+    check_mode,
     check_daemon,
     check_gpu_count,
 )

@@ -27,6 +27,14 @@ def read_registered(root: Root, checkpoint_path: str) -> Optional[Registered]:
 
 
 def run_doctor(
-    root: Root, inventory: Optional[Inventory], checkpoint_path: str, run: Runner
+    root: Root,
+    inventory: Optional[Inventory],
+    checkpoint_path: str,
+    run: Runner,
+    kubelet_units: Sequence[str] = ("kubelet.service",),
+    observe: bool = False,
 ) -> Report:
-    return judge(gather(root, inventory, read_registered(root, checkpoint_path), run))
+    registered = read_registered(root, checkpoint_path)
+    return judge(
+        gather(root, inventory, registered, run, kubelet_units=kubelet_units, observe=observe)
+    )

@@ -24,6 +24,7 @@ from gpuguard.engine import report
 from gpuguard.engine.coalescer import Coalescer
 from gpuguard.engine.gcpause import collector_paused, freeze_long_lived, thaw
 from gpuguard.engine.inventory_reader import InventoryReader
+from gpuguard.engine.operation import OffSwitchGate, journal_observe
 from gpuguard.engine.passes import PassContext, Work
 from gpuguard.engine.runner import Due, PassRunner
 from gpuguard.engine.snapshot import HostSnapshot, Planned
@@ -83,7 +84,8 @@ class Daemon:
         self.notifier = notifier
         self.inventory_reader = InventoryReader(log, config, inventory_path)  # each pass's GPUs
         self.bus_address = bus_address or bus_address_for(root.prefix)
-        self.dry_run = dry_run or config.daemon.dry_run
+        self.cli_dry_run = dry_run  # --dry-run: kept across reloads
+        self.dry_run = dry_run or config.daemon.observe  # Mode=observe, DryRun=yes
         self.step_order = tuple(step_order)
         self.runner = PassRunner(steps, self.step_order, wakes=wakes)
         self.steps = self.runner.steps  # in step_order
@@ -105,6 +107,7 @@ class Daemon:
             sources.sink.connect(self.on_event, self.coalescer.hold)
         self.udev: Any = None
         self.transient: Any = None  # sources/transient.py, once started
+        self.off_switch = OffSwitchGate(root, log)  # once seen, the daemon stops
 
     @property
     def systemd(self) -> Optional[Systemd]:
@@ -118,7 +121,10 @@ class Daemon:
 
     def on_event(self, event: Event) -> None:
         """An event from a source (or the daemon's own: start-up, SIGHUP): the steps the
-        registry wakes on it are marked, after the fast paths that serve it."""
+        registry wakes on it are marked, after the fast paths that serve it. Nothing once
+        the off switch is set (the daemon is stopping)."""
+        if self.switched_off():
+            return
         names = woken_by(event.kind, frozenset(self.step_order), self.wakes)
         if event.kind is EventKind.SYSTEMD_RELOADED:
             self._reload_fast_paths(event.at)
@@ -193,6 +199,10 @@ class Daemon:
                 await asyncio.wait_for(self.sd_source.first_attempt_done.wait(), timeout=10)
             except asyncio.TimeoutError:
                 self.log.warning("systemd did not answer in 10s; going on without it for now")
+        if self.switched_off():
+            return 0
+        if self.dry_run:
+            journal_observe(self.log, "start-up")
         self.on_event(Event(EventKind.START_UP, "start-up", urgent=True))
         pass_task = asyncio.create_task(self.coalescer.run())
         first = asyncio.create_task(self.first_pass_done.wait())
@@ -248,12 +258,24 @@ class Daemon:
                 "reset is seen at the next audit"
             )
 
+    def switched_off(self) -> bool:
+        """The off switch is set: nothing more is written, and the daemon stops."""
+        if self.off_switch.seen is None and self.off_switch.check() is not None:
+            self.dry_run = True
+            self._write_status()
+            self.notifier.stopping("stopping: gpuguard is disabled (gpuguard enable)")
+            self.coalescer.stop()
+        return self.off_switch.seen is not None
+
     def stop(self, why: str = "stop") -> None:
+        self.dry_run = self.dry_run or self.off_switch.check(quiet=True) is not None
         self.log.event("daemon-stopping", f"{why}: finishing the current pass and exiting")
         self.notifier.stopping(f"stopping ({why})")
         self.coalescer.stop()
 
     def reload_config(self) -> None:
+        if self.switched_off():
+            return
         self.notifier.reloading()
         try:
             new = load_config(self.root, path=self.config_path)
@@ -267,7 +289,9 @@ class Daemon:
         for warning in new.warnings:
             self.log.warning(warning)  # a deprecated key, still read
         self.inventory_reader.reconfigure(new)
-        self.dry_run = new.daemon.dry_run
+        was, self.dry_run = self.dry_run, self.cli_dry_run or new.daemon.observe
+        if self.dry_run and not was:
+            journal_observe(self.log, "configuration reloaded")
         self.log.set_level(new.daemon.log_level)
         c, d = self.coalescer, new.daemon
         c.quiet, c.urgent_quiet, c.max_delay = d.quiet_period, d.reload_quiet_period, d.max_delay
@@ -288,6 +312,8 @@ class Daemon:
     # -- passes ----------------------------------------------------------------
 
     async def _run_pass(self, work: Work) -> None:
+        if self.switched_off():
+            return
         started_wall, t0 = time.time(), time.monotonic()
         self.passes += 1
         ctx = PassContext(work, self.inventory_reader.read, previous_inventory=self.inventory)
@@ -327,7 +353,7 @@ class Daemon:
         )
         if self.first_pass is None:
             self.first_pass = self.last_pass
-        level = "notice" if ctx.findings or changed else "info"
+        level = "notice" if changed else "debug"  # findings are journaled by their steps
         self.log.event(
             "pass-complete",
             f"pass {self.passes} ({work.reasons[0]}{', ...' if len(work.reasons) > 1 else ''}): "

@@ -11,11 +11,13 @@ from typing import TYPE_CHECKING, Mapping, Optional, Protocol
 from gpuguard.engine.passes import STATUS_FILE
 from gpuguard.errors import GpuguardError
 from gpuguard.reporting.status import SPEC as STATUS_SPEC
-from gpuguard.reporting.status import FastPaths, ReloadSignal, Status
+from gpuguard.reporting.status import Status
+from gpuguard.reporting.status_figures import FastPaths, ReloadSignal
 from gpuguard.steps.registry import ReloadFastPath
 
 if TYPE_CHECKING:
     from gpuguard.config import Config
+    from gpuguard.engine.operation import OffSwitchGate
     from gpuguard.host.paths import Root
     from gpuguard.host.systemd import Systemd
     from gpuguard.journal.log import EventLog
@@ -55,6 +57,8 @@ class Reporting(Protocol):
     def sd_source(self) -> Optional[SystemdSource]: ...
     @property
     def systemd(self) -> Optional[Systemd]: ...
+    @property
+    def off_switch(self) -> OffSwitchGate: ...
 
 
 def reload_signal(sd: Optional[SystemdSource]) -> ReloadSignal:
@@ -94,6 +98,8 @@ def daemon_status(d: Reporting) -> Status:
         recent_changes=d.ledger.recent_changes(),
         node=node,
         conditions=conditions,
+        mode="observe" if d.dry_run else "repair",
+        off_switch=d.off_switch.seen,
     )
 
 

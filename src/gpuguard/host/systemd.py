@@ -81,10 +81,17 @@ class UnitState:
     invocation_id: str
     drop_in_paths: tuple[str, ...]
     inactive_exit_us: int  # when it last left 'inactive': a (re)start, not noise
+    job_pending: bool = False  # a job (start, stop, restart) is queued or running for it
 
     @property
     def active(self) -> bool:
         return self.active_state in ("active", "reloading", "deactivating")
+
+    def in_transition(self, *, jobs: bool = True) -> bool:
+        """Starting or stopping, or (`jobs`) a job queued for it: during a restart job the
+        unit is inactive for a moment between its stop and its start, the job still
+        there."""
+        return (jobs and self.job_pending) or self.active_state in ("activating", "deactivating")
 
 
 class Systemd:
@@ -245,6 +252,7 @@ class Systemd:
             return v.value if isinstance(v, Variant) else default
 
         inv = get("InvocationID", b"")
+        job = get("Job", None)  # (id, object path); id 0: no job
         return UnitState(
             name=unit,
             load_state=get("LoadState", ""),
@@ -253,6 +261,7 @@ class Systemd:
             invocation_id=bytes(inv).hex() if isinstance(inv, (bytes, list)) else str(inv),
             drop_in_paths=tuple(get("DropInPaths", [])),
             inactive_exit_us=int(get("InactiveExitTimestamp", 0)),
+            job_pending=isinstance(job, (list, tuple)) and bool(job) and job[0] != 0,
         )
 
     async def _job(self, member: str, unit: str, *, wait: bool, timeout: float) -> str:

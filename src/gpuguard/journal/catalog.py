@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass
 
 from gpuguard.journal.catalog_checkpoint import CHECKPOINT_KINDS
+from gpuguard.journal.catalog_ops import OPS_KINDS
 
 NAMESPACE = uuid.UUID("5b0f3c2e-8d7a-4c1e-9f55-6a1d2b3c4e5f")
 
@@ -36,6 +37,8 @@ KINDS: dict[str, KindDoc] = {
     ),
     # checkpoint (F1): catalog_checkpoint.py
     **{k: KindDoc(*v) for k, v in CHECKPOINT_KINDS.items()},
+    # operating gpuguard itself (the off switch, observe-only): catalog_ops.py
+    **{k: KindDoc(*v) for k, v in OPS_KINDS.items()},
     # device nodes and /dev/char links (F2, F3)
     "device-node-created": KindDoc(
         "gpuguard created an NVIDIA device node",

@@ -19,6 +19,7 @@ import socket
 import stat
 import struct
 import sys
+import time
 import traceback
 from datetime import datetime, timezone
 from pathlib import Path
@@ -110,6 +111,15 @@ class EventLog:
         self.static = dict(static_fields or {})
         self.stream_format = stream_format
         self._routed: list[logging.Logger] = []  # module loggers sent here (route_modules)
+        # False: findings and outcomes are not written to stderr as text, because the
+        # command prints them itself (`gpuguard check`'s report): each fact once. The
+        # journal and --log-json still get every entry.
+        self.facts_as_text = True
+        # The daemon's: an outcome that is not a change (a dry-run plan, a declined or
+        # failed action) said again within this many seconds goes to debug, so a plan
+        # repeated by every pass is journaled once an hour. None: every time (one-shots).
+        self.repeat_window: Optional[float] = None
+        self._repeats: dict[tuple[str, ...], float] = {}
 
     @classmethod
     def auto(
@@ -153,6 +163,7 @@ class EventLog:
         level: str = "info",
         fields: Optional[Mapping[str, Any]] = None,
         exc: Optional[BaseException] = None,
+        fact: bool = False,
     ) -> None:
         prio = LEVELS[level]
         if prio > self.threshold:
@@ -183,7 +194,7 @@ class EventLog:
         fmt = self.stream_format
         if fmt == "none" and not sent:
             fmt = "text"
-        if fmt == "text":
+        if fmt == "text" and (self.facts_as_text or not fact):
             self.stream.write(f"gpuguard: {level}: {msg} [{kind}]\n" + tb)
             self.stream.flush()
         if fmt != "json":
@@ -206,12 +217,15 @@ class EventLog:
             f.summary,
             level=f.severity,
             fields={"GPUGUARD_RECONCILER": f.reconciler, **f.fields},
+            fact=True,
         )
 
     def outcome(self, o: Outcome) -> None:
         """One journal entry per change (or declined/failed change), with its reason."""
         a = o.action
         level = {"done": "notice", "failed": "error", "declined": "warning"}.get(o.status, "info")
+        if o.status != "done" and self._repeated((a.kind, a.target, o.status, o.detail)):
+            level = "debug"
         detail = f": {o.detail}" if o.detail else ""
         self.event(
             a.kind,
@@ -223,7 +237,21 @@ class EventLog:
                 "GPUGUARD_STATUS": o.status,
                 **a.fields(),
             },
+            fact=True,
         )
+
+    def _repeated(self, key: tuple[str, ...]) -> bool:
+        """Whether `key` was journaled within repeat_window (and if not: it is now)."""
+        if self.repeat_window is None:
+            return False
+        now = time.monotonic()
+        last = self._repeats.get(key)
+        if last is not None and now - last < self.repeat_window:
+            return True
+        if len(self._repeats) > 4096:  # forget what is long past
+            self._repeats = {k: t for k, t in self._repeats.items() if now - t < self.repeat_window}
+        self._repeats[key] = now
+        return False
 
     def crashed(self, reconciler: str, what: str, exc: BaseException) -> None:
         """A bug in a step (`what` raised `exc`): the step's name and the traceback; the

@@ -29,6 +29,7 @@ from gpuguard.host.echo import cut
 from gpuguard.host.statefile import load
 from gpuguard.reporting.metrics_file import SPEC, AnySeries, Histogram, MetricsValues, Series
 from gpuguard.reporting.metrics_state import COUNTER, FAMILIES, GAUGE, HISTOGRAM, Family
+from gpuguard.reporting.npd import CONDITIONS
 
 go_float: Callable[[float], str] = floatToGoString  # how a Histogram spells its bounds
 
@@ -99,15 +100,36 @@ def render(values: MetricsValues) -> bytes:
     return generate_latest(registry)
 
 
-def render_file(path: Path) -> bytes:
-    """render() of the file the daemon wrote (metrics_file.SPEC's loader);
-    MetricsFileError, one line, otherwise."""
+def with_switch(values: MetricsValues, disabled: bool) -> MetricsValues:
+    """`values` with gpuguard_disabled as the off switch is now; while it is set every
+    node condition is unknown (nothing is checked: as `gpuguard npd` says), whatever the
+    daemon's last pass found."""
+    families = {**values.families, "gpuguard_disabled": (Series((), float(disabled)),)}
+    if disabled:
+        families["gpuguard_node_condition"] = ()
+        families["gpuguard_node_condition_status"] = tuple(
+            Series((c.type, label), float(label == "unknown"))
+            for c in CONDITIONS
+            for label in ("true", "false", "unknown")
+        )
+    return MetricsValues(families)
+
+
+def render_file(path: Path, disabled: bool = False) -> bytes:
+    """render() of the file the daemon wrote (metrics_file.SPEC's loader), with
+    gpuguard_disabled as the off switch is now; MetricsFileError, one line, otherwise.
+    With the switch set and no file (the daemon does not run), the families without
+    values: gpuguard_disabled 1 still says why."""
     got = load(path, SPEC)
-    if got.value is None:
+    if got.value is not None:
+        values = got.value
+    elif got.absent and disabled:
+        values = MetricsValues({})
+    else:
         why = f"{path}: does not exist — is gpuguard.service running?" if got.absent else got.why
         raise MetricsFileError(why)
     try:
-        return render(got.value)
+        return render(with_switch(values, disabled))
     except ValueError as e:
         raise MetricsFileError(
             cut(f"{path}: not gpuguard's metrics ({e}); {SPEC.next_step}", 400)

@@ -17,6 +17,7 @@ from gpuguard.reporting.metrics_state import (
     TEXTFILE_NAME,
     MetricsState,
     Render,
+    unimportable,
 )
 from gpuguard.reporting.status import PassRecord, Status
 
@@ -35,6 +36,7 @@ class MetricsOutput:
         self.state = state
         self.load_renderer = renderer
         self.render: Optional[Render] = None
+        self.missing = MISSING_LIBRARY  # why there is no renderer
         self.errors: frozenset[str] = frozenset()
         self.broken = False
 
@@ -89,7 +91,7 @@ class MetricsOutput:
             textfile = root.path(textfile_dir) / TEXTFILE_NAME
             render = self._renderer()
             if render is None:
-                errors.append(f"cannot write metrics to {textfile}: {MISSING_LIBRARY}")
+                errors.append(f"cannot write metrics to {textfile}: {self.missing}")
             else:
                 errors += export(render(doc), [textfile])
         new, self.errors = sorted(frozenset(errors) - self.errors), frozenset(errors)
@@ -101,8 +103,10 @@ class MetricsOutput:
             try:
                 self.render = self.load_renderer()
             except ImportError as e:
-                if not (e.name or "").startswith("prometheus_client"):
+                why = unimportable(e)
+                if why is None:
                     raise
+                self.missing = why
         return self.render
 
 

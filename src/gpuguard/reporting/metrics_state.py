@@ -24,9 +24,10 @@ import platform
 import time
 from collections import Counter as Tally
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 from gpuguard import __version__
+from gpuguard.host.echo import cut
 from gpuguard.reporting.metrics_file import FORMAT as FORMAT
 from gpuguard.reporting.metrics_file import STATE_FILE as STATE_FILE
 from gpuguard.reporting.metrics_file import STATE_MAX as STATE_MAX
@@ -46,6 +47,27 @@ MISSING_LIBRARY = (
     "python3-prometheus-client is not installed, so gpuguard cannot render its metrics "
     "in Prometheus's format — install it (python3-prometheus_client on RHEL)"
 )
+
+
+def unimportable(e: ImportError) -> Optional[str]:
+    """Why the renderer (prometheus_client) cannot be imported, in one line; None when
+    the import that failed is gpuguard's own (a bug). A module the library needs that is
+    missing is named (Debian's python3-prometheus-client imports python3-decorator's
+    `decorator`): "not installed" would send the operator to the wrong package."""
+    name = e.name or ""
+    top = name.split(".")[0]
+    if top == "gpuguard":
+        return None
+    if top == "prometheus_client":
+        return MISSING_LIBRARY
+    if not top:
+        return f"prometheus_client cannot be imported ({cut(str(e), 120)}); reinstall it"
+    return (
+        f"prometheus_client cannot be imported: the module '{cut(name, 60)}' it needs is "
+        f"missing — install it (python3-{cut(top, 60)}, a dependency of "
+        "python3-prometheus-client)"
+    )
+
 
 COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
 Key = tuple[str, ...]
@@ -133,6 +155,19 @@ FAMILIES = (
         ("condition", "status"),
     ),
     Family(
+        "gpuguard_disabled",
+        GAUGE,
+        "1 while the off switch /etc/gpuguard/disabled is set (`gpuguard disable`: gpuguard "
+        "changes nothing), else 0.",
+    ),
+    Family(
+        "gpuguard_mode",
+        GAUGE,
+        "1 for the mode the daemon runs in: repair, or observe (Mode=observe: it reports and "
+        "changes nothing).",
+        ("mode",),
+    ),
+    Family(
         "gpuguard_build_info",
         GAUGE,
         "gpuguard's version and the Python running it (always 1).",
@@ -159,6 +194,7 @@ class MetricsState:
         self.buckets = {f.name: [0] * (len(f.buckets) + 1) for f in FAMILIES if f.buckets}
         self.sums = {name: 0.0 for name in self.buckets}
         self.start = start
+        self.counted: Optional[int] = None  # the number of the last pass counted
         self.set("gpuguard_build_info", 1, __version__, platform.python_version())
 
     def _series(self, name: str, labels: Key) -> dict[Key, float]:
@@ -197,16 +233,12 @@ class MetricsState:
         self.observe("gpuguard_pass_duration_seconds", seconds)
 
     def observe_pass(self, last_pass: PassRecord, status: Status) -> None:
-        """Count one pass and refresh the gauges from each step's latest result."""
-        self.inc("gpuguard_passes")
-        self.observe_duration(last_pass.duration_ms / 1000.0)
-        self.set("gpuguard_last_pass_timestamp_seconds", last_pass.ended)
-        for f in last_pass.findings:
-            self.inc("gpuguard_findings", f.kind, f.reconciler)
-        for o in last_pass.outcomes:
-            self.inc("gpuguard_actions", o.kind, o.status)
-            if o.kind == "restart-plugin":
-                self.inc("gpuguard_plugin_restarts", o.status)
+        """Count one pass (each once, by its number: the daemon stopped by the off switch
+        writes its status again) and refresh the gauges from each step's latest result,
+        the mode and the off switch."""
+        if last_pass.number != self.counted:
+            self.counted = last_pass.number
+            self._count(last_pass)
         steps = status.steps
         self.clear("gpuguard_open_findings")
         for name, st in steps.items():
@@ -224,6 +256,9 @@ class MetricsState:
         for layer in ("pci", "nvml", "kubelet"):
             if f"gpus_{layer}" in counts:
                 self.set("gpuguard_gpus", counts[f"gpus_{layer}"], layer)
+        self.clear("gpuguard_mode")
+        self.set("gpuguard_mode", 1, status.mode)
+        self.set("gpuguard_disabled", 1 if status.off_switch is not None else 0)
         self.clear("gpuguard_node_condition")
         self.clear("gpuguard_node_condition_status")
         for c in CONDITIONS:
@@ -233,6 +268,17 @@ class MetricsState:
                 self.set("gpuguard_node_condition", 1 if state == "problem" else 0, c.type)
             for name, label in (("problem", "true"), ("ok", "false"), ("unknown", "unknown")):
                 self.set("gpuguard_node_condition_status", int(state == name), c.type, label)
+
+    def _count(self, last_pass: PassRecord) -> None:
+        self.inc("gpuguard_passes")
+        self.observe_duration(last_pass.duration_ms / 1000.0)
+        self.set("gpuguard_last_pass_timestamp_seconds", last_pass.ended)
+        for f in last_pass.findings:
+            self.inc("gpuguard_findings", f.kind, f.reconciler)
+        for o in last_pass.outcomes:
+            self.inc("gpuguard_actions", o.kind, o.status)
+            if o.kind == "restart-plugin":
+                self.inc("gpuguard_plugin_restarts", o.status)
 
     def to_values(self) -> MetricsValues:
         """metrics.json's model: per family, its series in the order they appeared; a

@@ -179,7 +179,13 @@ def one_line(text: str, limit: int) -> str:
 def answer(
     root: Root, name: str, *, max_age: float = DEFAULT_MAX_AGE, now: Optional[float] = None
 ) -> tuple[int, str]:
+    from gpuguard.host.offswitch import read_off_switch
+
     cond = BY_NAME[name]
+    off = read_off_switch(root)
+    if off is not None:  # nothing is checked: never "OK"
+        why = off.reason or f"{off.path} is set"
+        return UNKNOWN, f"gpuguard is disabled: {why} (gpuguard enable)"
     status, why = read_status(root)
     if status is None:
         return UNKNOWN, why

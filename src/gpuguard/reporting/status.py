@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional
 
+from gpuguard.host.offswitch import REASON_MAX, OffSwitch
 from gpuguard.host.paths import Root
 from gpuguard.host.statefile import (
     TIME_MAX,
@@ -29,14 +30,15 @@ from gpuguard.host.statefile import (
     string,
 )
 from gpuguard.model import Finding, Outcome
+from gpuguard.reporting.status_figures import COUNT_MAX, FastPaths, ReloadSignal
 
 STATUS_FILE = "/run/gpuguard/status.json"
 VERSION = 1
 STATES = ("ok", "problem", "unknown")
+MODES = ("repair", "observe")
 SEVERITIES = ("info", "warning", "error")
 MAX_FINDINGS = 10_000
 MAX_PID = 2**22
-COUNT_MAX = 2**53
 
 
 def _finding(v: Any, where: str) -> Finding:
@@ -226,120 +228,6 @@ class Change:
 
 
 @dataclass(frozen=True)
-class ReloadSignal:
-    """Where systemd's Reloading came from (sources/reload_socket.py)."""
-
-    private_socket: bool = False
-    last_via: str = ""
-    reloads: int = 0
-    received: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # via -> starts, ends
-
-    @classmethod
-    def parse(cls, v: Any, where: str) -> ReloadSignal:
-        o = Obj(v, where)
-
-        def pair(x: Any, w: str) -> tuple[int, int]:
-            p = Obj(x, w)
-            return p.integer("starts", hi=COUNT_MAX), p.integer("ends", hi=COUNT_MAX)
-
-        return cls(
-            private_socket=o.flag("private_socket"),
-            last_via=o.text("last_via", max_len=64),
-            reloads=o.integer("reloads", hi=COUNT_MAX),
-            received=o.mapping("received", pair, max_items=16),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "private_socket": self.private_socket,
-            "last_via": self.last_via,
-            "reloads": self.reloads,
-            "received": {k: {"starts": s, "ends": e} for k, (s, e) in self.received.items()},
-        }
-
-
-Figure = Union[int, float, tuple[float, ...]]
-
-
-def _figure(v: Any, where: str) -> Figure:
-    """A count (kept an integer, as written), a figure, or a few (p50, p99)."""
-    if isinstance(v, list):
-        if len(v) > 8:
-            raise SchemaError(f"{where}: more than 8 numbers")
-        return tuple(number(x, f"{where}[{i}]") for i, x in enumerate(v))
-    if isinstance(v, int) and not isinstance(v, bool) and abs(v) <= COUNT_MAX:
-        return v
-    return number(v, where)
-
-
-@dataclass(frozen=True)
-class ReloadFigures:
-    """The reload fast path's last repair (container_access durable.ReloadRepair)."""
-
-    signal: float
-    containers: int
-    checked: int
-    first_write: Optional[float] = None
-    last_write: Optional[float] = None
-    cpu_ms: Optional[float] = None
-    cpu_wait_ms: Optional[float] = None
-    restored: Optional[float] = None
-
-    @classmethod
-    def parse(cls, v: Any, where: str) -> ReloadFigures:
-        o = Obj(v, where)
-        return cls(
-            signal=o.real("signal"),
-            containers=o.integer("containers", hi=COUNT_MAX),
-            checked=o.integer("checked", hi=COUNT_MAX),
-            first_write=o.opt_real("first_write"),
-            last_write=o.opt_real("last_write"),
-            cpu_ms=o.opt_real("cpu_ms"),
-            cpu_wait_ms=o.opt_real("cpu_wait_ms"),
-            restored=o.opt_real("restored"),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "signal": self.signal,
-            "containers": self.containers,
-            "checked": self.checked,
-            "first_write": self.first_write,
-            "last_write": self.last_write,
-            "cpu_ms": self.cpu_ms,
-            "cpu_wait_ms": self.cpu_wait_ms,
-            "restored": self.restored,
-        }
-
-
-@dataclass(frozen=True)
-class FastPaths:
-    """The fast paths' last figures: the reload's re-grant and new scopes' grants."""
-
-    reload: Optional[ReloadFigures] = None
-    new_scopes: Mapping[str, Figure] = field(default_factory=dict)
-
-    @classmethod
-    def parse(cls, v: Any, where: str) -> FastPaths:
-        o = Obj(v, where)
-        reload = o.opt_obj("reload")
-        return cls(
-            reload=ReloadFigures.parse(reload.doc, reload.where) if reload else None,
-            new_scopes=o.mapping("new_scopes", _figure, max_items=32, default={}),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "new_scopes": {
-                k: list(v) if isinstance(v, tuple) else v for k, v in self.new_scopes.items()
-            }
-        }
-        if self.reload is not None:
-            out["reload"] = self.reload.to_json()
-        return out
-
-
-@dataclass(frozen=True)
 class ConditionState:
     """A node condition as the daemon judged it when it wrote the file."""
 
@@ -358,6 +246,14 @@ class ConditionState:
         return {"state": self.state, "message": self.message}
 
 
+def _off_switch(o: Obj) -> OffSwitch:
+    return OffSwitch(
+        path=o.text("path", max_len=4096),
+        reason=o.text("reason", max_len=REASON_MAX * 4),
+        since=o.real("since", lo=-TIME_MAX),
+    )
+
+
 @dataclass(frozen=True)
 class Status:
     pid: int
@@ -373,13 +269,19 @@ class Status:
     recent_changes: tuple[Change, ...]
     node: str = "unknown"  # ok | problem | unknown: the daemon's verdict when it wrote this
     conditions: Mapping[str, ConditionState] = field(default_factory=dict)  # by NPD type
+    mode: str = "repair"  # repair | observe (Mode=observe, DryRun=yes, --dry-run)
+    off_switch: Optional[OffSwitch] = None  # set when the daemon saw it (it is stopping)
 
 
 def _parse_status(o: Obj) -> Status:
     node = o.text("node", max_len=16)
     if node not in STATES:
         raise SchemaError(f"node: not one of {', '.join(STATES)}")
+    mode = o.text("mode", max_len=16, default="repair")  # absent: written before modes
+    if mode not in MODES:
+        raise SchemaError(f"mode: not one of {', '.join(MODES)}")
     first, last = o.opt_obj("first_pass"), o.opt_obj("last_pass")
+    off = o.opt_obj("off_switch")
     return Status(
         pid=o.integer("pid", lo=1, hi=MAX_PID),
         started=o.real("started"),
@@ -394,6 +296,8 @@ def _parse_status(o: Obj) -> Status:
         recent_changes=o.items("recent_changes", Change.parse, max_items=10_000),
         node=node,
         conditions=o.mapping("conditions", ConditionState.parse, max_items=64),
+        mode=mode,
+        off_switch=_off_switch(off) if off else None,
     )
 
 
@@ -412,6 +316,8 @@ def _render_status(s: Status) -> dict[str, Any]:
         "recent_changes": [c.to_json() for c in s.recent_changes],
         "node": s.node,
         "conditions": {k: v.to_json() for k, v in s.conditions.items()},
+        "mode": s.mode,
+        "off_switch": s.off_switch.to_json() if s.off_switch is not None else None,
     }
 
 

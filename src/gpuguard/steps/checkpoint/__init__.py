@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # dbus-next costs import time; a healthy node never needs it
     from gpuguard.engine.snapshot import HostSnapshot
     from gpuguard.host.inventory import Inventory
     from gpuguard.host.systemd import Systemd
+    from gpuguard.journal.conditions import Conditions
     from gpuguard.journal.log import EventLog
     from gpuguard.steps.checkpoint.actuate import CheckpointActuator
     from gpuguard.steps.checkpoint.report import CheckReport, CheckSettings
@@ -57,11 +58,13 @@ async def check_checkpoint(
     systemd: Optional[Systemd] = None,
     on_restart: Optional[Callable[[], None]] = None,
     snapshot: Optional[HostSnapshot] = None,
+    conditions: Optional[Conditions] = None,
 ) -> CheckReport:
     """The check: the analysis, then kubelet's coordination where a repair needs kubelet
     stopped, on the pass's bus connection (`systemd`; None: one of its own). `on_restart`
-    is called just before kubelet is restarted or stopped, whatever comes of it."""
-    report, actuator = analyse_checkpoint(root, inventory, s, log, snapshot)
+    is called just before kubelet is restarted or stopped, whatever comes of it; the
+    findings are journaled through `conditions` (the daemon's: once while they last)."""
+    report, actuator = analyse_checkpoint(root, inventory, s, log, snapshot, conditions)
     if actuator is not None:
         from gpuguard.steps.checkpoint.kubelet import coordinate
 
@@ -91,12 +94,14 @@ def analyse_checkpoint(
     s: CheckSettings,
     log: EventLog,
     snapshot: Optional[HostSnapshot] = None,
+    conditions: Optional[Conditions] = None,
 ) -> tuple[CheckReport, Optional[CheckpointActuator]]:
     """Read and analyse the checkpoint (from the pass's `snapshot`, so every step decides
     from the same read); the actuator comes back only when a repair that needs kubelet
     stopped is planned (the report is final otherwise)."""
     from gpuguard.devices.processes import kubelet_pids
     from gpuguard.engine.snapshot import HostSnapshot
+    from gpuguard.journal.conditions import log_findings
     from gpuguard.steps.checkpoint import reconcile as ckpt
     from gpuguard.steps.checkpoint.actuate import CheckpointActuator
     from gpuguard.steps.checkpoint.observe import remap_inputs
@@ -128,8 +133,11 @@ def analyse_checkpoint(
     cp, raw = loaded.checkpoint, loaded.raw
     analysis = ckpt.analyse(cp, inventory, s.resources, inputs)
     report.findings = list(analysis.findings)
-    for f in report.findings:
-        log.finding(f)
+    if conditions is None:  # a one-shot run: everything it found
+        for f in report.findings:
+            log.finding(f)
+    else:
+        log_findings(log, conditions, ckpt.NAME, report.findings, lasting_clears=True)
     report.actions = list(ckpt.plan(analysis, path=path, raw=raw, policy=s.policy))
     if analysis.refused:
         report.result = f"not repaired: {analysis.refused}"
@@ -177,6 +185,7 @@ class CheckpointStep:
     """
 
     COOLDOWN = 600.0
+    HOOK_RECHECK = 10.0  # a repair left to kubelet's pre-start hook: looked at again
 
     def __init__(
         self,
@@ -184,21 +193,27 @@ class CheckpointStep:
         *,
         given: Optional[CheckSettings] = None,
     ) -> None:
+        from gpuguard.journal.conditions import Conditions
+
         self.clock = clock
         self.last_restart = -1e18
         self.given = given  # `gpuguard check`'s settings; None: the daemon's
         self.report: Optional[CheckReport] = None  # the last check's
+        self.conditions = Conditions()  # the daemon's findings, journaled once while they last
 
     def _restarting(self) -> None:
         # Counted when the restart is attempted, not when it succeeds: a restart whose
         # repair could not be verified must not be retried on the next pass either.
         self.last_restart = self.clock()
 
-    def settings(self, svc: Services, ctx: PassContext) -> CheckSettings:
-        """`gpuguard check`'s given settings, or the daemon's from its configuration."""
+    def settings(
+        self, svc: Services, ctx: PassContext, inventory: Inventory, starting: bool = False
+    ) -> CheckSettings:
+        """`gpuguard check`'s given settings, or the daemon's from its configuration
+        (`starting`: its first pass, which leaves a kubelet restart to the next)."""
         if self.given is not None:
             return self.given
-        from gpuguard.steps.checkpoint.report import CheckSettings
+        from gpuguard.steps.checkpoint.report import CheckSettings, simulation
 
         cooled = self.clock() - self.last_restart > self.COOLDOWN
         return CheckSettings.from_config(
@@ -206,7 +221,10 @@ class CheckpointStep:
             dry_run=svc.dry_run,
             reason="daemon: " + ctx.work.reasons[0],
             bus_address=svc.bus_address,
-            may_restart=cooled,
+            may_restart=cooled and not starting,
+            simulation=simulation(inventory.source, False, svc.config.inventory),
+            kubelet_units=svc.config.systemd.kubelet_units,
+            kubelet_waits=starting,
         )
 
     def run_alone(
@@ -229,6 +247,7 @@ class CheckpointStep:
         return self.report
 
     async def __call__(self, svc: Services, ctx: PassContext) -> None:
+        from gpuguard.journal.conditions import log_findings
         from gpuguard.model import Finding
         from gpuguard.steps.checkpoint import reconcile as ckpt
 
@@ -239,7 +258,12 @@ class CheckpointStep:
                 "be judged against this node's GPUs"
             )
             return
-        settings = self.settings(svc, ctx)
+        # The daemon's first pass runs before READY=1, and kubelet's unit is ordered
+        # After=gpuguard.service: a restart job queued now would wait for gpuguard's own
+        # start, which waits for this pass. The restart is the next pass's, right after.
+        first = getattr(svc, "first_pass_done", None)
+        starting = first is not None and not first.is_set()
+        settings = self.settings(svc, ctx, inventory, starting)
         try:
             report = await check_checkpoint(
                 svc.root,
@@ -249,6 +273,7 @@ class CheckpointStep:
                 systemd=svc.systemd,
                 on_restart=self._restarting,
                 snapshot=ctx.host(svc),
+                conditions=None if self.given is not None else self.conditions,
             )
         except GpuguardError as e:
             if self.given is not None:
@@ -265,5 +290,21 @@ class CheckpointStep:
             ctx.findings.append(Finding(kind, ckpt.NAME, e.message, severity="error"))
             return
         self.report = report
-        ctx.findings += report.findings
+        if self.given is not None:  # `gpuguard check`: its report says it all
+            ctx.findings += report.findings
+            ctx.outcomes += report.outcomes
+            return
+        # Why a repair waits for kubelet's next start (a simulation, restarts off): said
+        # once while it lasts, like the findings.
+        left = []
+        if report.hook_pending:  # kubelet's unit was starting or stopping
+            ctx.recheck(self.HOOK_RECHECK, "kubelet's unit was starting or stopping")
+        elif starting and report.kubelet and report.result.startswith("not repaired"):
+            report.coordination = "kubelet is running and gpuguard is starting: next pass"
+            ctx.recheck(0.5, "kubelet restart after gpuguard's start")
+        elif report.kubelet and report.result.startswith("not repaired"):
+            why = f"{report.checkpoint}: {report.result}"
+            left.append(Finding("checkpoint-refused", ckpt.NAME, why, severity="warning"))
+        log_findings(svc.log, self.conditions, "checkpoint:kubelet", left, lasting_clears=True)
+        ctx.findings += report.findings + left
         ctx.outcomes += report.outcomes

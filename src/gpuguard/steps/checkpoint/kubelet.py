@@ -4,7 +4,7 @@ journals each job with its reason; here only what a failed job means for the rep
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Optional
 
 from gpuguard import exitcodes
@@ -71,11 +71,28 @@ async def _coordinated(
     bus_error: str = "",
 ) -> CheckReport:
     root = k.root
+    if not s.kubelet_unit:
+        s = replace(s, kubelet_unit=await pick_unit(root, systemd, s.kubelet_units))
     if systemd is None:
         status = KubeletStatus(s.kubelet_unit, kubelet_pids(root), None, bus_error)
     else:
         status = await kubelet_status(root, systemd, s.kubelet_unit)
     report.kubelet = status.describe()
+    if status.hook_will_run(jobs=not s.kubelet_waits):
+        # A start or restart of kubelet's unit is under way, and its pre-start hook
+        # repairs the file before kubelet reads it: two writers of one file around one
+        # restart would race (and the second's backup would be the first's repair).
+        state = status.unit_state
+        assert state is not None
+        report.coordination = (
+            f"{s.kubelet_unit} is {state.active_state}"
+            f"{' with a job queued' if state.job_pending else ''}: its pre-start hook "
+            "repairs the file before kubelet starts; checked again after"
+        )
+        report.result = "left to kubelet's pre-start hook (its unit is starting or stopping)"
+        report.hook_pending = True
+        report.exit_code = exitcodes.FINDINGS
+        return report
     if not status.running:
         report.coordination = "kubelet is not running: repair directly"
         return apply_repair(report, actuator, s)
@@ -97,6 +114,27 @@ async def _coordinated(
     if status.has_dropin:
         return await _restart_with_hook(k, systemd, s, report, log)
     return await _stop_repair_start(k, systemd, s, report, actuator, log)
+
+
+async def pick_unit(root: Root, systemd: Optional[Systemd], candidates: tuple[str, ...]) -> str:
+    """[Kubelet] Unit= left empty: the unit the running kubelet is in, else the first
+    candidate ([Systemd] KubeletUnits=) that systemd has loaded, else the first."""
+    from gpuguard.devices.kubeletproc import process_unit
+
+    running = process_unit(root)
+    if running is not None:
+        return running.unit
+    if systemd is None:
+        return candidates[0] if candidates else "kubelet.service"
+    from gpuguard.host.systemd import SystemdError
+
+    for candidate in candidates:
+        try:
+            if (await systemd.unit_state(candidate)).load_state == "loaded":
+                return candidate
+        except SystemdError:
+            break
+    return candidates[0] if candidates else "kubelet.service"
 
 
 async def _restart_with_hook(

@@ -81,6 +81,13 @@ class KubeletStatus:
             p.endswith(f"/{self.unit}.d/{DROPIN_NAME}") for p in self.unit_state.drop_in_paths
         )
 
+    def hook_will_run(self, *, jobs: bool = True) -> bool:
+        """The unit is starting, stopping or (`jobs`) has a job queued, and has gpuguard's
+        drop-in: its pre-start hook runs before kubelet does (after a plain stop, the
+        next pass finds it stopped)."""
+        state = self.unit_state
+        return self.has_dropin and state is not None and state.in_transition(jobs=jobs)
+
     def describe(self) -> str:
         if self.unit_state is not None:
             s = f"{self.unit} is {self.unit_state.active_state}"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from gpuguard import exitcodes
 from gpuguard.model import Action, Finding, Outcome
@@ -21,12 +21,17 @@ class CheckSettings:
     policy: str  # rewrite | delete | report
     backup_dir: str
     backup_keep: int
-    kubelet_unit: str
+    kubelet_unit: str  # "": the unit kubelet runs in (kubelet.pick_unit)
     restart_kubelet: bool
     dry_run: bool
     kubelet_stopped: bool  # we run as kubelet's ExecStartPre=: kubelet is not up
     bus_address: Optional[str]
     reason: str = "check"
+    # The daemon's first pass: a kubelet start job queued now waits for gpuguard's own
+    # start (After=gpuguard.service), so it is no restart under way (kubelet.py)
+    kubelet_waits: bool = False
+    # [Systemd] KubeletUnits=: where an empty kubelet_unit is looked for
+    kubelet_units: tuple[str, ...] = ("kubelet.service",)
     # Non-empty: the inventory is a simulation (`check --inventory`), so a running
     # kubelet is never stopped or restarted for it; says why and which flag allows it.
     simulation: str = ""
@@ -43,6 +48,8 @@ class CheckSettings:
         may_restart: bool = True,  # False: not now, whatever RestartKubelet= says
         kubelet_stopped: bool = False,
         simulation: str = "",
+        kubelet_units: tuple[str, ...] = ("kubelet.service",),
+        kubelet_waits: bool = False,
     ) -> CheckSettings:
         """The one way from [Kubelet] to a check's settings (`gpuguard check`, the daemon)."""
         return cls(
@@ -51,14 +58,38 @@ class CheckSettings:
             policy=policy or k.policy,
             backup_dir=k.backup_dir,
             backup_keep=k.backup_keep,
-            kubelet_unit=k.unit,
+            kubelet_unit=k.unit or "",
             restart_kubelet=k.restart_kubelet and may_restart,
             dry_run=dry_run,
             kubelet_stopped=kubelet_stopped,
             bus_address=bus_address,
             reason=reason,
             simulation=simulation,
+            kubelet_units=tuple(kubelet_units),
+            kubelet_waits=kubelet_waits,
         )
+
+
+def simulation(inventory_source: str, cli_file: bool, config: Any, *, allow: bool = False) -> str:
+    """Why a running kubelet is left alone, "" when it is not: the GPU inventory comes
+    from a file (`inventory_source` is not "nvml"), which stands in for NVML, and
+    restarting a real kubelet for it is not a simulation. Allowed by
+    --allow-kubelet-restart (`allow`) or `[Inventory] AllowKubeletRestart=yes`
+    (`config`) for a file named by `[Inventory] File=`."""
+    if inventory_source == "nvml" or allow:
+        return ""
+    if cli_file:
+        return (
+            "the GPU inventory comes from --inventory (a simulation), so a running kubelet "
+            "is not restarted or stopped; pass --allow-kubelet-restart to allow it"
+        )
+    if config.allow_kubelet_restart:
+        return ""
+    return (
+        f"the GPU inventory comes from the file {inventory_source} (a simulation), "
+        "so a running kubelet is not restarted or stopped; its next start repairs the file "
+        "(AllowKubeletRestart=yes allows a restart)"
+    )
 
 
 @dataclass
@@ -72,6 +103,8 @@ class CheckReport:
     coordination: str = ""
     result: str = ""
     exit_code: int = exitcodes.OK
+    # left to kubelet's pre-start hook: its unit was starting or stopping (kubelet.py)
+    hook_pending: bool = False
     # what the remap read from the host (the history among it); not part of the report
     remap_inputs: Optional[RemapInputs] = field(default=None, repr=False, compare=False)
 
@@ -88,25 +121,32 @@ class CheckReport:
             "exit_code": self.exit_code,
         }
 
-    def render(self) -> str:
-        lines = [f"checkpoint: {self.checkpoint}"]
+    def lines(self) -> list[tuple[str, Mapping[str, str]]]:
+        """The report's lines, each with the journal fields of what it is about (a
+        finding's, an action's) so a caller can name the pod it mentions."""
+        out: list[tuple[str, Mapping[str, str]]] = [(f"checkpoint: {self.checkpoint}", {})]
         inv = self.inventory
         if inv:
-            lines.append(f"inventory:  {len(inv['gpus'])} GPU(s) from {inv['source']}")
-            lines += [f"            {g['index']}: {g['uuid']}" for g in inv["gpus"]]
-        for f in self.findings:
-            lines.append(f"{f.severity + ':':9}  {f.summary}")
+            out.append((f"inventory:  {len(inv['gpus'])} GPU(s) from {inv['source']}", {}))
+            out += [(f"            {g['index']}: {g['uuid']}", {}) for g in inv["gpus"]]
+        out += [(f"{f.severity + ':':9}  {f.summary}", f.fields) for f in self.findings]
         for a in self.actions:
-            lines.append(f"plan:       {a.describe()}")
-            lines += [f"            {d}" for d in getattr(a, "details", tuple)()]
+            out.append((f"plan:       {a.describe()}", a.fields()))
+            out += [(f"            {d}", a.fields()) for d in getattr(a, "details", tuple)()]
         if self.kubelet:
-            lines.append(f"kubelet:    {self.kubelet}")
+            out.append((f"kubelet:    {self.kubelet}", {}))
         if self.coordination:
-            lines.append(f"how:        {self.coordination}")
-        for o in self.outcomes:
-            lines.append(f"{o.status + ':':11} {o.detail}")
-        lines.append(f"result:     {self.result}")
-        return "\n".join(lines)
+            out.append((f"how:        {self.coordination}", {}))
+        out += [(f"{o.status + ':':11} {o.detail}", o.action.fields()) for o in self.outcomes]
+        out.append((f"result:     {self.result}", {}))
+        return out
+
+    def render(self) -> str:
+        return "\n".join(line for line, _fields in self.lines())
+
+    def summary_only(self) -> CheckReport:
+        """The report without its findings, plan and outcomes (journaled on their own)."""
+        return replace(self, findings=[], actions=[], outcomes=[])
 
 
 def apply_repair(

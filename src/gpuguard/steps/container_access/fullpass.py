@@ -151,10 +151,17 @@ def journal(
     ctx: PassContext,
 ) -> None:
     """The findings once per pass (not those a fast path journaled); lasting ones when
-    they appear, change or clear (journal/conditions.py)."""
-    for f in findings:
-        if f.kind not in CONDITION_KINDS and finding_id(f) not in logged:
-            svc.log.finding(f)
+    they appear, change or clear (journal/conditions.py). A loss this pass repairs is an
+    event, journaled each time it happens; one left as it is (observe mode, Regrant=no)
+    is a state, journaled once while it lasts."""
+    events = [f for f in findings if f.kind not in CONDITION_KINDS]
+    if svc.dry_run or not svc.config.devices.regrant:
+        scope = f"{RECONCILER}:events"
+        log_findings(svc.log, s.conditions, scope, events, already=logged, lasting_clears=True)
+    else:
+        for f in events:
+            if finding_id(f) not in logged:
+                svc.log.finding(f)
     lasting = [f for f in findings if f.kind in CONDITION_KINDS]
     log_findings(svc.log, s.conditions, RECONCILER, lasting, already=logged)
     ctx.findings += [f for f in findings if finding_id(f) not in logged]

@@ -19,6 +19,7 @@ from gpuguard.devices.nodes import (
 )
 from gpuguard.host.inventory import Inventory
 from gpuguard.host.paths import Root
+from gpuguard.journal.conditions import Conditions, log_findings
 from gpuguard.model import Action, Finding, Outcome
 from gpuguard.steps.device_nodes import reconcile as device_nodes
 from gpuguard.steps.device_nodes.actuate import DeviceNodeActuator
@@ -88,6 +89,9 @@ def _plan_for_later_steps(planned: Planned, view: NodesView, outcomes: Sequence[
 
 
 class DeviceNodesStep:
+    def __init__(self) -> None:
+        self.conditions = Conditions()  # a finding that lasts is journaled once an hour
+
     async def __call__(self, svc: Services, ctx: PassContext) -> None:
         inventory = await ctx.device_inventory()
         cfg = svc.config.devices
@@ -98,8 +102,12 @@ class DeviceNodesStep:
         findings, actions = plan_nodes(
             view, create_nodes=cfg.create_nodes, create_links=cfg.create_char_links
         )
-        for f in findings:
-            svc.log.finding(f)
+        if svc.dry_run or not (cfg.create_nodes or cfg.create_char_links):
+            # left as they are: journaled once while they last, not at every pass
+            log_findings(svc.log, self.conditions, "device_nodes", findings, lasting_clears=True)
+        else:
+            for f in findings:  # each one repaired below: an event each time
+                svc.log.finding(f)
         ctx.findings += findings
         if actions:
             actuator = DeviceNodeActuator(

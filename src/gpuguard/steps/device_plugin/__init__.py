@@ -157,8 +157,13 @@ class DevicePluginStep:
             return None
         from gpuguard.host.systemd import SystemdError
 
+        unit = svc.config.kubelet.unit
+        if unit is None:  # [Kubelet] Unit= empty: the one kubelet runs in
+            from gpuguard.devices.kubeletproc import kubelet_unit
+
+            unit, _why = kubelet_unit(svc.root, svc.config.systemd.kubelet_units)
         try:
-            st = await sd.unit_state(svc.config.kubelet.unit)
+            st = await sd.unit_state(unit)
         except SystemdError:
             return None
         if not st.active or st.inactive_exit_us <= 0:

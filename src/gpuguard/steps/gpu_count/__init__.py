@@ -12,6 +12,7 @@ from gpuguard.devices.pci import read_pci_gpus
 from gpuguard.errors import GpuguardError
 from gpuguard.host.inventory import Inventory
 from gpuguard.host.paths import Root
+from gpuguard.journal.conditions import Conditions, log_findings
 from gpuguard.steps.gpu_count.reconcile import GpuCounts, findings, registered_gpus, unknowns
 
 if TYPE_CHECKING:
@@ -39,6 +40,9 @@ def observe_counts(root: Root, inventory: Optional[Inventory], checkpoint_path: 
 
 
 class GpuCountStep:
+    def __init__(self) -> None:
+        self.conditions = Conditions()  # a finding that lasts is journaled once an hour
+
     async def __call__(self, svc: Services, ctx: PassContext) -> None:
         inventory = await ctx.device_inventory()
         counts = await asyncio.to_thread(
@@ -52,8 +56,7 @@ class GpuCountStep:
             if n is not None:
                 ctx.gauges[f"gpus_{layer}"] = n
         found = findings(counts)
-        for f in found:
-            svc.log.finding(f)
+        log_findings(svc.log, self.conditions, "gpu_count", found, lasting_clears=True)
         ctx.findings += found
         if not found:
             ctx.unknown += unknowns(counts)

@@ -1,0 +1,126 @@
+"""The daemon's own figures in its status file (reporting/status.py): where systemd's
+Reloading came from (sources/reload_socket.py) and the fast paths' last repairs, read
+through the same typed loader."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Union
+
+from gpuguard.host.statefile import Obj, SchemaError, number
+
+COUNT_MAX = 2**53  # a count: exact in a JSON reader's double
+
+
+@dataclass(frozen=True)
+class ReloadSignal:
+    """Where systemd's Reloading came from (sources/reload_socket.py)."""
+
+    private_socket: bool = False
+    last_via: str = ""
+    reloads: int = 0
+    received: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # via -> starts, ends
+
+    @classmethod
+    def parse(cls, v: Any, where: str) -> ReloadSignal:
+        o = Obj(v, where)
+
+        def pair(x: Any, w: str) -> tuple[int, int]:
+            p = Obj(x, w)
+            return p.integer("starts", hi=COUNT_MAX), p.integer("ends", hi=COUNT_MAX)
+
+        return cls(
+            private_socket=o.flag("private_socket"),
+            last_via=o.text("last_via", max_len=64),
+            reloads=o.integer("reloads", hi=COUNT_MAX),
+            received=o.mapping("received", pair, max_items=16),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "private_socket": self.private_socket,
+            "last_via": self.last_via,
+            "reloads": self.reloads,
+            "received": {k: {"starts": s, "ends": e} for k, (s, e) in self.received.items()},
+        }
+
+
+Figure = Union[int, float, tuple[float, ...]]
+
+
+def _figure(v: Any, where: str) -> Figure:
+    """A count (kept an integer, as written), a figure, or a few (p50, p99)."""
+    if isinstance(v, list):
+        if len(v) > 8:
+            raise SchemaError(f"{where}: more than 8 numbers")
+        return tuple(number(x, f"{where}[{i}]") for i, x in enumerate(v))
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) <= COUNT_MAX:
+        return v
+    return number(v, where)
+
+
+@dataclass(frozen=True)
+class ReloadFigures:
+    """The reload fast path's last repair (container_access durable.ReloadRepair)."""
+
+    signal: float
+    containers: int
+    checked: int
+    first_write: Optional[float] = None
+    last_write: Optional[float] = None
+    cpu_ms: Optional[float] = None
+    cpu_wait_ms: Optional[float] = None
+    restored: Optional[float] = None
+
+    @classmethod
+    def parse(cls, v: Any, where: str) -> ReloadFigures:
+        o = Obj(v, where)
+        return cls(
+            signal=o.real("signal"),
+            containers=o.integer("containers", hi=COUNT_MAX),
+            checked=o.integer("checked", hi=COUNT_MAX),
+            first_write=o.opt_real("first_write"),
+            last_write=o.opt_real("last_write"),
+            cpu_ms=o.opt_real("cpu_ms"),
+            cpu_wait_ms=o.opt_real("cpu_wait_ms"),
+            restored=o.opt_real("restored"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "signal": self.signal,
+            "containers": self.containers,
+            "checked": self.checked,
+            "first_write": self.first_write,
+            "last_write": self.last_write,
+            "cpu_ms": self.cpu_ms,
+            "cpu_wait_ms": self.cpu_wait_ms,
+            "restored": self.restored,
+        }
+
+
+@dataclass(frozen=True)
+class FastPaths:
+    """The fast paths' last figures: the reload's re-grant and new scopes' grants."""
+
+    reload: Optional[ReloadFigures] = None
+    new_scopes: Mapping[str, Figure] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, v: Any, where: str) -> FastPaths:
+        o = Obj(v, where)
+        reload = o.opt_obj("reload")
+        return cls(
+            reload=ReloadFigures.parse(reload.doc, reload.where) if reload else None,
+            new_scopes=o.mapping("new_scopes", _figure, max_items=32, default={}),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "new_scopes": {
+                k: list(v) if isinstance(v, tuple) else v for k, v in self.new_scopes.items()
+            }
+        }
+        if self.reload is not None:
+            out["reload"] = self.reload.to_json()
+        return out
