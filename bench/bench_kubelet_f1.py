@@ -14,12 +14,15 @@ CrashLoopBackOff) it prints:
 - what the others show (UnexpectedAdmissionError, CrashLoopBackOff).
 
 Modes: ``none`` (kubelet without gpuguard's drop-in), ``gpuguard`` (the daemon and the
-pre-start hook, as installed). Prints figures and asserts nothing.
+pre-start hook, as installed). Stacks (tests/integration/kubelet_sites.py): ``host``
+(this machine's systemd, containerd and runc; gpuguard from this checkout) or a
+release's root (``trixie``: its own systemd 257, containerd 1.7 and runc, gpuguard from
+its .deb). Prints figures and asserts nothing.
 
 Needs root and the cached kubelet (scripts/build-kubelet). Usage:
 
   sudo .venv/bin/python bench/bench_kubelet_f1.py [-n 1] [--cases all,one,gone]
-      [--modes none,gpuguard]
+      [--modes none,gpuguard] [--stack host|trixie]
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ sys.path.insert(0, str(REPO / "src"))
 from integration.harness import SystemdNamespace  # noqa: E402
 from integration.harness.kubelet import api_code  # noqa: E402
 from integration.harness.pods import Pod  # noqa: E402
-from integration.kubelet_node import F1_PODS, boot, f1_reboot  # noqa: E402
+from integration.kubelet_node import F1_PODS, boot_on, f1_reboot  # noqa: E402
+from integration.kubelet_sites import site  # noqa: E402
 
 
 def _settled(pod: Pod) -> bool:
@@ -55,7 +59,7 @@ def _what(pod: Pod) -> str:
     return "CrashLoopBackOff"
 
 
-def one_round(work: Path, api: Path, case: str, mode: str) -> Dict[str, Any]:
+def one_round(work: Path, api: Path, case: str, mode: str, stack: str) -> Dict[str, Any]:
     made: List[SystemdNamespace] = []
 
     def factory(**kw: Any) -> SystemdNamespace:
@@ -64,8 +68,9 @@ def one_round(work: Path, api: Path, case: str, mode: str) -> Dict[str, Any]:
         ns.start()
         return ns
 
+    where = site(stack, factory)
     try:
-        node = boot(factory, work, api, gpuguard=mode == "gpuguard")
+        node = boot_on(where, work, api, gpuguard=mode == "gpuguard")
         _slots, _before, t0 = f1_reboot(node, case)
         up: Dict[str, float] = {}
         deadline = time.monotonic() + 90
@@ -86,6 +91,7 @@ def one_round(work: Path, api: Path, case: str, mode: str) -> Dict[str, Any]:
             "others": {n: _what(p) for n, p in pods.items() if n in F1_PODS and not p.running},
         }
     finally:
+        where.stop()
         for ns in reversed(made):
             ns.stop()
 
@@ -95,6 +101,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("-n", type=int, default=1, help="rounds per case and mode")
     ap.add_argument("--cases", default="all,one,gone")
     ap.add_argument("--modes", default="none,gpuguard")
+    ap.add_argument("--stack", default="host", help="host, or a release's root: trixie")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-kubelet-f1-") as tmp:
         api = api_code(Path(tmp) / "api")
@@ -103,12 +110,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for case in args.cases.split(","):
                 seconds: List[float] = []
                 for i in range(args.n):
-                    r = one_round(Path(tmp) / f"{mode}-{case}-{i}", api, case, mode)
+                    r = one_round(Path(tmp) / f"{mode}-{case}-{i}", api, case, mode, args.stack)
                     took = f"{r['seconds']:.1f}" if r["seconds"] is not None else "-"
                     each = [f"{k}=Running@{v:.1f}s" for k, v in sorted(r["up"].items())]
                     each += [f"{k}={v}" for k, v in sorted(r["others"].items())]
                     print(
-                        f"case={case} gpuguard={label} "
+                        f"stack={args.stack} case={case} gpuguard={label} "
                         f"pods_back={r['back']}/{len(F1_PODS)} seconds_to_running={took} "
                         + " ".join(each),
                         flush=True,
@@ -117,7 +124,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         seconds.append(r["seconds"])
                 if seconds and args.n > 1:
                     print(
-                        f"case={case} gpuguard={label}: seconds_to_running "
+                        f"stack={args.stack} case={case} gpuguard={label}: seconds_to_running "
                         f"median={statistics.median(seconds):.1f} max={max(seconds):.1f} "
                         f"({len(seconds)}/{args.n} rounds with every pod whose GPU stayed back)"
                     )

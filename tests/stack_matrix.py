@@ -1,12 +1,15 @@
-"""The README's support matrix and docs/devices.md's reload table, from the stack runs.
+"""The README's support matrix, its F1 matrix and docs/devices.md's reload table, from
+the stack runs.
 
-tests/integration/test_stacks_f2.py writes one JSON document per cell (release, cgroup
-layout, runtime) to build/stacks/. ``scripts/stack-matrix`` merges them into
-docs/stack-matrix.json (committed: the results the docs show) and renders both tables
-from it between their markers; tests/unit/test_stack_matrix.py fails when a committed
-table differs from what docs/stack-matrix.json renders.
+tests/integration/test_stacks_f2.py writes one JSON document per F2 cell (release,
+cgroup layout, runtime) to build/stacks/, tests/integration/test_kubelet_f1.py one per
+F1 run on the real kubelet (``"scenario": "f1"``: stack, layout, case, with or without
+gpuguard). ``scripts/stack-matrix`` merges them into docs/stack-matrix.json
+(committed: the results the docs show) and renders the tables from it between their
+markers (the F1 matrix: one row per stack); tests/unit/test_stack_matrix.py fails when
+a committed table differs from what docs/stack-matrix.json renders.
 
-    scripts/stack-matrix            # merge build/stacks/*.json, rewrite both tables
+    scripts/stack-matrix            # merge build/stacks/*.json, rewrite the tables
     scripts/stack-matrix --check    # exit 1 if a table is out of date
 """
 
@@ -31,11 +34,26 @@ RELEASE = {
 }
 EVENTS = ("daemon-reload", "daemon-reexec", "runtime-update", "device-allow-reset")
 
+F1_CASES = ("all", "one", "gone")
+
 Cell = Dict[str, Any]
 
 
-def key(c: Cell) -> Tuple[int, str, str]:
-    return (ORDER.get(c["suite"], 9), c["layout"], c["runtime"])
+def scenario(c: Cell) -> str:
+    return str(c.get("scenario", "f2"))
+
+
+def key(c: Cell) -> Tuple[int, str, str, str, str, int, str]:
+    case = F1_CASES.index(c["case"]) if c.get("case") in F1_CASES else 9
+    return (
+        ORDER.get(c["suite"], 9),
+        scenario(c),
+        c.get("stack", ""),
+        c["layout"],
+        c.get("runtime", ""),
+        case,
+        c.get("gpuguard", ""),
+    )
 
 
 def load(path: Path = RESULTS) -> List[Cell]:
@@ -43,7 +61,8 @@ def load(path: Path = RESULTS) -> List[Cell]:
 
 
 def merge(old: List[Cell], runs: List[Cell]) -> List[Cell]:
-    """``runs`` replace the cells of ``old`` with the same release, layout and runtime."""
+    """``runs`` replace the cells of ``old`` with the same :func:`key` (F2: release,
+    layout, runtime; F1: stack, layout, case, with or without gpuguard)."""
     by = {key(c): c for c in old}
     by.update({key(c): c for c in runs})
     return sorted(by.values(), key=key)
@@ -66,6 +85,8 @@ def render_support(cells: List[Cell]) -> str:
     )
     rows = []
     for c in cells:
+        if scenario(c) != "f2":
+            continue
         v = c["versions"]
         layout = "v2 (unified)" if c["layout"] == "v2" else "v1 (hybrid)"
         privileged = c.get("privileged", 0)
@@ -120,7 +141,7 @@ def render_reload(cells: List[Cell]) -> str:
     )
     rows = []
     for c in cells:
-        if c["runtime"] != "runc" or c["result"] == "not run":
+        if scenario(c) != "f2" or c["runtime"] != "runc" or c["result"] == "not run":
             continue
         rows.append(
             f"| {c['versions']['systemd']} ({c['suite']}) | {c['layout']} | "
@@ -130,6 +151,79 @@ def render_reload(cells: List[Cell]) -> str:
                     lost(c, "daemon-reexec"),
                     f"{lost(c, 'runtime-update')} (runc {c['versions']['runc']})",
                     lost(c, "device-allow-reset"),
+                ]
+            )
+            + " |"
+        )
+    return head + "\n".join(rows) + "\n"
+
+
+def f1_stack(c: Cell) -> str:
+    where = (
+        "this machine's own, in a systemd namespace"
+        if c["stack"] == "host"
+        else "a debootstrapped root booted with its own systemd"
+    )
+    return f"{RELEASE.get(c['suite'], c['suite'])} ({c['suite']}): {where}"
+
+
+def f1_runs(runs: List[Cell], mode: str) -> str:
+    out = []
+    for c in runs:
+        if c["gpuguard"] != mode:
+            continue
+        back = f"{c['pods_back']}/{c['pods_before']}"
+        if c["result"] != "pass":
+            out.append(f"{c['case']}: **fails** ({back})")
+        elif mode == "yes":
+            gone = " (gpu-b's GPU gone: left out)" if c["case"] == "gone" else ""
+            out.append(f"{c['case']}: {back} back{gone}, {c['seconds']} s")
+        else:
+            out.append(f"{c['case']}: {back} ({c['outcome']})")
+    return "; ".join(out)
+
+
+def cri_api(seen: str) -> str:
+    """The CRI API version in kubelet's line naming its runtime, as the node recorded it
+    ("containerd 1.7.24~ds1, apiVersion v1alpha2")."""
+    return seen.rsplit("apiVersion ", 1)[-1] if "apiVersion " in seen else "?"
+
+
+def render_f1(cells: List[Cell]) -> str:
+    """One row per stack: what kubelet 1.20 did after a reboot into new GPU UUIDs,
+    without gpuguard and with it (pods back, seconds from kubelet's start to every
+    GPU pod Running)."""
+    head = (
+        "| stack | kubelet | systemd | containerd (kubelet's CRI) | runc | Python | layout "
+        "| gpuguard installed as | without gpuguard | with gpuguard: pods back, seconds to "
+        "Running | result | proven by |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    stacks: Dict[Tuple[str, str], List[Cell]] = {}
+    for c in cells:
+        if scenario(c) == "f1":
+            stacks.setdefault((c["stack"], c["layout"]), []).append(c)
+    rows = []
+    for (stack, layout), runs in stacks.items():
+        with_gg = [c for c in runs if c["gpuguard"] == "yes"] or runs
+        v = with_gg[0]["versions"]
+        ok = all(c["result"] == "pass" for c in runs)
+        test = runs[0]["test"].split("::", 1)[0]
+        rows.append(
+            "| "
+            + " | ".join(
+                [
+                    f1_stack(runs[0]),
+                    v.get("kubelet", ""),
+                    v.get("systemd", ""),
+                    f"{v.get('containerd', '')} ({cri_api(v.get('runtime_seen', ''))})",
+                    v.get("runc", ""),
+                    v.get("python", ""),
+                    "v2 (unified)" if layout == "v2" else "v1 (hybrid)",
+                    with_gg[0]["install"],
+                    f1_runs(runs, "none"),
+                    f1_runs(runs, "yes"),
+                    "pass" if ok else "**fails**",
+                    f"`{test}` `[{stack}-*]`",
                 ]
             )
             + " |"
@@ -157,7 +251,11 @@ def replace(text: str, name: str, body: str) -> str:
     return head + begin + body + end + rest.split(end, 1)[1]
 
 
-TABLES = ((README, "stack-matrix", render_support), (DEVICES, "reload-table", render_reload))
+TABLES = (
+    (README, "stack-matrix", render_support),
+    (README, "f1-matrix", render_f1),
+    (DEVICES, "reload-table", render_reload),
+)
 
 
 def stale(cells: List[Cell]) -> List[str]:

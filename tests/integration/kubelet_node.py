@@ -20,21 +20,20 @@ from __future__ import annotations
 import json
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import pytest
 
 from gpuguard.checkpoint import parse
 from gpuguard.devices.probe import probe_open
-from integration.gpu_scopes import UVM_MAJOR, fake_proc_devices, gpu_inventory, node_units
-from integration.gpuguard_ns import settle
+from integration.gpu_scopes import UVM_MAJOR, fake_proc_devices, gpu_inventory
+from integration.gpuguard_ns import settle, wait_for
 from integration.harness import SystemdNamespace, require_systemd_ns
 from integration.harness.kubelet import (
     CHECKPOINT,
     CONTAINERD_UNIT,
     LOG,
     MANIFESTS,
-    PLUGIN_UNIT,
     REQUIRED_TOOLS,
     Container,
     KubeletNode,
@@ -44,9 +43,9 @@ from integration.harness.kubelet import (
     prepare,
 )
 from integration.harness.pods import INVENTORY, busybox_pod
+from integration.kubelet_sites import HostSite, NsFactory, Site, site, stack_versions
 
 PLUGIN = "nvidia-device-plugin.service"
-NsFactory = Callable[..., SystemdNamespace]
 # The inventory file stands in for NVML on this node: gpuguard may restart its kubelet
 # as it would on a real one (a configured file alone never lets it: docs/inventory.md)
 CONFIG = "[Inventory]\nFile=/etc/gpuguard/inventory.json\nAllowKubeletRestart=yes\n"
@@ -70,6 +69,9 @@ class GpuNode(KubeletNode):
         super().__init__(ns)
         self.gpuguard = gpuguard
         self.proc_devices = devices  # host file bound over the namespace's /proc/devices
+        self.site = ""  # where it runs (integration/kubelet_sites.py), and what with:
+        self.versions: Dict[str, str] = {}  # release, kubelet, systemd, containerd, ...
+        self.install = ""  # how gpuguard got there ("none" without it)
 
     # -- GPUs ------------------------------------------------------------------------------
     @property
@@ -163,8 +165,13 @@ class GpuNode(KubeletNode):
         return out
 
 
-def boot(
-    factory: NsFactory,
+def boot(factory: NsFactory, tmp: Path, api: Path, **kw: Any) -> GpuNode:
+    """:func:`boot_on` this machine's own stack (a pytest ``systemd_ns`` factory)."""
+    return boot_on(HostSite(factory), tmp, api, **kw)
+
+
+def boot_on(
+    site: Site,
     tmp: Path,
     api: Path,
     *,
@@ -175,8 +182,10 @@ def boot(
     uvm: bool = True,
     plugin: bool = True,
 ) -> GpuNode:
-    """A booted node with containerd and kubelet running (and gpuguard's daemon before
-    kubelet, when ``gpuguard``); the plugin double started as a service if ``plugin``."""
+    """A booted node on ``site`` (integration/kubelet_sites.py) with containerd and
+    kubelet running (and gpuguard's daemon before kubelet, when ``gpuguard``); the
+    plugin double started as a service if ``plugin``. The node's ``versions`` say what
+    it runs; a site that runs another stack than it stands for fails here."""
     require_systemd_ns()
     from conftest import require_tool
 
@@ -187,9 +196,9 @@ def boot(
     units = {
         "containerd.service": CONTAINERD_UNIT,
         "kubelet.service": kubelet_unit(kubelet_binary(), flags),
-        PLUGIN: PLUGIN_UNIT,
+        PLUGIN: site.plugin_unit(),
     }
-    ns = factory(units=node_units(units) if gpuguard else units, binds=binds, ro_binds=ro)
+    ns = site.start(tmp, units=units, binds=binds, ro_binds=ro, gpuguard=gpuguard)
     node = GpuNode(ns, devices, gpuguard=gpuguard)
     node.mknod("nvidiactl", 195, 255)
     if uvm:
@@ -197,11 +206,15 @@ def boot(
         node.mknod("nvidia-uvm-tools", UVM_MAJOR, 1)
     node.set_gpus(gpus(n_gpus))
     if gpuguard:
-        (ns.path("/etc/gpuguard") / "gpuguard.conf").write_text(CONFIG + config)
+        site.install_gpuguard(ns, CONFIG + config)
     node.start_runtime()
     if gpuguard:
         node.start_gpuguard()
     node.start_kubelet()
+    seen = wait_for(node.runtime_seen, 30, "kubelet's line naming its container runtime")
+    site.check(ns, seen)
+    node.versions = {**stack_versions(ns), "runtime_seen": seen}
+    node.site, node.install = site.name, site.install if gpuguard else "none"
     if plugin:
         node.start_plugin()
     return node
@@ -212,6 +225,23 @@ def api(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The deviceplugin v1beta1 code, generated once per session from kubelet's proto."""
     require_systemd_ns()
     return api_code(tmp_path_factory.mktemp("deviceplugin-api"))
+
+
+@pytest.fixture
+def sites(systemd_ns: NsFactory) -> Iterator[Callable[[str], Site]]:
+    """Factory: ``sites(name)`` is the node site called ``name`` ("host", or a release
+    of kubelet_sites.ROOT_STACKS), stopped when the test ends."""
+    made: List[Site] = []
+
+    def make(name: str) -> Site:
+        made.append(site(name, systemd_ns))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for s in reversed(made):
+            s.stop()
 
 
 def free_minor(node: GpuNode, held: Sequence[Container]) -> List[int]:

@@ -15,7 +15,7 @@ from integration.harness.kubelet import kubelet_binary
 
 pytestmark = pytest.mark.root
 
-LINE = r"^case=one gpuguard=yes pods_back=\d/2 seconds_to_running=(\d+\.\d|-) "
+LINE = r"^stack=host case=one gpuguard=yes pods_back=\d/2 seconds_to_running=(\d+\.\d|-) "
 
 
 def test_bench_kubelet_f1_one_round_prints_its_figures() -> None:

@@ -22,46 +22,130 @@ has registered, and reuses a pod's checkpointed allocation without checking it.
   the plugin registers: ``UnexpectedAdmissionError ... Requested: 1, Available: 0``
   (:func:`test_f1_state_lost_pods_fail_admission`).
 
+Two stacks run the same test bodies (integration/kubelet_sites.py): ``host``, this
+machine's own systemd 252, containerd 1.6 and runc 1.1 in a systemd namespace with
+gpuguard from this checkout, every case; and ``trixie``, Debian 13's root booted with
+its own systemd 257, containerd 1.7 (its CRI plugin serving kubelet 1.20's v1alpha2)
+and runc 1.1.15, gpuguard installed from its .deb, the cases of :data:`ROOT_RUNS`.
+
 On cgroup v1 (hybrid) only: on these machines runc cannot create a pod sandbox in a
 private unified hierarchy (the kernel keeps the cpu controller in v1, and containerd
 gives every sandbox CPU shares: ``cpu.weight: no such file or directory``; see
 harness/kubelet.py).
 
 Each test prints its figures (``F1 figures: ...``: pods back / pods before, and the
-seconds from kubelet's start to every GPU pod Running; run with ``-s``).
+seconds from kubelet's start to every GPU pod Running; run with ``-s``) and writes
+them, with the versions its node ran, to ``build/stacks/f1-STACK-LAYOUT-CASE-MODE.json``
+(the README's F1 matrix is rendered from them: scripts/stack-matrix).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from types import TracebackType
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
 import pytest
 
 from integration.harness import systemd_ns as systemd_ns
 from integration.harness.pods import Pod
+from integration.harness.sysns import REPO
 from integration.kubelet_node import (
     F1_CASES,
     F1_PODS,
     GpuNode,
     NsFactory,
+    Site,
     boot,
+    boot_on,
     f1_reboot,
     free_minor,
     gpu_pod,
 )
 from integration.kubelet_node import api as api
+from integration.kubelet_node import sites as sites
 
 pytestmark = pytest.mark.root
 
+RESULTS = REPO / "build" / "stacks"
+#: The cases a debootstrapped root runs (the host's stack runs every case): without
+#: gpuguard the failure once, with gpuguard every case (about 20 s each here).
+ROOT_RUNS: Dict[str, Dict[str, Tuple[str, ...]]] = {
+    "trixie": {"none": ("all",), "yes": F1_CASES},
+}
 
-def _figures(case: str, gpuguard: str, back: int, seconds: Optional[float]) -> None:
+
+def runs(mode: str) -> List[Any]:
+    """(stack, case) of the tests of ``mode`` ("none": without gpuguard, "yes": with)."""
+    out = [pytest.param("host", c, id=f"host-{c}") for c in F1_CASES]
+    for stack, modes in ROOT_RUNS.items():
+        out += [pytest.param(stack, c, id=f"{stack}-{c}") for c in modes[mode]]
+    return out
+
+
+class F1Run:
+    """One test's outcome for the stack matrix: its figures, the versions its node ran,
+    and whether it passed (a test that fails records "fail"), written on exit."""
+
+    def __init__(self, request: pytest.FixtureRequest, stack: str, case: str, mode: str) -> None:
+        self.node: Optional[GpuNode] = None
+        self.doc: Dict[str, Any] = {
+            "scenario": "f1",
+            "stack": stack,
+            "layout": "v1",
+            "case": case,
+            "gpuguard": mode,
+            "pods_before": len(F1_PODS),
+            "pods_back": 0,
+            "seconds": None,
+            "outcome": "",
+            "test": request.node.nodeid,
+        }
+        self.path = RESULTS / f"f1-{stack}-v1-{case}-{mode}.json"
+        self.path.unlink(missing_ok=True)
+
+    def done(self, back: int, seconds: Optional[float], outcome: str) -> None:
+        self.doc.update(pods_back=back, outcome=outcome)
+        self.doc["seconds"] = round(seconds, 1) if seconds is not None else None
+        d = self.doc
+        _figures(d["case"], d["gpuguard"], back, seconds, d["stack"])
+
+    def __enter__(self) -> F1Run:
+        return self
+
+    def __exit__(
+        self,
+        kind: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        _tb: Optional[TracebackType],
+    ) -> None:
+        if isinstance(exc, pytest.skip.Exception):
+            return  # not run here (no root or a tool missing): no result either way
+        node = self.node
+        self.doc.update(
+            suite=node.versions.get("release", "") if node else "",
+            versions={k: v for k, v in (node.versions if node else {}).items() if k != "release"},
+            install=node.install if node else "",
+            result="fail" if exc else "pass",
+        )
+        if exc:
+            self.doc["outcome"] = (
+                f"{kind.__name__ if kind else ''}: {str(exc).splitlines()[0][:300]}"
+            )
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.doc, indent=1, sort_keys=True) + "\n")
+
+
+def _figures(
+    case: str, gpuguard: str, back: int, seconds: Optional[float], stack: str = "host"
+) -> None:
     """One line per run: pods back / pods before, seconds from kubelet's start."""
     took = f"{seconds:.1f}" if seconds is not None else "-"
     print(
-        f"\nF1 figures: case={case} gpuguard={gpuguard} pods_back={back}/{len(F1_PODS)} "
-        f"seconds_to_running={took}"
+        f"\nF1 figures: stack={stack} case={case} gpuguard={gpuguard} "
+        f"pods_back={back}/{len(F1_PODS)} seconds_to_running={took}"
     )
 
 
@@ -74,22 +158,29 @@ def _crash_looping(pod: Pod, old_uuid: str) -> bool:
     )
 
 
-@pytest.mark.parametrize("case", F1_CASES)
+@pytest.mark.parametrize(("stack", "case"), runs("none"))
 def test_f1_without_gpuguard_pods_crash_loop(
-    systemd_ns: NsFactory, tmp_path: Path, api: Path, case: str
+    sites: Callable[[str], Site],
+    tmp_path: Path,
+    api: Path,
+    request: pytest.FixtureRequest,
+    stack: str,
+    case: str,
 ) -> None:
-    node = boot(systemd_ns, tmp_path, api, gpuguard=False)
-    slots, before, _t0 = f1_reboot(node, case)
-    changed = [p for p in F1_PODS if case != "one" or p == "gpu-b"]
-    pods = node.wait_pods(
-        lambda p: all(n in p and _crash_looping(p[n], before[slots[n]]) for n in changed),
-        90,
-        f"{changed} in CrashLoopBackOff with the runtime hook's 'unknown device'",
-    )
-    if case == "one":  # the pod whose GPU kept its UUID runs on
-        pods = node.wait_pods(lambda p: p["gpu-a"].running, 30, "gpu-a running")
-    assert not any(pods[n].running for n in changed)
-    _figures(case, "none", sum(pods[n].running for n in F1_PODS), None)
+    with F1Run(request, stack, case, "none") as run:
+        node = run.node = boot_on(sites(stack), tmp_path, api, gpuguard=False)
+        slots, before, _t0 = f1_reboot(node, case)
+        changed = [p for p in F1_PODS if case != "one" or p == "gpu-b"]
+        pods = node.wait_pods(
+            lambda p: all(n in p and _crash_looping(p[n], before[slots[n]]) for n in changed),
+            90,
+            f"{changed} in CrashLoopBackOff with the runtime hook's 'unknown device'",
+        )
+        if case == "one":  # the pod whose GPU kept its UUID runs on
+            pods = node.wait_pods(lambda p: p["gpu-a"].running, 30, "gpu-a running")
+        assert not any(pods[n].running for n in changed)
+        back = sum(pods[n].running for n in F1_PODS)
+        run.done(back, None, f"{', '.join(changed)} CrashLoopBackOff (unknown device)")
 
 
 def _still_there(case: str) -> List[str]:
@@ -97,9 +188,10 @@ def _still_there(case: str) -> List[str]:
     return [p for p in F1_PODS if case != "gone" or p != "gpu-b"]
 
 
-def _gpu_pods_back(node: GpuNode, case: str, t0: float) -> Dict[str, Pod]:
+def _gpu_pods_back(node: GpuNode, case: str, t0: float) -> Tuple[Dict[str, Pod], float]:
     """Wait for the target outcome: every pod whose GPU is still there Running (fail at
-    once when one fails for good), the others left out; print the figures."""
+    once when one fails for good), the others left out; the pods, and the seconds from
+    kubelet's start."""
     back = _still_there(case)
 
     def done(p: Dict[str, Pod]) -> bool:
@@ -111,38 +203,49 @@ def _gpu_pods_back(node: GpuNode, case: str, t0: float) -> Dict[str, Pod]:
     try:
         pods = node.wait_pods(done, 60, f"{back} Running again", never=failed)
     except AssertionError:
-        _figures(case, "yes", 0, None)  # a pod failed for good: not every pod came back
+        print("\nF1: a pod failed for good: not every pod came back")
         raise
-    _figures(case, "yes", len(back), time.monotonic() - t0)
-    return pods
+    return pods, time.monotonic() - t0
 
 
-@pytest.mark.parametrize("case", F1_CASES)
+@pytest.mark.parametrize(("stack", "case"), runs("yes"))
 def test_f1_with_gpuguard_every_pod_back_on_its_slot(
-    systemd_ns: NsFactory, tmp_path: Path, api: Path, case: str
+    sites: Callable[[str], Site],
+    tmp_path: Path,
+    api: Path,
+    request: pytest.FixtureRequest,
+    stack: str,
+    case: str,
 ) -> None:
-    node = boot(systemd_ns, tmp_path, api, gpuguard=True)
-    slots, before, t0 = f1_reboot(node, case)
-    pods = _gpu_pods_back(node, case, t0)
-    held = []
-    for name in _still_there(case):
-        c = node.running(name)
-        assert node.slot(c) == slots[name], f"{name} moved from {slots[name]} to {node.slot(c)}"
-        assert c.visible != before[slots[name]] or case == "one"
-        mine = next(g["minor"] for g in node.inventory if g["uuid"] == c.visible)
-        verdicts = node.verdicts(c)
-        assert verdicts[mine] is True, f"{name}: its GPU denied: {verdicts}"
-        assert all(v is False for m, v in verdicts.items() if m != mine), verdicts
-        held.append(c)
-    if case == "gone":  # left out, and says why
-        assert (pods["gpu-b"].phase, pods["gpu-b"].reason) == ("Failed", "UnexpectedAdmissionError")
-    # nothing allocated twice: a new pod gets the one GPU nobody holds
-    node.write_pod(gpu_pod("gpu-c"))
-    node.wait_pods(lambda p: "gpu-c" in p and p["gpu-c"].running, 60, "gpu-c running")
-    c = node.running("gpu-c")
-    assert [g["minor"] for g in node.inventory if g["uuid"] == c.visible] == free_minor(node, held)
-    ids = [i for v in node.checkpoint_ids().values() for i in v]
-    assert len(ids) == len(set(ids)), f"a GPU allocated twice: {node.checkpoint_ids()}"
+    with F1Run(request, stack, case, "yes") as run:
+        node = run.node = boot_on(sites(stack), tmp_path, api, gpuguard=True)
+        slots, before, t0 = f1_reboot(node, case)
+        pods, seconds = _gpu_pods_back(node, case, t0)
+        held = []
+        for name in _still_there(case):
+            c = node.running(name)
+            assert node.made_by(c) == "runc", f"{name}: {node.made_by(c)}"
+            assert node.slot(c) == slots[name], f"{name} moved from {slots[name]} to {node.slot(c)}"
+            assert c.visible != before[slots[name]] or case == "one"
+            mine = next(g["minor"] for g in node.inventory if g["uuid"] == c.visible)
+            verdicts = node.verdicts(c)
+            assert verdicts[mine] is True, f"{name}: its GPU denied: {verdicts}"
+            assert all(v is False for m, v in verdicts.items() if m != mine), verdicts
+            held.append(c)
+        outcome = f"{', '.join(_still_there(case))} Running on its slot's GPU"
+        if case == "gone":  # left out, and says why
+            b = pods["gpu-b"]
+            assert (b.phase, b.reason) == ("Failed", "UnexpectedAdmissionError")
+            outcome += ", gpu-b (its GPU gone) UnexpectedAdmissionError"
+        # nothing allocated twice: a new pod gets the one GPU nobody holds
+        node.write_pod(gpu_pod("gpu-c"))
+        node.wait_pods(lambda p: "gpu-c" in p and p["gpu-c"].running, 60, "gpu-c running")
+        c = node.running("gpu-c")
+        free = free_minor(node, held)
+        assert [g["minor"] for g in node.inventory if g["uuid"] == c.visible] == free
+        ids = [i for v in node.checkpoint_ids().values() for i in v]
+        assert len(ids) == len(set(ids)), f"a GPU allocated twice: {node.checkpoint_ids()}"
+        run.done(len(held), seconds, outcome)
 
 
 @pytest.mark.parametrize("case", ("all", "one"))

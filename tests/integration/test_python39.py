@@ -12,21 +12,19 @@ Type=notify, active after its first pass).
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from conftest import REPO
-from integration.pkgroot import CACHE, PackageRoot, debian_root, require_pkgroot_tools
+from integration.pkgroot import PackageRoot, debian_root, require_pkgroot_tools
 from integration.pkgroot.roots import stamp
+from integration.pkgroot.wheels import cached, pip, pip_target
 
 pytestmark = pytest.mark.root
 
@@ -48,43 +46,18 @@ BACKPORTS = ("exceptiongroup", "tomli", "importlib-metadata", "zipp", "typing-ex
 #: To install the checkout itself as `scripts/bootstrap` does (pip install -e): Debian
 #: 11's pip 20.3 predates editable installs from pyproject.toml.
 TOOLS = ("pip>=23", "setuptools>=61", "wheel")
-PIP_TARGET = (
-    "--python-version", "3.9", "--implementation", "cp", "--abi", "cp39",
-    "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux2014_x86_64",
-    "--only-binary=:all:",
-)  # fmt: skip
+PIP_TARGET = pip_target("3.9")
 
 
 def wheelhouse() -> Path:
     """The CPython 3.9 wheels of REQUIREMENTS and their dependencies, fetched once."""
     text = "|".join([*REQUIREMENTS, *BACKPORTS, *TOOLS, *TOOLS, *PIP_TARGET, stamp()])
-    key = hashlib.sha256(text.encode()).hexdigest()
-    final = CACHE / f"wheels-py39-{key[:16]}"
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with open(CACHE / ".lock-wheels-py39", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (final / ".complete").exists():
-            return final
-        tmp = CACHE / f".tmp-wheels-py39-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        res = subprocess.run(
-            [
-                sys.executable,
-                "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
-                *PIP_TARGET, "-d", str(tmp), *REQUIREMENTS, *BACKPORTS, *TOOLS,
-            ],
-            capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
-        if res.returncode != 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise AssertionError(f"pip download for 3.9 failed:\n{res.stderr[-3000:]}")
-        (tmp / ".complete").write_text("\n".join(REQUIREMENTS) + "\n")
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-        for old in CACHE.glob("wheels-py39-*"):
-            if old != final:
-                shutil.rmtree(old, ignore_errors=True)
-        return final
+    wanted = [*REQUIREMENTS, *BACKPORTS, *TOOLS]
+    return cached(
+        "wheels-py39",
+        text,
+        lambda d: pip("download", "--quiet", *PIP_TARGET, "-d", str(d), *wanted),
+    )
 
 
 def tracked_copy(dest: Path) -> Path:

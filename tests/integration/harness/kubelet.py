@@ -2,9 +2,11 @@
 
 The binary is built from Debian 12's own source package and cached by
 ``scripts/build-kubelet`` (``scripts/bootstrap --full`` runs it; :func:`kubelet_binary`
-finds it). It runs standalone, as ``kubelet.service`` of a :class:`SystemdNamespace`;
-a test adds gpuguard's real drop-in (units/kubelet.service.d/), so that gpuguard's
-pre-start hook runs at each kubelet start, as on a node (integration/kubelet_node.py):
+finds it). It runs standalone, as ``kubelet.service`` of a :class:`SystemdNamespace`
+(this machine's systemd, or a Debian release's root booted with its own:
+integration/kubelet_sites.py); a test adds gpuguard's real drop-in
+(units/kubelet.service.d/), so that gpuguard's pre-start hook runs at each kubelet
+start, as on a node (integration/kubelet_node.py):
 
 * static pods from ``--pod-manifest-path`` (/etc/kubernetes/manifests), all with
   ``hostNetwork: true`` (no CNI), their images made here from busybox-static
@@ -36,6 +38,7 @@ directory``, seen with ``layout="v2"``).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 from dataclasses import dataclass
@@ -54,6 +57,7 @@ LOG = "/run/gg-kubelet-log"  # where the hook writes what it did (read-write)
 MANIFESTS = "/etc/kubernetes/manifests"
 CHECKPOINT = f"{DEVICE_PLUGINS}/kubelet_internal_checkpoint"
 CRI_SOCK = "/run/containerd/containerd.sock"
+RUNC_ROOT = "/run/containerd/runc/k8s.io"  # runc's state of containerd's k8s.io namespace
 NODE = "gpunode"
 PAUSE = "gpuguard.test/pause:1"
 READ_ONLY_PORT = 10255
@@ -96,11 +100,19 @@ Delegate=yes
 KillMode=process
 """
 
-PLUGIN_UNIT = f"""[Unit]
+
+def plugin_unit(python: str = str(VENV_PYTHON), pythonpath: str = "") -> str:
+    """The device plugin double's unit, run by ``python`` (this checkout's venv on the
+    host; a root's own python3 with ``pythonpath`` holding grpcio and protobuf)."""
+    env = f"Environment=PYTHONPATH={pythonpath}\n" if pythonpath else ""
+    return f"""[Unit]
 Description=NVIDIA device plugin double (deviceplugin v1beta1 over gRPC)
 [Service]
-ExecStart={VENV_PYTHON} {PLUGIN_SCRIPT} --api {API} --inventory {INVENTORY} $PLUGIN_ARGS
+{env}ExecStart={python} {PLUGIN_SCRIPT} --api {API} --inventory {INVENTORY} $PLUGIN_ARGS
 """
+
+
+PLUGIN_UNIT = plugin_unit()
 
 
 def kubelet_flags(extra: Sequence[str] = ()) -> List[str]:
@@ -263,6 +275,12 @@ class KubeletNode:
                 return Path("/sys/fs/cgroup/devices") / path.lstrip("/")
         raise AssertionError(f"{c.id[:12]}: no devices cgroup")
 
+    def made_by(self, c: Container) -> str:
+        """The OCI runtime whose state the container has: runc keeps ``state.json`` in
+        its state directory (containerd's runc root for the k8s.io namespace)."""
+        state = self.ns.path(f"{RUNC_ROOT}/{c.id}")
+        return "runc" if (state / "state.json").is_file() else f"unknown ({state})"
+
     def kill_all(self) -> None:
         """Every pod's processes killed, as a power cut would (then containerd again)."""
         for cid, status in self.tasks().items():
@@ -302,6 +320,15 @@ class KubeletNode:
         while self.registrations() <= more_than:
             assert time.monotonic() < deadline, f"the GPU plugin never registered:\n{self.log()}"
             time.sleep(0.2)
+
+    def runtime_seen(self) -> str:
+        """What this kubelet run says its container runtime is ("containerd 1.7.24~ds1,
+        apiVersion v1alpha2"), from its own log line at start-up; "" before it."""
+        m = re.search(
+            r"Container runtime (\S+) initialized, version: ([^,]+), apiVersion: (\S+)",
+            self.kubelet_log(),
+        )
+        return f"{m[1]} {m[2]}, apiVersion {m[3]}" if m else ""
 
     def stop_kubelet(self) -> None:
         self.ns.systemctl("stop", "kubelet.service")

@@ -13,7 +13,8 @@
   The host's /etc/systemd, /run, /dev and dpkg database are never touched: the
   host root is detached (pivot_root) before systemd starts. It checks that the
   namespace runs the stack it was asked for (layout, systemd version) and fails
-  when it does not.
+  when it does not. ``units`` go to the root's own /etc/systemd/system once it runs
+  (then a daemon-reload), as :meth:`~PackageRoot.write_unit` does afterwards.
 """
 
 from __future__ import annotations
@@ -150,6 +151,12 @@ class PackageRoot(SystemdNamespace):
         self.systemd_version: Optional[int] = None
 
     @property
+    def units_dir(self) -> Path:
+        """The root's own /etc/systemd/system once booted (the harness's staging
+        directory before: a foreign root keeps its own, see :meth:`_prepare_state`)."""
+        return self.path("/etc/systemd/system") if self._pid is not None else super().units_dir
+
+    @property
     def upper(self) -> Path:
         """Host dir holding every file the root changed (overlayfs upper layer)."""
         return self.state / "upper"
@@ -158,6 +165,10 @@ class PackageRoot(SystemdNamespace):
         super().start()
         try:
             self.check_stack()
+            if self.units:
+                for name, text in self.units.items():
+                    self.write_unit(name, text)
+                self.systemctl("daemon-reload")
         except BaseException:
             self.stop()
             raise
