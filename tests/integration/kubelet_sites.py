@@ -54,6 +54,7 @@ ROOT_STACKS: Dict[str, Dict[str, str]] = {
 }
 PYSITE = "/run/host/pysite"  # grpcio and protobuf for the root's python3
 CONFIG_DROPIN = "/etc/gpuguard/gpuguard.conf.d/50-kubelet-test.conf"
+PACKAGED_DROPIN = "/usr/lib/systemd/system/kubelet.service.d/10-gpuguard.conf"
 
 
 def stack_versions(ns: SystemdNamespace) -> Dict[str, str]:
@@ -212,6 +213,10 @@ class RootSite:
         node.write(f"/etc/systemd/system/{dropin[0]}", dropin[1])
         ns.systemctl("daemon-reload")
         self.install = install_gpuguard(node, self.name)
+        # kubelet's pre-start hook must be the package's, not one of this checkout
+        dropins = ns.unit_property("kubelet.service", "DropInPaths").split()
+        if PACKAGED_DROPIN not in dropins:
+            raise StackError(f"kubelet.service's drop-ins {dropins}: not {PACKAGED_DROPIN}")
 
     def check(self, ns: SystemdNamespace, runtime_seen: str) -> None:
         """Fail unless the root runs its release's stack (the layout and systemd are
