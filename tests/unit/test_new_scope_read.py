@@ -151,3 +151,20 @@ def test_a_hybrid_host_finds_the_scope_in_both_hierarchies(tmp_path: Path, qos: 
     found["devices"].rmdir()
     c = find_scope(Root(tmp_path), UNIT, hybrid)
     assert c is not None and (c.cgroup_v1_devices, c.cgroup_v2) == (None, found["unified"])
+
+
+def test_a_hybrid_scope_not_yet_in_the_devices_hierarchy_is_pending(tmp_path: Path) -> None:
+    """systemd makes a new scope's cgroups one hierarchy at a time; seen by its cgroup2
+    directory alone it would be judged by a layout whose kernel does not decide its opens
+    (and pass for one that admits every device). Found again at the next try."""
+    hybrid = CgroupLayout("/sys/fs/cgroup/devices", "/sys/fs/cgroup/unified")
+    unified = tmp_path / "sys/fs/cgroup/unified/kubepods.slice/kubepods-besteffort.slice" / POD
+    (unified / UNIT).mkdir(parents=True)
+    (unified / UNIT / "cgroup.procs").write_text("42\n")
+    _process(tmp_path, 42, "sleep", own_dev=True)
+    got = read_new_scope(Root(tmp_path), UNIT, hybrid, (), PodDeviceIds("/nonexistent"))
+    assert got.pending == "its cgroup in the v1 devices hierarchy is not there yet"
+    assert got.container is None and got.view is None  # the next try looks for it again
+    _scope(tmp_path, (42,))
+    got = read_new_scope(Root(tmp_path), UNIT, hybrid, (), PodDeviceIds("/nonexistent"))
+    assert got.pending != "its cgroup in the v1 devices hierarchy is not there yet"

@@ -78,7 +78,9 @@ class DaemonConfig:
         "rewrite, no kubelet or device plugin restart, no cgroup write, device program, "
         "unit property or drop-in, in the daemon, kubelet's pre-start hook and `gpuguard "
         "check` alike: the canary stage of a rollout. Operator hooks still run, "
-        "with GPUGUARD_DRY_RUN=1.",
+        "with GPUGUARD_DRY_RUN=1. A probe still runs where a cgroup v2 program cannot be "
+        "read: a short-lived process joins the container's cgroup and opens the node, "
+        "which changes no access.",
     )
     dry_run: bool = _key(
         "DryRun",

@@ -329,6 +329,16 @@ def with_fresh_pids(root: Root, c: ContainerCgroup) -> Optional[ContainerCgroup]
     return replace(c, pids=pids, problem=problem, process_v1=sub1, process_v2=sub2)
 
 
+def placement_pending(c: ContainerCgroup, layout: CgroupLayout) -> str:
+    """Why a new scope's cgroups are not all there yet ("" once they are). systemd makes
+    a scope's cgroup in each hierarchy in turn; on a hybrid host a scope seen in cgroup2
+    before its v1 devices cgroup exists would be judged by the programs of cgroup2 alone,
+    where nothing confines it, and pass for one that admits every device."""
+    if layout.kind == "hybrid" and c.cgroup_v1_devices is None:
+        return "its cgroup in the v1 devices hierarchy is not there yet"
+    return ""
+
+
 def _scope_under(kubepods: str, unit: str) -> Optional[tuple[str, str]]:
     """The pod UID and `unit`'s path relative to `kubepods` (``QOS/POD/unit`` or
     ``POD/unit``); None if no pod slice holds it. One stat per pod, strings only: a

@@ -134,26 +134,27 @@ def container_status(
         ]
         problems = [f.summary for f in findings if f.fields.get("CONTAINER_ID") == c.container_id]
         rows.append(
-            {
-                "pod_uid": c.pod_uid,
-                "container_id": c.container_id,
-                "unit": c.unit,
-                "driver": c.driver,
-                "layout": c.layout,
-                "mechanism": c.mechanism,
-                "nodes": [n.path for n in ent.nodes],
-                "missing": [n.path for n in ent.missing],
-                "stale": [f"{n.path} {n.numbers}" for n, _ in ent.stale],
-                "denied": denied,
-                "unknown": unknown,
-                "access": "denied" if denied else ("unknown" if unknown else "ok"),
-                "problems": problems,
-            }
+            _container_row(
+                c,
+                nodes=[n.path for n in ent.nodes],
+                missing=[n.path for n in ent.missing],
+                stale=[f"{n.path} {n.numbers}" for n, _ in ent.stale],
+                denied=denied,
+                unknown=unknown,
+                access="denied" if denied else ("unknown" if unknown else "ok"),
+                problems=problems,
+            )
         )
     return rows
 
 
 def _unreadable_row(c: ContainerCgroup, why: str) -> dict[str, Any]:
+    return _container_row(c, access="unreadable", problems=[why])
+
+
+def _container_row(c: ContainerCgroup, **judged: Any) -> dict[str, Any]:
+    """One container's row: who it is, then what was found (nothing, unless given)."""
+    empty: dict[str, Any] = {"nodes": [], "missing": [], "denied": [], "unknown": []}
     return {
         "pod_uid": c.pod_uid,
         "container_id": c.container_id,
@@ -161,12 +162,8 @@ def _unreadable_row(c: ContainerCgroup, why: str) -> dict[str, Any]:
         "driver": c.driver,
         "layout": c.layout,
         "mechanism": c.mechanism,
-        "nodes": [],
-        "missing": [],
-        "denied": [],
-        "unknown": [],
-        "access": "unreadable",
-        "problems": [why],
+        **empty,
+        **judged,
     }
 
 

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
 from gpuguard.steps.container_access.inplace import Failure
 from gpuguard.steps.container_access.reconcile import (
-    RECONCILER,
     ContainerDeviceAction,
     UnitDeviceAllow,
+    subject,
 )
 from gpuguard.steps.container_access.view import AccessKey, AccessView
 
@@ -84,27 +84,20 @@ def bridge_actions(
     """A bridge for `denied` on `c`'s `cgroup_dir`, and the DeviceAllow= that follows."""
     assert c.unit is not None, "a container in a scope"
     what = ", ".join(n.path for n in denied)
-    common = dict(
-        reconciler=RECONCILER,
-        pod_uid=c.pod_uid,
-        container_id=c.container_id,
-        nodes=tuple(n.path for n in denied),
-        numbers=tuple(n.numbers for n in denied),
-    )
     bridge = BridgeAttach(
         reason=f"{what} denied on the scope's cgroup v2: stand in for systemd's program "
         "until the DeviceAllow= that follows is applied",
         target=str(cgroup_dir),
         cgroup_dir=str(cgroup_dir),
         unit=c.unit,
-        **common,  # type: ignore[arg-type]
+        **subject(c, denied),
     )
     allow = UnitDeviceAllow(
         reason=f"re-grant {what} given to the container and denied by its cgroup",
         target=c.unit,
         unit=c.unit,
         devices=tuple((n.dev_char, "rw") for n in denied),
-        **common,  # type: ignore[arg-type]
+        **subject(c, denied),
     )
     return bridge, allow
 

@@ -50,7 +50,7 @@ from gpuguard.steps.container_access.bridge import Bridges
 from gpuguard.steps.container_access.devcgroup import Grant, Report, Swept, Written
 from gpuguard.steps.container_access.durable import keep_open
 from gpuguard.steps.container_access.inplace import Backoff, hold_back
-from gpuguard.steps.container_access.reconcile import CAUSE_REWRITE_V2, RECONCILER
+from gpuguard.steps.container_access.reconcile import CAUSE_REWRITE_V2, RECONCILER, subject
 from gpuguard.steps.container_access.settle import outside_apply
 from gpuguard.steps.container_access.v2programs import (
     admit_all,
@@ -246,20 +246,13 @@ class CgroupV2:
             return self._replace_deniers(c, denied, deniers) if remedy == "inplace" else ()
         cg = str(self.program_dir(c))
         what = ", ".join(n.path for n in denied)
-        common = dict(
-            reconciler=RECONCILER,
-            pod_uid=c.pod_uid,
-            container_id=c.container_id,
-            nodes=tuple(n.path for n in denied),
-            numbers=tuple(n.numbers for n in denied),
-        )
         if remedy == "inplace":
             return (
                 V2ProgramReplace(
                     reason=f"cgroup v2 without a systemd unit: add {what} to its program",
                     target=cg,
                     cgroup_dir=cg,
-                    **common,  # type: ignore[arg-type]
+                    **subject(c, denied),
                 ),
             )
         if remedy == "restart-container":
@@ -268,7 +261,7 @@ class CgroupV2:
                     reason=f"cgroup v2 without a systemd unit: recreate to regain {what}",
                     target=c.container_id,
                     runtime_name=c.runtime,
-                    **common,  # type: ignore[arg-type]
+                    **subject(c, denied),
                 ),
             )
         return (
@@ -276,7 +269,7 @@ class CgroupV2:
                 reason=f"cgroup v2 BPF device policy denies {what}; recreate the pod",
                 target=cg,
                 cgroup_dir=cg,
-                **common,  # type: ignore[arg-type]
+                **subject(c, denied),
             ),
         )
 

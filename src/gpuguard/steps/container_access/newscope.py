@@ -30,10 +30,12 @@ from gpuguard.devices.containers import (
     ContainerCgroup,
     detect_layout,
     find_scope,
+    placement_pending,
     with_fresh_pids,
 )
 from gpuguard.devices.entitlement import own_dev_pending, read_entitlement
 from gpuguard.devices.nodes import GpuLike, list_nvidia_nodes, nvidia_majors, read_proc_devices
+from gpuguard.devices.scopepolicy import scope_devices
 from gpuguard.errors import GpuguardError
 from gpuguard.host.paths import DROPPED_ENTRIES_FILE, Root
 from gpuguard.model import Outcome
@@ -120,6 +122,9 @@ def read_new_scope(
         return NewScope(skip="no container cgroup: gone, or the pod's sandbox", gone=True)
     if c.problem:
         return NewScope(skip=c.problem)  # the pass reports it
+    why = placement_pending(c, layout)
+    if why:  # found again at the next try
+        return NewScope(pending=why)
     why = own_dev_pending(root, c)
     if why:
         return NewScope(pending=why, container=c)
@@ -136,7 +141,17 @@ def read_new_scope(
     if not ent.is_gpu_container:
         return NewScope(skip="not a GPU container")
     links = frozenset(n.dev_char for n in ent.nodes if os.path.lexists(root.path(n.dev_char)))
-    unconfined = frozenset({c.container_id}) if admits_all(c) else frozenset()
+    unconfined: frozenset[str] = frozenset()
+    if admits_all(c):
+        meant = scope_devices(root, unit)
+        if meant is not None and not meant.admits_all:
+            return NewScope(
+                pending=f"its unit says DevicePolicy={meant.policy} with {meant.entries} "
+                "DeviceAllow= entries, its cgroup still admits every device (systemd has "
+                "not applied them yet)",
+                container=c,
+            )
+        unconfined = frozenset({c.container_id})
     view = AccessView((c,), {c.key: ent}, {}, {}, unconfined=unconfined)
     return NewScope(view=view, links=links)
 
@@ -262,7 +277,15 @@ class NewScopes:
         # hook grants, and where the runtime listed them, setting them again changes
         # nothing. One call per scope: systemd, busy starting the burst's scopes, answers
         # one call at a time.
-        for action in self.plan(found.view, (), self.durable, found.links):
+        actions = self.plan(found.view, (), self.durable, found.links)
+        if not actions:
+            why = (
+                "its scope admits every device"
+                if found.view.unconfined
+                else "its DeviceAllow= has the nodes, or their /dev/char links are missing"
+            )
+            svc.log.debug(f"new scope {unit}: nothing to grant: {why}")
+        for action in actions:
             sent = time.monotonic()
             outcome = await self.grant(action, svc, sd)
             replied = time.monotonic()

@@ -13,7 +13,7 @@ DeviceAllow= that makes it durable. Their kinds are in actions.py.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, AbstractSet, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, AbstractSet, Mapping, Optional, Sequence, TypedDict
 
 from gpuguard.devices.containers import ContainerCgroup
 from gpuguard.devices.entitlement import Entitlement
@@ -53,6 +53,28 @@ CAUSE_PLUGIN_UVM = "device plugin started without /dev/nvidia-uvm (restart the p
 CAUSE_PLUGIN_CTL = "device plugin or runtime did not give /dev/nvidiactl (restart the plugin)"
 CAUSE_UNKNOWN = "something rewrote the container's device cgroup without these nodes"
 CAUSE_RELOADED = "the driver module was reloaded after the container started"
+
+
+class Subject(TypedDict):
+    """The fields every container action carries: whose container, which nodes."""
+
+    reconciler: str
+    pod_uid: str
+    container_id: str
+    nodes: tuple[str, ...]
+    numbers: tuple[str, ...]
+
+
+def subject(c: ContainerCgroup, denied: Sequence[DeviceNode]) -> Subject:
+    """`c` and its `denied` nodes, as each action of this step names them."""
+    return Subject(
+        reconciler=RECONCILER,
+        pod_uid=c.pod_uid,
+        container_id=c.container_id,
+        nodes=tuple(n.path for n in denied),
+        numbers=tuple(n.numbers for n in denied),
+    )
+
 
 _UVM_ROLES = (ROLE_UVM, ROLE_UVM_TOOLS)
 
@@ -258,8 +280,6 @@ def audit(
                     "error",
                 )
             )
-        paths = tuple(n.path for n in denied)
-        numbers = tuple(n.numbers for n in denied)
         what = ", ".join(n.path for n in denied)
         if cg is not None:  # the re-grant in place first: the fastest repair
             actions += cg.plan_regrant(c, denied, remedy, deniers.get(c.container_id, ()))
@@ -270,11 +290,7 @@ def audit(
                     target=c.unit,
                     unit=c.unit,
                     devices=tuple((n.dev_char, "rw") for n in denied),
-                    reconciler=RECONCILER,
-                    pod_uid=c.pod_uid,
-                    container_id=c.container_id,
-                    nodes=paths,
-                    numbers=numbers,
+                    **subject(c, denied),
                 )
             )
     return tuple(findings), tuple(actions)

@@ -1,0 +1,84 @@
+"""What a container scope's unit files say of its device access: systemd's intent,
+which its cgroup shows only once systemd has applied it.
+
+runc's systemd driver starts a container's scope with no device property and sets
+`DevicePolicy=strict` and its `DeviceAllow=` list afterwards over the bus (systemd
+writes them to /run/systemd/transient/UNIT.d/50-*.conf at once); systemd realizes the
+cgroup later in its event loop. On a busy node the container's process can run, for a
+moment, in a scope whose cgroup still admits every device while its unit already says
+strict (systemd 252, runc 1.1: tests/integration/test_new_scope_fast_path.py). A scope
+that admits every device is left alone (never narrow: steps/container_access/durable.py),
+so the grant for a new scope asks what its unit says before it believes the cgroup.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from gpuguard.host.paths import Root
+from gpuguard.host.safeio import UnsafeFileError, read_text
+
+TRANSIENT_DIR = "/run/systemd/transient"
+MAX_FILE = 256 * 1024  # a DeviceAllow= list of every node of a large host fits
+MAX_DROPINS = 64
+POLICIES = frozenset({"auto", "closed", "strict"})
+
+
+@dataclass(frozen=True)
+class ScopeDevices:
+    """A scope's device settings after its unit file and drop-ins, in systemd's order."""
+
+    policy: str = "auto"  # systemd's default
+    entries: int = 0  # DeviceAllow= entries left after the last empty one (a reset)
+
+    @property
+    def admits_all(self) -> bool:
+        """`DevicePolicy=auto` without entries: systemd installs no device filter."""
+        return self.policy == "auto" and self.entries == 0
+
+
+def apply_unit_text(current: ScopeDevices, text: str) -> ScopeDevices:
+    """`current` with one unit file's or drop-in's DevicePolicy=/DeviceAllow= lines applied
+    (any section: systemd's transient files write them under the unit's type)."""
+    policy, entries = current.policy, current.entries
+    for raw in text.split("\n"):
+        key, sep, value = raw.strip().partition("=")
+        if not sep:
+            continue
+        key, value = key.strip(), value.strip()
+        if key == "DevicePolicy" and value in POLICIES:
+            policy = value
+        elif key == "DevicePolicy" and not value:
+            policy = "auto"  # an empty assignment resets to the default
+        elif key == "DeviceAllow":
+            entries = entries + 1 if value else 0
+    return ScopeDevices(policy, entries)
+
+
+def scope_devices(root: Root, unit: str) -> Optional[ScopeDevices]:
+    """What `unit`'s transient file and its drop-ins set; None where `unit` has no
+    transient file or one of them cannot be read (its cgroup is all there is to go by)."""
+    base = root.path(TRANSIENT_DIR)
+    files = [base / unit]
+    dropins = base / f"{unit}.d"
+    try:
+        names = sorted(n for n in (p.name for p in dropins.iterdir()) if n.endswith(".conf"))
+    except OSError:
+        names = []
+    files += [dropins / n for n in names[:MAX_DROPINS]]
+    out = ScopeDevices()
+    for path in files:
+        text = _read(path)
+        if text is None:
+            return None
+        out = apply_unit_text(out, text)
+    return out
+
+
+def _read(path: Path) -> Optional[str]:
+    try:
+        return read_text(path, what="systemd transient unit file", max_bytes=MAX_FILE)
+    except UnsafeFileError:
+        return None
