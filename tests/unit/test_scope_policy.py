@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuguard.devices.scopepolicy import ScopeDevices, apply_unit_text, scope_devices
+from gpuguard.devices.scopepolicy import MAX_DROPINS, ScopeDevices, apply_unit_text, scope_devices
 from gpuguard.host.paths import Root
 
 UNIT = f"cri-containerd-{'c' * 64}.scope"
@@ -70,6 +70,13 @@ def test_unreadable_files_say_nothing(tmp_path: Path) -> None:
     big.unlink()
     big.write_text("DeviceAllow=/dev/char/1:3 rwm\n" * 20000)
     assert scope_devices(Root(tmp_path), UNIT) is None  # over the bound
+    big.unlink()
+    many = tmp_path / f"run/systemd/transient/{UNIT}.d"
+    for i in range(MAX_DROPINS + 1):
+        (many / f"{i:03d}-x.conf").write_text("[Scope]\nDevicePolicy=strict\n")
+    assert scope_devices(Root(tmp_path), UNIT) is None  # more drop-ins than it reads
+    (many / "000-x.conf").unlink()
+    assert scope_devices(Root(tmp_path), UNIT) == ScopeDevices("strict", 0)
 
 
 def test_new_scope_whose_unit_confines_it_waits_for_systemd(

@@ -13,6 +13,8 @@ so the grant for a new scope asks what its unit says before it believes the cgro
 
 from __future__ import annotations
 
+import itertools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -59,15 +61,20 @@ def apply_unit_text(current: ScopeDevices, text: str) -> ScopeDevices:
 
 def scope_devices(root: Root, unit: str) -> Optional[ScopeDevices]:
     """What `unit`'s transient file and its drop-ins set; None where `unit` has no
-    transient file or one of them cannot be read (its cgroup is all there is to go by)."""
+    transient file, one of them cannot be read, or it has more than MAX_DROPINS
+    entries in its drop-in directory (the last ones decide; its cgroup is all there is
+    to go by)."""
     base = root.path(TRANSIENT_DIR)
     files = [base / unit]
     dropins = base / f"{unit}.d"
     try:
-        names = sorted(n for n in (p.name for p in dropins.iterdir()) if n.endswith(".conf"))
+        with os.scandir(dropins) as it:  # read no further than the bound
+            listed = [e.name for e in itertools.islice(it, MAX_DROPINS + 1)]
     except OSError:
-        names = []
-    files += [dropins / n for n in names[:MAX_DROPINS]]
+        listed = []
+    if len(listed) > MAX_DROPINS:
+        return None
+    files += [dropins / n for n in sorted(n for n in listed if n.endswith(".conf"))]
     out = ScopeDevices()
     for path in files:
         text = _read(path)
