@@ -23,8 +23,8 @@ import pytest
 
 from conftest import REPO
 from integration.pkgroot import PackageRoot, debian_root, require_pkgroot_tools
-from integration.pkgroot.roots import stamp
-from integration.pkgroot.wheels import cached, pip, pip_target
+from integration.pkgroot.roots import cached, stamp
+from integration.pkgroot.wheels import pip, pip_target
 
 pytestmark = pytest.mark.root
 

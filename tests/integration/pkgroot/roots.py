@@ -29,7 +29,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 DEBIAN_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 MIRROR = os.environ.get("GPUGUARD_TEST_MIRROR", "http://deb.debian.org/debian")
@@ -88,9 +88,13 @@ def stamp() -> str:
     return os.environ.get("GPUGUARD_TEST_ROOT_STAMP") or datetime.date.today().strftime("%Y-%m")
 
 
+def root_key_text(suite: Suite) -> str:
+    """What a root is made from: its cache key hashes this."""
+    return "|".join([FORMAT, suite.name, "minbase", MIRROR, ",".join(suite.packages), stamp()])
+
+
 def root_key(suite: Suite) -> str:
-    text = "|".join([FORMAT, suite.name, "minbase", MIRROR, ",".join(suite.packages), stamp()])
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return cache_key(root_key_text(suite))
 
 
 def root_path(name: str) -> Path:
@@ -98,19 +102,50 @@ def root_path(name: str) -> Path:
     return CACHE / f"debootstrap-{suite.name}-{root_key(suite)}"
 
 
+def cache_key(key_text: str) -> str:
+    return hashlib.sha256(key_text.encode()).hexdigest()[:16]
+
+
+def cached(
+    kind: str,
+    key_text: str,
+    make: Callable[[Path], None],
+    *,
+    superseded: Callable[[Path], bool] = lambda old: True,
+) -> Path:
+    """``CACHE/<kind>-<key>``, made by ``make(directory)`` if absent, in a temporary
+    directory renamed into place when complete; one maker at a time (a lock per kind).
+    Once made, the other directories of ``kind`` that are ``superseded`` are removed."""
+    final = CACHE / f"{kind}-{cache_key(key_text)}"
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f".lock-{kind}", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (final / ".complete").exists():
+            return final
+        tmp = CACHE / f".tmp-{kind}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            make(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        (tmp / ".complete").write_text(key_text + "\n")
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        for old in CACHE.glob(f"{kind}-*"):
+            if old != final and superseded(old):
+                shutil.rmtree(old, ignore_errors=True)
+        return final
+
+
 def debian_root(name: str = "bookworm") -> Tuple[Path, Optional[float]]:
     """The cached root of suite ``name`` (made if absent) and the seconds it took to make,
     if made now."""
     suite = SUITES[name]
-    CACHE.mkdir(parents=True, exist_ok=True)
-    final = root_path(name)
-    with open(CACHE / f".lock-{suite.name}", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (final / ".complete").exists():
-            return final, None
-        shutil.rmtree(final, ignore_errors=True)
-        tmp = CACHE / f".tmp-{suite.name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
+    took: List[float] = []
+
+    def make(tmp: Path) -> None:
         t0 = time.monotonic()
         argv = ["debootstrap", "--variant=minbase", "--include=" + ",".join(suite.packages)]
         argv += [suite.name, str(tmp), MIRROR]
@@ -124,7 +159,6 @@ def debian_root(name: str = "bookworm") -> Tuple[Path, Optional[float]]:
         if res.returncode != 0:
             log = tmp / "debootstrap/debootstrap.log"
             detail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
-            shutil.rmtree(tmp, ignore_errors=True)
             raise AssertionError(
                 f"debootstrap {suite.name} failed ({res.returncode}):\n"
                 f"{res.stdout[-2000:]}\n{res.stderr[-2000:]}\n{detail}"
@@ -143,12 +177,16 @@ def debian_root(name: str = "bookworm") -> Tuple[Path, Optional[float]]:
             "seconds": round(seconds, 1),
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-        (tmp / ".complete").write_text(f"{suite.name} {root_key(suite)}\n")
-        os.rename(tmp, final)
-        for old in CACHE.glob(f"debootstrap-{suite.name}-*"):
-            if old != final and superseded(old, suite):
-                shutil.rmtree(old, ignore_errors=True)
-        return final, seconds
+        took.append(seconds)
+
+    final = cached(
+        f"debootstrap-{suite.name}",
+        root_key_text(suite),
+        make,
+        superseded=lambda old: superseded(old, suite),
+    )
+    assert final == root_path(name)
+    return final, (took[0] if took else None)
 
 
 def superseded(path: Path, suite: Suite) -> bool:

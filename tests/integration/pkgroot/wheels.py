@@ -4,24 +4,19 @@ A root's own interpreter (Debian 11's 3.9, Debian 13's 3.13) gets what a test ne
 beyond the release's packages as binary wheels for that CPython, fetched here with
 this checkout's pip (``--python-version``, ``--only-binary=:all:``) and kept under
 ``/var/cache/gpuguard-tests`` (``GPUGUARD_TEST_CACHE``), keyed by what was asked for and
-the month (:func:`integration.pkgroot.roots.stamp`): :func:`cached` makes a directory
-once, in a temporary one renamed into place when complete, and removes the older ones
-of the same kind.
+the month (:func:`integration.pkgroot.roots.stamp`), made once by
+:func:`integration.pkgroot.roots.cached` as the roots are.
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import os
-import shutil
 import subprocess
 import sys
 from importlib.metadata import version
 from pathlib import Path
-from typing import Callable, Sequence, Tuple
+from typing import Sequence, Tuple
 
-from integration.pkgroot.roots import CACHE, stamp
+from integration.pkgroot.roots import cached, stamp
 
 
 def pip_target(python: str) -> Tuple[str, ...]:
@@ -32,33 +27,6 @@ def pip_target(python: str) -> Tuple[str, ...]:
         "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux2014_x86_64",
         "--only-binary=:all:",
     )  # fmt: skip
-
-
-def cached(kind: str, key_text: str, make: Callable[[Path], None]) -> Path:
-    """``CACHE/<kind>-<key>``, made by ``make(directory)`` if absent; one maker at a
-    time (a lock per kind); the other directories of ``kind`` removed once it is made."""
-    key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
-    final = CACHE / f"{kind}-{key}"
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with open(CACHE / f".lock-{kind}", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (final / ".complete").exists():
-            return final
-        tmp = CACHE / f".tmp-{kind}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        try:
-            make(tmp)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        (tmp / ".complete").write_text(key_text + "\n")
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-        for old in CACHE.glob(f"{kind}-*"):
-            if old != final:
-                shutil.rmtree(old, ignore_errors=True)
-        return final
 
 
 def pip(*args: str) -> None:
