@@ -1,0 +1,186 @@
+"""The configuration sections about the node's services: [Daemon], [Kubelet], [Systemd]."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Tuple
+
+from gpuguard.config.keyspec import DEFAULT_ORIGIN as DEFAULT_ORIGIN
+from gpuguard.config.keyspec import SEE_ALSO as SEE_ALSO
+from gpuguard.config.keyspec import KeySpec as KeySpec
+from gpuguard.config.keyspec import _key
+from gpuguard.config.types import (
+    AbsPath,
+    Bool,
+    Choice,
+    Int,
+    ResourcePattern,
+    ServiceUnit,
+    SpaceList,
+    TimeSpan,
+)
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    SECTION: ClassVar[str] = "Daemon"
+
+    audit_interval: float = _key(
+        "AuditInterval",
+        TimeSpan(1.0),
+        "5min",
+        "Run a full audit pass this often even when no event arrived, "
+        "to catch changes that no signal reports.",
+    )
+    quiet_period: float = _key(
+        "QuietPeriod",
+        TimeSpan(0.0),
+        "150ms",
+        "Wait this long after the last event before a pass, so a burst of events causes one pass.",
+    )
+    max_delay: float = _key(
+        "MaxDelay",
+        TimeSpan(0.0),
+        "2s",
+        "Run a pass at most this long after the first event of a burst, even if "
+        "events keep arriving. Must not be shorter than QuietPeriod.",
+    )
+    reload_quiet_period: float = _key(
+        "ReloadQuietPeriod",
+        TimeSpan(0.0),
+        "5ms",
+        "The shorter quiet period used once systemd reports the end of a "
+        "daemon-reload or daemon-reexec (its burst of signals is over, and running "
+        "GPU containers may just have lost their devices), and after a uevent that "
+        "adds or binds a GPU or an NVIDIA module (something became usable).",
+    )
+    private_socket: str | None = _key(
+        "PrivateSocket",
+        AbsPath(optional=True),
+        "/run/systemd/private",
+        "Read systemd's Reloading signal from its private socket (root only; the one "
+        "systemctl uses), where the end of a daemon-reload arrives before systemctl "
+        "returns, tens of ms before the bus delivers it; the bus stays in use for "
+        "everything else, and for reloads while this connection is down. Empty: the "
+        "bus only.",
+    )
+    mode: str = _key(
+        "Mode",
+        Choice("repair", "observe"),
+        "repair",
+        "repair: find and repair. observe: find, report, export metrics and node "
+        "conditions and journal the plan, and change nothing anywhere: no checkpoint "
+        "rewrite, no kubelet or device plugin restart, no cgroup write, device program, "
+        "unit property or drop-in, in the daemon, kubelet's pre-start hook and `gpuguard "
+        "check` alike: the canary stage of a rollout. Operator hooks still run, "
+        "with GPUGUARD_DRY_RUN=1. A probe still runs where a cgroup v2 program cannot be "
+        "read: a short-lived process joins the container's cgroup and opens the node, "
+        "which changes no access.",
+    )
+    dry_run: bool = _key(
+        "DryRun",
+        Bool(),
+        "no",
+        "yes: the same as Mode=observe (kept for configurations that set it).",
+    )
+    hook_timeout: float = _key(
+        "HookTimeout",
+        TimeSpan(0.001),
+        "10s",
+        "Kill an operator hook in /etc/gpuguard/hooks.d, with its whole process "
+        "group, when it runs longer than this.",
+    )
+    log_level: str = _key(
+        "LogLevel",
+        Choice("debug", "info", "warning", "error"),
+        "info",
+        "The least severe messages that are logged to the journal.",
+    )
+
+    @property
+    def observe(self) -> bool:
+        """Mode=observe (or DryRun=yes): find and report, change nothing."""
+        return self.mode == "observe" or self.dry_run
+
+
+@dataclass(frozen=True)
+class KubeletConfig:
+    SECTION: ClassVar[str] = "Kubelet"
+
+    unit: str | None = _key(
+        "Unit",
+        ServiceUnit(optional=True),
+        "",
+        "The kubelet's systemd unit, restarted (or stopped and started) around a "
+        "checkpoint repair. Empty: the unit the running kubelet is in (its process's "
+        "cgroup), else the first of [Systemd] KubeletUnits= that is loaded.",
+    )
+    checkpoint_path: str = _key(
+        "CheckpointPath",
+        AbsPath(),
+        "/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint",
+        "The kubelet device manager's checkpoint that gpuguard checks and repairs.",
+    )
+    policy: str = _key(
+        "Policy",
+        Choice("rewrite", "delete", "report"),
+        "rewrite",
+        "What to do with stale GPU entries in the checkpoint: rewrite it without "
+        "them, delete the whole file (kubelet rebuilds it), or only report them.",
+    )
+    resources: Tuple[str, ...] = _key(
+        "Resources",
+        SpaceList(ResourcePattern()),
+        "nvidia.com/gpu nvidia.com/gpu.shared nvidia.com/mig-*",
+        "Extended resources (glob patterns) whose checkpoint entries gpuguard "
+        "manages; entries of other resources are never touched.",
+    )
+    backup_dir: str = _key(
+        "BackupDir",
+        AbsPath(),
+        "/var/lib/gpuguard/backups",
+        "Where a copy of the checkpoint is saved before each change.",
+    )
+    backup_keep: int = _key(
+        "BackupKeep",
+        Int(1, 10000),
+        "20",
+        "How many of the most recent checkpoint backups to keep; older ones are deleted.",
+    )
+    restart_kubelet: bool = _key(
+        "RestartKubelet",
+        Bool(),
+        "yes",
+        "Restart the kubelet around a checkpoint repair so it reloads the file; "
+        "no: only a stopped kubelet's checkpoint is repaired.",
+    )
+
+
+@dataclass(frozen=True)
+class SystemdConfig:
+    SECTION: ClassVar[str] = "Systemd"
+
+    runtime_units: Tuple[str, ...] = _key(
+        "RuntimeUnits",
+        SpaceList(ServiceUnit()),
+        "containerd.service crio.service docker.service",
+        "Container runtime units whose (re)starts trigger a pass; units that do "
+        "not exist are ignored.",
+    )
+    kubelet_units: Tuple[str, ...] = _key(
+        "KubeletUnits",
+        SpaceList(ServiceUnit()),
+        "kubelet.service k3s.service k3s-agent.service rke2-agent.service rke2-server.service",
+        "The units that may run kubelet (kubeadm and most distributions: kubelet.service; "
+        "k3s and RKE2 run it inside their own unit): their starts and stops trigger a "
+        "pass, and [Kubelet] Unit= is chosen from them. Units that do not exist are "
+        "ignored. The package installs kubelet's pre-start hook as a drop-in for each of "
+        "these five; another unit needs one too (see gpuguard(8)).",
+    )
+    max_in_flight: int = _key(
+        "MaxInFlight",
+        Int(1, 4096),
+        "64",
+        "The most D-Bus calls gpuguard has in flight at once, e.g. while it reads "
+        "unit properties during a scan.",
+    )
