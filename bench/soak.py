@@ -50,6 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "src"))
 
+import memtrace  # noqa: E402  (bench/, beside this file)
 from gpuguard.devices.rules import RUNC_DEFAULT_RULES  # noqa: E402
 from integration.daemon_faults import (  # noqa: E402
     SERVICE,
@@ -280,6 +281,19 @@ def main(argv: Sequence[str] = ()) -> int:
     ap.add_argument("--rate", type=float, default=1.0, help="events per second (1)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--layout", choices=("v1", "v2"), default="v1", help="cgroup layout (v1)")
+    ap.add_argument(
+        "--memtrace",
+        action="store_true",
+        help="run the daemon under tracemalloc (bench/memtrace.py) and print what grew "
+        "between minute 1 and the end, by line (slows the daemon: not for timings)",
+    )
+    ap.add_argument(
+        "--unit-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an Environment= for the daemon's unit (experiments: MALLOC_ARENA_MAX=8)",
+    )
     args = ap.parse_args(list(argv) or None)
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
     # SIGTERM (e.g. timeout(1)) must still stop the namespace and remove its cgroups
@@ -301,7 +315,11 @@ def main(argv: Sequence[str] = ()) -> int:
 
     load0 = os.getloadavg()[0]
     try:
-        ns = boot_gpu_node(factory, work, [])
+        units = {MEMTRACE_UNIT: MEMTRACE_DROPIN} if args.memtrace else {}
+        if args.unit_env:
+            env = "".join(f"Environment={e}\n" for e in args.unit_env)
+            units["gpuguard.service.d/61-env.conf"] = f"[Service]\n{env}"
+        ns = boot_gpu_node(factory, work, [], units=units)
         ns.systemctl("start", SERVICE, "kubelet.service")
         soak = Soak(ns, devdir, args.containers, rng)
         for c in soak.ctrs:
@@ -328,6 +346,8 @@ def main(argv: Sequence[str] = ()) -> int:
             counts[event] += 1
             time.sleep(min(max(0.0, end - time.monotonic()), rng.expovariate(args.rate)))
             if time.monotonic() > next_report:
+                if args.memtrace and next_report == t0 + 60:
+                    ns.systemctl("kill", "--signal=SIGUSR2", SERVICE, check=False)
                 next_report += 60
                 last = mon.samples[-1] if mon.samples else None
                 print(
@@ -343,12 +363,36 @@ def main(argv: Sequence[str] = ()) -> int:
         mon.stopping.set()
         mon.join()
         report(soak, mon, seconds, counts)
+        if args.memtrace:
+            memtrace_report(ns)
         print(f"load average: {load0:.2f} at start, {os.getloadavg()[0]:.2f} at end")
     finally:
         for ns in made:
             ns.stop()
         shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+MEMTRACE_UNIT = "gpuguard.service.d/60-memtrace.conf"
+MEMTRACE_DROPIN = (
+    f"[Service]\nExecStart=\nExecStart={REPO}/.venv/bin/python {REPO}/bench/memtrace.py daemon\n"
+    "Environment=GPUGUARD_MEMTRACE_DIR=/var/lib/gpuguard/memtrace\n"
+)
+
+
+def memtrace_report(ns: SystemdNamespace) -> None:
+    """What grew in the daemon between the snapshot at minute 1 and one taken now."""
+    snaps = ns.path("/var/lib/gpuguard/memtrace")
+    ns.systemctl("kill", "--signal=SIGUSR2", SERVICE, check=False)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (snaps / "snap-1.pickle").exists():
+        time.sleep(0.5)
+    time.sleep(2)  # written in one go, but give a big snapshot time to land
+    try:
+        print("memory growth by line (tracemalloc, minute 1 to the end):")
+        print("\n".join(memtrace.compare(snaps / "snap-0.pickle", snaps / "snap-1.pickle")))
+    except (OSError, EOFError) as e:
+        print(f"no tracemalloc snapshots to compare: {e}")
 
 
 def _settle_quietly(ns: SystemdNamespace) -> None:

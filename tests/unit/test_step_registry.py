@@ -220,7 +220,7 @@ def test_the_daemon_runs_the_fast_paths_its_steps_declare_then_marks(tmp_path: P
     assert marks == [(frozenset({"container_access"}), False)]
     d._write_status()  # the fast paths' figures go to the status file
     doc = json.loads(d.root.path("/run/gpuguard/status.json").read_text())
-    assert doc["fast_paths"] == {"new_scopes": {"calls": 2}}
+    assert doc["fast_paths"] == {"new_scopes": {"calls": 2}, "scope_resets": {}}
 
 
 def test_the_container_access_step_declares_both_fast_paths_by_their_protocols() -> None:
@@ -228,6 +228,7 @@ def test_the_container_access_step_declares_both_fast_paths_by_their_protocols()
 
     step = ContainerAccessStep()
     assert isinstance(step, registry.ReloadFastPath) and isinstance(step, registry.ScopeFastPath)
+    assert isinstance(step, registry.ScopeDevicesFastPath)
     assert not isinstance(Recorder("x"), registry.ReloadFastPath)
 
 
@@ -265,3 +266,31 @@ def test_sources_and_the_daemon_spell_no_step_name_themselves() -> None:
             if isinstance(node, ast.Constant) and node.value in registry.ALL_STEPS:
                 found.append(f"{path.name}:{node.lineno}: {node.value!r}")
     assert found == []
+
+
+class ResetStep(Recorder):
+    """A step with the scope-devices fast path: it takes `takes` and nothing else."""
+
+    def __init__(self, name: str, takes: str) -> None:
+        super().__init__(name)
+        self.takes = takes
+        self.seen: list[str] = []
+
+    def on_scope_devices(self, svc: Services, unit: str, again: Callable[[str], None]) -> bool:
+        self.seen.append(unit)
+        return unit == self.takes
+
+
+def test_a_scope_devices_event_is_marked_unless_the_fast_path_takes_it(tmp_path: Path) -> None:
+    d = daemon(tmp_path, SPECS)
+    step = ResetStep("container_access", takes="lost.scope")
+    assert isinstance(step, registry.ScopeDevicesFastPath)
+    d.steps["container_access"] = step
+    marks: list[frozenset[str]] = []
+    d.coalescer.mark = lambda names, why, urgent: marks.append(names)  # type: ignore[method-assign]
+    d.on_event(Event(EventKind.SCOPE_DEVICES_SET, "systemd: lost.scope", unit="lost.scope"))
+    assert marks == []  # taken: the step asks for its pass itself
+    d.on_event(Event(EventKind.SCOPE_DEVICES_SET, "systemd: kept.scope", unit="kept.scope"))
+    d.on_event(Event(EventKind.SCOPE_DEVICES_SET, "inotify queue overflowed"))  # no unit
+    assert step.seen == ["lost.scope", "kept.scope"]
+    assert marks == [frozenset({"container_access"})] * 2

@@ -33,7 +33,12 @@ class ScopeDevices:
     """A scope's device settings after its unit file and drop-ins, in systemd's order."""
 
     policy: str = "auto"  # systemd's default
-    entries: int = 0  # DeviceAllow= entries left after the last empty one (a reset)
+    # DeviceAllow= entries left after the last empty one (a reset): (path, access)
+    allowed: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def entries(self) -> int:
+        return len(self.allowed)
 
     @property
     def admits_all(self) -> bool:
@@ -44,7 +49,7 @@ class ScopeDevices:
 def apply_unit_text(current: ScopeDevices, text: str) -> ScopeDevices:
     """`current` with one unit file's or drop-in's DevicePolicy=/DeviceAllow= lines applied
     (any section: systemd's transient files write them under the unit's type)."""
-    policy, entries = current.policy, current.entries
+    policy, allowed = current.policy, list(current.allowed)
     for raw in text.split("\n"):
         key, sep, value = raw.strip().partition("=")
         if not sep:
@@ -54,9 +59,12 @@ def apply_unit_text(current: ScopeDevices, text: str) -> ScopeDevices:
             policy = value
         elif key == "DevicePolicy" and not value:
             policy = "auto"  # an empty assignment resets to the default
+        elif key == "DeviceAllow" and value:
+            path, _, access = value.partition(" ")
+            allowed.append((path, access.strip() or "rwm"))  # systemd's default: all
         elif key == "DeviceAllow":
-            entries = entries + 1 if value else 0
-    return ScopeDevices(policy, entries)
+            allowed.clear()
+    return ScopeDevices(policy, tuple(allowed))
 
 
 def scope_devices(root: Root, unit: str) -> Optional[ScopeDevices]:

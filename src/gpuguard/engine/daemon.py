@@ -22,7 +22,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from gpuguard.config import Config, load_config
 from gpuguard.engine import report
 from gpuguard.engine.coalescer import Coalescer
-from gpuguard.engine.gcpause import collector_paused, freeze_long_lived, thaw
+from gpuguard.engine.fastpaths import run_fast_paths
+from gpuguard.engine.gcpause import freeze_long_lived, thaw
 from gpuguard.engine.inventory_reader import InventoryReader
 from gpuguard.engine.operation import OffSwitchGate, journal_observe
 from gpuguard.engine.passes import PassContext, Work
@@ -38,15 +39,12 @@ from gpuguard.journal.conditions import finding_id
 from gpuguard.journal.log import EventLog
 from gpuguard.reporting.ledger import Ledger
 from gpuguard.reporting.metrics_output import MetricsOutput
-from gpuguard.reporting.metrics_state import REPAIR_HISTOGRAM
 from gpuguard.reporting.status import OutcomeRecord, PassRecord, Status
 from gpuguard.sources import Sources
 from gpuguard.steps.events import Event, EventKind
 from gpuguard.steps.registry import (
     STEP_ORDER,
     WAKES,
-    ReloadFastPath,
-    ScopeFastPath,
     Step,
     Wakes,
     check_names,
@@ -126,48 +124,13 @@ class Daemon:
         if self.switched_off():
             return
         names = woken_by(event.kind, frozenset(self.step_order), self.wakes)
-        if event.kind is EventKind.SYSTEMD_RELOADED:
-            self._reload_fast_paths(event.at)
-        elif event.kind is EventKind.SCOPE_STARTED:
-            names -= self._scope_fast_paths(names, event)
+        names -= run_fast_paths(self, names, event)
         if names:
             self.mark(names, event.why, event.urgent)
 
-    # -- fast paths: work that must not wait for the quiet period or a running pass --
+    def again(self, name: str) -> Callable[[str], None]:
+        """What a fast path calls to ask for its step's pass once it is done."""
 
-    def _reload_fast_paths(self, signal: float) -> None:
-        """systemd ended a daemon-reload/reexec: each step's reload fast path, inline on
-        the loop, now (the pass that repairs the rest is marked next, urgently), with no
-        garbage collection in between (gcpause.py)."""
-        restored: list[float] = []
-        with collector_paused():
-            for name, step in self.steps.items():
-                if not isinstance(step, ReloadFastPath):
-                    continue
-                try:
-                    done = step.on_reload(self, signal)
-                except Exception as e:  # the pass that follows retries: never the loop down
-                    self.log.crashed(name, "reload fast path", e)
-                    continue
-                if done is not None:
-                    restored.append(done)
-        # This reload's repair time, written with the next pass's metrics
-        if self.metrics is not None and restored:
-            self.metrics.state.observe(REPAIR_HISTOGRAM, max(0.0, max(restored) - signal))
-
-    def _scope_fast_paths(self, names: frozenset[str], event: Event) -> frozenset[str]:
-        """A container scope's job ended: the woken steps with a fast path for it handle
-        that scope on their own, and each asks for its pass when it is done. Returns
-        those steps (the others are marked at once)."""
-        gpus = self.inventory.gpus if self.inventory is not None else ()
-        served = set()
-        for name, step in self.steps.items():
-            if name in names and isinstance(step, ScopeFastPath):
-                step.on_new_scope(self, event.unit, gpus, self._again(name))
-                served.add(name)
-        return frozenset(served)
-
-    def _again(self, name: str) -> Callable[[str], None]:
         def again(why: str) -> None:
             self.mark(frozenset({name}), why, False)
 

@@ -101,10 +101,12 @@ class ReloadFigures:
 
 @dataclass(frozen=True)
 class FastPaths:
-    """The fast paths' last figures: the reload's re-grant and new scopes' grants."""
+    """The fast paths' last figures: the reload's re-grant, new scopes' grants and the
+    grants set again after a scope's DeviceAllow= was reset at runtime."""
 
     reload: Optional[ReloadFigures] = None
     new_scopes: Mapping[str, Figure] = field(default_factory=dict)
+    scope_resets: Mapping[str, Figure] = field(default_factory=dict)
 
     @classmethod
     def parse(cls, v: Any, where: str) -> FastPaths:
@@ -113,13 +115,16 @@ class FastPaths:
         return cls(
             reload=ReloadFigures.parse(reload.doc, reload.where) if reload else None,
             new_scopes=o.mapping("new_scopes", _figure, max_items=32, default={}),
+            scope_resets=o.mapping("scope_resets", _figure, max_items=32, default={}),
         )
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "new_scopes": {
-                k: list(v) if isinstance(v, tuple) else v for k, v in self.new_scopes.items()
-            }
+            name: {k: list(v) if isinstance(v, tuple) else v for k, v in figures.items()}
+            for name, figures in (
+                ("new_scopes", self.new_scopes),
+                ("scope_resets", self.scope_resets),
+            )
         }
         if self.reload is not None:
             out["reload"] = self.reload.to_json()

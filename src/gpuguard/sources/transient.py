@@ -142,7 +142,7 @@ class TransientWatch:
 
     def _set(self, unit: str, what: str) -> None:
         why = f"systemd: {unit}: {what} set at runtime (a runtime's update, or a grant)"
-        self.emit(Event(EventKind.SCOPE_DEVICES_SET, why))
+        self.emit(Event(EventKind.SCOPE_DEVICES_SET, why, unit=unit))
 
     def _readable(self) -> None:
         try:

@@ -70,6 +70,15 @@ class ScopeFastPath(Protocol):
     ) -> None: ...
 
 
+@runtime_checkable
+class ScopeDevicesFastPath(Protocol):
+    """A step that may repair one scope whose device properties were set at runtime
+    (SCOPE_DEVICES_SET naming its unit) before any pass: True when it took the event
+    (it calls `again(why)` for its pass when done), False to be marked as usual."""
+
+    def on_scope_devices(self, svc: Services, unit: str, again: Callable[[str], None]) -> bool: ...
+
+
 # What may change anything on the node: every step looks.
 EVERY_CHANGE: frozenset[E] = frozenset({
     E.START_UP, E.CONFIG_RELOADED, E.AUDIT, E.SYSTEMD_RELOADED, E.SYSTEMD_REEXECUTED,

@@ -64,9 +64,17 @@ class ContainerAccessStep:
         """A container scope started: its durable grant on its own (newscope.py)."""
         self.state.scopes.announce(svc, unit, gpus, again)
 
+    def on_scope_devices(self, svc: Services, unit: str, again: Callable[[str], None]) -> bool:
+        """A scope's DeviceAllow= was set at runtime: what gpuguard granted it set again
+        at once where it was lost (resetscope.py); False leaves it to the pass."""
+        return self.state.resets.on_devices_set(svc, unit, again)
+
     def fast_status(self) -> Mapping[str, object]:
         """The fast paths' last figures, for the status file (and bench/)."""
-        out: dict[str, object] = {"new_scopes": self.state.scopes.status()}
+        out: dict[str, object] = {
+            "new_scopes": self.state.scopes.status(),
+            "scope_resets": self.state.resets.status(),
+        }
         if self.state.last_reload is not None:
             out["reload"] = self.state.last_reload.to_json()
         return out

@@ -27,6 +27,7 @@ from gpuguard.steps.container_access.durable import ReloadRepair, plan_durable
 from gpuguard.steps.container_access.newscope import NewScopes
 from gpuguard.steps.container_access.observe import AccessObserver
 from gpuguard.steps.container_access.reconcile import audit, unreadable_findings
+from gpuguard.steps.container_access.resetscope import ScopeResets
 from gpuguard.steps.container_access.settle import Settle, settle
 from gpuguard.steps.container_access.view import AccessView
 
@@ -78,6 +79,13 @@ class AccessState:
             self.durable,
             self.carried.outcome,
             admits_all=self.cgroups.admits_all,
+        )
+        self.resets = ScopeResets(
+            self.durable,
+            self.cgroups.grant,
+            self.carried.outcome,
+            lambda: [p for _cg, pairs in self.observer.known for p in pairs],
+            self.scopes.busy,
         )
         self.conditions = Conditions()
         self.pod_restarts: dict[str, float] = {}  # pod UID -> when we last stopped one
