@@ -44,7 +44,7 @@ import time
 import uuid
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
@@ -145,6 +145,7 @@ class Monitor(threading.Thread):
         super().__init__(daemon=True)
         self.ns = ns
         self.samples: List[ProcSample] = []
+        self.times: List[float] = []  # monotonic, one per sample
         self.stopping = threading.Event()
 
     def run(self) -> None:
@@ -156,6 +157,12 @@ class Monitor(threading.Thread):
             s = sample(self.ns, pid) if pid else None
             if s is not None:
                 self.samples.append(s)
+                self.times.append(time.monotonic())
+
+    def rss_at(self, t: float) -> Optional[float]:
+        """RSS (MB) of the last sample at or before monotonic `t` (None: none yet)."""
+        at = [s for s, when in zip(self.samples, self.times) if when <= t]
+        return at[-1].rss_kb / 1024 if at else None
 
 
 class Soak:
@@ -263,6 +270,14 @@ def report(soak: Soak, mon: Monitor, seconds: float, counts: Counter[str]) -> No
         rss = [s.rss_kb / 1024 for s in mon.samples]
         fds = [s.fds for s in mon.samples]
         print(f"RSS: start {rss[0]:.1f} MB, end {rss[-1]:.1f} MB, max {max(rss):.1f} MB")
+        t0 = mon.times[0]
+        marks = [m for m in (2, 10, 30) if t0 + m * 60 <= mon.times[-1]]
+        at = {m: mon.rss_at(t0 + m * 60) for m in marks}
+        print("RSS at minute " + ", ".join(f"{m}: {at[m]:.1f} MB" for m in marks))
+        if 2 in at and mon.times[-1] - t0 > 180:
+            hours = (mon.times[-1] - t0 - 120) / 3600
+            grew = rss[-1] - (at[2] or 0.0)
+            print(f"RSS growth from minute 2 to the end: {grew:+.1f} MB ({grew / hours:+.1f} MB/h)")
         print(f"open fds: start {first.fds}, end {last.fds}, max {max(fds)}")
     by_kind = Counter(str(e.get("GPUGUARD_KIND")) for e in events(ns))
     print(

@@ -32,6 +32,7 @@ from gpuguard.engine.snapshot import HostSnapshot, Planned
 from gpuguard.errors import ConfigError
 from gpuguard.host import aio
 from gpuguard.host.inventory import Inventory
+from gpuguard.host.memtrim import MemoryTrim
 from gpuguard.host.notify import Notifier, watchdog_interval
 from gpuguard.host.paths import Root
 from gpuguard.host.systemd import Systemd, bus_address_for
@@ -81,6 +82,7 @@ class Daemon:
         self.log = log
         self.notifier = notifier
         self.inventory_reader = InventoryReader(log, config, inventory_path)  # each pass's GPUs
+        self.memtrim = MemoryTrim()  # the C heap's freed pages back to the kernel
         self.bus_address = bus_address or bus_address_for(root.prefix)
         self.cli_dry_run = dry_run  # --dry-run: kept across reloads
         self.dry_run = dry_run or config.daemon.observe  # Mode=observe, DryRun=yes
@@ -338,6 +340,7 @@ class Daemon:
         self._write_status()
         self._schedule_followups(self.runner.due(ctx))
         self.notifier.status(self.status_line())
+        self.memtrim.after_pass()
         self.first_pass_done.set()
         if ctx.findings or ctx.outcomes:
             await self._run_hooks(work, ctx)
