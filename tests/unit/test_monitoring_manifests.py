@@ -419,3 +419,39 @@ def test_every_metric_label_and_value_used_is_served() -> None:
         for group in GROUPING.findall(expr):
             for label in filter(None, (x.strip() for x in group.split(","))):
                 assert label in all_labels, f"by/on ({label}): no such label: {expr}"
+
+
+def test_every_alert_has_its_runbook_section() -> None:
+    doc = (REPO / "docs/alerts.md").read_text()
+    sections = dict(re.findall(r"^### (\w+)\n(.*?)(?=^### |\Z)", doc, re.M | re.S))
+    base = "https://github.com/gpuguard/gpuguard/blob/main/docs/alerts.md#"
+    for group in yaml.safe_load(RULES.read_text())["groups"]:
+        for rule in group["rules"]:
+            name, notes = rule["alert"], rule["annotations"]
+            assert rule["labels"]["severity"] in ("critical", "warning", "info"), name
+            assert notes["summary"] and notes["description"], name
+            assert notes["runbook_url"] == base + name.lower(), name  # GitHub's anchor
+            body = sections.get(name, "")
+            for part in ("**Means**", "**Check**", "**Do**"):
+                assert part in body, f"docs/alerts.md: {name} has no {part}"
+
+
+def test_metrics_md_queries_parse(tmp_path: Path) -> None:
+    """docs/metrics.md's queries, copied by hand into consoles: each one parses."""
+    require_tool("promtool")
+    block = METRICS_MD.read_text().split("```promql\n", 1)[1].split("```", 1)[0]
+    queries, current = [], ""
+    for line in block.splitlines():
+        if line.startswith("#"):
+            if current:
+                queries.append(current)
+            current = ""
+        else:
+            current += line + "\n"
+    queries.append(current)
+    rules = [{"record": f"docs:query_{i}", "expr": q} for i, q in enumerate(queries) if q.strip()]
+    assert len(rules) >= 8
+    path = tmp_path / "docs.rules.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "docs", "rules": rules}]}))
+    r = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
