@@ -30,9 +30,10 @@ METRICS_MD = REPO / "docs/metrics.md"
 K8S_VERSIONS = ["1.25.0", kubernetes_validate.latest_version()]
 #: Labels the scrape adds (podmonitor.yaml, scrape-config.yml), and kube-state-metrics'.
 TARGET_LABELS = {"job", "instance", "node"}
-OTHER_EXPORTERS = {
+OTHER_EXPORTERS = {  # kube-state-metrics' (v2) and Prometheus's own
     "up": {"job", "instance", "node"},
     "kube_node_status_capacity": {"node", "resource"},
+    "kube_node_status_condition": {"node", "condition", "status"},
 }
 #: docs/metrics.md's table: the values these labels take.
 OUTCOMES = {"done", "skipped", "dry-run", "declined", "failed"}

@@ -44,6 +44,11 @@ GPU_CAPACITY = {  # kube-state-metrics' series for three GPU nodes (not a gpugua
     for n in ("gpu-a", "gpu-b", "gpu-c")
 }
 
+NOT_READY_AT_30 = {
+    'kube_node_status_condition{condition="Ready",job="kube-state-metrics",node="gpu-a",'
+    'status="true"}': ["1x29 0x30"]
+}
+
 CASES = [
     Case("GpuguardKubeletCheckpointStale", one(P("healthy", 60), P("observe-damaged", 60)), 50, []),
     Case("GpuguardKubeletCheckpointStale", one(P("healthy", 60), P("observe-damaged", 60)), 80, []),
@@ -91,6 +96,9 @@ CASES = [
     ),
     Case("GpuguardDown", one(P("healthy", 30), P(None, 30)), 35, []),
     Case("GpuguardDown", one(P("healthy", 30), P(None, 30)), 50, [{"severity": "warning"}]),
+    Case(  # the node went NotReady: the node's alert, not gpuguard's
+        "GpuguardDown", one(P("healthy", 30), P(None, 30)), 50, [], extra=NOT_READY_AT_30
+    ),
     Case("GpuguardNotPassing", one(P("healthy", 30), P("healthy", 30, passing=False)), 45, []),
     Case(
         "GpuguardNotPassing",
@@ -115,6 +123,13 @@ CASES = [
             Target("gpu-a", (P("healthy", 120),)),
             Target("gpu-c", (P("disabled", 120, passing=False),)),
         ),
+        40,
+        [{"node": "gpu-b", "severity": "warning"}],
+        extra=GPU_CAPACITY,
+    ),
+    Case(  # gpu-c scraped but down: GpuguardDown's, not this alert's
+        "GpuguardAbsent",
+        (Target("gpu-a", (P("healthy", 120),)), Target("gpu-c", (P(None, 120),))),
         40,
         [{"node": "gpu-b", "severity": "warning"}],
         extra=GPU_CAPACITY,
