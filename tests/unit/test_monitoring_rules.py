@@ -4,8 +4,8 @@ scrapes (tests/fixtures/metrics/, README.md there).
 
 A case is a timeline per scrape target: each phase holds one recorded scrape for some
 minutes (None: the endpoint did not answer, `up` 0). Where no recording has the state
-an alert needs (a failed or declined repair, an F2 re-grant, a lost device, another
-version), the phase rewrites a recorded sample's label or value and says so in its
+an alert needs (a failed or declined repair, re-grants again and again, a stale device
+plugin, another version), the phase rewrites a recorded sample's label or value and says so in its
 name; the metric and label names stay the recorded ones. The daemon's last pass time is
 the sample's own time (the recordings' Unix times lie in 2026, promtool starts at 0).
 Annotations are checked by `promtool check rules` (their templates) and dropped from
@@ -67,15 +67,21 @@ CASES = [
     ),
     Case(
         "GpuguardGPUDeviceAccessLost",
-        one(P("healthy", 30), P("healthy", 30, rewrite=condition_true("GPUDeviceAccessLost"))),
-        33,
+        one(P("observe-access-lost", 20), P("access-repaired", 30)),
+        3,
         [],
     ),
     Case(
         "GpuguardGPUDeviceAccessLost",
-        one(P("healthy", 30), P("healthy", 30, rewrite=condition_true("GPUDeviceAccessLost"))),
-        40,
+        one(P("observe-access-lost", 20), P("access-repaired", 30)),
+        10,
         [{**cond("GPUDeviceAccessLost"), "severity": "critical"}],
+    ),
+    Case(
+        "GpuguardGPUDeviceAccessLost",
+        one(P("observe-access-lost", 20), P("access-repaired", 30)),
+        40,
+        [],
     ),
     Case("GpuguardGPUDevicePluginStale", one(P("healthy", 60), P("observe-damaged", 60)), 110, []),
     Case(
@@ -181,34 +187,21 @@ CASES = [
         140,
         [{"kind": "checkpoint-repaired", "severity": "warning"}],
     ),
-    Case(
+    Case("GpuguardRepeatedRepairs", one(P("healthy", 30), P("access-repaired", 240)), 260, []),
+    Case(  # a re-grant every 30 minutes
         "GpuguardRepeatedRepairs",
         one(
             P("healthy", 30),
             P(
-                "repaired",
-                240,
-                rewrite=relabel(
-                    "gpuguard_actions_total", "kind", "checkpoint-repaired", "cgroup-v1-allow"
-                ),
-            ),
-        ),
-        260,
-        [],  # one re-grant
-    ),
-    Case(
-        "GpuguardRepeatedRepairs",
-        one(
-            P("healthy", 30),
-            P(
-                "repaired",
+                "access-repaired",
                 240,
                 rewrite=relabel(
                     "gpuguard_actions_total",
-                    "kind",
-                    "checkpoint-repaired",
-                    "cgroup-v1-allow",
+                    "outcome",
+                    "done",
+                    "done",
                     lambda m: 1 + m // 30,
+                    only=("kind", "cgroup-v1-allow"),
                 ),
             ),
         ),
@@ -220,6 +213,12 @@ CASES = [
         one(P("healthy", 30), P("observe-damaged", 60), P("repaired", 60)),
         140,
         [],  # repaired: the dry-run count stays, the mode is repair
+    ),
+    Case(  # the off switch (the daemon then says observe too): GpuguardDisabledTooLong's
+        "GpuguardObservePendingRepairs",
+        one(P("healthy", 30), P("observe-damaged", 30), P("disabled", 60, passing=False)),
+        110,
+        [],
     ),
     Case(
         "GpuguardObservePendingRepairs",
