@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 import pytest
 import yaml
@@ -301,20 +301,22 @@ def test_every_alert_has_a_firing_and_a_quiet_case() -> None:
     assert firing == quiet == set(alerts())
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.alert}-{c.at}m")
-def test_alert(case: Case, tmp_path: Path) -> None:
+def run_case(
+    case: Case, tmp_path: Path, rules: Path, annotations: Sequence[Dict[str, str]] = ()
+) -> subprocess.CompletedProcess[str]:
     inputs: Dict[str, List[str]] = dict(case.extra)
     for target in case.targets:
         for name, vals in series(target, case.interval).items():
             inputs[name] = [compact(vals)]
-    expected = []
-    for fire in case.fires:
+    expected: List[Dict[str, Dict[str, str]]] = []
+    for i, fire in enumerate(case.fires):
         node = fire.get("node", case.targets[0].node)
         target = next((t for t in case.targets if t.node == node and case.per_target), None)
-        labels = {**(target.labels() if target else {}), **fire}
-        expected.append({"exp_labels": labels})
+        expected.append({"exp_labels": {**(target.labels() if target else {}), **fire}})
+        if annotations:
+            expected[-1]["exp_annotations"] = annotations[i]
     test = {
-        "rule_files": [str(rules_without_annotations(tmp_path))],
+        "rule_files": [str(rules)],
         "evaluation_interval": f"{case.interval}m",
         "tests": [
             {
@@ -328,5 +330,24 @@ def test_alert(case: Case, tmp_path: Path) -> None:
     }
     path = tmp_path / "test.yml"
     path.write_text(yaml.safe_dump(test, sort_keys=False, width=1 << 20))
-    r = promtool("test", "rules", str(path))
+    return promtool("test", "rules", str(path))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.alert}-{c.at}m")
+def test_alert(case: Case, tmp_path: Path) -> None:
+    r = run_case(case, tmp_path, rules_without_annotations(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_annotations_render_with_the_alerts_labels_and_value(tmp_path: Path) -> None:
+    """The shipped rules, annotations included, as Alertmanager receives them."""
+    (case,) = [c for c in CASES if c.alert == "GpuguardRepairsFailing" and c.fires]
+    base = "https://github.com/gpuguard/gpuguard/blob/main/docs/alerts.md"
+    want = {
+        "summary": "gpuguard repairs are failing on gpu-a",
+        "description": "In the last hour 1 checkpoint-repaired repair(s) failed on gpu-a:9835. "
+        "The journal says why (journalctl -u gpuguard -p warning).",
+        "runbook_url": f"{base}#gpuguardrepairsfailing",
+    }
+    r = run_case(case, tmp_path, RULES, [want])
     assert r.returncode == 0, r.stdout + r.stderr
