@@ -235,8 +235,22 @@ def test_crd_check_catches_a_broken_field(name: str, path: Tuple[Any, ...], valu
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
-def test_endpoint_daemonset_validates(version: str) -> None:
-    kubernetes_validate.validate(load("metrics-endpoints.yaml"), version, strict=True)
+@pytest.mark.parametrize("name", ["metrics-endpoints.yaml", "prometheus-rbac.yaml"])
+def test_kubernetes_objects_validate(name: str, version: str) -> None:
+    docs = list(yaml.safe_load_all((MON / name).read_text()))
+    assert docs
+    for doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_prometheus_may_list_the_endpoint_pods() -> None:
+    role, binding = yaml.safe_load_all((MON / "prometheus-rbac.yaml").read_text())
+    ns = load("metrics-endpoints.yaml")["metadata"]["namespace"]
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == ns
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
 
 
 def test_podmonitor_scrapes_the_host_socket_on_the_installers_nodes() -> None:
