@@ -32,6 +32,7 @@ LAYOUT = [
     "/usr/libexec/gpuguard/kubelet-pre-start",
     "/usr/libexec/gpuguard/npd-condition",
     "/usr/share/gpuguard/node-problem-detector/gpuguard-monitor.json",
+    "/usr/share/gpuguard/prometheus/gpuguard.rules.yml",
     "/usr/lib/systemd/system/gpuguard-metrics.socket",
     "/usr/lib/systemd/system/gpuguard-metrics.service",
     "/usr/lib/udev/rules.d/71-gpuguard.rules",
