@@ -27,7 +27,7 @@ from gpuguard.devices.nodes import (
 )
 from gpuguard.devices.pci import read_pci_gpus
 from gpuguard.doctor.kubelet import hook_dropin, kubelet_config, units_to_check
-from gpuguard.doctor.textconf import toml_scalars, toml_tables
+from gpuguard.doctor.textconf import Unreadable, toml_scalars, toml_tables
 from gpuguard.host import safeio
 from gpuguard.host.inventory import Inventory
 from gpuguard.host.offswitch import OffSwitch, read_off_switch
@@ -113,8 +113,11 @@ def read_conf(root: Root, path: str, parse: Callable[[str], Mapping[str, str]]) 
             return ConfFile(path, error="missing")
         return ConfFile(path, error=f"cannot read {path}: {e.message}")
     text = data.decode("utf-8", errors="replace")
-    tables = tuple(toml_tables(text)) if parse is toml_scalars else ()
-    return ConfFile(path, parse(text), tables)
+    try:
+        tables = tuple(toml_tables(text)) if parse is toml_scalars else ()
+        return ConfFile(path, parse(text), tables)
+    except Unreadable as e:  # as its owner would refuse it, or past the parser's bounds
+        return ConfFile(path, error=f"cannot parse {path}: {e}")
 
 
 def cgroup_layout(root: Root) -> tuple[str, str]:
@@ -277,7 +280,7 @@ def gather(
     """`live`: whether to ask systemd too (default: only when the root is "/");
     `kubelet_units`: where kubelet may run ([Systemd] KubeletUnits=)."""
     live = root.is_host if live is None else live
-    kc = kubelet_config(root, lambda path: _read_text(root, path))
+    kc = kubelet_config(root, lambda path: _read_text(root, path), kubelet_units)
     dropin_path, dropin_state, unit = kubelet_dropin(
         root, run, live, units_to_check(kc.process, kubelet_units)
     )

@@ -159,7 +159,7 @@ class DevicePluginStep:
 
         unit = svc.config.kubelet.unit
         if unit is None:  # [Kubelet] Unit= empty: the one kubelet runs in
-            from gpuguard.devices.kubeletproc import kubelet_unit
+            from gpuguard.devices.kubelettrust import kubelet_unit
 
             unit, _why = kubelet_unit(svc.root, svc.config.systemd.kubelet_units)
         try:
