@@ -26,6 +26,7 @@ from pathlib import PurePosixPath
 from typing import Optional, Sequence
 
 from gpuguard.devices.kubeletproc import KubeletProcess, kubelet_processes
+from gpuguard.host.echo import cut
 from gpuguard.host.paths import Root
 from gpuguard.model import Finding
 
@@ -59,9 +60,9 @@ class Refused:
         return Finding(
             FINDING_KIND,
             reconciler,
-            f"{self.process.describe()} ignored: {self.why}; gpuguard acts on no unit "
-            "and reads no configuration because of it",
-            {"PID": str(self.process.pid), "UNIT": self.process.unit, "REASON": self.why},
+            f"{cut(self.process.describe(), 200)} ignored: {cut(self.why, 300)}; gpuguard "
+            "acts on no unit and reads no configuration because of it",
+            {"PID": str(self.process.pid), "UNIT": cut(self.process.unit), "REASON": self.why},
         )
 
 
@@ -78,7 +79,9 @@ class Kubelets:
         return [r.finding(reconciler) for r in self.refused]
 
     def describe_refused(self) -> str:
-        return "; ".join(f"{r.process.describe()} ignored: {r.why}" for r in self.refused)
+        shown = [f"{cut(r.process.describe(), 200)} ignored: {r.why}" for r in self.refused[:4]]
+        more = len(self.refused) - len(shown)
+        return "; ".join(shown + ([f"{more} more"] if more > 0 else []))
 
 
 def exe_path_trusted(path: str) -> bool:
