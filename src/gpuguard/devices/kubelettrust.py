@@ -127,7 +127,7 @@ def exe_why(root: Root, pid: int) -> str:
         return f"its executable cannot be read ({e.strerror})"
     deleted = path.endswith(_DELETED)
     path = path[: -len(_DELETED)] if deleted else path
-    if not path.startswith("/") or not exe_path_trusted(os.path.normpath(path)):
+    if not path.startswith("/") or os.path.normpath(path) != path or not exe_path_trusted(path):
         return f"its executable {path[:200]!r} is not where a kubelet install puts it"
     try:
         st = os.stat(link) if root.is_host else os.lstat(root.path(path))
