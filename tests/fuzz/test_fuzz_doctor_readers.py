@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from fuzz.budget import budget
 from gpuguard.devices import kubelettrust
+from gpuguard.doctor.kubelet import parse_config
 from gpuguard.doctor.model import UNKNOWN
 from gpuguard.doctor.textconf import Unreadable, toml_scalars, toml_tables, yaml_top_scalars
 from gpuguard.host.paths import Root
@@ -75,6 +76,39 @@ def test_toml_is_parsed_or_refused(text: str) -> None:
         return
     assert all(isinstance(v, str) for v in values.values())
     assert all(isinstance(t, str) for t in tables)
+
+
+_value = st.one_of(st.text(max_size=20), st.integers(-(2**53), 2**53), st.booleans(), st.none())
+_config = st.dictionaries(st.text(min_size=1, max_size=12), _value, max_size=8)
+
+
+@budget(200)
+@given(
+    extra=_config,
+    driver=st.sampled_from(["systemd", "cgroupfs"]),
+    style=st.sampled_from(["block", "flow", "json", "canonical", "explicit", "json-after"]),
+)
+def test_any_spelling_of_a_valid_config_reads_the_same(
+    extra: dict[str, object], driver: str, style: str
+) -> None:
+    """A configuration written by a YAML or JSON emitter in any style reads back the
+    cgroupDriver it holds (kubelet reads every one of these the same way)."""
+    import json as js
+
+    import yaml
+
+    doc = {**extra, "cgroupDriver": driver}
+    if style in ("json", "json-after"):
+        text = ("---\n" if style == "json-after" else "") + js.dumps(doc)
+    else:
+        text = yaml.safe_dump(
+            doc,
+            default_flow_style=style == "flow",
+            canonical=style == "canonical",
+            explicit_start=style == "explicit",
+            allow_unicode=True,
+        )
+    assert parse_config(text)["cgroupDriver"] == driver
 
 
 _path = st.one_of(

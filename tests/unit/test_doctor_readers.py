@@ -148,3 +148,13 @@ def test_a_valid_cgroupfs_config_is_ok(tmp_path: Path) -> None:
     root = bare_node(tmp_path)
     write(root, "/var/lib/kubelet/config.yaml", '{"cgroupDriver": "cgroupfs"}\n')
     assert check(doctor(root), "kubelet-cgroup-driver")[0] == OK
+
+
+def test_json_that_yaml_1_1_refuses_is_read_as_json() -> None:
+    """A surrogate pair escape is valid JSON that PyYAML (YAML 1.1) refuses; kubelet
+    reads JSON, with or without a `---` before it."""
+    from gpuguard.doctor.kubelet import parse_config
+
+    text = '{"x\\ud800\\udc00": null, "cgroupDriver": "systemd"}'
+    for spelled in (text, "---\n" + text):
+        assert parse_config(spelled)["cgroupDriver"] == "systemd"

@@ -55,9 +55,12 @@ class KubeletConfigFacts:
 def parse_config(text: str) -> dict[str, str]:
     """Top-level scalar fields of a KubeletConfiguration in YAML or JSON (JSON through
     the bounded JSON reader, anything else through YAML); raises Unreadable."""
-    if text.lstrip().startswith("{"):
+    body = text.lstrip()
+    if body.startswith("---") and body[3:4] in ("\n", "\r", " ", "\t"):
+        body = body[3:].lstrip()  # JSON after a document start (PyYAML refuses some JSON)
+    if body.startswith("{"):
         try:
-            doc = parse_json(text.encode())  # bounded numbers and nesting
+            doc = parse_json(body.encode())  # bounded numbers and nesting
         except ValueError:
             doc = None  # YAML is a superset: let its parser say why
         if isinstance(doc, dict):
