@@ -22,8 +22,8 @@ import os
 import stat
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from pathlib import PurePosixPath
-from typing import Optional, Sequence
+from pathlib import Path, PurePosixPath
+from typing import Callable, Optional, Sequence
 
 from gpuguard.devices.kubeletproc import KubeletProcess, kubelet_processes
 from gpuguard.host.echo import cut
@@ -101,13 +101,22 @@ def _owner_why(st: os.stat_result, what: str) -> str:
     return ""
 
 
-def _chain_why(root: Root, path: str) -> str:
-    """Every directory above `path` (within the root) owned by root, writable by no one
-    else, and no symbolic link (the kernel's path of an executable has none)."""
+def _view(root: Root, pid: int) -> Callable[[str], Path]:
+    """Where to look at a path of the process's filesystem: on the host through
+    /proc/PID/root (its own mount namespace: a kubelet in another one, or a daemon
+    whose ProtectHome= hides /home, sees the very files); in a root prefix, in it."""
+    if root.is_host:
+        return lambda path: Path(f"/proc/{pid}/root{path}")
+    return root.path
+
+
+def _chain_why(view: Callable[[str], Path], path: str, top: bool) -> str:
+    """Every directory above `path` owned by root, writable by no one else, and no
+    symbolic link (the kernel's path of an executable has none); `top`: "/" too."""
     parents = list(PurePosixPath(path).parents)[::-1]
-    for d in parents if root.is_host else parents[1:]:
+    for d in parents if top else parents[1:]:
         try:
-            st = os.lstat(root.path(str(d)))
+            st = os.lstat(view(str(d)) if str(d) != "/" else f"{view('/')}/")
         except OSError as e:
             return f"cannot read {d}: {e.strerror}"
         if not stat.S_ISDIR(st.st_mode):
@@ -129,17 +138,18 @@ def exe_why(root: Root, pid: int) -> str:
     path = path[: -len(_DELETED)] if deleted else path
     if not path.startswith("/") or os.path.normpath(path) != path or not exe_path_trusted(path):
         return f"its executable {path[:200]!r} is not where a kubelet install puts it"
-    try:
-        st = os.stat(link) if root.is_host else os.lstat(root.path(path))
+    view = _view(root, pid)
+    try:  # on the host, the file the process runs (whatever its path shows now)
+        st = os.stat(link) if root.is_host else os.lstat(view(path))
     except OSError as e:
         return f"its executable {path} cannot be read ({e.strerror})"
     if not stat.S_ISREG(st.st_mode):
         return f"its executable {path} is not a regular file"
-    why = _owner_why(st, f"its executable {path}") or _chain_why(root, path)
+    why = _owner_why(st, f"its executable {path}") or _chain_why(view, path, root.is_host)
     if why or not root.is_host or deleted:
         return why
     try:  # the path still names the file the process runs (not replaced since)
-        now = os.stat(path)
+        now = os.lstat(view(path))
     except OSError as e:
         return f"its executable {path} cannot be read ({e.strerror})"
     if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
