@@ -84,3 +84,36 @@ def test_a_binary_nobody_owns_is_refused(procs: list[subprocess.Popen[bytes]]) -
     procs.append(p)
     why = exe_why(Root(), p.pid)
     assert why == f"its executable /usr/local/bin/kubelet is owned by uid {NOBODY}, not root"
+
+
+def test_doctor_reads_no_plugin_settings_from_a_users_process(
+    procs: list[subprocess.Popen[bytes]],
+) -> None:
+    """A process `nobody` names nvidia-device-plugin, claiming --pass-device-specs, is
+    not the plugin: doctor would call the node safe from F2 on its word."""
+    from gpuguard.doctor.facts import read_plugins
+
+    require_tool("setpriv")
+    argv = ["--pass-device-specs=true", "--device-list-strategy=cdi-cri"]
+    script = (
+        "mount -t tmpfs -o mode=0755 tmpfs /usr/local/bin && "
+        "cp -L /usr/bin/python3 /usr/local/bin/nvidia-device-plugin && exec {run} "
+        "/usr/local/bin/nvidia-device-plugin -c 'import time; time.sleep(300)' " + " ".join(argv)
+    )
+    found = {}
+    for who, run in (("nobody", f"setpriv --reuid={NOBODY} --regid={NOBODY} --clear-groups"),
+                     ("root", "")):  # fmt: skip
+        p = subprocess.Popen(["unshare", "-m", "sh", "-c", script.format(run=run)])
+        procs.append(p)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and p.poll() is None:
+            try:
+                if Path(f"/proc/{p.pid}/comm").read_text().strip() == "nvidia-device-p":
+                    break
+            except OSError:
+                pass
+            time.sleep(0.02)
+        assert p.poll() is None, f"the {who} stand-in exited"
+        found[who] = p.pid
+    plugins = {s.pid for s in read_plugins(Root()) or ()}
+    assert found["nobody"] not in plugins and found["root"] in plugins

@@ -172,6 +172,18 @@ def process_why(root: Root, p: KubeletProcess, units: Sequence[str]) -> str:
     return exe_why(root, p.pid)
 
 
+def runs_as_root(root: Root, pid: int) -> bool:
+    """On the host, whether the process runs as root (/proc/PID is owned by its
+    effective uid): what a local user starts under a plugin's or kubelet's name does
+    not. In a root prefix (tests, another namespace's files) always true."""
+    if not root.is_host:
+        return True
+    try:
+        return os.stat(f"/proc/{pid}").st_uid == 0
+    except OSError:
+        return False
+
+
 def kubelets(root: Root, units: Sequence[str]) -> Kubelets:
     """The running kubelets gpuguard trusts, by pid, and those it refused with why."""
     trusted, refused = [], []

@@ -17,6 +17,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from gpuguard.devices.caps import read_cap_minors
 from gpuguard.devices.devchar import LinkState, check_dev_char_links
+from gpuguard.devices.kubelettrust import runs_as_root
 from gpuguard.devices.nodes import (
     NvidiaMajors,
     expected_nodes,
@@ -172,8 +173,8 @@ def read_plugins(root: Root) -> Optional[tuple[PluginSettings, ...]]:
             comm = safeio.proc_text(base / "comm").strip()
         except OSError:
             continue
-        if comm not in PLUGIN_COMMS:
-            continue
+        if comm not in PLUGIN_COMMS or not runs_as_root(root, pid):
+            continue  # on the host, a user's process so named says nothing of the plugin
         try:
             argv = _split0(safeio.proc_bytes(base / "cmdline"))
             env_items = _split0(safeio.proc_bytes(base / "environ"))
