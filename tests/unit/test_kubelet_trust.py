@@ -155,3 +155,30 @@ def test_doctor_reads_no_configuration_from_an_untrusted_kubelet(tmp_path: Path)
     assert "kubelet (pid 300) in sshd.service ignored" in evidence
     _v, evidence, fix = check(report, "kubelet-dropin")
     assert "sshd.service" not in evidence + fix
+
+
+def test_a_users_kubelet_starting_is_no_kubelet_restart_for_the_plugin_step(
+    tmp_path: Path,
+) -> None:
+    """F4 judges a plugin unregistered when its socket predates kubelet's latest start:
+    a user's process named kubelet, started after the socket, would get every plugin
+    restarted once the grace period is over."""
+    from gpuguard.steps.device_plugin.observe import kubelet_started
+
+    root = tmp_path
+    sockets = root / "var/lib/kubelet/device-plugins"
+    sockets.mkdir(parents=True)
+    (sockets / "kubelet.sock").write_text("")
+    made = (sockets / "kubelet.sock").stat().st_ctime
+    (root / "proc").mkdir(exist_ok=True)
+    (root / "proc/stat").write_text(f"btime {int(made)}\n")
+    ticks = os.sysconf("SC_CLK_TCK") * 3600  # an hour after the socket was made
+    for pid, unit in ((300, "sshd.service"), (900, "kubelet.service")):
+        process(root, pid, "kubelet", ["kubelet"], unit)
+        fields = ["S"] + ["0"] * 18 + [str(ticks)] + ["0"] * 10
+        (root / f"proc/{pid}/stat").write_text(f"{pid} (kubelet) {' '.join(fields)}\n")
+    os.remove(root / "proc/900/comm")  # the trusted one not running: only the user's
+    sock = "/var/lib/kubelet/device-plugins"
+    assert kubelet_started(Root(root), sock, units=UNITS) == pytest.approx(made)
+    (root / "proc/900/comm").write_text("kubelet\n")  # a trusted kubelet that started
+    assert kubelet_started(Root(root), sock, units=UNITS) == pytest.approx(int(made) + 3600)
