@@ -117,3 +117,17 @@ def test_doctor_reads_no_plugin_settings_from_a_users_process(
         found[who] = p.pid
     plugins = {s.pid for s in read_plugins(Root()) or ()}
     assert found["nobody"] not in plugins and found["root"] in plugins
+
+
+def test_a_users_kubelet_is_no_running_kubelet(procs: list[subprocess.Popen[bytes]]) -> None:
+    """kubelet_pids, which makes a repair wait for kubelet (the pre-start hook refuses
+    while one runs; `check` will not write under a kubelet outside systemd): a user's
+    process named kubelet is none."""
+    from gpuguard.devices.processes import kubelet_pids
+
+    mine = _kubelet(as_nobody=True)
+    procs.append(mine)
+    root_one = _kubelet()
+    procs.append(root_one)
+    pids = kubelet_pids(Root())
+    assert mine.pid not in pids and root_one.pid in pids

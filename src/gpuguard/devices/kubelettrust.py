@@ -26,6 +26,7 @@ from pathlib import Path, PurePosixPath
 from typing import Callable, Optional, Sequence
 
 from gpuguard.devices.kubeletproc import KubeletProcess, kubelet_processes
+from gpuguard.devices.processes import proc_runs_as_root
 from gpuguard.host.echo import cut
 from gpuguard.host.paths import Root
 from gpuguard.model import Finding
@@ -173,15 +174,9 @@ def process_why(root: Root, p: KubeletProcess, units: Sequence[str]) -> str:
 
 
 def runs_as_root(root: Root, pid: int) -> bool:
-    """On the host, whether the process runs as root (/proc/PID is owned by its
-    effective uid): what a local user starts under a plugin's or kubelet's name does
-    not. In a root prefix (tests, another namespace's files) always true."""
-    if not root.is_host:
-        return True
-    try:
-        return os.stat(f"/proc/{pid}").st_uid == 0
-    except OSError:
-        return False
+    """On the host, whether the process runs as root (what a local user starts under a
+    plugin's or kubelet's name does not); in a root prefix always true."""
+    return proc_runs_as_root(root, root.path(f"/proc/{pid}"))
 
 
 def kubelets(root: Root, units: Sequence[str]) -> Kubelets:
