@@ -444,7 +444,10 @@ def test_kubelet_under_another_units_name(k3s_node: PackageRoot) -> None:
     ckpt = ns.path(CHECKPOINT)
     ckpt.parent.mkdir(parents=True)
     ckpt.write_bytes(FIXTURE.read_bytes())  # stale, while "kubelet" runs
-    ns.run(["ln", "-s", "/usr/bin/python3", "/usr/local/bin/k3s-agent"], check=True)
+    # k3s as installed: a root-owned binary at /usr/local/bin/k3s, run through a link
+    # named k3s-agent (its process's name), so a kubelet gpuguard trusts
+    ns.run(["cp", "-L", "/usr/bin/python3", "/usr/local/bin/k3s"], check=True)
+    ns.run(["ln", "-s", "/usr/local/bin/k3s", "/usr/local/bin/k3s-agent"], check=True)
     write_unit(ns, "k3s-agent.service", K3S_UNIT)
     ns.systemctl("daemon-reload")
     ns.systemctl("start", "k3s-agent.service")

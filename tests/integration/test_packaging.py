@@ -115,7 +115,14 @@ def test_deb_layout(deb_files: Dict[str, str]) -> None:
 def test_deb_control(pkgs: Dict[str, Path]) -> None:
     deb = str(pkgs["deb"])
     depends = sh("dpkg-deb", "-f", deb, "Depends")
-    for dep in ("python3", "python3-pyudev", "python3-dbus-next", "python3-systemd", "procps"):
+    for dep in (
+        "python3",
+        "python3-pyudev",
+        "python3-dbus-next",
+        "python3-systemd",
+        "python3-yaml",
+        "procps",
+    ):
         assert re.search(rf"(^|, ){re.escape(dep)}\b", depends), (dep, depends)
     assert sh("dpkg-deb", "-f", deb, "Architecture").strip() == "all"
     conffiles = subprocess.run(
@@ -190,6 +197,7 @@ def test_rpm_requires_and_scripts(pkgs: Dict[str, Path]) -> None:
         "python3-pyudev",
         "python3-systemd",
         "python3-dbus-next",
+        "python3-pyyaml",
         "systemd",
         "/usr/bin/kill",
     ):

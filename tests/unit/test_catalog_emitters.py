@@ -208,6 +208,14 @@ def unit_jobs() -> Entries:
     return logged(emit)
 
 
+def untrusted_kubelet() -> Entries:
+    from gpuguard.devices.kubeletproc import KubeletProcess
+    from gpuguard.devices.kubelettrust import Refused
+
+    p = KubeletProcess(4242, "kubelet", ("kubelet",), "sshd.service")
+    return findings((Refused(p, "it runs as uid 1000, not root").finding("checkpoint"),))
+
+
 @pytest.fixture(scope="module")
 def entries(tmp_path_factory: pytest.TempPathFactory) -> Entries:
     tmp = tmp_path_factory.mktemp("emitters")
@@ -224,6 +232,7 @@ def entries(tmp_path_factory: pytest.TempPathFactory) -> Entries:
         + unit_jobs()
         + gpu_count()
         + inplace_held_back()
+        + untrusted_kubelet()
     )
 
 

@@ -14,7 +14,7 @@ from gpuguard.devices import nodes
 from gpuguard.doctor.facts import plugin_settings
 from gpuguard.doctor.model import BROKEN, EXPOSED, OK, UNKNOWN, Report
 from gpuguard.doctor.run import run_doctor
-from gpuguard.doctor.textconf import toml_scalars, yaml_top_scalars
+from gpuguard.doctor.textconf import Unreadable, toml_scalars, yaml_top_scalars
 from gpuguard.host.inventory import Inventory
 from gpuguard.host.paths import KUBELET_CHECKPOINT, Root
 from unit.doctor_support import (
@@ -106,11 +106,14 @@ def test_cgroupfs_driver_and_no_cpu_manager_are_ok_even_in_legacy_mode(tmp_path:
         "/etc/nvidia-container-runtime/config.toml",
         '[nvidia-container-runtime]\nmode = "legacy"\n',
     )
-    write(
-        root, "/var/lib/kubelet/config.yaml", "kind: KubeletConfiguration\ncgroupDriver: cgroupfs\n"
-    )
+    config = "kind: KubeletConfiguration\ncgroupDriver: cgroupfs\ncpuManagerPolicy: none\n"
+    write(root, "/var/lib/kubelet/config.yaml", config)
     v = verdicts(doctor(root))
     assert v["kubelet-cgroup-driver"] == OK and v["kubelet-cpu-manager"] == OK
+    # a key that is not set is not seen to be at kubelet's default: unknown, never OK
+    write(root, "/var/lib/kubelet/config.yaml", "kind: KubeletConfiguration\n")
+    v = verdicts(doctor(root))
+    assert v["kubelet-cgroup-driver"] == UNKNOWN and v["kubelet-cpu-manager"] == UNKNOWN
 
 
 @pytest.mark.parametrize(
@@ -298,8 +301,10 @@ def test_text_readers_take_only_what_they_understand() -> None:
         "[s]\nlit = 'single'\nb = true\n"
     )
     assert toml_scalars(toml) == {"a": "1", "x.y.z.w.k": "v", "s.lit": "single", "s.b": "true"}
-    yaml = 'cgroupDriver: "systemd"\nnested:\n  cgroupDriver: cgroupfs\n- item\nx: {a: 1}\n'
+    yaml = 'cgroupDriver: "systemd"\nnested:\n  cgroupDriver: cgroupfs\nx: {a: 1}\n'
     assert yaml_top_scalars(yaml) == {"cgroupDriver": "systemd"}
+    with pytest.raises(Unreadable, match="not valid YAML"):  # kubelet refuses it too
+        yaml_top_scalars(yaml + "- item\n")
 
 
 def test_cli_doctor_json_and_exit_code(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

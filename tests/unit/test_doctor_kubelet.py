@@ -5,19 +5,15 @@ observe-only. Fake roots: /proc/PID/{comm,cmdline,cgroup} as the kernel shows th
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Sequence
 
 import pytest
 
-from gpuguard.devices import nodes
-from gpuguard.devices.kubeletproc import (
-    embedded_args,
-    kubelet_processes,
-    kubelet_unit,
-    parse_flags,
-    yaml_list,
-)
+from gpuguard.devices import kubelettrust, nodes
+from gpuguard.devices.kubeletproc import embedded_args, kubelet_processes, parse_flags, yaml_list
+from gpuguard.devices.kubelettrust import kubelet_unit
 from gpuguard.doctor.kubelet import parse_config
 from gpuguard.doctor.model import EXPOSED, OK, UNKNOWN
 from gpuguard.doctor.run import run_doctor
@@ -32,14 +28,25 @@ UNITS = ("kubelet.service", "k3s.service", "k3s-agent.service", "rke2-agent.serv
 @pytest.fixture(autouse=True)
 def fake_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(nodes, "_stat", fake_stat)
+    # the fake root's files are the test's: its uid stands for root
+    monkeypatch.setattr(kubelettrust, "ROOT_UID", os.getuid())
 
 
-def process(root: Path, pid: int, comm: str, argv: Sequence[str], unit: str) -> None:
+def process(root: Path, pid: int, comm: str, argv: Sequence[str], unit: str, exe: str = "") -> None:
+    """A process as /proc shows it, its executable where its install puts it (by
+    default) or at `exe`."""
     d = root / f"proc/{pid}"
     d.mkdir(parents=True, exist_ok=True)
     (d / "comm").write_text(comm + "\n")
     (d / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
     (d / "cgroup").write_text(f"0::/system.slice/{unit}\n")
+    exe = exe or ("/usr/bin/kubelet" if comm == "kubelet" else "/usr/local/bin/k3s")
+    binary = root / exe.lstrip("/")
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    binary.touch()
+    binary.chmod(0o755)
+    if not (d / "exe").is_symlink():
+        (d / "exe").symlink_to(exe)
 
 
 def bare_node(tmp_path: Path) -> Path:

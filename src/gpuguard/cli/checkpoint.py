@@ -9,6 +9,7 @@ from typing import Any
 
 from gpuguard import exitcodes
 from gpuguard.cli.args import _config, _inventory_path, _root
+from gpuguard.host.echo import cut
 
 
 def _entry_json(e: Any) -> dict[str, Any]:
@@ -45,7 +46,7 @@ def cmd_checkpoint_inspect(args: argparse.Namespace) -> int:
         doc.update(valid=False, error=e.message)
         if args.json:
             print(json.dumps(doc, indent=2))
-        print(f"gpuguard: {e.message}", file=sys.stderr)
+        print(f"gpuguard: {cut(e.message, 400)}", file=sys.stderr)
         return e.exit_code
     cp = loaded.checkpoint
     doc.update(
@@ -76,33 +77,53 @@ def cmd_checkpoint_inspect(args: argparse.Namespace) -> int:
     return exitcodes.OK if loaded.valid else exitcodes.BAD_INPUT
 
 
+VALUE_MAX = 128  # characters of one ID or name echoed
+LIST_MAX = 64  # IDs listed on one line, then how many more
+
+
+def _show(value: object, limit: int = VALUE_MAX) -> str:
+    """A value from the file, escaped (ESC, OSC, BEL, U+202E...) and cut: one line."""
+    return cut(str(value), limit)
+
+
+def _ids(ids: Any) -> str:
+    if not ids:
+        return str(ids)
+    shown = ", ".join(_show(i) for i in ids[:LIST_MAX])
+    return shown + (f", … ({len(ids) - LIST_MAX} more)" if len(ids) > LIST_MAX else "")
+
+
 def _render_inspect(doc: dict[str, Any]) -> str:
-    valid = "valid" if doc["valid"] else f"INVALID: {doc['error']}"
+    """The text report: every value that comes from the file escaped and bounded (the
+    JSON report carries them whole; json.dumps escapes them)."""
+    valid = "valid" if doc["valid"] else f"INVALID: {_show(doc['error'], 400)}"
     lines = [
-        f"file:       {doc['file']}",
-        f"format:     {doc['format']}",
-        f"checksum:   stored {doc['checksum_stored']}, "
-        f"computed {doc['checksum_computed']} ({valid})",
+        f"file:       {_show(doc['file'], 400)}",
+        f"format:     {_show(doc['format'])}",
+        f"checksum:   stored {_show(doc['checksum_stored'])}, "
+        f"computed {_show(doc['checksum_computed'])} ({valid})",
         "registered:",
     ]
     for res, ids in doc["registered_devices"].items():
-        lines.append(f"  {res}: {', '.join(ids) if ids else ids}")
+        lines.append(f"  {_show(res)}: {_ids(ids)}")
     lines.append(f"entries:    {len(doc['entries'])}")
     for e in doc["entries"]:
         ids = e["device_ids"]
         shown = (
-            " ".join(f"numa {n}: {', '.join(v or [])}" for n, v in ids.items())
+            " ".join(f"numa {_show(n)}: {_ids(v or [])}" for n, v in list(ids.items())[:LIST_MAX])
             if isinstance(ids, dict)
-            else ", ".join(ids or [])
+            else _ids(ids or [])
         )
-        lines.append(f"  pod {e['pod_uid']} {e['container_name']} {e['resource_name']}: {shown}")
+        who = " ".join(_show(e[k]) for k in ("pod_uid", "container_name", "resource_name"))
+        lines.append(f"  pod {who}: {shown}")
     if doc["stale"] is None:
-        lines.append(f"stale:      unknown ({doc.get('inventory_error', 'no inventory')})")
+        why = _show(doc.get("inventory_error", "no inventory"), 400)
+        lines.append(f"stale:      unknown ({why})")
     elif not doc["stale"]:
-        lines.append(f"stale:      none (inventory: {doc['inventory']})")
+        lines.append(f"stale:      none (inventory: {_show(doc['inventory'], 400)})")
     else:
-        lines.append(f"stale:      (inventory: {doc['inventory']})")
-        lines += [f"  {f['summary']}" for f in doc["stale"]]
+        lines.append(f"stale:      (inventory: {_show(doc['inventory'], 400)})")
+        lines += [f"  {_show(f['summary'], 400)}" for f in doc["stale"]]
     return "\n".join(lines)
 
 
@@ -111,7 +132,7 @@ def cmd_checkpoint_canonical(args: argparse.Namespace) -> int:
 
     loaded = load(args.file)
     if not loaded.valid:
-        print(f"gpuguard: warning: {loaded.problem}", file=sys.stderr)
+        print(f"gpuguard: warning: {cut(loaded.problem, 400)}", file=sys.stderr)
     sys.stdout.buffer.write(marshal(loaded.checkpoint))
     sys.stdout.flush()
     return exitcodes.OK

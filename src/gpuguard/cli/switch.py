@@ -18,6 +18,7 @@ from typing import Any
 from gpuguard import exitcodes
 from gpuguard.cli.args import _log, _root
 from gpuguard.errors import GpuguardError
+from gpuguard.host.echo import cut
 
 UNIT = "gpuguard.service"
 
@@ -46,13 +47,35 @@ def _systemctl(root: Any, *argv: str, timeout: float = 120.0) -> tuple[int, str]
     return res.returncode, (res.stdout + res.stderr).strip()
 
 
+def _inside_root(root: Any, host_dir: str) -> None:
+    """Refuse to write through a link that leaves --root (an etc/gpuguard linked to a
+    directory outside it): the switch would be set somewhere else, or written there."""
+    prefix = os.path.realpath(root.prefix)
+    real = os.path.realpath(root.path(host_dir))
+    if real != prefix and not real.startswith(prefix.rstrip("/") + "/"):
+        raise GpuguardError(
+            f"{root.path(host_dir)}: it leads to {cut(real, 200)}, outside {prefix}; nothing "
+            "written — make it a directory inside the root",
+            exit_code=exitcodes.USAGE,
+        )
+
+
 def cmd_disable(args: argparse.Namespace) -> int:
     from gpuguard.actuate.offswitch import set_off_switch
-    from gpuguard.host.offswitch import OFF_SWITCH
+    from gpuguard.host.offswitch import OFF_SWITCH, REASON_MAX
 
     root = _root(args)
-    reason = " ".join(args.reason.split()) or "no reason given (gpuguard disable --reason TEXT)"
-    who = _who()
+    given = " ".join(args.reason.split())
+    if len(given) > REASON_MAX:  # the switch's reader shows its first REASON_MAX characters
+        print(
+            f"gpuguard: --reason is {len(given)} characters: kept its first {REASON_MAX}, "
+            "which is what status, doctor and the journal show",
+            file=sys.stderr,
+        )
+    # escaped (ESC, OSC, U+202E...): the reason is shown on terminals and in the journal
+    reason = cut(given, REASON_MAX) or "no reason given (gpuguard disable --reason TEXT)"
+    who = cut(_who(), 64)
+    _inside_root(root, os.path.dirname(OFF_SWITCH))
     try:
         set_off_switch(root, reason, who)
     except OSError as e:
@@ -66,7 +89,7 @@ def cmd_disable(args: argparse.Namespace) -> int:
     stopped = (
         f"{UNIT} stopped"
         if code == 0
-        else f"{UNIT} not stopped ({out.splitlines()[-1] if out else f'exit {code}'})"
+        else f"{UNIT} not stopped ({cut(out.splitlines()[-1], 200) if out else f'exit {code}'})"
     )
     log.event(
         "gpuguard-disabled",
@@ -88,6 +111,7 @@ def cmd_enable(args: argparse.Namespace) -> int:
     from gpuguard.host.offswitch import OFF_SWITCH, read_off_switch
 
     root = _root(args)
+    _inside_root(root, os.path.dirname(OFF_SWITCH))
     was = read_off_switch(root)
     try:
         cleared = clear_off_switch(root)
@@ -101,7 +125,7 @@ def cmd_enable(args: argparse.Namespace) -> int:
     if code == 127:
         started, ok = f"{UNIT} not started ({state})", True
     elif state.splitlines()[-1:] != ["enabled"]:
-        what = state.splitlines()[-1] if state else "unknown"
+        what = cut(state.splitlines()[-1], 80) if state else "unknown"
         started = f"{UNIT} is {what} in systemd, so not started (systemctl enable --now gpuguard)"
         ok = True
     else:
@@ -109,7 +133,7 @@ def cmd_enable(args: argparse.Namespace) -> int:
         ok = code == 0
         started = f"{UNIT} started" if ok else f"{UNIT} did not start: systemctl status gpuguard"
     if cleared:
-        who = _who()
+        who = cut(_who(), 64)
         _log(args, None, root).event(
             "gpuguard-enabled",
             f"gpuguard enabled by {who} (it was {was.describe() if was else 'disabled'}); "

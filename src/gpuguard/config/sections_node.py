@@ -112,8 +112,10 @@ class KubeletConfig:
         ServiceUnit(optional=True),
         "",
         "The kubelet's systemd unit, restarted (or stopped and started) around a "
-        "checkpoint repair. Empty: the unit the running kubelet is in (its process's "
-        "cgroup), else the first of [Systemd] KubeletUnits= that is loaded.",
+        "checkpoint repair. Empty: the unit a trusted running kubelet is in (one of "
+        "[Systemd] KubeletUnits=, run by root from a root-owned kubelet, k3s or RKE2 "
+        "executable: see gpuguard(8)), else the first of [Systemd] KubeletUnits= that is "
+        "loaded.",
     )
     checkpoint_path: str = _key(
         "CheckpointPath",

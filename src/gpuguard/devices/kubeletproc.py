@@ -14,17 +14,18 @@ are k3s's `--kubelet-arg NAME=VALUE`, on its command line or in
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 from gpuguard.devices.processes import KUBELET_COMMS, classify_cgroup, read_cgroup
 from gpuguard.host.numparse import parse_decimal
 from gpuguard.host.paths import Root
 from gpuguard.host.safeio import proc_bytes, proc_text
+from gpuguard.host.structconf import Refusal, scalar_text, yaml_mapping
 
 EMBEDDING_COMMS = KUBELET_COMMS[1:]  # k3s: kubelet inside its own process
 K3S_CONFIGS = ("/etc/rancher/k3s/config.yaml", "/etc/rancher/k3s/config.yaml.d")
+MAX_K3S_ENTRIES = 256  # a drop-in directory listed no further
 # (host path) -> its text, or "" when it cannot be read (the caller's bounded reader)
 TextReader = Callable[[str], str]
 # kubelet flags that take a value (pflag also reads `--name value` for these)
@@ -113,32 +114,16 @@ def embedded_args(argv: Sequence[str]) -> list[str]:
     return ["--" + a.lstrip("-") for a in out if a]
 
 
-_LIST_ITEM = re.compile(r"^\s*-\s*(.*?)\s*$")
-
-
-def yaml_list(text: str, key: str) -> list[str]:
-    """The items of a top-level `key:` list in k3s's config.yaml (block items `- x`, or
-    an inline `[a, b]`); quotes removed. Enough for `kubelet-arg`, nothing more."""
-    items: list[str] = []
-    lines = text.splitlines()
-    for n, line in enumerate(lines):
-        m = re.match(rf"^[\"']?{re.escape(key)}[\"']?\s*:\s*(.*?)\s*$", line)
-        if m is None:
-            continue
-        rest = m.group(1)
-        if rest.startswith("["):
-            items += [p.strip() for p in rest.strip("[]").split(",") if p.strip()]
-        elif rest and not rest.startswith("#"):
-            items.append(rest)
-        else:
-            for follow in lines[n + 1 :]:
-                item = _LIST_ITEM.match(follow)
-                if item is None:
-                    if follow.strip() and not follow.lstrip().startswith("#"):
-                        break
-                    continue
-                items.append(item.group(1))
-    return [i.strip("\"'") for i in items if i.strip("\"'")]
+def yaml_list(text: str, key: str) -> Union[list[str], Refusal]:
+    """The items of a top-level `key:` list in k3s's config.yaml (a single string is a
+    list of one), read by a YAML parser as k3s reads it; why not, if it cannot be."""
+    doc = yaml_mapping(text)
+    if isinstance(doc, Refusal):
+        return doc
+    value = doc.get(key)
+    items = value if isinstance(value, list) else [] if value is None else [value]
+    out = [scalar_text(i) for i in items]
+    return [i for i in out if i]
 
 
 @dataclass(frozen=True)
@@ -148,48 +133,48 @@ class KubeletFlags:
     process: Optional[KubeletProcess]
     flags: Mapping[str, str]
     evidence: str
+    problem: str = ""  # why the flags cannot be known (a k3s file unreadable), else ""
 
 
-def kubelet_flags(root: Root, read_text: TextReader) -> KubeletFlags:
-    """The running kubelet's flags (the first process found). For k3s, its
-    --kubelet-arg values from the command line, then its configuration files."""
-    procs = kubelet_processes(root)
+def kubelet_flags(
+    root: Root, read_text: TextReader, procs: Sequence[KubeletProcess], ignored: str = ""
+) -> KubeletFlags:
+    """The flags of the first of `procs` (the kubelets trusted: devices/kubelettrust.py;
+    `ignored` says which were not). For k3s, its --kubelet-arg values from the command
+    line, then its configuration files."""
     if not procs:
-        return KubeletFlags(None, {}, "no running kubelet (no process named kubelet or k3s)")
+        why = "no running kubelet (no process named kubelet or k3s)"
+        return KubeletFlags(None, {}, f"no trusted running kubelet ({ignored})" if ignored else why)
     p = procs[0]
     if not p.embedded:
         return KubeletFlags(p, parse_flags(p.argv[1:]), f"{p.describe()}: its command line")
     args = embedded_args(p.argv)
     sources = [f"{p.describe()}: --kubelet-arg"]
-    for path in _k3s_config_files(root):
+    files, problem = k3s_config_files(root)
+    for path in files:
         text = read_text(path)
-        if text:
-            items = yaml_list(text, "kubelet-arg")
-            if items:
-                args += ["--" + a.lstrip("-") for a in items]
-                sources.append(path)
-    return KubeletFlags(p, parse_flags(args), ", ".join(sources))
+        items = yaml_list(text, "kubelet-arg") if text else []
+        if isinstance(items, Refusal):
+            problem = problem or f"{path}: {items.why}"
+            continue
+        if items:
+            args += ["--" + a.lstrip("-") for a in items]
+            sources.append(path)
+    return KubeletFlags(p, parse_flags(args), ", ".join(sources), problem)
 
 
-def _k3s_config_files(root: Root) -> list[str]:
+def k3s_config_files(root: Root) -> tuple[list[str], str]:
+    """config.yaml and its drop-ins in k3s's order, and why not all (too many)."""
     main, dropins = K3S_CONFIGS
+    names: list[str] = []
     try:
-        names = sorted(n for n in os.listdir(root.path(dropins)) if n.endswith(".yaml"))
+        with os.scandir(root.path(dropins)) as it:
+            for n, entry in enumerate(it):
+                if n >= MAX_K3S_ENTRIES:
+                    why = f"{dropins}: more than {MAX_K3S_ENTRIES} entries, not read"
+                    return [main], why
+                if entry.name.endswith(".yaml"):
+                    names.append(entry.name)
     except OSError:
-        names = []
-    return [main, *(f"{dropins}/{n}" for n in names)]
-
-
-def process_unit(root: Root) -> Optional[KubeletProcess]:
-    """The first running kubelet that is in a systemd service, None if there is none."""
-    return next((p for p in kubelet_processes(root) if p.unit), None)
-
-
-def kubelet_unit(root: Root, candidates: Sequence[str]) -> tuple[str, str]:
-    """(unit, why): the systemd unit the running kubelet is in, else the first
-    candidate (`why` says which case it is)."""
-    p = process_unit(root)
-    if p is not None:
-        return p.unit, f"the running {p.describe()}"
-    first = candidates[0] if candidates else "kubelet.service"
-    return first, "no kubelet process in a systemd service; the first of [Systemd] KubeletUnits="
+        pass
+    return [main, *(f"{dropins}/{n}" for n in sorted(names))], ""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping, Optional
 
 from gpuguard.devices.cgroupnames import (
@@ -216,8 +217,21 @@ def container_init_pid(root: Root, pid: int) -> Optional[int]:
 KUBELET_COMMS = ("kubelet", "k3s-agent", "k3s-server")
 
 
+def proc_runs_as_root(root: Root, proc_dir: Path) -> bool:
+    """On the host, /proc/PID is owned by the process's effective uid: a process a
+    local user named kubelet is no kubelet (the checkpoint is root's), and must not
+    make gpuguard wait for it. In a root prefix: the files say nothing of that."""
+    if not root.is_host:
+        return True
+    try:
+        return os.stat(proc_dir).st_uid == 0
+    except OSError:
+        return False
+
+
 def kubelet_pids(root: Root) -> tuple[int, ...]:
-    """Every process under the root's /proc that runs kubelet (KUBELET_COMMS)."""
+    """Every process under the root's /proc that runs kubelet (KUBELET_COMMS) as root
+    (on the host)."""
     proc = root.path("/proc")
     pids = []
     try:
@@ -232,7 +246,8 @@ def kubelet_pids(root: Root) -> tuple[int, ...]:
             comm, _st = read_bytes(proc / name / "comm", what="comm", max_bytes=4096)
         except UnsafeFileError:  # the process exited while we looked, or not a comm file
             continue
-        if comm.strip().decode(errors="replace") in KUBELET_COMMS:
+        name_ok = comm.strip().decode(errors="replace") in KUBELET_COMMS
+        if name_ok and proc_runs_as_root(root, proc / name):
             pids.append(pid)
     return tuple(sorted(pids))
 

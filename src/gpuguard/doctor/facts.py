@@ -17,6 +17,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from gpuguard.devices.caps import read_cap_minors
 from gpuguard.devices.devchar import LinkState, check_dev_char_links
+from gpuguard.devices.kubelettrust import runs_as_root
 from gpuguard.devices.nodes import (
     NvidiaMajors,
     expected_nodes,
@@ -27,7 +28,7 @@ from gpuguard.devices.nodes import (
 )
 from gpuguard.devices.pci import read_pci_gpus
 from gpuguard.doctor.kubelet import hook_dropin, kubelet_config, units_to_check
-from gpuguard.doctor.textconf import toml_scalars, toml_tables
+from gpuguard.doctor.textconf import Unreadable, toml_scalars, toml_tables
 from gpuguard.host import safeio
 from gpuguard.host.inventory import Inventory
 from gpuguard.host.offswitch import OffSwitch, read_off_switch
@@ -113,8 +114,11 @@ def read_conf(root: Root, path: str, parse: Callable[[str], Mapping[str, str]]) 
             return ConfFile(path, error="missing")
         return ConfFile(path, error=f"cannot read {path}: {e.message}")
     text = data.decode("utf-8", errors="replace")
-    tables = tuple(toml_tables(text)) if parse is toml_scalars else ()
-    return ConfFile(path, parse(text), tables)
+    try:
+        tables = tuple(toml_tables(text)) if parse is toml_scalars else ()
+        return ConfFile(path, parse(text), tables)
+    except Unreadable as e:  # as its owner would refuse it, or past the parser's bounds
+        return ConfFile(path, error=f"cannot parse {path}: {e}")
 
 
 def cgroup_layout(root: Root) -> tuple[str, str]:
@@ -169,8 +173,8 @@ def read_plugins(root: Root) -> Optional[tuple[PluginSettings, ...]]:
             comm = safeio.proc_text(base / "comm").strip()
         except OSError:
             continue
-        if comm not in PLUGIN_COMMS:
-            continue
+        if comm not in PLUGIN_COMMS or not runs_as_root(root, pid):
+            continue  # on the host, a user's process so named says nothing of the plugin
         try:
             argv = _split0(safeio.proc_bytes(base / "cmdline"))
             env_items = _split0(safeio.proc_bytes(base / "environ"))
@@ -277,7 +281,7 @@ def gather(
     """`live`: whether to ask systemd too (default: only when the root is "/");
     `kubelet_units`: where kubelet may run ([Systemd] KubeletUnits=)."""
     live = root.is_host if live is None else live
-    kc = kubelet_config(root, lambda path: _read_text(root, path))
+    kc = kubelet_config(root, lambda path: _read_text(root, path), kubelet_units)
     dropin_path, dropin_state, unit = kubelet_dropin(
         root, run, live, units_to_check(kc.process, kubelet_units)
     )

@@ -84,7 +84,15 @@ def check_cgroup_driver(f: Facts) -> Check:
     bad = _unreadable(f.kubelet, "no kubelet configuration found")
     if bad:
         return Check("kubelet-cgroup-driver", UNKNOWN, bad)
-    driver = f.kubelet.values.get("cgroupDriver", "cgroupfs")
+    driver = f.kubelet.values.get("cgroupDriver")
+    if driver is None:  # kubelet's default is cgroupfs, but unset is not seen to be so
+        return Check(
+            "kubelet-cgroup-driver",
+            UNKNOWN,
+            f"{f.kubelet.path}: cgroupDriver is not set (kubelet's built-in default is "
+            "cgroupfs; a distribution may pass it another way)",
+            "set cgroupDriver explicitly in kubelet's configuration",
+        )
     evidence = f"{f.kubelet.path}: cgroupDriver={driver}"
     if driver != "systemd":
         return Check(
@@ -102,7 +110,14 @@ def check_cpu_manager(f: Facts) -> Check:
     bad = _unreadable(f.kubelet, "no kubelet configuration found")
     if bad:
         return Check("kubelet-cpu-manager", UNKNOWN, bad)
-    policy = f.kubelet.values.get("cpuManagerPolicy", "none")
+    policy = f.kubelet.values.get("cpuManagerPolicy")
+    if policy is None:  # kubelet's default is none, but unset is not seen to be so
+        return Check(
+            "kubelet-cpu-manager",
+            UNKNOWN,
+            f"{f.kubelet.path}: cpuManagerPolicy is not set (kubelet's built-in default is none)",
+            "set cpuManagerPolicy explicitly in kubelet's configuration",
+        )
     evidence = f"{f.kubelet.path}: cpuManagerPolicy={policy}"
     if policy != "static":
         return Check("kubelet-cpu-manager", OK, evidence)

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
 from gpuguard.devices.kubeletproc import KubeletFlags, KubeletProcess, kubelet_flags
-from gpuguard.doctor.textconf import yaml_top_scalars
+from gpuguard.devices.kubelettrust import kubelets
+from gpuguard.doctor.textconf import Unreadable, yaml_top_scalars
 from gpuguard.host.paths import Root
 from gpuguard.host.statefile import parse_json
+from gpuguard.host.structconf import scalar_text
 
 # Where each layout keeps kubelet's configuration when no running kubelet says.
 KNOWN_CONFIGS = (
@@ -36,6 +38,7 @@ FLAG_FIELDS = {"cgroup-driver": "cgroupDriver", "cpu-manager-policy": "cpuManage
 UNIT_DIRS: tuple[str, ...] = ("/etc/systemd/system", "/run/systemd/system")
 UNIT_DIRS += ("/usr/lib/systemd/system", "/lib/systemd/system")
 DROPIN_NAME = "10-gpuguard.conf"
+MAX_DROPIN_ENTRIES = 256  # a --config-dir listed no further
 
 # (host path) -> (text, error): error "missing" when absent, "" when read
 Reader = Callable[[str], tuple[str, str]]
@@ -50,53 +53,90 @@ class KubeletConfigFacts:
 
 
 def parse_config(text: str) -> dict[str, str]:
-    """Top-level scalar fields of a KubeletConfiguration in YAML or JSON."""
-    if text.lstrip().startswith("{"):
+    """Top-level scalar fields of a KubeletConfiguration in YAML or JSON (JSON through
+    the bounded JSON reader, anything else through YAML); raises Unreadable."""
+    body = text.lstrip()
+    if body.startswith("---") and body[3:4] in ("\n", "\r", " ", "\t"):
+        body = body[3:].lstrip()  # JSON after a document start (PyYAML refuses some JSON)
+    if body.startswith("{"):
         try:
-            doc = parse_json(text.encode())  # bounded numbers and nesting
+            doc = parse_json(body.encode())  # bounded numbers and nesting
         except ValueError:
-            return {}
-        if not isinstance(doc, dict):
-            return {}
-        out = {}
-        for k, v in doc.items():
-            if isinstance(v, bool):
-                out[str(k)] = "true" if v else "false"
-            elif isinstance(v, (str, int, float)):
-                out[str(k)] = str(v)
-        return out
+            doc = None  # YAML is a superset: let its parser say why
+        if isinstance(doc, dict):
+            out = {}
+            for k, v in doc.items():
+                value = scalar_text(v)
+                if value is not None:
+                    out[str(k)] = value
+            return out
     return yaml_top_scalars(text)
 
 
+def config_path_problem(flag: str, path: str) -> str:
+    """Why a path kubelet was given is not read (relative, or with `..`), else ""."""
+    if not path.startswith("/"):
+        return (
+            f"--{flag}={path[:200]!r} is relative to kubelet's working directory: not read; "
+            "give kubelet an absolute path"
+        )
+    if ".." in path.split("/"):
+        return f"--{flag}={path[:200]!r} has '..': not read; give kubelet a plain absolute path"
+    return ""
+
+
 def _dropins(root: Root, directory: str) -> list[str]:
+    names: list[str] = []
     try:
-        names = sorted(n for n in os.listdir(root.path(directory)) if n.endswith(".conf"))
+        with os.scandir(root.path(directory)) as it:
+            for n, entry in enumerate(it):
+                if n >= MAX_DROPIN_ENTRIES:
+                    raise Unreadable(f"more than {MAX_DROPIN_ENTRIES} entries")
+                if entry.name.endswith(".conf"):
+                    names.append(entry.name)
     except OSError:
         return []
-    return [f"{directory.rstrip('/')}/{n}" for n in names]
+    return [f"{directory.rstrip('/')}/{n}" for n in sorted(names)]
 
 
-def kubelet_config(root: Root, read: Reader) -> KubeletConfigFacts:
+def kubelet_config(root: Root, read: Reader, units: Sequence[str]) -> KubeletConfigFacts:
+    """kubelet's configuration as the trusted running kubelet (a process in one of
+    `units`: devices/kubelettrust.py) was told to read it, else a known layout's."""
+
     def text_only(path: str) -> str:
         return read(path)[0]
 
-    flags = kubelet_flags(root, text_only)
+    found = kubelets(root, units)
+    flags = kubelet_flags(root, text_only, found.trusted, found.describe_refused())
     if flags.process is None:
         return _known_layout(read, flags)
+    named = f"named by {flags.process.describe()}"
+
+    def unknown(where: str, why: str) -> KubeletConfigFacts:
+        return KubeletConfigFacts(where, {}, why, flags.process)
+
+    if flags.problem:
+        return unknown(flags.evidence, flags.problem)
     values: dict[str, str] = {}
     sources: list[str] = []
     config, config_dir = flags.flags.get("config"), flags.flags.get("config-dir")
-    for path in ([config] if config else []) + (_dropins(root, config_dir) if config_dir else []):
+    for flag, given in (("config", config), ("config-dir", config_dir)):
+        problem = config_path_problem(flag, given) if given else ""
+        if problem:
+            return unknown(f"{flags.process.describe()}: its --{flag}", problem)
+    try:
+        paths = ([config] if config else []) + (_dropins(root, config_dir) if config_dir else [])
+    except Unreadable as e:
+        return unknown(f"{config_dir} ({named})", f"{config_dir}: {e}")
+    for path in paths:
         text, error = read(path)
         if error:
             what = "missing" if error == "missing" else error
-            return KubeletConfigFacts(
-                f"{path} (named by {flags.process.describe()})",
-                {},
-                f"{path}: {what} (named by {flags.evidence})",
-                flags.process,
-            )
-        values.update(parse_config(text))
+            return unknown(f"{path} ({named})", f"{path}: {what} (named by {flags.evidence})")
+        try:
+            values.update(parse_config(text))
+        except Unreadable as e:
+            return unknown(f"{path} ({named})", f"{path}: {e} ({named})")
         sources.append(path)
     overridden = [f"--{flag}" for flag in FLAG_FIELDS if flag in flags.flags]
     for flag, fld in FLAG_FIELDS.items():
@@ -107,13 +147,11 @@ def kubelet_config(root: Root, read: Reader) -> KubeletConfigFacts:
         where += f" and {' '.join(overridden)}"
     where += f" ({flags.evidence})"
     if flags.process.embedded and not sources and not overridden:
-        return KubeletConfigFacts(
+        return unknown(
             where,
-            {},
             f"{flags.process.describe()} runs kubelet inside k3s with neither "
             "--kubelet-arg=config= nor --kubelet-arg=cgroup-driver=: k3s chooses those "
             "settings itself",
-            flags.process,
         )
     return KubeletConfigFacts(where, values, "", flags.process)
 
@@ -126,7 +164,10 @@ def _known_layout(read: Reader, flags: KubeletFlags) -> KubeletConfigFacts:
         where = f"{path} ({layout} layout; {flags.evidence})"
         if error:
             return KubeletConfigFacts(where, {}, error, None)
-        return KubeletConfigFacts(where, parse_config(text), "", None)
+        try:
+            return KubeletConfigFacts(where, parse_config(text), "", None)
+        except Unreadable as e:
+            return KubeletConfigFacts(where, {}, f"{path}: {e}", None)
     paths = ", ".join(p for _l, p in KNOWN_CONFIGS)
     return KubeletConfigFacts(
         "no kubelet configuration", {}, f"{flags.evidence}, and none of {paths}", None

@@ -1,83 +1,68 @@
-"""Just enough of TOML and YAML to read the few keys `gpuguard doctor` needs.
+"""The keys `gpuguard doctor` needs from TOML (containerd, CRI-O, the NVIDIA toolkit)
+and YAML (kubelet), read by real parsers (host/structconf.py), flattened to dotted
+text keys so the judge stays a table of string comparisons.
 
-Hosts run Python 3.9 (no tomllib) and gpuguard adds no parser dependency for a handful
-of scalars. Both readers are deliberately narrow: top-level tables and `key = value`
-scalars in TOML, top-level `key: value` scalars in YAML. Anything else is skipped,
-so an unusual file gives "not set" (and the check says unknown), never a wrong value.
+A file its owner would refuse, or one past the parsers' bounds, raises Unreadable: the
+check it feeds says "unknown" with the reason. A key that is absent is simply absent
+(the judge says unknown, or names the owner's documented default as such), never a
+value guessed from a line that looked like one.
 """
 
 from __future__ import annotations
 
-import re
-from typing import Optional
+from typing import Any, Iterator
 
-_TABLE = re.compile(r"^\[\s*([^\[\]]+?)\s*\]\s*(?:#.*)?$")
-_KEY = re.compile(r"^([A-Za-z0-9_.\-\"']+)\s*=\s*(.*)$")
+from gpuguard.host.structconf import Refusal, scalar_text, toml_document, yaml_mapping
 
-
-def _unquote_key(key: str) -> str:
-    parts = re.findall(r'"([^"]*)"|\'([^\']*)\'|([^.\s]+)', key)
-    return ".".join(a or b or c for a, b, c in parts)
+MAX_KEYS = 65536  # flattened keys kept from one file, at most
 
 
-def _scalar(raw: str) -> Optional[str]:
-    """A TOML string, boolean or number as text; None for arrays, tables and the like."""
-    raw = raw.strip()
-    if raw[:1] in ('"', "'"):
-        q = raw[0]
-        end = raw.find(q, 1)
-        return raw[1:end] if end > 0 else None
-    m = re.match(r"^(true|false|[-+0-9._]+)\s*(?:#.*)?$", raw)
-    return m.group(1) if m else None
+class Unreadable(ValueError):
+    """The file cannot be read as its owner reads it; str() says why, in one line."""
+
+
+def _walk(prefix: str, node: dict[str, Any], depth: int = 0) -> Iterator[tuple[str, Any]]:
+    for k, v in node.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        yield key, v
+        if isinstance(v, dict) and depth < 64:
+            yield from _walk(key, v, depth + 1)
+
+
+def _toml(text: str) -> dict[str, Any]:
+    doc = toml_document(text)
+    if isinstance(doc, Refusal):
+        raise Unreadable(doc.why)
+    return doc
 
 
 def toml_scalars(text: str) -> dict[str, str]:
-    """`table.key` -> scalar text for every `key = scalar` line (dotted, quotes removed).
+    """`table.key` -> scalar text for every scalar, at any depth (quotes removed).
 
     `[plugins."io.containerd.grpc.v1.cri".containerd]` + `default_runtime_name = "nvidia"`
     gives ``plugins.io.containerd.grpc.v1.cri.containerd.default_runtime_name``."""
     out: dict[str, str] = {}
-    table = ""
-    for line in text.splitlines():
-        s = line.strip()
-        if not s or s.startswith("#"):
-            continue
-        if s.startswith("[["):
-            table = "\0"  # arrays of tables: not needed, never confused with a table
-            continue
-        m = _TABLE.match(s)
-        if m:
-            table = _unquote_key(m.group(1))
-            continue
-        m = _KEY.match(s)
-        if m and table != "\0":
-            value = _scalar(m.group(2))
-            if value is not None:
-                key = _unquote_key(m.group(1))
-                out[f"{table}.{key}" if table else key] = value
+    for key, v in _walk("", _toml(text)):
+        s = scalar_text(v)
+        if s is not None and len(out) < MAX_KEYS:
+            out[key] = s
     return out
 
 
 def toml_tables(text: str) -> list[str]:
-    """Every `[table]` header, dotted and unquoted, in file order."""
-    out = []
-    for line in text.splitlines():
-        m = _TABLE.match(line.strip())
-        if m and not line.strip().startswith("[["):
-            out.append(_unquote_key(m.group(1)))
-    return out
+    """Every table (a `[header]`, a dotted key's or an inline one), dotted, in order."""
+    tables = [key for key, v in _walk("", _toml(text)) if isinstance(v, dict)]
+    return tables[:MAX_KEYS]
 
 
 def yaml_top_scalars(text: str) -> dict[str, str]:
-    """Top-level `key: scalar` pairs of a YAML mapping (kubelet's config.yaml)."""
+    """Top-level scalar fields of a YAML or JSON mapping (kubelet's configuration)."""
+    doc = yaml_mapping(text)
+    if isinstance(doc, Refusal):
+        raise Unreadable(doc.why)
     out: dict[str, str] = {}
-    for line in text.splitlines():
-        if not line or line[0] in " \t#-" or ":" not in line:
-            continue
-        key, _, value = line.partition(":")
-        value = value.split(" #", 1)[0].strip()
-        if value[:1] in ('"', "'") and value[-1:] == value[:1] and len(value) >= 2:
-            value = value[1:-1]
-        if value and value[:1] not in "{[|>&*!":
-            out[key.strip()] = value
+    for k, v in doc.items():
+        s = scalar_text(v)
+        if s is not None:
+            out[k] = s
     return out

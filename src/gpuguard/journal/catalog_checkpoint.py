@@ -117,6 +117,16 @@ CHECKPOINT_KINDS: dict[str, tuple[str, str]] = {
         "The end of a stop, repair, start (kubelet-stop): gpuguard starts kubelet whether the "
         "repair succeeded or not, so a node is never left without kubelet.",
     ),
+    "kubelet-process-untrusted": (
+        "A process named kubelet that gpuguard does not act for",
+        "A process named kubelet (or k3s-agent, k3s-server), pid @PID@, is not one gpuguard "
+        "trusts to say where kubelet runs: @REASON@. gpuguard acts only for a kubelet in one "
+        "of [Systemd] KubeletUnits=, running as root, from a root-owned executable at a path "
+        "a kubelet, k3s or RKE2 install uses (see gpuguard(8)); it stops, starts or restarts "
+        "no unit and reads no configuration because of this process. A local user can "
+        "name a program kubelet: find out who started it. A kubelet installed elsewhere "
+        "is named with [Kubelet] Unit=.",
+    ),
     "kubelet-coordination-failed": (
         "gpuguard could not coordinate with kubelet",
         "Kubelet runs but could not be stopped or restarted through systemd (not a systemd unit, "

@@ -45,6 +45,7 @@ COMMON: Tuple[str, ...] = (
     "python3",
     "python3-pyudev",
     "python3-systemd",
+    "python3-yaml",
     "procps",
     "util-linux",
     "containerd",

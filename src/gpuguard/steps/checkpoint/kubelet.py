@@ -14,7 +14,7 @@ from gpuguard.errors import KubeletError
 from gpuguard.host.inventory import Inventory
 from gpuguard.host.paths import Root
 from gpuguard.journal.log import EventLog
-from gpuguard.model import Outcome
+from gpuguard.model import Finding, Outcome
 from gpuguard.steps.checkpoint import kubelet_hook
 from gpuguard.steps.checkpoint import reconcile as ckpt
 from gpuguard.steps.checkpoint.actuate import CheckpointActuator
@@ -72,7 +72,11 @@ async def _coordinated(
 ) -> CheckReport:
     root = k.root
     if not s.kubelet_unit:
-        s = replace(s, kubelet_unit=await pick_unit(root, systemd, s.kubelet_units))
+        refused: list[Finding] = []  # processes named kubelet it may not act for
+        s = replace(s, kubelet_unit=await pick_unit(root, systemd, s.kubelet_units, refused))
+        for f in refused:
+            log.finding(f)
+        report.findings += refused
     if systemd is None:
         status = KubeletStatus(s.kubelet_unit, kubelet_pids(root), None, bus_error)
     else:
@@ -116,19 +120,28 @@ async def _coordinated(
     return await _stop_repair_start(k, systemd, s, report, actuator, log)
 
 
-async def pick_unit(root: Root, systemd: Optional[Systemd], candidates: tuple[str, ...]) -> str:
-    """[Kubelet] Unit= left empty: the unit the running kubelet is in, else the first
-    candidate ([Systemd] KubeletUnits=) that systemd has loaded, else the first."""
-    from gpuguard.devices.kubeletproc import process_unit
+async def pick_unit(
+    root: Root,
+    systemd: Optional[Systemd],
+    candidates: tuple[str, ...],
+    refused: Optional[list[Finding]] = None,
+) -> str:
+    """[Kubelet] Unit= left empty: the unit the trusted running kubelet is in
+    (devices/kubelettrust.py; the processes refused are added to `refused`), else the
+    first candidate ([Systemd] KubeletUnits=) that systemd has loaded, else the first.
+    Always one of the candidates."""
+    from gpuguard.devices.kubelettrust import kubelets
 
-    running = process_unit(root)
-    if running is not None:
-        return running.unit
+    found = kubelets(root, candidates)
+    if refused is not None:
+        refused += found.findings(ckpt.NAME)
     if systemd is None:
-        return candidates[0] if candidates else "kubelet.service"
+        running = found.first.unit if found.first is not None else ""
+        return running or (candidates[0] if candidates else "kubelet.service")
     from gpuguard.host.systemd import SystemdError
 
-    for candidate in candidates:
+    running_first = [p.unit for p in found.trusted] + list(candidates)
+    for candidate in dict.fromkeys(running_first):
         try:
             if (await systemd.unit_state(candidate)).load_state == "loaded":
                 return candidate

@@ -89,6 +89,8 @@ class DevicePluginStep:
         self.conditions = Conditions()  # findings are journaled when they change only
         self.state: dict[str, PluginState] = {}
         self._loaded_from: Optional[Root] = None
+        # [Systemd] KubeletUnits= (set each pass): only a trusted kubelet's start counts
+        self.kubelet_units: tuple[str, ...] = ()
 
     # -- persisted state -----------------------------------------------------------
 
@@ -140,7 +142,9 @@ class DevicePluginStep:
             now=now,
             host_nodes=self.host_nodes(root),
             plugins=plugins,
-            kubelet_started=kubelet_started(root, cfg.socket_dir, unit_started=unit_started),
+            kubelet_started=kubelet_started(
+                root, cfg.socket_dir, unit_started=unit_started, units=self.kubelet_units
+            ),
             containers=container_devs(root, snapshot.containers(self.cgroup_root)),
             remembered=remembered,
         )
@@ -159,7 +163,7 @@ class DevicePluginStep:
 
         unit = svc.config.kubelet.unit
         if unit is None:  # [Kubelet] Unit= empty: the one kubelet runs in
-            from gpuguard.devices.kubeletproc import kubelet_unit
+            from gpuguard.devices.kubelettrust import kubelet_unit
 
             unit, _why = kubelet_unit(svc.root, svc.config.systemd.kubelet_units)
         try:
@@ -175,6 +179,7 @@ class DevicePluginStep:
         root, elog = svc.root, svc.log
         self._load(root, elog)
         unit_started = await self._kubelet_unit_started(svc)
+        self.kubelet_units = svc.config.systemd.kubelet_units  # whose starts count
         obs = await asyncio.to_thread(self.observe, root, cfg, unit_started, ctx.host(svc))
         nvml = await asyncio.to_thread(self.probe_nvml, root, obs) if cfg.nvml_probe else {}
         result = assess(obs, registration_grace=cfg.registration_grace, nvml=nvml)

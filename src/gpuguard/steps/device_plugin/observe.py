@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Mapping, Optional, Sequence
 
 from gpuguard.devices.containers import ContainerCgroup
+from gpuguard.devices.kubelettrust import kubelets
 from gpuguard.devices.plugins import GPU_NODE, KUBELET_SOCKET, NodeInfo, PluginInfo, list_nodes
-from gpuguard.devices.processes import ProcessInfo, kubelet_pids, process_start
+from gpuguard.devices.processes import ProcessInfo, process_start
 from gpuguard.host.paths import Root
 
 
@@ -46,14 +47,20 @@ def _ctime(p: Path) -> Optional[float]:
 
 
 def kubelet_started(
-    root: Root, socket_dir: str, *, unit_started: Optional[float] = None
+    root: Root,
+    socket_dir: str,
+    *,
+    unit_started: Optional[float] = None,
+    units: Sequence[str] = (),
 ) -> Optional[float]:
     """The latest kubelet (re)start: kubelet.sock's ctime (made by the device manager
-    at start-up), the unit's InactiveExitTimestamp, a kubelet process's start.
-    None when kubelet does not seem to run (no kubelet.sock, no process)."""
+    at start-up), the unit's InactiveExitTimestamp, the start of a kubelet process
+    gpuguard trusts in one of `units` (devices/kubelettrust.py: a local user's process
+    named kubelet, started now, would make every plugin look unregistered and get it
+    restarted). None when kubelet does not seem to run (no kubelet.sock, no process)."""
     times: list[float] = []
     sock = _ctime(root.path(socket_dir) / KUBELET_SOCKET)
-    pids = kubelet_pids(root)
+    pids = [p.pid for p in kubelets(root, units).trusted]
     if sock is None and not pids:
         return None
     if sock is not None:
