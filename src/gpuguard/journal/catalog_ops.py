@@ -43,7 +43,10 @@ OPS_KINDS: dict[str, tuple[str, str]] = {
         "Mode=observe (or DryRun=yes) in the configuration: findings, the plan of each "
         "repair, metrics and node conditions are reported as in repair mode, and nothing "
         "is changed (no checkpoint rewrite, no kubelet or device plugin restart, no cgroup "
-        "write, device program, unit property or drop-in). Set Mode=repair in a drop-in "
+        "write, device program, unit property or drop-in). One write is no repair and "
+        "happens in this mode too: before each daemon-reload the package's maintainer "
+        "scripts cause, `gpuguard protect` writes each running GPU container's present "
+        "grant as its scope's drop-in (grant-protected). Set Mode=repair in a drop-in "
         "of /etc/gpuguard/gpuguard.conf.d/ and run `systemctl reload gpuguard` to repair.",
     ),
 }
