@@ -18,6 +18,7 @@ and started before the upgrade is active after it, and a scrape answers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import time
@@ -46,9 +47,10 @@ INTERVAL = 0.02
 STOP = "/run/sampler.stop"
 NODE_CONF = "[Inventory]\nFile=/etc/gpuguard/inventory.json\n[Daemon]\nAuditInterval=1s\n"
 CASES = [("v1", "observe"), ("v1", "repair"), ("v2", "observe"), ("v2", "repair")]
+#: The control: without `gpuguard protect` (DurableGrants=no keeps it from writing) the
+#: package's own install takes the GPU, and the observe-only daemon leaves it so.
+UNPROTECTED = "[Daemon]\nMode=observe\n[Devices]\nDurableGrants=no\n"
 MODES = {"observe": "[Daemon]\nMode=observe\n", "repair": ""}
-#: The verdicts of the runs, for the report at the end (layout, mode, operation).
-COUNTS: Dict[Tuple[str, str, str], Tuple[int, int]] = {}
 
 # Runs in the root: joins the container's devices cgroup (from its process's
 # /proc/PID/cgroup: "devices" on v1, "0::" on v2, by the layout booted), then opens the
@@ -123,10 +125,10 @@ def sampled(ns: PackageRoot, *argv: str) -> Tuple[Dict[str, object], str]:
     return s.stop(), out
 
 
-@pytest.fixture(params=CASES, ids=["-".join(c) for c in CASES])
-def node(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tuple[PackageRoot, str]]:
+@contextlib.contextmanager
+def booted(layout: str, tmp_path: Path) -> Iterator[PackageRoot]:
+    """A booted Debian 12 root on ``layout`` with both builds at /run/host/debs."""
     require_pkgroot_tools()
-    layout, mode = request.param
     lower, _made = debian_root()
     debs = tmp_path / "debs"
     debs.mkdir()
@@ -140,36 +142,51 @@ def node(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tuple[Packa
     ns = PackageRoot(tmp_path / "root", lower, layout=layout, ro_binds=binds)
     ns.start()
     try:
-        yield ns, mode
+        yield ns
     finally:
         ns.stop()
 
 
-def test_install_upgrade_remove_take_no_device(node: Tuple[PackageRoot, str]) -> None:
-    ns, mode = node
-    t0 = time.monotonic()
-    # the node as configuration management leaves it before the package: the driver's
-    # nodes, the inventory standing in for NVML, the mode (observe: fleet.md's canary)
+@pytest.fixture(params=CASES, ids=["-".join(c) for c in CASES])
+def node(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tuple[PackageRoot, str]]:
+    layout, mode = request.param
+    with booted(layout, tmp_path) as ns:
+        yield ns, mode
+
+
+def prepare(ns: PackageRoot, mode_conf: str) -> Path:
+    """The node as configuration management leaves it before the package: the driver's
+    nodes, the inventory standing in for NVML, the mode (observe: fleet.md's canary);
+    then a container granted its GPU by the hook. Returns its drop-in's host path."""
     for name, (ma, mi) in [("nvidia0", (195, 0)), *NODES.items()]:
         ns.run(["mknod", "-m", "666", f"/dev/{name}", "c", str(ma), str(mi)], check=True)
     etc = ns.path("/etc/gpuguard")
     (etc / "gpuguard.conf.d").mkdir(parents=True)
     (etc / "inventory.json").write_text(json.dumps(gpu_inventory(1)))
     (etc / "gpuguard.conf.d/10-node.conf").write_text(NODE_CONF)
-    (etc / "gpuguard.conf.d/20-mode.conf").write_text(MODES[mode])
+    (etc / "gpuguard.conf.d/20-mode.conf").write_text(mode_conf)
     write_unit(ns, "gpuguard.service.d/60-fake-driver.conf", FAKE_DRIVER)
     ns.systemctl("daemon-reload")
     start_container(ns, CTR)  # the hook's grant, behind systemd's back
     dropin = ns.path(f"/run/systemd/system/{CTR.unit}.d/60-gpuguard-devices.conf")
     assert not dropin.exists()
+    return dropin
+
+
+def test_install_upgrade_remove_take_no_device(node: Tuple[PackageRoot, str]) -> None:
+    ns, mode = node
+    t0 = time.monotonic()
+    dropin = prepare(ns, MODES[mode])
     v = source_version()
+    old, new = (
+        f"/run/host/debs/gpuguard_{v}-1_all.deb",
+        f"/run/host/debs/gpuguard_{v}{UPGRADE}-1_all.deb",
+    )
     ops = [
-        ("install", ("install", f"/run/host/debs/gpuguard_{v}-1_all.deb")),
-        ("upgrade", ("install", f"/run/host/debs/gpuguard_{v}{UPGRADE}-1_all.deb")),
-        (
-            "reinstall",
-            ("install", "--reinstall", f"/run/host/debs/gpuguard_{v}{UPGRADE}-1_all.deb"),
-        ),
+        ("install", ("install", old)),
+        ("upgrade", ("install", new)),
+        ("reinstall", ("install", "--reinstall", new)),
+        ("downgrade", ("install", "--allow-downgrades", old)),
         ("remove", ("remove", "gpuguard")),
     ]
     outputs = {}
@@ -177,15 +194,14 @@ def test_install_upgrade_remove_take_no_device(node: Tuple[PackageRoot, str]) ->
         if op == "upgrade":  # an operator turned the metrics endpoint on
             ns.systemctl("enable", "--now", "gpuguard-metrics.socket")
         result, outputs[op] = sampled(ns, *argv)
-        COUNTS[(ns.layout, mode, op)] = (int(str(result["samples"])), int(str(result["denied"])))
         print(f"\n{ns.layout} {mode} {op}: {result}")
         assert int(str(result["samples"])) >= 20, result
         assert result["denied"] == 0, (op, result, outputs[op])
         if op == "install":
             assert "made 1 grant(s) durable" in outputs[op], outputs[op]
             assert dropin.exists()
-        if op == "upgrade":
-            assert ns.unit_property("gpuguard-metrics.socket", "ActiveState") == "active"
+        if op in ("upgrade", "reinstall", "downgrade"):  # debhelper stopped it first
+            assert ns.unit_property("gpuguard-metrics.socket", "ActiveState") == "active", op
             scrape(ns)
     assert "kept 1 per-container drop-in(s)" in outputs["remove"], outputs["remove"]
     assert dropin.exists()
@@ -203,6 +219,21 @@ def test_install_upgrade_remove_take_no_device(node: Tuple[PackageRoot, str]) ->
     control = s.stop()
     assert int(str(control["denied"])) > 0, control
     print(f"{ns.layout} {mode}: {elapsed:.1f} s; control (drop-in removed, reload): {control}")
+
+
+@pytest.mark.parametrize("layout", ["v1", "v2"])
+def test_without_protect_the_install_takes_the_gpu(layout: str, tmp_path: Path) -> None:
+    """The control through the package itself: DurableGrants=no keeps `gpuguard protect`
+    from writing, and the install's own daemon-reload takes the hook's grant away (the
+    observe-only daemon leaves it so): what the test above would see without it."""
+    with booted(layout, tmp_path) as ns:
+        dropin = prepare(ns, UNPROTECTED)
+        v = source_version()
+        result, out = sampled(ns, "install", f"/run/host/debs/gpuguard_{v}-1_all.deb")
+        print(f"\n{layout} observe, DurableGrants=no, install: {result}")
+        assert "DurableGrants=no: nothing written" in out, out
+        assert not dropin.exists()
+        assert int(str(result["denied"])) > 0, result
 
 
 def scrape(ns: PackageRoot) -> None:
