@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+import pytest
+
 from gpuguard.devices.containers import ContainerCgroup
 from gpuguard.devices.entitlement import Entitlement, VisibleDevices
 from gpuguard.devices.nodes import DeviceNode
@@ -72,3 +74,35 @@ def test_never_for_an_open_scope_a_broken_one_no_scope_or_no_gpu() -> None:
     access = {(c.container_id, n.numbers): True for c, ns in pairs for n in ns}
     view = _view(pairs, access, unconfined=frozenset({"o"}), broken={"b": "unreadable"})
     assert plan_protect(view, {}) == ()
+
+
+def _run(root: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[int, str]:
+    from gpuguard import cli
+
+    code = cli.main(["protect", "--root", str(root), *extra])
+    return code, capsys.readouterr().out
+
+
+def test_the_off_switch_and_durable_grants_no_write_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    etc = tmp_path / "etc/gpuguard"
+    (etc / "gpuguard.conf.d").mkdir(parents=True)
+    (etc / "disabled").write_text("CHG-1\n")
+    code, out = _run(tmp_path, capsys)
+    assert code == 0 and "gpuguard is disabled" in out and "nothing written" in out
+    (etc / "disabled").unlink()
+    (etc / "gpuguard.conf.d/50-off.conf").write_text("[Devices]\nDurableGrants=no\n")
+    code, out = _run(tmp_path, capsys, "--dry-run")
+    assert code == 0 and "DurableGrants=no: nothing written" in out
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_broken_configuration_still_protects_with_the_defaults(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    etc = tmp_path / "etc/gpuguard"
+    (etc / "gpuguard.conf.d").mkdir(parents=True)
+    (etc / "gpuguard.conf.d/50-typo.conf").write_text("[Daemon]\nModee=observe\n")
+    code, out = _run(tmp_path, capsys)  # no driver in this root: nothing to protect
+    assert code == 0 and "no NVIDIA driver registered" in out, out
