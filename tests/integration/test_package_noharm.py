@@ -200,6 +200,10 @@ def test_install_upgrade_remove_take_no_device(node: Tuple[PackageRoot, str]) ->
         if op == "install":
             assert "made 1 grant(s) durable" in outputs[op], outputs[op]
             assert dropin.exists()
+            t = time.monotonic()  # what each maintainer script's run costs (bench figure)
+            res = ns.run(["gpuguard", "protect", "--dry-run"], check=True)
+            print(f"gpuguard protect, 1 container: {time.monotonic() - t:.2f} s")
+            assert "1 durable already" in res.stdout, res.stdout
         if op in ("upgrade", "reinstall", "downgrade"):  # debhelper stopped it first
             assert ns.unit_property("gpuguard-metrics.socket", "ActiveState") == "active", op
             scrape(ns)
