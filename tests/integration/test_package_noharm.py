@@ -1,8 +1,8 @@
 """The package never takes a device away from a running GPU container: the .deb built by
-packaging/build-deb, installed, upgraded (old build -> new build), reinstalled and
-removed with apt-get in a booted Debian 12 root (integration/pkgroot), on cgroup v1 and
-v2, in observe mode (the canary configuration, written before the install) and in
-repair mode.
+packaging/build-deb, installed, upgraded (old build -> new build), reinstalled,
+downgraded, removed and purged with apt-get in a booted Debian 12 root
+(integration/pkgroot), on cgroup v1 and v2, in observe mode (the canary configuration,
+written before the install) and in repair mode.
 
 The container's GPU is granted the way the legacy NVIDIA hook grants it, behind
 systemd's back; systemd 252 re-applies a scope's device policy at every daemon-reload,
@@ -188,6 +188,7 @@ def test_install_upgrade_remove_take_no_device(node: Tuple[PackageRoot, str]) ->
         ("reinstall", ("install", "--reinstall", new)),
         ("downgrade", ("install", "--allow-downgrades", old)),
         ("remove", ("remove", "gpuguard")),
+        ("purge", ("purge", "gpuguard")),
     ]
     outputs = {}
     for op, argv in ops:
