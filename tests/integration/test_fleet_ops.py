@@ -19,7 +19,7 @@ One node per layout, in phases, each building on the last:
 4. a reload with a broken configuration fails, naming the file and line, and the
    daemon keeps running; `gpuguard disable` stops it and the metrics say so; a switch
    dropped in place while it runs stops it at its next pass;
-5. removal drops gpuguard's per-container drop-in (the container keeps its GPU through
+5. removal keeps gpuguard's per-container drop-in (the container keeps its GPU through
    the next daemon-reload) and says so; purge keeps the operator's files and the
    checkpoint backups, and names them.
 
@@ -371,9 +371,9 @@ def test_6_remove_and_purge(node: Node) -> None:
     hook = ns.path("/etc/gpuguard/hooks.d/50-page-oncall")  # an operator's hook
     hook.write_text("#!/bin/sh\n")
     out = apt(ns, "remove", "gpuguard")
-    assert "removed 1 per-container drop-in(s)" in out, out
-    assert not dropin.exists()
-    ns.systemctl("daemon-reload")  # systemd's own runtime DeviceAllow= keeps the GPU
+    assert "kept 1 per-container drop-in(s)" in out, out
+    assert dropin.exists()  # nothing of gpuguard is left to give the GPU back
+    ns.systemctl("daemon-reload")
     wait_for(lambda: has(CTR, ns, (195, 0)), what="the container's GPU after the reload")
     out = apt(ns, "purge", "gpuguard")
     kept = [line for line in out.splitlines() if line.startswith("gpuguard: kept")]

@@ -145,7 +145,18 @@ def test_deb_control(pkgs: Dict[str, Path]) -> None:
     enables = re.findall(r"^.*enable 'gpuguard-metrics.*$", postinst, re.M)
     assert enables and all("deb-systemd-helper enable" in e for e in enables)
     assert "was-enabled 'gpuguard-metrics.socket'" in postinst
-    assert not re.search(r"deb-systemd-invoke \S+ 'gpuguard-metrics", postinst)
+    # started again only where preinst found it active before debhelper's stop
+    starts = re.findall(r"deb-systemd-invoke \S+ 'gpuguard-metrics.*$", postinst, re.M)
+    assert starts == ["deb-systemd-invoke start 'gpuguard-metrics.socket' >/dev/null || true"]
+    marker = "/run/gpuguard.metrics-socket-was-active"
+    preinst = sh("dpkg-deb", "-I", deb, "preinst")
+    assert preinst.index(marker) < preinst.index("deb-systemd-invoke stop")
+    assert postinst.index(f"[ -e {marker} ]") < postinst.index(
+        "deb-systemd-invoke start 'gpuguard-m"
+    )
+    # every GPU container's present grant made durable before the first daemon-reload
+    reload = postinst.index("systemctl --system daemon-reload")
+    assert postinst.index("/usr/bin/gpuguard protect") < reload
     assert "python3-prometheus-client" in sh("dpkg-deb", "-f", deb, "Recommends")
     postrm = sh("dpkg-deb", "-I", deb, "postrm")
     # purge keeps what an operator made and the checkpoint backups (test_fleet_ops.py)
@@ -153,6 +164,8 @@ def test_deb_control(pkgs: Dict[str, Path]) -> None:
     assert "60-gpuguard-devices.conf" in postrm
     prerm = sh("dpkg-deb", "-I", deb, "prerm")
     assert "deb-systemd-invoke stop 'gpuguard.service'" in prerm
+    assert "/usr/bin/gpuguard protect" in prerm  # before postrm's or another postinst's reload
+    assert 'rm -f "$f"' not in postrm  # the drop-ins are kept at removal
 
 
 def test_lintian_has_no_errors(pkgs: Dict[str, Path]) -> None:
@@ -216,6 +229,10 @@ def test_rpm_requires_and_scripts(pkgs: Dict[str, Path]) -> None:
     posttrans = scripts[scripts.index("posttrans scriptlet") :]
     assert posttrans.index("gpuguard config --check") < posttrans.index("try-restart")
     assert "60-gpuguard-devices.conf" in scripts
+    post = scripts[scripts.index("postinstall scriptlet") :]
+    assert post.index("/gpuguard protect") < post.index("systemctl daemon-reload")
+    preun = scripts[scripts.index("preuninstall scriptlet") :]
+    assert preun.index("/gpuguard protect") < preun.index("disable --now")
     assert "--sysname-match='nvidia*'" in scripts and "vendor=0x10de" in scripts
     assert "journalctl --update-catalog" in scripts
     assert not NO_KUBELET_RESTART.search(scripts)

@@ -14,6 +14,7 @@ from gpuguard.cli.args import _config, _inventory_path, _log, _opt, _root
 from gpuguard.cli.check import cmd_check
 from gpuguard.cli.checkpoint import cmd_checkpoint_canonical, cmd_checkpoint_inspect
 from gpuguard.cli.daemon import cmd_daemon
+from gpuguard.cli.protect import cmd_protect
 from gpuguard.cli.status import cmd_status
 from gpuguard.cli.switch import cmd_disable, cmd_enable
 from gpuguard.errors import GpuguardError
@@ -205,6 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument(
         "--json", action="store_true", help="print the containers and their access as JSON"
     )
+    pr = sub.add_parser(
+        "protect",
+        parents=[common],
+        help="before a daemon-reload: write each GPU container's present grant as its "
+        "scope's drop-in (repairs nothing; the package runs it)",
+    )
+    pr.add_argument("--dry-run", action="store_true", help="print what it would write")
+    pr.add_argument("--reason", default="", help="why (journaled with each write)")
     sub.add_parser("catalog", parents=[common], help="print the journal message catalog")
     doc = sub.add_parser(
         "doctor",
@@ -329,6 +338,7 @@ COMMANDS = {
     "catalog": cmd_catalog,
     "disable": cmd_disable,
     "enable": cmd_enable,
+    "protect": cmd_protect,
 }
 
 

@@ -27,12 +27,26 @@ OPS_KINDS: dict[str, tuple[str, str]] = {
         "kubelet's pre-start hook did not check the kubelet checkpoint, or `gpuguard check` "
         "ran as a dry run, because the off switch is set. " + _OFF,
     ),
+    "grant-protected": (
+        "gpuguard made a GPU container's present grant durable before a daemon-reload",
+        "`gpuguard protect` (run by the package's maintainer scripts before each "
+        "`systemctl daemon-reload` they cause) wrote the container scope's drop-in "
+        "/run/systemd/system/SCOPE.d/60-gpuguard-devices.conf with the nodes the kernel "
+        "admitted at that moment, so that systemd's re-apply of the scope's device policy "
+        "at the reload keeps them. It grants nothing that was denied and runs in observe "
+        "mode too: it keeps the package's own action from taking a device away, it is no "
+        "repair of the node. The drop-in goes at the next boot (/run), or once the scope "
+        "is gone while gpuguard runs.",
+    ),
     "observe-only": (
         "gpuguard runs observe-only: it reports and changes nothing",
         "Mode=observe (or DryRun=yes) in the configuration: findings, the plan of each "
         "repair, metrics and node conditions are reported as in repair mode, and nothing "
         "is changed (no checkpoint rewrite, no kubelet or device plugin restart, no cgroup "
-        "write, device program, unit property or drop-in). Set Mode=repair in a drop-in "
+        "write, device program, unit property or drop-in). One write is no repair and "
+        "happens in this mode too: before each daemon-reload the package's maintainer "
+        "scripts cause, `gpuguard protect` writes each running GPU container's present "
+        "grant as its scope's drop-in (grant-protected). Set Mode=repair in a drop-in "
         "of /etc/gpuguard/gpuguard.conf.d/ and run `systemctl reload gpuguard` to repair.",
     ),
 }
