@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from gpuguard import __version__, exitcodes
-from gpuguard.cli.args import _config, _inventory_path, _log, _opt, _root
+from gpuguard.cli.args import _config, _inventory_path, _log, _nvml_lookup, _opt, _root
 from gpuguard.cli.check import cmd_check
 from gpuguard.cli.checkpoint import cmd_checkpoint_canonical, cmd_checkpoint_inspect
 from gpuguard.cli.daemon import cmd_daemon
@@ -277,7 +277,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     root = _root(args)
     cfg = _config(args, root)
     try:
-        inventory = load_inventory(_inventory_path(args, cfg))
+        inventory = load_inventory(_inventory_path(args, cfg), _nvml_lookup(root, cfg))
     except GpuguardError:
         inventory = None  # the driver and gpu-count checks say what is missing
 

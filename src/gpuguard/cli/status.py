@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from gpuguard import exitcodes
-from gpuguard.cli.args import _config, _inventory_path, _root
+from gpuguard.cli.args import _config, _inventory_path, _nvml_lookup, _root
 
 # `gpuguard status`: what admits a container's devices (ContainerCgroup.mechanism)
 MECHANISM_TEXT = {
@@ -25,7 +25,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     root = _root(args)
     cfg = _config(args, root)
     try:
-        inventory = load_inventory(_inventory_path(args, cfg))
+        inventory = load_inventory(_inventory_path(args, cfg), _nvml_lookup(root, cfg))
     except NoDriverError:
         inventory = None
     from gpuguard.devices.podnames import pod_names

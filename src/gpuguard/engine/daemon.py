@@ -82,7 +82,10 @@ class Daemon:
         self.config_path = config_path
         self.log = log
         self.notifier = notifier
-        self.inventory_reader = InventoryReader(log, config, inventory_path)  # each pass's GPUs
+        # each pass's GPUs; NVML appearing or its GPUs changing is an event
+        self.inventory_reader = InventoryReader(
+            log, config, inventory_path, root=root, on_change=self.on_event
+        )
         self.bus_address = bus_address or bus_address_for(root.prefix)
         self.cli_dry_run = dry_run  # --dry-run: kept across reloads
         self.dry_run = dry_run or config.daemon.observe  # Mode=observe, DryRun=yes
