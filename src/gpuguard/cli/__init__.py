@@ -276,8 +276,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     root = _root(args)
     cfg = _config(args, root)
+    from gpuguard.host.inventory import DriverPendingError
+
+    driver_wait = ""
     try:
         inventory = load_inventory(_inventory_path(args, cfg), _nvml_lookup(root, cfg))
+    except DriverPendingError as e:  # a GPU Operator node's driver pod not there yet
+        inventory, driver_wait = None, e.message
     except GpuguardError:
         inventory = None  # the driver and gpu-count checks say what is missing
 
@@ -291,6 +296,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         runner,
         kubelet_units=cfg.systemd.kubelet_units,
         observe=cfg.daemon.observe,
+        driver_wait=driver_wait,
+        driver_root=cfg.inventory.driver_root or "",
     )
     print(json.dumps(report.to_json(), indent=2) if args.json else report.render())
     return report.exit_code

@@ -319,7 +319,10 @@ class Daemon:
             return
         started_wall, t0 = time.time(), time.monotonic()
         self.passes += 1
-        ctx = PassContext(work, self.inventory_reader.read, previous_inventory=self.inventory)
+        reader = self.inventory_reader
+        ctx = PassContext(
+            work, reader.read, previous_inventory=self.inventory, driver_wait=lambda: reader.pending
+        )
         if self.dry_run:  # plan on the last pass's planned nodes and links, as the real
             # run acts on the ones it made then (its follow-up pass: durable grants)
             ctx.snapshot = self._snapshot_with(self._planned)
