@@ -160,3 +160,14 @@ def test_driver_pod_not_started_is_unknown_then_a_problem_after_the_grace(
     daemon_pass(r, grace="0")
     code, message = answer(Root(r), "gpu-count")
     assert code == 1 and "grace period" in message, message
+
+
+def test_status_says_which_library(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    r = operator_node(tmp_path)
+    _code, out = run(capsys, "status", "--root", str(r))
+    assert f"GPUs from:  NVML {LIBRARY} (the GPU Operator's driver root /run/nvidia/driver)" in out
+    _code, out = run(capsys, "status", "--root", str(r), "--json")
+    assert json.loads(out)["gpus_from"].startswith(f"NVML {LIBRARY}")
+    (r / LIB_DIR / "fakenvml.conf").unlink()  # the driver unloaded
+    _code, out = run(capsys, "status", "--root", str(r), "--json")
+    assert "has not loaded the NVIDIA kernel driver" in json.loads(out)["gpus_from"]

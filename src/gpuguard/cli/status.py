@@ -26,8 +26,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     cfg = _config(args, root)
     try:
         inventory = load_inventory(_inventory_path(args, cfg), _nvml_lookup(root, cfg))
-    except NoDriverError:
-        inventory = None
+        gpus_from = inventory.describe_source()
+    except NoDriverError as e:
+        inventory, gpus_from = None, f"unavailable: {e.message}"
     from gpuguard.devices.podnames import pod_names
     from gpuguard.host.echo import cut
     from gpuguard.host.offswitch import read_off_switch
@@ -49,6 +50,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             "containers": rows,
             "off_switch": off.to_json() if off is not None else None,
             "mode": "observe" if observe else "repair",
+            "gpus_from": gpus_from,  # NVML's library and where it was found, or a file
         }
         print(json.dumps(doc, indent=2))
     else:
@@ -68,6 +70,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 f"daemon:     pid {daemon.pid}, {daemon.passes} pass(es); last: "
                 f"{reasons} with {found} finding(s)"
             )
+        print(f"GPUs from:  {cut(gpus_from, 300)}")
         print(f"containers: {len(rows)} with GPUs")
         for r in rows:
             what = r["access"] if r["access"] != "denied" else "DENIED " + ", ".join(r["denied"])
