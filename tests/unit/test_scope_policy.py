@@ -35,7 +35,8 @@ def _files(root: Path, main: str, dropins: dict[str, str]) -> None:
     [
         ([], ScopeDevices("auto", 0)),
         ([RUNC_POLICY], ScopeDevices("strict", 0)),
-        ([RUNC_ALLOW], ScopeDevices("auto", 2)),  # auto with entries: a closed list
+        # auto with entries: a closed list; /dev/char/1:3 allowed by number
+        ([RUNC_ALLOW], ScopeDevices("auto", 2, frozenset({"1:3"}))),
         ([RUNC_ALLOW, "[Scope]\nDeviceAllow=\n"], ScopeDevices("auto", 0)),  # a reset
         (["[Scope]\nDevicePolicy=closed\n", "[Scope]\nDevicePolicy=\n"], ScopeDevices()),
         (["[Scope]\nDevicePolicy=bogus\n"], ScopeDevices()),  # systemd ignores it too
@@ -52,7 +53,7 @@ def test_settings_applied_in_order(texts: list[str], want: ScopeDevices) -> None
 def test_runc_scope_read_from_its_files(tmp_path: Path) -> None:
     _files(tmp_path, MAIN, {"50-DevicePolicy.conf": RUNC_POLICY, "50-DeviceAllow.conf": RUNC_ALLOW})
     got = scope_devices(Root(tmp_path), UNIT)
-    assert got == ScopeDevices("strict", 2) and not got.admits_all
+    assert got == ScopeDevices("strict", 2, frozenset({"1:3"})) and not got.admits_all
 
 
 def test_privileged_scope_admits_all(tmp_path: Path) -> None:
