@@ -102,8 +102,7 @@ def test_doctor_gpu_count_is_ok_and_names_the_layout(
     assert f"{LIBRARY} (the GPU Operator's driver root /run/nvidia/driver)" in count["evidence"]
     layout = checks["node-layout"]
     assert layout["verdict"] == "ok" and layout["evidence"].startswith(
-        "GPU Operator layout: driver container root /run/nvidia/driver, toolkit "
-        "/usr/local/nvidia/toolkit"
+        "GPU Operator layout: driver root /run/nvidia/driver, toolkit /usr/local/nvidia/toolkit"
     )
 
 
@@ -171,3 +170,35 @@ def test_status_says_which_library(tmp_path: Path, capsys: pytest.CaptureFixture
     (r / LIB_DIR / "fakenvml.conf").unlink()  # the driver unloaded
     _code, out = run(capsys, "status", "--root", str(r), "--json")
     assert "has not loaded the NVIDIA kernel driver" in json.loads(out)["gpus_from"]
+
+
+def test_doctor_reads_the_operators_toolkit_containerd_and_cdi(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    r = operator_node(tmp_path)
+    conf = r / "usr/local/nvidia/toolkit/.config/nvidia-container-runtime/config.toml"
+    conf.parent.mkdir(parents=True)
+    conf.write_text('[nvidia-container-runtime]\nmode = "cdi"\n')
+    dropin = r / "etc/containerd/conf.d/99-nvidia.toml"
+    dropin.parent.mkdir(parents=True)
+    dropin.write_text(
+        'version = 2\n[plugins."io.containerd.grpc.v1.cri"]\n  enable_cdi = true\n'
+        '[plugins."io.containerd.grpc.v1.cri".containerd]\n  default_runtime_name = "nvidia"\n'
+        '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.nvidia]\n'
+        '  runtime_type = "io.containerd.runc.v2"\n'
+    )
+    (r / "var/run/cdi").mkdir(parents=True)
+    (r / "var/run/cdi/nvidia.yaml").write_text("cdiVersion: 0.5.0\nkind: nvidia.com/gpu\n")
+    _code, out = run(capsys, "doctor", "--root", str(r), "--json")
+    checks = {c["check"]: c for c in json.loads(out)["checks"]}
+    toolkit = checks["toolkit-mode"]
+    assert toolkit["verdict"] == "ok" and str(conf.relative_to(r)) in toolkit["evidence"], toolkit
+    runtime = checks["container-runtime"]
+    assert runtime["verdict"] == "ok", runtime
+    assert "/etc/containerd/conf.d/99-nvidia.toml: default runtime nvidia" in runtime["evidence"]
+    layout = checks["node-layout"]["evidence"]
+    assert (
+        "CDI specs /var/run/cdi/nvidia.yaml (toolkit mode=cdi, containerd enable_cdi=true)"
+    ) in layout, layout
+    assert "toolkit config /usr/local/nvidia/toolkit/.config/" in layout, layout
+    assert not layout.endswith("…"), "cut: the evidence must fit"

@@ -24,11 +24,12 @@ def _cdi(f: Facts) -> str:
     specs = op.cdi_specs if op is not None else ()
     mode = f.toolkit.values.get("nvidia-container-runtime.mode", "") if not f.toolkit.error else ""
     enable = next((v for k, v in f.containerd.values.items() if k.endswith(".enable_cdi")), "")
-    text = f"CDI specs: {', '.join(specs)}" if specs else "no NVIDIA CDI spec in /var/run/cdi"
-    if mode:
-        text += f"; toolkit mode={mode}"
-    if enable:
-        text += f"; containerd enable_cdi={enable}"
+    text = f"CDI specs {', '.join(specs)}" if specs else "no NVIDIA CDI spec in /var/run/cdi"
+    said = [f"toolkit mode={mode}"] * bool(mode) + [f"containerd enable_cdi={enable}"] * bool(
+        enable
+    )
+    if said:
+        text += f" ({', '.join(said)})"
     return text
 
 
@@ -40,17 +41,17 @@ def check_layout(f: Facts) -> Check:
     if op.operator:
         root = op.driver_root + ("" if op.driver_root_present else " (not mounted yet)")
         toolkit = "toolkit /usr/local/nvidia/toolkit" if op.toolkit_dir else "no toolkit directory"
-        head = f"GPU Operator layout: driver container root {root}, {toolkit}"
+        head = f"GPU Operator layout: driver root {root}, {toolkit}"
     else:
         head = "host-installed driver"
     conf = f"toolkit config {f.toolkit.path}, containerd config {f.containerd.path}"
     if op.nvml:
-        nvml = f"GPUs from {op.nvml}"
+        nvml = f"GPUs from {op.nvml.split(' (', 1)[0]}"  # the layout is said above
     elif op.driver_wait:
         nvml = f"NVML not yet: {op.driver_wait}"
     else:
         nvml = "NVML unavailable"
-    evidence = f"{head}; {nvml}; {conf}; {cdi}"
+    evidence = f"{head}; {nvml}; {cdi}; {conf}"  # what a cut at 400 characters may lose last
     if not op.nvml:
         return Check("node-layout", UNKNOWN, evidence, DRIVER_POD_NEXT if op.driver_wait else "")
     return Check("node-layout", OK, evidence)
