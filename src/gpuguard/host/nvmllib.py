@@ -22,6 +22,7 @@ library found, and another one (a driver upgrade's new file) replaces it.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import stat
@@ -202,12 +203,15 @@ _loaded: list[str] = []  # the file pynvml's handle was loaded from (one process
 def load_into(pynvml: Any, lib: NvmlLibrary) -> None:
     """Make pynvml call `lib`: its handle set under its own lock, its cache of
     function pointers dropped when the library changes. OSError: not loadable."""
-    with pynvml.libLoadLock:
+    import ctypes  # only where NVML is asked
+
+    lock = getattr(pynvml, "libLoadLock", None) or contextlib.nullcontext()
+    with lock:
         if _loaded and _loaded[0] == lib.real and pynvml.nvmlLib is not None:
             return
-        import ctypes  # only where NVML is asked
-
         handle = ctypes.CDLL(lib.real)
         pynvml.nvmlLib = handle
-        pynvml._nvmlGetFunctionPointer_cache.clear()
+        cache = getattr(pynvml, "_nvmlGetFunctionPointer_cache", None)
+        if cache is not None:  # the bindings cache each function of the library loaded
+            cache.clear()
         _loaded[:] = [lib.real]
