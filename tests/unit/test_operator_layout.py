@@ -79,7 +79,10 @@ def test_check_lists_the_gpus_from_nvml_and_plans_the_remap(
     before = (r / CHECKPOINT).read_bytes()
     code, out = run(capsys, *check, "--dry-run")
     assert code == exitcodes.FINDINGS and (r / CHECKPOINT).read_bytes() == before
-    (planned,) = json.loads(out)["actions"]
+    doc = json.loads(out)
+    assert [g["uuid"] for g in doc["inventory"]["gpus"]] == NEW  # listed from NVML
+    assert doc["inventory"]["library"].startswith(f"{LIBRARY} (the GPU Operator's")
+    (planned,) = doc["actions"]
     assert [(x["old_device_ids"], x["new_device_ids"]) for x in planned["remaps"]] == [
         ([OLD[0]], [NEW[0]]),
         ([OLD[1], OLD[2]], [NEW[1], NEW[2]]),

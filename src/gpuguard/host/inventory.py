@@ -66,6 +66,7 @@ class Inventory:
     def to_json(self) -> dict[str, Any]:
         return {
             "source": self.source,
+            "library": self.library,  # NVML's library and where it was found; "" for a file
             "driver_version": self.driver_version,
             "gpus": [
                 {
