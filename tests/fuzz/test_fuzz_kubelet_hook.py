@@ -23,7 +23,8 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from conftest import CHECKPOINTS, REPO, require_root
+import fakenvml
+from conftest import CHECKPOINTS, REPO, require_root, require_tool
 from fakenode import CHECKPOINT, PLACEMENTS, Run, assert_clean, place, run_cli, tree
 from fuzz.budget import budget
 from gpuguard.host.paths import Root
@@ -145,23 +146,16 @@ def test_the_hook_process_never_waits_on_a_fifo_or_dev_zero(
     _after(tmp_path, Run(p.returncode, p.stdout, p.stderr))
 
 
-HANGING_NVML = """
-import time
-class NVMLError(Exception):
-    pass
-def nvmlInit():
-    time.sleep(3600)  # a driver that never answers
-"""
-
-
 def test_nvml_that_never_answers_ends_at_the_deadline(tmp_path: Path) -> None:
     """The hook's own deadline: kubelet starts within seconds even when NVML hangs; the
-    result says why, so the restart's caller reports it."""
-    (tmp_path / "fake").mkdir()
-    (tmp_path / "fake/pynvml.py").write_text(HANGING_NVML)
+    result says why, so the restart's caller reports it. The real pynvml, over the fake
+    driver library (tests/fakenvml) made to hang in nvmlInit."""
+    require_tool("gcc")
+    lib = fakenvml.build(tmp_path / "usr/lib64")
+    fakenvml.write_conf(lib.parent, fakenvml.gpus(1), init_sleep=3600)  # never answers
     _node(tmp_path)
     kh.write_request(Root(tmp_path), "5eed")
-    env = {**ENV, "PYTHONPATH": f"{tmp_path / 'fake'}:{REPO / 'src'}"}
+    env = ENV
     t0 = time.monotonic()
     p = subprocess.run(
         [sys.executable, "-m", "gpuguard", *HOOK, "--root", str(tmp_path), "--deadline", "2"],

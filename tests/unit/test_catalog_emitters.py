@@ -117,6 +117,7 @@ def daemon_pass(tmp: Path) -> Entries:
         asyncio.run(d.inventory_reader.read())  # unavailable
         (tmp / "none.json").write_text('{"gpus": []}')
         asyncio.run(d.inventory_reader.read())  # available again
+        d.inventory_reader._state(None, "/usr/lib64/libnvidia-ml.so.1 (the host's loader path)")
 
     return logged(emit)
 

@@ -387,6 +387,8 @@ CriEndpoint=tcp://127.0.0.1:1234
 [Inventory]
 File=/etc/gpuguard/inventory.json
 AllowKubeletRestart=yes
+DriverRoot=/run/nvidia/custom-driver
+DriverStartGrace=20min
 [Metrics]
 TextfileDirectory=/var/lib/node_exporter/textfile_collector
 """

@@ -8,6 +8,7 @@ import dataclasses
 import io
 import json
 import os
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -166,14 +167,20 @@ def _children() -> list[str]:
     return text.split()
 
 
-def test_probe_of_this_process_without_the_library() -> None:
+def test_probe_of_a_process_without_the_library() -> None:
     if any(Path(d, NVML_LIBRARY).exists() for d in nvml_probe.LIBRARY_DIRS):
         pytest.skip(f"{NVML_LIBRARY} is installed here")
-    before = _children()
-    r = probe_nvml(os.getpid(), [], timeout=20)
+    # a process of its own: this one may have mapped the tests' fake driver library
+    plugin = subprocess.Popen(["sleep", "60"])
+    try:
+        before = _children()
+        r = probe_nvml(plugin.pid, [], timeout=20)
+        assert _children() == before  # reaped
+    finally:
+        plugin.kill()
+        plugin.wait()
     assert r.ok is False and r.code is None and r.stage == "load" and r.failed
     assert NVML_LIBRARY in r.detail and "plugin's filesystem" in r.detail
-    assert _children() == before  # reaped
 
 
 def test_probe_that_cannot_join_the_cgroup_is_inconclusive(tmp_path: Path) -> None:

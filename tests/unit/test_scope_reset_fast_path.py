@@ -13,7 +13,7 @@ from gpuguard.config import load_config
 from gpuguard.devices.containers import ContainerCgroup
 from gpuguard.devices.entitlement import Entitlement, VisibleDevices
 from gpuguard.devices.nodes import ROLE_GPU, DeviceNode
-from gpuguard.devices.scopepolicy import ScopeDevices
+from gpuguard.devices.scopepolicy import ScopeDevices, apply_unit_text
 from gpuguard.host.paths import Root
 from gpuguard.journal.log import EventLog
 from gpuguard.model import Outcome
@@ -25,7 +25,9 @@ GPU0 = DeviceNode("/dev/nvidia0", 195, 0, ROLE_GPU)
 
 
 def test_lost_grants_are_the_granted_numbers_no_longer_listed_rw() -> None:
-    listed = ScopeDevices("strict", (("/dev/char/195:0", "rw"), ("/dev/char/195:1", "r")))
+    listed = apply_unit_text(
+        ScopeDevices(), "DeviceAllow=/dev/char/195:0 rw\nDeviceAllow=/dev/char/195:1 r\n"
+    )
     assert lost_grants(listed, {"195:0", "195:1", "195:255"}) == ("195:1", "195:255")
     assert lost_grants(listed, {"195:0"}) == ()
     assert lost_grants(ScopeDevices("strict"), {"195:0"}) == ("195:0",)  # a reset to nothing

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from gpuguard import __version__, exitcodes
-from gpuguard.cli.args import _config, _inventory_path, _log, _opt, _root
+from gpuguard.cli.args import _config, _inventory_path, _log, _nvml_lookup, _opt, _root
 from gpuguard.cli.check import cmd_check
 from gpuguard.cli.checkpoint import cmd_checkpoint_canonical, cmd_checkpoint_inspect
 from gpuguard.cli.daemon import cmd_daemon
@@ -285,8 +285,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     root = _root(args)
     cfg = _config(args, root)
+    from gpuguard.host.inventory import DriverPendingError
+
+    driver_wait = ""
     try:
-        inventory = load_inventory(_inventory_path(args, cfg))
+        inventory = load_inventory(_inventory_path(args, cfg), _nvml_lookup(root, cfg))
+    except DriverPendingError as e:  # a GPU Operator node's driver pod not there yet
+        inventory, driver_wait = None, e.message
     except GpuguardError:
         inventory = None  # the driver and gpu-count checks say what is missing
 
@@ -300,6 +305,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         runner,
         kubelet_units=cfg.systemd.kubelet_units,
         observe=cfg.daemon.observe,
+        driver_wait=driver_wait,
+        driver_root=cfg.inventory.driver_root or "",
     )
     print(json.dumps(report.to_json(), indent=2) if args.json else report.render())
     return report.exit_code

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:  # imported where used: each command loads only what it needs
     from gpuguard.config import Config
+    from gpuguard.host.nvmllib import NvmlLookup
     from gpuguard.host.paths import Root
     from gpuguard.journal.log import EventLog
 
@@ -54,3 +55,10 @@ def _inventory_path(args: argparse.Namespace, cfg: Config) -> Optional[Path]:
     if explicit is not None:
         return Path(explicit)
     return Path(cfg.inventory.file) if cfg.inventory.file else None
+
+
+def _nvml_lookup(root: Root, cfg: Config) -> NvmlLookup:
+    """Where NVML's library is looked for: the same for every command and the daemon."""
+    from gpuguard.host.nvmllib import NvmlLookup
+
+    return NvmlLookup(root, cfg.inventory.driver_root or "")

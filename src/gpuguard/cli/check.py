@@ -7,7 +7,7 @@ import json
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 from gpuguard import exitcodes
-from gpuguard.cli.args import _config, _inventory_path, _log, _opt, _root
+from gpuguard.cli.args import _config, _inventory_path, _log, _nvml_lookup, _opt, _root
 from gpuguard.errors import GpuguardError
 
 if TYPE_CHECKING:  # loaded where used: a healthy kubelet hook stays fast
@@ -91,7 +91,7 @@ def _check(args: argparse.Namespace, root: Root, hook: Optional[HookRun]) -> int
     if hook is not None:
         hook.start(root.path(k.checkpoint_path))
     try:
-        inventory = load_inventory(_inventory_path(args, cfg))
+        inventory = load_inventory(_inventory_path(args, cfg), _nvml_lookup(root, cfg))
     except NoDriverError as e:
         if hook is None:
             raise

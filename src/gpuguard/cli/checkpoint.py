@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from gpuguard import exitcodes
-from gpuguard.cli.args import _config, _inventory_path, _root
+from gpuguard.cli.args import _config, _inventory_path, _nvml_lookup, _root
 from gpuguard.host.echo import cut
 
 
@@ -63,7 +63,7 @@ def cmd_checkpoint_inspect(args: argparse.Namespace) -> int:
         stale=None,
     )
     try:
-        inventory = load_inventory(_inventory_path(args, cfg))
+        inventory = load_inventory(_inventory_path(args, cfg), _nvml_lookup(root, cfg))
     except NoDriverError as e:
         doc["inventory_error"] = e.message
     else:

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from gpuguard import exitcodes
-from gpuguard.cli.args import _config, _inventory_path, _root
+from gpuguard.cli.args import _config, _inventory_path, _nvml_lookup, _root
 
 # `gpuguard status`: what admits a container's devices (ContainerCgroup.mechanism)
 MECHANISM_TEXT = {
@@ -25,9 +25,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     root = _root(args)
     cfg = _config(args, root)
     try:
-        inventory = load_inventory(_inventory_path(args, cfg))
-    except NoDriverError:
-        inventory = None
+        inventory = load_inventory(_inventory_path(args, cfg), _nvml_lookup(root, cfg))
+        gpus_from = inventory.describe_source()
+    except NoDriverError as e:
+        inventory, gpus_from = None, f"unavailable: {e.message}"
     from gpuguard.devices.podnames import pod_names
     from gpuguard.host.echo import cut
     from gpuguard.host.offswitch import read_off_switch
@@ -49,6 +50,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             "containers": rows,
             "off_switch": off.to_json() if off is not None else None,
             "mode": "observe" if observe else "repair",
+            "gpus_from": gpus_from,  # NVML's library and where it was found, or a file
         }
         print(json.dumps(doc, indent=2))
     else:
@@ -68,6 +70,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 f"daemon:     pid {daemon.pid}, {daemon.passes} pass(es); last: "
                 f"{reasons} with {found} finding(s)"
             )
+        print(f"GPUs from:  {cut(gpus_from, 300)}")
         print(f"containers: {len(rows)} with GPUs")
         for r in rows:
             what = r["access"] if r["access"] != "denied" else "DENIED " + ", ".join(r["denied"])

@@ -12,6 +12,7 @@ from gpuguard.config.keyspec import _key
 from gpuguard.config.types import (
     AbsPath,
     Bool,
+    TimeSpan,
 )
 
 
@@ -33,6 +34,24 @@ class InventoryConfig:
         "With File= set (a simulation), still restart or stop a running kubelet for a "
         "checkpoint repair. no: the daemon reports the plan and leaves a running kubelet "
         "alone, as `gpuguard check --inventory` does without --allow-kubelet-restart.",
+    )
+    driver_root: str | None = _key(
+        "DriverRoot",
+        AbsPath(optional=True),
+        "",
+        "Where a containerized driver's files are (the NVIDIA container toolkit's `root` "
+        "setting), searched for libnvidia-ml.so.1 after the host's loader path and the GPU "
+        "Operator's /run/nvidia/driver; empty: those two only. Set, the node's driver "
+        "comes from a container: NVML missing is waited for (DriverStartGrace=).",
+    )
+    driver_start_grace: float = _key(
+        "DriverStartGrace",
+        TimeSpan(0.0),
+        "10min",
+        "On a node whose driver comes from a container (the GPU Operator's, or "
+        "DriverRoot=), how long NVML may be missing before the GPU count calls it a "
+        "problem; until then the node's GPU count is unknown, with the reason (the driver "
+        "container has not started), and the daemon looks again every few seconds.",
     )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -26,6 +27,7 @@ TRANSIENT_DIR = "/run/systemd/transient"
 MAX_FILE = 256 * 1024  # a DeviceAllow= list of every node of a large host fits
 MAX_DROPINS = 64
 POLICIES = frozenset({"auto", "closed", "strict"})
+_CHAR = re.compile(r"/dev/char/([0-9]{1,7}):([0-9]{1,7})")
 
 
 @dataclass(frozen=True)
@@ -33,12 +35,10 @@ class ScopeDevices:
     """A scope's device settings after its unit file and drop-ins, in systemd's order."""
 
     policy: str = "auto"  # systemd's default
-    # DeviceAllow= entries left after the last empty one (a reset): (path, access)
-    allowed: tuple[tuple[str, str], ...] = ()
-
-    @property
-    def entries(self) -> int:
-        return len(self.allowed)
+    entries: int = 0  # DeviceAllow= entries left after the last empty one (a reset)
+    # "MAJ:MIN" of the char devices those entries allow read and write by number
+    # (/dev/char/MAJ:MIN, as runc writes the devices of a container's OCI spec)
+    numbers: frozenset[str] = frozenset()
 
     @property
     def admits_all(self) -> bool:
@@ -49,7 +49,7 @@ class ScopeDevices:
 def apply_unit_text(current: ScopeDevices, text: str) -> ScopeDevices:
     """`current` with one unit file's or drop-in's DevicePolicy=/DeviceAllow= lines applied
     (any section: systemd's transient files write them under the unit's type)."""
-    policy, allowed = current.policy, list(current.allowed)
+    policy, entries, numbers = current.policy, current.entries, set(current.numbers)
     for raw in text.split("\n"):
         key, sep, value = raw.strip().partition("=")
         if not sep:
@@ -59,12 +59,24 @@ def apply_unit_text(current: ScopeDevices, text: str) -> ScopeDevices:
             policy = value
         elif key == "DevicePolicy" and not value:
             policy = "auto"  # an empty assignment resets to the default
-        elif key == "DeviceAllow" and value:
-            path, _, access = value.partition(" ")
-            allowed.append((path, access.strip() or "rwm"))  # systemd's default: all
         elif key == "DeviceAllow":
-            allowed.clear()
-    return ScopeDevices(policy, tuple(allowed))
+            entries = entries + 1 if value else 0
+            if not value:
+                numbers.clear()
+            number = _char_number(value)
+            if number:
+                numbers.add(number)
+    return ScopeDevices(policy, entries, frozenset(numbers))
+
+
+def _char_number(value: str) -> str:
+    """ "MAJ:MIN" of a `/dev/char/MAJ:MIN` entry that allows read and write, else ""."""
+    path, _, access = value.partition(" ")
+    access = access.strip() or "rwm"  # systemd's default: every access
+    m = _CHAR.fullmatch(path)
+    if m is None or "r" not in access or "w" not in access:
+        return ""
+    return f"{int(m[1])}:{int(m[2])}"
 
 
 def scope_devices(root: Root, unit: str) -> Optional[ScopeDevices]:

@@ -28,6 +28,12 @@ from gpuguard.devices.nodes import (
 )
 from gpuguard.devices.pci import read_pci_gpus
 from gpuguard.doctor.kubelet import hook_dropin, kubelet_config, units_to_check
+from gpuguard.doctor.operator import (
+    OperatorFacts,
+    containerd_config,
+    read_operator,
+    toolkit_config,
+)
 from gpuguard.doctor.textconf import Unreadable, toml_scalars, toml_tables
 from gpuguard.host import safeio
 from gpuguard.host.inventory import Inventory
@@ -101,6 +107,7 @@ class Facts:
     kubelet_unit: str = "kubelet.service"  # the unit whose pre-start hook was checked
     off_switch: Optional[OffSwitch] = None  # host/offswitch.py: gpuguard is off
     observe: bool = False  # Mode=observe (or DryRun=yes)
+    operator: Optional[OperatorFacts] = None  # the node's layout (doctor/operator.py)
 
 
 def read_conf(root: Root, path: str, parse: Callable[[str], Mapping[str, str]]) -> ConfFile:
@@ -253,6 +260,7 @@ def gpu_counts(
     root: Root,
     inventory: Optional[Inventory],
     registered: Optional[Sequence[tuple[str, Optional[Sequence[str]]]]],
+    driver_wait: str = "",
 ) -> tuple[GpuCounts, str]:
     try:
         pci: Optional[int] = len(read_pci_gpus(root))
@@ -262,9 +270,9 @@ def gpu_counts(
     nvml = len(inventory.gpus) if inventory is not None else None
     mig = inventory is not None and any(g.mig for g in inventory.gpus)
     reg = registered_gpus(registered, "nvidia.com/gpu") if registered is not None else None
-    nvml_src = inventory.source if inventory is not None else "no inventory"
+    nvml_src = inventory.describe_source() if inventory is not None else "no inventory"
     return (
-        GpuCounts(pci, nvml, reg, mig=mig),
+        GpuCounts(pci, nvml, reg, mig=mig, driver_wait=driver_wait),
         f"{where}, {nvml_src}, kubelet checkpoint RegisteredDevices",
     )
 
@@ -277,9 +285,12 @@ def gather(
     live: Optional[bool] = None,
     kubelet_units: Sequence[str] = ("kubelet.service",),
     observe: bool = False,
+    driver_wait: str = "",
+    driver_root: str = "",
 ) -> Facts:
     """`live`: whether to ask systemd too (default: only when the root is "/");
-    `kubelet_units`: where kubelet may run ([Systemd] KubeletUnits=)."""
+    `kubelet_units`: where kubelet may run ([Systemd] KubeletUnits=); `driver_wait`:
+    why NVML is awaited on a node whose driver is a container ("" when it is not)."""
     live = root.is_host if live is None else live
     kc = kubelet_config(root, lambda path: _read_text(root, path), kubelet_units)
     dropin_path, dropin_state, unit = kubelet_dropin(
@@ -299,13 +310,13 @@ def gather(
     have = {n.key for n in list_nvidia_nodes(root, majors)}
     missing = tuple(n.path for n in want if n.key not in have)
     present = tuple(n for n in want if n.key in have)
-    counts, counts_evidence = gpu_counts(root, inventory, registered)
+    counts, counts_evidence = gpu_counts(root, inventory, registered, driver_wait)
     return Facts(
         cgroup_layout=layout,
         cgroup_evidence=cg_evidence,
         kubelet=ConfFile(kc.where, kc.values, (), kc.error),
-        toolkit=read_conf(root, TOOLKIT_CONFIG, toml_scalars),
-        containerd=read_conf(root, CONTAINERD_CONFIG, toml_scalars),
+        toolkit=read_conf(root, toolkit_config(root), toml_scalars),
+        containerd=read_conf(root, containerd_config(root), toml_scalars),
         crio=tuple(c for c in crio if c.error != "missing"),
         plugins=read_plugins(root),
         majors=majors,
@@ -324,4 +335,5 @@ def gather(
         kubelet_unit=unit,
         off_switch=read_off_switch(root),
         observe=observe,
+        operator=read_operator(root, inventory, driver_wait, driver_root),
     )

@@ -14,6 +14,7 @@ from typing import Optional
 
 from gpuguard.doctor.facts import ConfFile, Facts
 from gpuguard.doctor.model import BROKEN, EXPOSED, OK, UNKNOWN, Check, Report
+from gpuguard.doctor.operator_judge import check_layout, driver_awaited
 from gpuguard.engine.passes import STATUS_FILE
 from gpuguard.steps.gpu_count.reconcile import DRIVER_DOWN_NEXT
 from gpuguard.steps.gpu_count.reconcile import judge as judge_counts
@@ -220,6 +221,9 @@ def check_plugin(f: Facts) -> Check:
 
 
 def check_driver(f: Facts) -> Check:
+    awaited = driver_awaited(f)  # a GPU Operator node's driver pod not there yet
+    if awaited is not None:
+        return awaited
     if f.majors.nvidia is None:
         return Check(
             "driver",
@@ -383,6 +387,8 @@ def check_gpu_count(f: Facts) -> Check:
         }.get(layer, "")
         return Check("gpu-count", BROKEN, f"{text} ({f.counts_evidence})", fix)
     c = f.counts
+    if c.nvml is None and c.driver_wait:
+        return Check("gpu-count", UNKNOWN, f"{text}: {c.driver_wait}")
     if c.pci is not None and c.nvml is not None and c.nvml > c.pci:
         return Check(
             "gpu-count",
@@ -393,7 +399,8 @@ def check_gpu_count(f: Facts) -> Check:
     known = [v for v in (c.pci, c.nvml, c.registered) if v is not None]
     if len(known) < 2:
         return Check("gpu-count", UNKNOWN, f"{text}: too few layers readable ({f.counts_evidence})")
-    return Check("gpu-count", OK, text)
+    nvml = f.operator.nvml if f.operator is not None else ""
+    return Check("gpu-count", OK, f"{text}; {nvml}" if nvml.startswith("NVML ") else text)
 
 
 CHECKS = (
@@ -411,6 +418,7 @@ CHECKS = (
     check_mode,
     check_daemon,
     check_gpu_count,
+    check_layout,
 )
 
 

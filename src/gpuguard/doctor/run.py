@@ -33,8 +33,12 @@ def run_doctor(
     run: Runner,
     kubelet_units: Sequence[str] = ("kubelet.service",),
     observe: bool = False,
+    driver_wait: str = "",
+    driver_root: str = "",
 ) -> Report:
     registered = read_registered(root, checkpoint_path)
-    return judge(
-        gather(root, inventory, registered, run, kubelet_units=kubelet_units, observe=observe)
-    )
+    facts = gather(
+        root, inventory, registered, run, kubelet_units=kubelet_units, observe=observe,
+        driver_wait=driver_wait, driver_root=driver_root,
+    )  # fmt: skip
+    return judge(facts)

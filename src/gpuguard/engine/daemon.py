@@ -81,7 +81,10 @@ class Daemon:
         self.config_path = config_path
         self.log = log
         self.notifier = notifier
-        self.inventory_reader = InventoryReader(log, config, inventory_path)  # each pass's GPUs
+        # each pass's GPUs; NVML appearing or its GPUs changing is an event
+        self.inventory_reader = InventoryReader(
+            log, config, inventory_path, root=root, on_change=self.on_event
+        )
         self.memtrim = MemoryTrim()  # the C heap's freed pages back to the kernel
         self.bus_address = bus_address or bus_address_for(root.prefix)
         self.cli_dry_run = dry_run  # --dry-run: kept across reloads
@@ -281,7 +284,10 @@ class Daemon:
             return
         started_wall, t0 = time.time(), time.monotonic()
         self.passes += 1
-        ctx = PassContext(work, self.inventory_reader.read, previous_inventory=self.inventory)
+        reader = self.inventory_reader
+        ctx = PassContext(
+            work, reader.read, previous_inventory=self.inventory, driver_wait=lambda: reader.pending
+        )
         if self.dry_run:  # plan on the last pass's planned nodes and links, as the real
             # run acts on the ones it made then (its follow-up pass: durable grants)
             ctx.snapshot = self._snapshot_with(self._planned)

@@ -62,6 +62,9 @@ class PassContext:
     work: Work
     load_inventory: Callable[[], Awaitable[Optional[Inventory]]]
     previous_inventory: Optional[Inventory] = None
+    # Why NVML is missing on a node that awaits its driver from a container (the
+    # inventory reader's word after this pass's read); "" when it is not awaited.
+    driver_wait: Callable[[], str] = lambda: ""
     # What every step of this pass decides from (see snapshot.py); made on first use.
     snapshot: Optional[HostSnapshot] = None
     findings: list[Finding] = field(default_factory=list)

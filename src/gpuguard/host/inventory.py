@@ -1,6 +1,8 @@
 """The GPUs this host has: from NVML (pynvml), or from a JSON file standing in for it.
 
-The file form (``--inventory FILE``) is what tests and simulations use::
+NVML's library is found where the driver is (host/nvmllib.py: the host's loader path,
+the GPU Operator's driver root, [Inventory] DriverRoot=) and loaded by path. The file
+form (``--inventory FILE``) stands in for NVML in simulations and tests::
 
     {"gpus": [{"uuid": "GPU-...", "index": 0, "minor": 0,
                "pci_bus_id": "00000000:00:07.0",
@@ -19,8 +21,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gpuguard.errors import BadInputError, NoDriverError
-from gpuguard.host import safeio
+from gpuguard.host import nvmllib, safeio
 from gpuguard.host.numparse import clip, parse_decimal
+from gpuguard.host.paths import Root
 
 MAX_INVENTORY_BYTES = safeio.INVENTORY_MAX
 MAX_MINOR = 2**20 - 1  # the kernel's MINORMASK
@@ -49,6 +52,10 @@ class Inventory:
     gpus: tuple[Gpu, ...]
     source: str  # "nvml" or the file's path
     driver_version: str = ""
+    library: str = ""  # NVML's library and where it was found (NvmlLibrary.describe)
+
+    def describe_source(self) -> str:
+        return f"NVML {self.library}" if self.library else self.source
 
     def by_uuid(self) -> dict[str, Gpu]:
         return {g.uuid: g for g in self.gpus}
@@ -59,6 +66,7 @@ class Inventory:
     def to_json(self) -> dict[str, Any]:
         return {
             "source": self.source,
+            "library": self.library,  # NVML's library and where it was found; "" for a file
             "driver_version": self.driver_version,
             "gpus": [
                 {
@@ -175,8 +183,15 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def load_nvml_inventory() -> Inventory:
+class DriverPendingError(NoDriverError):
+    """No NVML yet on a node whose driver comes from a container (the GPU Operator's):
+    the driver container has not started or not loaded the driver. Not a broken driver,
+    until a grace period says otherwise (steps/gpu_count)."""
+
+
+def load_nvml_inventory(lookup: Optional[nvmllib.NvmlLookup] = None) -> Inventory:
     """Query NVML. No driver or no libnvidia-ml is a NoDriverError, never a traceback."""
+    lookup = lookup or nvmllib.NvmlLookup(Root())
     try:
         import pynvml  # imported lazily: ~10 ms, and absent on hosts using --inventory
     except ImportError:
@@ -184,32 +199,59 @@ def load_nvml_inventory() -> Inventory:
             "pynvml (package nvidia-ml-py) is not installed; reinstall gpuguard or pass "
             "--inventory FILE"
         ) from None
+    lib = nvmllib.find_library(lookup)
+    if lib is None:
+        looked = nvmllib.where_looked(lookup)
+        if lookup.operator_node():
+            raise DriverPendingError(
+                f"the driver container has not started: no {nvmllib.LIBRARY} in "
+                f"{looked}; check the GPU Operator's driver pod (nvidia-driver-daemonset)"
+            )
+        raise NoDriverError(
+            f"NVIDIA driver library {nvmllib.LIBRARY} not found in {looked}: is the driver "
+            "installed? (set [Inventory] DriverRoot= for a driver installed elsewhere, or "
+            "pass --inventory FILE to simulate a node without a GPU)"
+        )
+    try:
+        nvmllib.load_into(pynvml, lib)
+    except OSError as e:
+        raise NoDriverError(
+            f"{lib.describe()}: cannot be loaded ({e}); check the driver's files"
+        ) from None
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as e:
-        raise NoDriverError(_nvml_init_message(pynvml, e)) from None
+        raise _init_error(pynvml, e, lib, lookup) from None
     try:
         driver = _text(pynvml.nvmlSystemGetDriverVersion())
         gpus = tuple(_nvml_gpu(pynvml, i) for i in range(pynvml.nvmlDeviceGetCount()))
     except pynvml.NVMLError as e:
-        raise NoDriverError(f"NVML query failed: {e}; check `nvidia-smi` on this host") from None
+        raise NoDriverError(
+            f"NVML query failed: {e} ({lib.describe()}); check `nvidia-smi` on this host"
+        ) from None
     finally:
         with contextlib.suppress(pynvml.NVMLError):
             pynvml.nvmlShutdown()
-    return Inventory(gpus=gpus, source="nvml", driver_version=driver)
+    return Inventory(gpus=gpus, source="nvml", driver_version=driver, library=lib.describe())
 
 
-def _nvml_init_message(pynvml: Any, e: Exception) -> str:
+def _init_error(
+    pynvml: Any, e: Exception, lib: nvmllib.NvmlLibrary, lookup: nvmllib.NvmlLookup
+) -> NoDriverError:
     hint = "pass --inventory FILE to simulate a node without a GPU"
-    if isinstance(e, pynvml.NVMLError_LibraryNotFound):
-        return (
-            f"NVIDIA driver library libnvidia-ml.so.1 not found: is the driver installed? ({hint})"
-        )
+    where = lib.describe()
     if isinstance(e, pynvml.NVMLError_DriverNotLoaded):
-        return "NVIDIA kernel driver is not loaded: run `modprobe nvidia` or check dmesg"
+        if lib.layout != nvmllib.HOST or lookup.operator_node():
+            return DriverPendingError(
+                f"the driver container has not loaded the NVIDIA kernel driver yet "
+                f"({where}: {e}); check the GPU Operator's driver pod"
+            )
+        return NoDriverError(
+            f"NVIDIA kernel driver is not loaded ({where}): run `modprobe nvidia` or check dmesg"
+        )
     if isinstance(e, pynvml.NVMLError_NoPermission):
-        return "no permission to talk to the NVIDIA driver: run gpuguard as root"
-    return f"NVML could not initialise: {e} (check `nvidia-smi`; {hint})"
+        return NoDriverError(f"no permission to talk to the NVIDIA driver ({where}): run as root")
+    return NoDriverError(f"NVML could not initialise: {e} ({where}; check `nvidia-smi`; {hint})")
 
 
 def _nvml_gpu(pynvml: Any, i: int) -> Gpu:
@@ -243,5 +285,6 @@ def _nvml_gpu(pynvml: Any, i: int) -> Gpu:
     )
 
 
-def load_inventory(path: Optional[Path]) -> Inventory:
-    return load_inventory_file(path) if path is not None else load_nvml_inventory()
+def load_inventory(path: Optional[Path], nvml: Optional[nvmllib.NvmlLookup] = None) -> Inventory:
+    """The file's inventory, else NVML's, found as `nvml` says (default: the real root)."""
+    return load_inventory_file(path) if path is not None else load_nvml_inventory(nvml)

@@ -252,6 +252,12 @@ KINDS: dict[str, KindDoc] = {
         "GPU inventory available again",
         "gpuguard can read the GPUs again; before, @GPUGUARD_PROBLEM@.",
     ),
+    "nvml-library": KindDoc(
+        "NVML: @GPUGUARD_NVML_LIBRARY@",
+        "The NVML library gpuguard loads to learn the GPUs, and where it was found: the host's "
+        "loader path, the GPU Operator's driver root /run/nvidia/driver, or [Inventory] "
+        "DriverRoot=. Journaled when the daemon first uses it and when it changes.",
+    ),
     "condition-cleared": KindDoc(
         "A condition gpuguard reported no longer holds",
         "A @GPUGUARD_CLEARED_KIND@ condition reported earlier for @GPUGUARD_SUBJECT@ is gone "

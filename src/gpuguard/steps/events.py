@@ -33,6 +33,9 @@ class EventKind(enum.Enum):
     NVIDIA_PCI = "nvidia-pci"  # an NVIDIA PCI function added, removed, (un)bound, reset
     UDEV_EVENTS_LOST = "udev-events-lost"  # the uevent socket overflowed
     DEVICE_LINKS_CREATED = "device-links-created"  # a step made /dev/char links
+    # NVML became available or its GPU set changed (engine/inventory_reader.py): the
+    # driver arrived, late on a GPU Operator node, or GPUs came back with new UUIDs
+    INVENTORY_CHANGED = "inventory-changed"
 
 
 @dataclass(frozen=True)

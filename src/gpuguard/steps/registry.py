@@ -113,16 +113,19 @@ STEPS: tuple[StepSpec, ...] = (
     StepSpec(DEVICE_NODES, "gpuguard.steps.device_nodes:DeviceNodesStep",
              "a new /dev/char link asks for an immediate second container access run, "
              "so durable grants follow at once",
-             EVERY_CHANGE | {E.NVIDIA_MODULE}),
+             EVERY_CHANGE | {E.NVIDIA_MODULE, E.INVENTORY_CHANGED}),
     StepSpec(CHECKPOINT, "gpuguard.steps.checkpoint:CheckpointStep",
-             "may restart kubelet, so after the urgent device repairs",
-             EVERY_CHANGE | {E.KUBELET_STARTED}),
+             "may restart kubelet, so after the urgent device repairs; the driver "
+             "arriving (a module load, NVML appearing) is when a late driver's new UUIDs "
+             "can first be judged",
+             EVERY_CHANGE | {E.KUBELET_STARTED, E.NVIDIA_MODULE, E.INVENTORY_CHANGED}),
     StepSpec(DEVICE_PLUGIN, "gpuguard.steps.device_plugin:DevicePluginStep",
              "judges the plugins once nodes and the checkpoint are repaired",
-             EVERY_CHANGE | {E.NVIDIA_MODULE, E.RUNTIME_STARTED, E.KUBELET_STARTED}),
+             EVERY_CHANGE | {E.NVIDIA_MODULE, E.RUNTIME_STARTED, E.KUBELET_STARTED,
+                             E.INVENTORY_CHANGED}),
     StepSpec(GPU_COUNT, "gpuguard.steps.gpu_count:GpuCountStep",
              "last, report only: it judges what the plugins' repairs left",
-             EVERY_CHANGE | {E.NVIDIA_MODULE}),
+             EVERY_CHANGE | {E.NVIDIA_MODULE, E.INVENTORY_CHANGED}),
 )  # fmt: skip
 STEP_ORDER: tuple[str, ...] = tuple(s.name for s in STEPS)
 ALL_STEPS: frozenset[str] = frozenset(STEP_ORDER)

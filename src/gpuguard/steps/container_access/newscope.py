@@ -75,6 +75,9 @@ class NewScope:
     container: Optional[ContainerCgroup] = None  # where it was found: not searched again
     view: Optional[AccessView] = None
     links: frozenset[str] = frozenset()
+    # "MAJ:MIN" the scope's unit already allows (the runtime's DeviceAllow=, from the
+    # container's OCI spec: CDI): durable without gpuguard
+    runtime: frozenset[str] = frozenset()
 
 
 class PodDeviceIds:
@@ -142,8 +145,8 @@ def read_new_scope(
         return NewScope(skip="not a GPU container")
     links = frozenset(n.dev_char for n in ent.nodes if os.path.lexists(root.path(n.dev_char)))
     unconfined: frozenset[str] = frozenset()
+    meant = scope_devices(root, unit)  # its transient files: bounded reads
     if admits_all(c):
-        meant = scope_devices(root, unit)
         if meant is not None and not meant.admits_all:
             return NewScope(
                 pending=f"its unit says DevicePolicy={meant.policy} with {meant.entries} "
@@ -153,7 +156,7 @@ def read_new_scope(
             )
         unconfined = frozenset({c.container_id})
     view = AccessView((c,), {c.key: ent}, {}, {}, unconfined=unconfined)
-    return NewScope(view=view, links=links)
+    return NewScope(view=view, links=links, runtime=meant.numbers if meant else frozenset())
 
 
 class NewScopes:
@@ -272,12 +275,14 @@ class NewScopes:
             if not found.gone:
                 self._again(BACKSTOP.format(unit))
             return True
-        # No Get of DeviceAllow= first (the pass asks it, once per scope it has not seen):
-        # a new scope's DeviceAllow= is the runtime's, which lacks the nodes the legacy
-        # hook grants, and where the runtime listed them, setting them again changes
-        # nothing. One call per scope: systemd, busy starting the burst's scopes, answers
-        # one call at a time.
-        actions = self.plan(found.view, (), self.durable, found.links)
+        # No D-Bus Get of DeviceAllow= (systemd, busy starting the burst's scopes,
+        # answers one call at a time): the unit's transient files say what the runtime
+        # set. A CDI container's runtime lists its GPU nodes there, and it gets no call
+        # and no drop-in; the legacy hook's nodes are not there, and get one call.
+        durable = self.durable
+        if found.runtime:
+            durable = {**durable, unit: frozenset(durable.get(unit, ())) | found.runtime}
+        actions = self.plan(found.view, (), durable, found.links)
         if not actions:
             why = (
                 "its scope admits every device"

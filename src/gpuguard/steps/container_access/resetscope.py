@@ -42,12 +42,7 @@ REASON = "its scope's DeviceAllow= was set at runtime without the GPU gpuguard h
 def lost_grants(devices: ScopeDevices, granted: AbstractSet[str]) -> tuple[str, ...]:
     """The device numbers ("195:0") in `granted` that the scope's DeviceAllow= no longer
     lists with read and write access (sorted: one action, the same for the same loss)."""
-    kept = {
-        path[len("/dev/char/") :]
-        for path, access in devices.allowed
-        if path.startswith("/dev/char/") and "r" in access and "w" in access
-    }
-    return tuple(sorted(n for n in granted if n not in kept))
+    return tuple(sorted(n for n in granted if n not in devices.numbers))
 
 
 def reset_action(

@@ -9,7 +9,7 @@ Pure: the counts come in, a verdict goes out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from gpuguard.model import Finding
@@ -26,6 +26,11 @@ class GpuCounts:
     registered: Optional[int]  # None: no checkpoint or no RegisteredDevices for the resource
     resource: str = "nvidia.com/gpu"
     mig: bool = False  # MIG enabled: kubelet registers MIG devices, not GPUs
+    # NVML missing on a node whose driver comes from a container (the GPU Operator's):
+    # why (the driver container has not started), and whether the grace period for
+    # it is over; "" when the driver is not awaited.
+    driver_wait: str = ""
+    wait_over: bool = False
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -57,6 +62,15 @@ DRIVER_DOWN_NEXT = (
 
 def judge(c: GpuCounts) -> tuple[Optional[str], str]:
     """(None when consistent, else which layer lost GPUs; the one-line explanation)."""
+    if c.pci and c.nvml is None and c.driver_wait:
+        # A GPU Operator node booting: the driver is a pod kubelet has yet to start.
+        # Unknown (unknowns() says why) until the grace period ends.
+        if not c.wait_over:
+            return None, _counts(c)
+        return "driver", (
+            f"NVML is still unavailable while {c.pci} NVIDIA GPU(s) are on the PCI bus, "
+            f"past the driver's grace period (DriverStartGrace=): {c.driver_wait}"
+        )
     if c.pci and c.nvml is None:
         # The most common GPU node failure (a broken driver after a kernel update):
         # kubelet may still list the GPUs, NVML answers nothing. Never "agree".
@@ -73,7 +87,7 @@ def judge(c: GpuCounts) -> tuple[Optional[str], str]:
     if c.pci is not None and c.nvml is not None and c.nvml > c.pci:
         # Not a lost GPU: this sysfs is not the GPUs' host (a simulated inventory, a
         # container without the host's /sys). The PCI layer says nothing here.
-        c = GpuCounts(None, c.nvml, c.registered, c.resource, c.mig)
+        c = replace(c, pci=None)
     if c.mig or c.registered is None:
         return None, _counts(c)
     have = c.nvml if c.nvml is not None else c.pci
@@ -100,7 +114,10 @@ def unknowns(c: GpuCounts) -> list[str]:
     if c.pci is None:
         out.append("the PCI bus (/sys/bus/pci/devices) could not be read")
     if c.nvml is None and c.pci != 0:
-        out.append("no GPU inventory (NVML unavailable)")
+        out.append(
+            f"no GPU inventory yet: {c.driver_wait}" if c.driver_wait
+            else "no GPU inventory (NVML unavailable)"
+        )  # fmt: skip
     if c.registered is None and (c.nvml or c.pci):
         out.append(f"kubelet's registrations of {c.resource} could not be read (no checkpoint?)")
     return out
