@@ -50,7 +50,13 @@ def _pair() -> tuple[ContainerCgroup, Entitlement]:
     return c, ent
 
 
-def _transient(root: Path, text: str) -> None:
+def _transient(root: Path, text: str, dropin: bool = True) -> None:
+    mine = root / "run/systemd/system" / f"{UNIT}.d" / "60-gpuguard-devices.conf"
+    mine.parent.mkdir(parents=True, exist_ok=True)
+    if dropin:
+        mine.write_text("[Scope]\nDeviceAllow=/dev/char/195:0 rw\n")
+    elif mine.exists():
+        mine.unlink()
     d = root / "run/systemd/transient" / f"{UNIT}.d"
     d.mkdir(parents=True, exist_ok=True)
     (root / "run/systemd/transient" / UNIT).write_text("[Scope]\n")
@@ -95,6 +101,9 @@ def test_left_to_the_pass_where_it_cannot_tell(tmp_path: Path) -> None:
     assert not _resets({}, granted).on_devices_set(svc, UNIT, print)  # type: ignore[arg-type]
     # a number it granted that the container is no longer entitled to: never again
     assert not _resets({UNIT: {"195:1"}}, granted).on_devices_set(svc, UNIT, print)  # type: ignore[arg-type]
+    _transient(tmp_path, "[Scope]\nDeviceAllow=\n", dropin=False)
+    # gpuguard's drop-in was taken away: on purpose, the pass judges
+    assert not _resets({UNIT: {"195:0"}}, granted).on_devices_set(svc, UNIT, print)  # type: ignore[arg-type]
     svc.systemd = None  # the bus is down
     assert not _resets({UNIT: {"195:0"}}, granted).on_devices_set(svc, UNIT, print)  # type: ignore[arg-type]
     assert granted == []

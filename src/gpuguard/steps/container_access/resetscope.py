@@ -11,18 +11,20 @@ the same actuator, then asks for the pass as the backstop.
 
 What it restores is only what gpuguard itself granted that scope and recorded (the
 step's `durable` record: numbers a pass judged the container entitled to), so it can
-never grant more than a pass would. Whatever it cannot tell (no record, no such known
-container, the unit's files unreadable, the new-scope path still busy with it) is left
-to the pass, as before.
+never grant more than a pass would. Whatever it cannot tell (no record, gpuguard's own
+drop-in for the scope gone, no such known container, the unit's files unreadable, the
+new-scope path still busy with it) is left to the pass, as before.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import deque
 from typing import TYPE_CHECKING, AbstractSet, Awaitable, Callable, Mapping, Optional, Sequence
 
+from gpuguard.actuate.dropins import DropInError, dropin_path
 from gpuguard.devices.scopepolicy import ScopeDevices, scope_devices
 from gpuguard.model import Outcome
 from gpuguard.steps.container_access.actions import UnitDeviceAllow
@@ -66,6 +68,13 @@ def reset_action(
     )
 
 
+def _has_dropin(svc: Services, unit: str) -> bool:
+    try:
+        return os.path.lexists(svc.root.path(dropin_path(unit)))
+    except DropInError:  # not a container scope's name
+        return False
+
+
 class ScopeResets:
     """The fast path for SCOPE_DEVICES_SET: `on_devices_set` on the loop, the grant as
     a task. Latencies (event -> systemd's reply, ms) of the last repairs for status."""
@@ -94,6 +103,10 @@ class ScopeResets:
         granted = self.durable.get(unit)
         if not granted or unit in self.busy() or unit in self._inflight:
             return self._to_pass(svc, unit, "no grant of gpuguard's recorded, or one on its way")
+        # gpuguard's drop-in is its own mark of the grant: where it is gone, someone took
+        # the grant away on purpose (or made the scope anew), and the pass judges it.
+        if not _has_dropin(svc, unit):
+            return self._to_pass(svc, unit, "gpuguard's drop-in for it is gone")
         # Inline on the loop: a few hundred bytes of tmpfs, bounded (scopepolicy.py); a
         # thread hop would cost more than the read.
         devices = scope_devices(svc.root, unit)
