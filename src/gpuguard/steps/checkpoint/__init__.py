@@ -147,6 +147,12 @@ def analyse_checkpoint(
         if analysis.stale:
             report.result = "stale entries found; Policy=report leaves them"
             report.exit_code = exitcodes.FINDINGS
+        elif analysis.kept:  # stale, but dropping would take a present GPU (remap.py)
+            report.result = (
+                f"{len(analysis.kept)} stale pod entries left as they are: each still holds "
+                "a GPU this host has"
+            )
+            report.exit_code = exitcodes.FINDINGS
         else:
             report.result = "checkpoint matches this host's GPUs; nothing to do"
         return report, None
