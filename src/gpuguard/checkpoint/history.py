@@ -215,6 +215,14 @@ def render(history: History) -> bytes:
     return SPEC.encode(history)
 
 
+def unwritable(history: History) -> str:
+    """Why `history` must not be written ("" when it may): what parse() would refuse
+    in the bytes render() makes of it (a bus id twice once normalised, an empty one, a
+    UUID past MAX_TEXT characters, more than MAX_BYTES). The one validation of both the
+    writer (actuate/statefile.write_state, through SPEC) and the reader."""
+    return SPEC.refuses(history)[1]
+
+
 def parse(raw: bytes, source: str) -> History:
     """The history in `raw`; HistoryError (one line naming `source`) for anything else."""
     try:
