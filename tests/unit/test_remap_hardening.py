@@ -138,8 +138,16 @@ def test_numa_regrouping_keeps_each_old_id_paired_with_its_own_new_id() -> None:
     numa = {BUS[0]: 1, BUS[1]: 0, BUS[2]: 0}
     (r,) = analyse(checkpoint(e), inv, DEFAULT_RESOURCES, inputs(old, numa=numa)).remaps
     assert dict(r.new.numa_pairs()) == {0: (uuid("c", 1),), 1: (uuid("c", 0),)}
-    assert dict(r.pairs) == {uuid("a", 0): uuid("c", 0), uuid("a", 1): uuid("c", 1)}
-    # and another pod holding C1 under its own old ID is a clash for that pair only
+    assert dict(zip(r.old_ids(), r.new_ids())) == {
+        uuid("a", 0): uuid("c", 0),
+        uuid("a", 1): uuid("c", 1),
+    }
+    # pod-q held A1 too (shared before): both remapped, no clash; paired by position,
+    # A0 -> C1 would have read as a clash with pod-q's A1 -> C1
+    q = entry("pod-q", [uuid("a", 1)], [1])
+    got = analyse(checkpoint(q, e), inv, DEFAULT_RESOURCES, inputs(old, numa=numa))
+    assert got.drops == () and len(got.remaps) == 2
+    # and another pod holding C1 under its own ID now is a clash
     other = entry("pod-o", [uuid("c", 1)], [1])
     got = analyse(checkpoint(e, other), inv, DEFAULT_RESOURCES, inputs(old, numa=numa))
     assert got.remaps == () and "pod-o" in got.drops[0].why
