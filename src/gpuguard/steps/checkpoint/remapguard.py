@@ -8,7 +8,7 @@ UUID one), and a MIG device as `MIG-…` or `MIG-GPU-…/gi/ci`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from gpuguard.checkpoint import allocresp
@@ -26,6 +26,8 @@ class Devices:
     by_mig: dict[str, Gpu]
     by_index: dict[int, Gpu]
     minors: dict[int, Gpu]
+    # stray()'s verdicts by (answer, GPUs held): answers repeat across entries
+    verdicts: dict[tuple[bytes, frozenset[str]], str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, inv: Inventory) -> Devices:
@@ -80,8 +82,16 @@ def stray(devices: Devices, e: PodDevicesEntry) -> str:
     """Why `e`'s allocation response names a device other than the GPUs its IDs name
     now ("" when it names only those): a UUID this node does not have or another GPU's,
     a host `/dev/nvidiaN` of another GPU, an index another GPU has."""
-    held = {g.uuid for g in (devices.gpu(classify(i)) for i in e.all_device_ids()) if g}
-    for where, key, value in allocresp.strings(e.alloc_resp or b""):
+    held = frozenset(g.uuid for g in (devices.gpu(classify(i)) for i in e.all_device_ids()) if g)
+    key = (e.alloc_resp or b"", held)
+    why = devices.verdicts.get(key)
+    if why is None:
+        why = devices.verdicts[key] = _stray(devices, held, e.alloc_resp or b"")
+    return why
+
+
+def _stray(devices: Devices, held: frozenset[str], resp: bytes) -> str:
+    for where, key, value in allocresp.strings(resp):
         for token in UUIDISH.findall(value):
             gpu = devices.gpu(classify(token))
             if gpu is None:
