@@ -181,7 +181,7 @@ def _now_slot(s: Scene, raw: str) -> Optional[int]:
 
 
 @given(scenes())
-@budget(150)
+@budget(100)
 def test_remap_over_generations(s: Scene) -> None:
     inv = Inventory(s.now.gpus(), "t")
     inp = _inputs(s)
