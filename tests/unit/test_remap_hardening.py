@@ -165,3 +165,25 @@ def test_without_history_a_present_gpu_is_never_dropped_with_a_changed_one() -> 
     assert got.remaps == ()
     kept = [f for f in got.findings if f.fields.get("POD_UID") == "pod-x"]
     assert kept and "still" in kept[0].summary
+
+
+def test_an_answer_kubelet_reads_otherwise_is_reported_and_never_rewritten() -> None:
+    # field 2^32+1: kubelet's decoder reads it as field 1, an env NVIDIA_VISIBLE_DEVICES
+    hidden = (
+        bytes.fromhex("8a8080808001")
+        + bytes([36])
+        + allocresp._len_field(1, b"NVIDIA_VISIBLE_DEVICES")
+        + allocresp._len_field(2, b"GPU-dead-0000-0000")
+    )
+    old = generation("a", (0, 1, 2), 500.0)
+    inv = now("c")
+    healthy = entry("pod-h", [uuid("c", 0)], [0])
+    healthy = replace(healthy, alloc_resp=(healthy.alloc_resp or b"") + hidden)
+    stale = entry("pod-s", [uuid("a", 1)], [1])
+    stale = replace(stale, alloc_resp=(stale.alloc_resp or b"") + hidden)
+    got = analyse(checkpoint(healthy, stale), inv, DEFAULT_RESOURCES, inputs(old))
+    assert got.remaps == ()
+    (d,) = got.drops
+    assert d.entry.pod_uid == "pod-s" and "reads as field 1" in d.why
+    (f,) = [f for f in got.findings if f.kind == "checkpoint-allocresp-ambiguous"]
+    assert f.fields["POD_UID"] == "pod-h"

@@ -62,6 +62,10 @@ class AllocRespError(ValueError):
     """The bytes are not a ContainerAllocateResponse gpuguard can read."""
 
 
+class ReadingsDisagree(AllocRespError):
+    """Bytes kubelet's decoder and another reading of the wire format read differently."""
+
+
 # One string of the message: (where, key, value); key is the map key for envs and
 # annotations, the host path of the same mount or device for a container path, ""
 # elsewhere.
@@ -83,7 +87,7 @@ def _varint(data: bytes, i: int) -> Tuple[int, int]:
     for k in range(i, min(len(data), i + 10)):
         b = data[k]
         if shift == 63 and b > 1:  # past 64 bits: gogo drops the bits, others refuse
-            raise AllocRespError("a varint past 64 bits: decoders disagree on it")
+            raise ReadingsDisagree("a varint past 64 bits: decoders disagree on it")
         value |= (b & 0x7F) << shift
         if b < 0x80:
             return value & _U64, k + 1  # Go's uint64: the 10th byte's high bits fall off
@@ -112,7 +116,7 @@ def _fields(data: bytes) -> List[_Field]:
         if number == 0 or gogo <= 0:
             raise AllocRespError(f"field number {number} (kubelet's decoder refuses it)")
         if number > MAX_FIELD:
-            raise AllocRespError(
+            raise ReadingsDisagree(
                 f"field number {number}, which kubelet's decoder reads as field {gogo} and "
                 f"other decoders refuse: the readings disagree"
             )
@@ -126,7 +130,7 @@ def _fields(data: bytes) -> List[_Field]:
             body = j
             end = j + (8 if wire == 1 else 4)
         elif wire == 3:  # kubelet's decoder skips a group unchecked, others match its end
-            raise AllocRespError(f"a group (field {number}): decoders disagree on groups")
+            raise ReadingsDisagree(f"a group (field {number}): decoders disagree on groups")
         else:  # the undefined 6, 7
             raise AllocRespError(f"wire type {wire} (field {number})")
         if end > n:

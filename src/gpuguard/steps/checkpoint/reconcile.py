@@ -176,6 +176,16 @@ def analyse(
                 fields={**_entry_fields(k.entry), "DEVICE_ID": cut(gone[0], ID_MAX)},
             )
         )
+    for k in result.ambiguous:  # not stale: left alone, and said
+        findings.append(
+            Finding(
+                kind="checkpoint-allocresp-ambiguous",
+                reconciler=NAME,
+                summary=f"pod {cut(k.entry.pod_uid)} container {cut(k.entry.container_name)}: "
+                f"{cut(k.why, 300)}; left as it is, never rewritten",
+                fields={**_entry_fields(k.entry)},
+            )
+        )
     for resource, old_id, new_id in result.registered_remaps:  # pending until written
         findings.append(
             Finding(

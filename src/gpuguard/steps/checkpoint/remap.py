@@ -105,6 +105,9 @@ class RemapResult:
     whole: bool
     # stale entries left as they are: without a history they still hold a present GPU
     kept: tuple[EntryDrop, ...] = ()
+    # entries left alone whose answer kubelet and the wire format's specification read
+    # differently (a hostile or broken plugin): reported, never rewritten
+    ambiguous: tuple[EntryDrop, ...] = ()
 
 
 def _whole(inputs: RemapInputs, maps: Sequence[GpuMap]) -> bool:
@@ -230,6 +233,8 @@ def plan(
     remaps: List[EntryRemap] = []
     drops: List[EntryDrop] = []
     kept: List[EntryDrop] = []
+    ambiguous: List[EntryDrop] = []
+    seen: dict[bytes, str] = {}
     claims: dict[int, Claim] = {}
     made: dict[tuple[int, bool], Translator] = {}
 
@@ -245,6 +250,9 @@ def plan(
         ids = [classify(i) for i in e.all_device_ids()]
         stale = [d for d in ids if not matcher.exists(d)]
         if not whole and not stale:
+            why = _disagreement(e.alloc_resp, seen)
+            if why:
+                ambiguous.append(EntryDrop(pos, e, why, ()))
             continue
         t: Optional[Translator] = None
         try:
@@ -275,8 +283,25 @@ def plan(
     reg, reg_remaps, reg_drops = _registered(cp, in_scope, matcher, maps, whole, unavailable)
     return RemapResult(
         tuple(remaps), tuple(sorted(drops, key=lambda d: d.pos)), reg,
-        tuple(reg_remaps), tuple(reg_drops), unavailable, whole, tuple(kept),
+        tuple(reg_remaps), tuple(reg_drops), unavailable, whole, tuple(kept), tuple(ambiguous),
     )  # fmt: skip
+
+
+def _disagreement(resp: Optional[bytes], seen: dict[bytes, str]) -> str:
+    """Why kubelet would read an answer otherwise than gpuguard ("" when it would not)."""
+    if resp is None:
+        return ""
+    why = seen.get(resp)
+    if why is None:
+        try:
+            allocresp.strings(resp)
+            why = ""
+        except allocresp.ReadingsDisagree as e:
+            why = f"its allocation response is read otherwise by kubelet: {e}"
+        except allocresp.AllocRespError:
+            why = ""  # kubelet skips it too
+        seen[resp] = why
+    return why
 
 
 def _unavailable(inputs: Optional[RemapInputs], maps: Sequence[GpuMap], inv: Inventory) -> str:
