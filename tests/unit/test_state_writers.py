@@ -37,9 +37,9 @@ def hist(*gpus: GpuIdentity) -> History:
     return History((Generation(gpus, 1.0, "boot", "nvml"),))
 
 
-def _huge_history() -> History:
+def _huge_history(per_gpu: int = 64) -> History:
     migs = tuple(MigIdentity(f"MIG-{g:04x}{m:04x}-aaaa-bbbb-cccc-dddddddddddd", m, 0)
-                 for g in range(1) for m in range(64))  # fmt: skip
+                 for g in range(1) for m in range(per_gpu))  # fmt: skip
     gens = tuple(
         Generation(tuple(
             GpuIdentity(f"GPU-{n:04x}{i:04x}-aaaa-bbbb-cccc-dddddddddddd", f"0000:{i:02x}:00.0",
@@ -136,3 +136,12 @@ def test_history_says_why_it_cannot_be_written() -> None:
     whys = [history.unwritable(h) for h in bad]
     assert "bus id is listed twice" in whys[0] and "empty" in whys[1]
     assert "129 characters" in whys[2] and "bytes" in whys[3]
+
+
+def test_the_oldest_generations_give_way_to_fit_the_bound() -> None:
+    huge = _huge_history(16)  # about 400 KB a generation
+    assert history.unwritable(huge)
+    newer = huge.generations[-1]
+    out = history.advance(History(huge.generations[:-1]), newer)
+    assert out is not None and out.generations[-1] == newer
+    assert 1 <= len(out.generations) < 4 and history.unwritable(out) == ""

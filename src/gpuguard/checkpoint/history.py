@@ -121,7 +121,12 @@ def advance(history: Optional[History], gen: Generation) -> Optional[History]:
     if newest is not None and newest.identity() == gen.identity():
         return None
     kept = [g for g in (history.generations if history else ()) if g.identity() != gen.identity()]
-    return History(tuple([*kept, gen][-MAX_GENERATIONS:]))
+    out = History(tuple([*kept, gen][-MAX_GENERATIONS:]))
+    # past MAX_BYTES (many GPUs with many MIG devices): the oldest generations give way,
+    # so the newest is still written (a generation that is itself unwritable is not)
+    while len(out.generations) > 1 and len(SPEC.encode(out)) > MAX_BYTES:
+        out = History(out.generations[1:])
+    return out
 
 
 def _render(history: History) -> dict[str, Any]:
