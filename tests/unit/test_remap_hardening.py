@@ -85,10 +85,9 @@ def test_an_entry_of_an_older_generation_is_translated_through_that_generation_o
     got = analyse(cp, inv, DEFAULT_RESOURCES, inputs(a, b, mtime=900.0))
     out = {r.new.pod_uid: r.new for r in got.remaps}
     assert physical(inv, out["pod-x"]) == {uuid("c", 1)}
-    if "pod-y" in out:  # remapped: every part of it names the GPU of A0's slot, C0
-        assert physical(inv, out["pod-y"]) == {uuid("c", 0)}
-    else:
-        assert [d.entry.pod_uid for d in got.drops] == ["pod-y"]
+    # remapped through generation A as a whole: every part names C0, A0's slot now
+    assert physical(inv, out["pod-y"]) == {uuid("c", 0)} and got.drops == ()
+    assert texts(out["pod-y"], "device.host_path") == ["/dev/nvidia0"]
 
 
 def test_a_device_spec_container_path_is_the_plugins_name_not_a_host_minor() -> None:
