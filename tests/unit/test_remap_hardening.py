@@ -186,3 +186,18 @@ def test_an_answer_kubelet_reads_otherwise_is_reported_and_never_rewritten() -> 
     assert d.entry.pod_uid == "pod-s" and "reads as field 1" in d.why
     (f,) = [f for f in got.findings if f.kind == "checkpoint-allocresp-ambiguous"]
     assert f.fields["POD_UID"] == "pod-h"
+
+
+def test_a_board_known_to_two_generations_is_read_with_the_minors_its_answer_names() -> None:
+    # A1 kept its UUID from generation A (minor 1) into B (minor 0); pod-x was allocated
+    # under A (/dev/nvidia1). Generation B, the newest knowing A1, would read its
+    # /dev/nvidia1 as another board; A reads it as A1's: remapped, not dropped.
+    a1 = uuid("a", 1)
+    a = Generation((GpuIdentity(uuid("a", 0), BUS[0], 0, 0), GpuIdentity(a1, BUS[1], 1, 1)),
+                   100.0, "b", "t")  # fmt: skip
+    b = Generation((GpuIdentity(uuid("b", 0), BUS[0], 1, 1), GpuIdentity(a1, BUS[1], 0, 0)),
+                   500.0, "b", "t")  # fmt: skip
+    inv = now("c")
+    (r,) = analyse(checkpoint(entry("pod-x", [uuid("a", 1)], [1])), inv, DEFAULT_RESOURCES,
+                   inputs(a, b)).remaps  # fmt: skip
+    assert physical(inv, r.new) == {uuid("c", 1)}

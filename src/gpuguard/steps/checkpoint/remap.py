@@ -199,22 +199,27 @@ def _evidence(t: Optional[Translator], e: PodDevicesEntry) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _generation(
+def _generations(
     maps: Sequence[GpuMap], ids: Sequence[DeviceId], stale: Sequence[DeviceId], whole: bool
-) -> tuple[GpuMap, bool]:
-    """The generation an entry was written under, and whether it is the whole file's."""
+) -> list[tuple[GpuMap, bool]]:
+    """The generations an entry may have been written under, most likely first, each
+    with whether it is the whole file's. A board that kept its UUID is known to several
+    generations, with the minor of each: the entry's answer tells which (plan())."""
     stale_uuids = [d for d in stale if d.form in UUID_FORMS]
-    if whole and all(maps[0].knows_uuid(d.key) for d in stale_uuids):
-        return maps[0], True
+    first = (
+        [(maps[0], True)] if whole and all(maps[0].knows_uuid(d.key) for d in stale_uuids) else []
+    )
     if any(d.form in INDEX_FORMS for d in (ids if whole else stale)):
+        if first:
+            return first
         raise Failed(
             "index IDs are remapped only when kubelet wrote the checkpoint before this boot, "
             "under the newest recorded generation (an index may name another GPU since)"
         )
-    g = newest_knowing(maps, stale_uuids)
-    if g is None:
+    out = first + [(m, False) for m in maps if all(m.knows_uuid(d.key) for d in stale_uuids)]
+    if not out:
         raise Unknown(f"{stale_uuids[0].raw} is not in the GPU identity history")
-    return g, False
+    return out
 
 
 def plan(
@@ -258,9 +263,17 @@ def plan(
         try:
             if unavailable:
                 raise Unknown(unavailable)
-            g, entry_whole = _generation(maps, ids, stale, whole)
-            t = translator(g, entry_whole)
-            new, pairs = _remap_entry(t, e, numa, devices)
+            tried: Optional[Failed] = None
+            for g, entry_whole in _generations(maps, ids, stale, whole):
+                t = translator(g, entry_whole)
+                try:
+                    new, pairs = _remap_entry(t, e, numa, devices)
+                    break
+                except Failed as why:  # the answer says another generation, maybe
+                    tried = tried or why
+            else:
+                assert tried is not None
+                raise tried
         except Unknown as why:
             if len(stale) < len(ids):  # never dropped with a GPU it holds that is here
                 present = ", ".join(d.raw for d in ids if matcher.exists(d))
