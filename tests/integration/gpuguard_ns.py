@@ -22,12 +22,13 @@ FIXTURE = CHECKPOINTS / "numa-blog-04.json"
 KEPT_GPU = "GPU-77a702db-e37f-3a74-d46d-c5713f66058c"
 MOVED_GPU = "GPU-c1e9f249-b37b-81c2-a8d9-ba5ca0294841"
 
-# The node after an instance replacement: the third GPU came back with a new UUID.
+# The node after an instance replacement: pod B's two GPUs came back with new UUIDs
+# (with one of them still present, its entry would be kept, not dropped, without history).
 INVENTORY = {
     "gpus": [
         {"uuid": KEPT_GPU, "index": 0, "minor": 0, "pci_bus_id": "00000000:3B:00.0"},
         {
-            "uuid": "GPU-9b341c59-f96b-ba85-c137-78c3652fea65",
+            "uuid": "GPU-0b341c59-f96b-ba85-c137-78c3652fea65",
             "index": 1,
             "minor": 1,
             "pci_bus_id": "00000000:86:00.0",

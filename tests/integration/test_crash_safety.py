@@ -38,7 +38,7 @@ INVENTORY = {
         for i, u in enumerate(
             [
                 "GPU-77a702db-e37f-3a74-d46d-c5713f66058c",
-                "GPU-9b341c59-f96b-ba85-c137-78c3652fea65",
+                "GPU-0b341c59-f96b-ba85-c137-78c3652fea65",  # replaced 9b341c59
                 "GPU-5d3e2a10-7c4b-4f0e-9a61-2b8e4c1d7f93",  # replaced c1e9f249
             ]
         )

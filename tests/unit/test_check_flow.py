@@ -31,7 +31,9 @@ INVENTORY = {
         for i, u in enumerate(
             [
                 KEPT,
-                "GPU-9b341c59-f96b-ba85-c137-78c3652fea65",
+                # pod B held c1e9f249 and 9b341c59: both replaced, so its entry goes
+                # (an entry still holding a present GPU is never dropped without history)
+                "GPU-0b341c59-f96b-ba85-c137-78c3652fea65",
                 "GPU-5d3e2a10-7c4b-4f0e-9a61-2b8e4c1d7f93",
             ]
         )

@@ -30,13 +30,16 @@ G2 = "GPU-9b341c59-f96b-ba85-c137-78c3652fea65"
 OLD = (G0, G1, G2)  # the three Tesla P100 of the numa-blog fixtures, as indices 0-2
 NUMA = (0, 1, 1)
 BUS = ("00000000:04:00.0", "00000000:82:00.0", "00000000:83:00.0")
+# The fixtures' device specs: G0 is /dev/nvidia0, G1 /dev/nvidia2, G2 /dev/nvidia1 (the
+# remap checks that an answer names only the GPUs its entry holds, by minor too)
+MINORS = (0, 2, 1)
 
 
 def new_uuid(u: str) -> str:
     return "GPU-0" + u[5:]
 
 
-def inventory(uuids: Sequence[Optional[str]], minors: Sequence[int] = (0, 1, 2)) -> Inventory:
+def inventory(uuids: Sequence[Optional[str]], minors: Sequence[int] = MINORS) -> Inventory:
     return Inventory(
         tuple(Gpu(u, i, minors[i], BUS[i]) for i, u in enumerate(uuids) if u is not None),
         "test",
@@ -171,7 +174,8 @@ def test_written_before_this_boot_index_ids_and_minors_follow_their_gpu() -> Non
     raw, cp = _index_checkpoint()
     a = analyse(cp, _renumbered(), DEFAULT_RESOURCES, inputs())  # mtime 5000 < btime? no
     assert a.remaps == ()  # written in this boot: "0" may already be the new GPU 0
-    a = analyse(cp, _renumbered(), DEFAULT_RESOURCES, inputs(mtime=900.0, btime=1000.0))
+    numbered = inventory(OLD, (0, 1, 2))  # index i was /dev/nvidia<i>
+    a = analyse(cp, _renumbered(), DEFAULT_RESOURCES, inputs(numbered, mtime=900.0, btime=1000.0))
     _, out = repaired(raw, a)
     e0, e1 = out.entries or ()
     assert (e0.all_device_ids(), e1.all_device_ids()) == (("1",), ("0",))

@@ -3,9 +3,9 @@
 The scenario from the report, on a fake root: pod P's checkpoint entry names GPU A plus
 a stale ID; its container's /dev holds GPU B, which both NVIDIA_VISIBLE_DEVICES (A) and
 the checkpoint contradict. The dry-run reports the conflict and "will not grant" B. The
-real run repairs the checkpoint (dropping P's entry, the only record that contradicted B
-besides the environment) and must still not grant B: not in the same run, not in a
-second run, not in a daemon pass after the repair.
+real run repairs the checkpoint (its stale registered ID; P's entry, which still holds
+A, is left as it is rather than dropped with A) and must still not grant B: not in the
+same run, not in a second run, not in a daemon pass after the repair.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def fake_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _checkpoint() -> bytes:
     entry = PodDevicesEntry(POD, "cuda", "nvidia.com/gpu", ((-1, (GPU_A, STALE)),), b"\n\x00")
-    cp = Checkpoint("v2", (entry,), (("nvidia.com/gpu", (GPU_A, GPU_B)),), 0)
+    cp = Checkpoint("v2", (entry,), (("nvidia.com/gpu", (GPU_A, GPU_B, STALE)),), 0)
     cp = Checkpoint(cp.format, cp.entries, cp.registered, checksum(cp))
     return marshal(cp)
 
@@ -151,10 +151,10 @@ def test_issue_10_dry_run_parity_the_real_run_grants_nothing_the_dry_run_decline
     assert _granted(root) == ""
 
     code, real = _check(root, capsys)
-    assert real["result"] == "repaired"  # the checkpoint lost P's entry in this very run
+    assert real["result"] == "repaired"  # the stale registered ID, in this very run
     assert [
         e.pod_uid for e in parse((root / CHECKPOINT).read_bytes(), source="t").entries or ()
-    ] == []
+    ] == [POD]  # still holding A: never dropped with it
     assert _decisions(real) == (dry_findings, dry_actions)
     assert {o["status"] for o in real["devices"]["outcomes"]} == {"done"}
     assert GPU_B_RULE not in _granted(root)
@@ -163,7 +163,7 @@ def test_issue_10_dry_run_parity_the_real_run_grants_nothing_the_dry_run_decline
     # A second run: the checkpoint is already repaired, the conflict must stay one.
     _wiped_again(root)
     code, again = _check(root, capsys)
-    assert again["result"].startswith("checkpoint matches")
+    assert "left as they are" in again["result"]
     assert _decisions(again) == (dry_findings, dry_actions)
     assert GPU_B_RULE not in _granted(root)
 

@@ -18,7 +18,8 @@ from gpuguard.steps.checkpoint import memo
 
 CHECKPOINT = "var/lib/kubelet/device-plugins/kubelet_internal_checkpoint"
 KEPT = "GPU-77a702db-e37f-3a74-d46d-c5713f66058c"
-GONE = ["GPU-9b341c59-f96b-ba85-c137-78c3652fea65", "GPU-5d3e2a10-7c4b-4f0e-9a61-2b8e4c1d7f93"]
+# pod B held c1e9f249 and 9b341c59: both replaced (a present one would keep it)
+GONE = ["GPU-0b341c59-f96b-ba85-c137-78c3652fea65", "GPU-5d3e2a10-7c4b-4f0e-9a61-2b8e4c1d7f93"]
 INVENTORY = {
     "gpus": [
         {"uuid": u, "index": i, "minor": i, "pci_bus_id": f"00000000:{16 + i:02X}:00.0"}
@@ -101,7 +102,7 @@ def test_a_changed_inventory_is_fully_verified_and_repaired(
     verified: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     before = (verified / CHECKPOINT).read_bytes()
-    fewer = {"gpus": [g for g in INVENTORY["gpus"] if g["uuid"] == KEPT]}
+    fewer = {"gpus": [g for g in INVENTORY["gpus"] if g["uuid"] != KEPT]}  # pod A's GPU gone
     code, out = run(verified, capsys, fewer)
     assert code == exitcodes.OK and FAST not in out
     assert record(verified)["outcome"] == kh.REPAIRED

@@ -36,6 +36,8 @@ PURE = (
     SRC / "steps/checkpoint/deviceids.py",
     SRC / "steps/checkpoint/gpumap.py",
     SRC / "steps/checkpoint/remap.py",
+    SRC / "steps/checkpoint/remapguard.py",
+    SRC / "steps/checkpoint/translate.py",
     SRC / "steps/device_plugin/limits.py",
     SRC / "steps/container_access/inplace.py",
     SRC / "steps/container_access/durable.py",

@@ -15,14 +15,25 @@ from pathlib import Path
 from typing import TypeVar
 
 from gpuguard.actuate.files import write_new
+from gpuguard.errors import BadInputError
 from gpuguard.host.statefile import StateFile
 
 T = TypeVar("T")
 
 
+class UnreadableStateError(BadInputError):
+    """The value would make a file its own reader refuses: not written."""
+
+
 def write_state(path: Path, spec: StateFile[T], value: T) -> None:
     """Write `value` to `path` (a Root-mapped path, normally spec.path's). Raises
-    OSError or UnsafeDirError (a BadInputError) when it cannot; nothing is half-written."""
-    data = spec.encode(value)
+    OSError, UnsafeDirError or UnreadableStateError (BadInputErrors) when it cannot;
+    nothing is half-written, and nothing its reader (host/statefile.load) would refuse
+    is written at all: the file on disk stays as it was."""
+    data, why = spec.refuses(value)
+    if why:
+        raise UnreadableStateError(
+            f"{path}: not written: gpuguard's own reader would refuse this {spec.what} ({why})"
+        )
     path.parent.mkdir(mode=spec.dir_mode, parents=True, exist_ok=True)
     write_new(path, data, mode=spec.mode)

@@ -18,6 +18,14 @@ protobuf runtime (a compiled extension) on every node for five fields. A message
 does not follow the wire format, or that gives one of the fields above a wire type Go's
 generated decoder would reject, is an AllocRespError: kubelet itself skips such an
 entry ("Can't unmarshal allocResp"), and gpuguard does not rewrite what it cannot read.
+
+Field numbers are read as kubelet's gogo-generated decoder reads them: the tag is a
+64-bit varint and `fieldNum := int32(wire >> 3)`, so field 2^32+1 IS field 1 (Envs) to
+kubelet while a reader of the protobuf specification sees an unknown field, and
+another decoder refuses it (the largest valid number is 2^29-1). Bytes on which such
+readings disagree are an AllocRespError too (a tag past 2^29-1, a group, which gogo
+skips and others check), so a variable hidden from one reading never survives a
+rewrite made from the other.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ from typing import Callable, List, Optional, Tuple
 LEN = 2  # the length-delimited wire type
 VARINT = 0
 _MAX_DEPTH_FIELDS = 100_000  # far above any real response (a few dozen fields)
+MAX_FIELD = 2**29 - 1  # the protobuf specification's largest field number
+_U64 = 2**64 - 1
 
 # Where a string sits in the message, as rewrite() names it to its callback.
 ENV = "env"  # key: the variable's name
@@ -52,8 +62,13 @@ class AllocRespError(ValueError):
     """The bytes are not a ContainerAllocateResponse gpuguard can read."""
 
 
+class ReadingsDisagree(AllocRespError):
+    """Bytes kubelet's decoder and another reading of the wire format read differently."""
+
+
 # One string of the message: (where, key, value); key is the map key for envs and
-# annotations, "" elsewhere.
+# annotations, the host path of the same mount or device for a container path, ""
+# elsewhere.
 Text = Tuple[str, str, str]
 Fix = Callable[[str, str, str], str]
 
@@ -71,9 +86,11 @@ def _varint(data: bytes, i: int) -> Tuple[int, int]:
     value = shift = 0
     for k in range(i, min(len(data), i + 10)):
         b = data[k]
+        if shift == 63 and b > 1:  # past 64 bits: gogo drops the bits, others refuse
+            raise ReadingsDisagree("a varint past 64 bits: decoders disagree on it")
         value |= (b & 0x7F) << shift
         if b < 0x80:
-            return value, k + 1
+            return value & _U64, k + 1  # Go's uint64: the 10th byte's high bits fall off
         shift += 7
     raise AllocRespError("a varint runs past its end or past 10 bytes")
 
@@ -93,8 +110,16 @@ def _fields(data: bytes) -> List[_Field]:
     while i < n:
         tag, j = _varint(data, i)
         number, wire = tag >> 3, tag & 7
-        if number == 0:
-            raise AllocRespError("field number 0")
+        gogo = (number & 0xFFFFFFFF) - (1 << 32 if number & 0x80000000 else 0)  # int32()
+        if wire == 4:
+            raise AllocRespError(f"an end-group tag (field {number}) outside a group")
+        if number == 0 or gogo <= 0:
+            raise AllocRespError(f"field number {number} (kubelet's decoder refuses it)")
+        if number > MAX_FIELD:
+            raise ReadingsDisagree(
+                f"field number {number}, which kubelet's decoder reads as field {gogo} and "
+                f"other decoders refuse: the readings disagree"
+            )
         if wire == LEN:
             size, body = _varint(data, j)
             end = body + size
@@ -104,7 +129,9 @@ def _fields(data: bytes) -> List[_Field]:
         elif wire in (1, 5):
             body = j
             end = j + (8 if wire == 1 else 4)
-        else:  # groups (3, 4) and the undefined 6, 7
+        elif wire == 3:  # kubelet's decoder skips a group unchecked, others match its end
+            raise ReadingsDisagree(f"a group (field {number}): decoders disagree on groups")
+        else:  # the undefined 6, 7
             raise AllocRespError(f"wire type {wire} (field {number})")
         if end > n:
             raise AllocRespError(f"field {number} runs past the end of the message")
@@ -130,14 +157,20 @@ def _sub(data: bytes, top: int, fix: Optional[Fix], out: List[Text]) -> Optional
     names, scalars = _SUB[top], _SCALARS.get(top, {})
     parts: List[bytes] = []
     changed = False
-    for f in _fields(data):
+    fields = _fields(data)
+    # a container path's key is the host path of the same mount or device (the last
+    # one, as Go keeps it): the caller tells the plugin's own name from a host path
+    host = next((f for f in reversed(fields) if f.number == 2 and f.wire == LEN), None)
+    host_path = "" if host is None or top == 5 else _text(data, host)
+    for f in fields:
         where = names.get(f.number)
         if where is not None:
             if f.wire != LEN:
                 raise AllocRespError(f"{where} has wire type {f.wire}")
             old = _text(data, f)
-            out.append((where, "", old))
-            new = fix(where, "", old) if fix is not None else old
+            key = host_path if f.number == 1 else ""
+            out.append((where, key, old))
+            new = fix(where, key, old) if fix is not None else old
             if new != old:
                 parts.append(_len_field(f.number, new.encode("utf-8", "surrogateescape")))
                 changed = True

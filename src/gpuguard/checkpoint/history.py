@@ -121,7 +121,12 @@ def advance(history: Optional[History], gen: Generation) -> Optional[History]:
     if newest is not None and newest.identity() == gen.identity():
         return None
     kept = [g for g in (history.generations if history else ()) if g.identity() != gen.identity()]
-    return History(tuple([*kept, gen][-MAX_GENERATIONS:]))
+    out = History(tuple([*kept, gen][-MAX_GENERATIONS:]))
+    # past MAX_BYTES (many GPUs with many MIG devices): the oldest generations give way,
+    # so the newest is still written (a generation that is itself unwritable is not)
+    while len(out.generations) > 1 and len(SPEC.encode(out)) > MAX_BYTES:
+        out = History(out.generations[1:])
+    return out
 
 
 def _render(history: History) -> dict[str, Any]:
@@ -213,6 +218,14 @@ SPEC: StateFile[History] = StateFile(
 
 def render(history: History) -> bytes:
     return SPEC.encode(history)
+
+
+def unwritable(history: History) -> str:
+    """Why `history` must not be written ("" when it may): what parse() would refuse
+    in the bytes render() makes of it (a bus id twice once normalised, an empty one, a
+    UUID past MAX_TEXT characters, more than MAX_BYTES). The one validation of both the
+    writer (actuate/statefile.write_state, through SPEC) and the reader."""
+    return SPEC.refuses(history)[1]
 
 
 def parse(raw: bytes, source: str) -> History:

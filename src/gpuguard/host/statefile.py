@@ -272,6 +272,21 @@ class StateFile(Generic[T]):
         doc = {self.version_key: self.version, **body}
         return (json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
 
+    def refuses(self, value: T) -> tuple[bytes, str]:
+        """(the bytes of `value`, "") or (b"", why its own reader would refuse them): the
+        one check a writer makes, so nothing is written that load() then discards."""
+        try:
+            data = self.encode(value)
+        except ValueError as e:  # a NaN or an infinity: JSON has none
+            return b"", cut(str(e), 200)
+        if len(data) > self.max_bytes:
+            return b"", f"{len(data)} bytes, its reader reads at most {self.max_bytes}"
+        try:
+            self.decode(data)
+        except SchemaError as e:
+            return b"", cut(str(e), 200)
+        return data, ""
+
 
 @dataclass(frozen=True)
 class Loaded(Generic[T]):

@@ -56,6 +56,25 @@ CHECKPOINT_KINDS: dict[str, tuple[str, str]] = {
         "their NUMA node and the saved allocation response, so the pod runs again on the GPU "
         "of the same slot.",
     ),
+    "checkpoint-allocresp-ambiguous": (
+        "A pod entry's saved device plugin answer is read differently by kubelet",
+        "The checkpoint entry's AllocResp (the device plugin's ContainerAllocateResponse, which "
+        "kubelet replays when it restarts the container) holds bytes that kubelet's decoder and "
+        "the protobuf specification read differently: a field number past 2^29-1 (kubelet "
+        "keeps its low 32 bits, so it can be an environment variable kubelet sees and other "
+        "readers do not), a group, or a varint past 64 bits. No device plugin writes these; "
+        "check the plugin that allocated it. gpuguard never rewrites such an entry.",
+    ),
+    "checkpoint-entry-kept": (
+        "Stale pod entry left in the checkpoint: it still holds a GPU this host has",
+        _CHECKPOINT_WHY + " This entry names a GPU this node no longer has next to one it "
+        "still has, and no GPU identity history says which GPU the stale one became. "
+        "gpuguard leaves the entry as it is rather than drop it: dropping it would free the "
+        "present GPU in kubelet's accounting while the pod's container may still use it, and "
+        "kubelet refuses an entry with fewer devices than the pod requested. Kubelet then "
+        "fails the pod's re-admission (or its container cannot start) until the pod is "
+        "deleted; delete the pod (the entry names it) to let it be scheduled anew.",
+    ),
     "checkpoint-entry-remapped": (
         "Pod entry remapped to the GPUs now in its GPUs' places",
         "gpuguard rewrote the checkpoint entry of pod @POD_UID@ container @CONTAINER_NAME@ "

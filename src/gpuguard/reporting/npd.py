@@ -41,6 +41,8 @@ class Condition:
     reason: str  # NPD rule reason when True
     ok_reason: str  # default condition reason (False)
     ok_message: str
+    # kinds a pass's repair leaves open: a problem even when its outcomes are done
+    lasting: frozenset[str] = frozenset()
 
 
 CONDITIONS: tuple[Condition, ...] = (
@@ -74,11 +76,15 @@ CONDITIONS: tuple[Condition, ...] = (
                 "checkpoint-corrupt",
                 "checkpoint-refused",
                 "kubelet-coordination-failed",
+                # a remap not written yet (observe mode, dry-run, a refused restart)
+                "checkpoint-entry-remap",
+                "checkpoint-entry-kept",
             }
         ),
         "KubeletCheckpointStale",
         "KubeletCheckpointOK",
         "kubelet's device checkpoint names only devices this node has",
+        lasting=frozenset({"checkpoint-entry-kept"}),
     ),
     Condition(
         "device-plugin",
@@ -141,6 +147,8 @@ def evaluate(
         repaired = bool(st.outcomes) and all(o.status in ("done", "skipped") for o in st.outcomes)
         if findings and not repaired:
             open_findings += findings
+        elif repaired:
+            open_findings += [f for f in findings if f.kind in cond.lasting]
         unknown += st.unknown
     if open_findings:
         first = open_findings[0].summary or cond.reason

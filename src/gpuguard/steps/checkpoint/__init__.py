@@ -80,7 +80,8 @@ def _remember_gpus(
     still finds the generation the checkpoint was written under."""
     from gpuguard import exitcodes
 
-    if s.dry_run or report.exit_code != exitcodes.OK or report.remap_inputs is None:
+    matches = report.exit_code == exitcodes.OK or (report.left_stale and not report.actions)
+    if s.dry_run or not matches or report.remap_inputs is None:
         return report
     from gpuguard.steps.checkpoint.actuate import record_history
 
@@ -146,6 +147,13 @@ def analyse_checkpoint(
     if not report.actions:
         if analysis.stale:
             report.result = "stale entries found; Policy=report leaves them"
+            report.exit_code = exitcodes.FINDINGS
+        elif analysis.kept:  # stale, but dropping would take a present GPU (remap.py)
+            report.left_stale = len(analysis.kept)
+            report.result = (
+                f"{len(analysis.kept)} stale pod entries left as they are: each still holds "
+                "a GPU this host has"
+            )
             report.exit_code = exitcodes.FINDINGS
         else:
             report.result = "checkpoint matches this host's GPUs; nothing to do"

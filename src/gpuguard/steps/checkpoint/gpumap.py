@@ -70,6 +70,9 @@ class GpuMap:
     def of_minor(self, minor: int) -> Optional[Union[Match, Gone]]:
         return self._by_minor.get(minor)
 
+    def of_index(self, index: int) -> Optional[Union[Match, Gone]]:
+        return self._by_index.get(index)
+
     def of_uuid(self, uuid: str) -> Optional[Union[Match, Gone]]:
         return self._by_uuid.get(uuid)
 

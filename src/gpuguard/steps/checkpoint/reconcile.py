@@ -46,6 +46,7 @@ class Analysis:
     drops: tuple[EntryDrop, ...] = ()  # the dropped entries, each with why
     registered_remaps: tuple[tuple[str, str, str], ...] = ()  # (resource, old, new)
     unavailable: str = ""  # why no remap could be made ("" when the history could serve)
+    kept: tuple[EntryDrop, ...] = ()  # stale entries left: they hold a present GPU
 
     @property
     def stale(self) -> bool:
@@ -163,7 +164,39 @@ def analyse(
                 },
             )
         )
-    if result.drops and result.unavailable and remap_inputs is not None:
+    for k in result.kept:  # no history: never dropped while it holds a present GPU
+        gone = [i for i in k.entry.all_device_ids() if not matcher.exists(classify(i))]
+        findings.append(
+            Finding(
+                kind="checkpoint-entry-kept",
+                reconciler=NAME,
+                summary=f"pod {cut(k.entry.pod_uid)} container {cut(k.entry.container_name)} "
+                f"holds {cut(k.entry.resource_name)} device(s) this host no longer has: "
+                f"{_ids(gone)}; left as it is, not dropped: {k.why}",
+                fields={**_entry_fields(k.entry), "DEVICE_ID": cut(gone[0], ID_MAX)},
+            )
+        )
+    for k in result.ambiguous:  # not stale: left alone, and said
+        findings.append(
+            Finding(
+                kind="checkpoint-allocresp-ambiguous",
+                reconciler=NAME,
+                summary=f"pod {cut(k.entry.pod_uid)} container {cut(k.entry.container_name)}: "
+                f"{cut(k.why, 300)}; left as it is, never rewritten",
+                fields={**_entry_fields(k.entry)},
+            )
+        )
+    for resource, old_id, new_id in result.registered_remaps:  # pending until written
+        findings.append(
+            Finding(
+                kind="checkpoint-stale-registered",
+                reconciler=NAME,
+                summary=f"registered device {cut(old_id)} ({cut(resource)}) is not on this "
+                f"host; the same GPU is now {cut(new_id)}",
+                fields={"RESOURCE": cut(resource, ID_MAX), "DEVICE_ID": cut(old_id, ID_MAX)},
+            )
+        )
+    if (result.drops or result.kept) and result.unavailable and remap_inputs is not None:
         findings.append(
             Finding(
                 kind="checkpoint-remap-unavailable",
@@ -185,6 +218,7 @@ def analyse(
         drops=result.drops,
         registered_remaps=result.registered_remaps,
         unavailable=result.unavailable,
+        kept=result.kept,
     )
     if not base.stale:
         return base

@@ -18,15 +18,24 @@ Which entries are remapped:
 An entry is dropped (today's F1 repair) when one of its devices cannot be mapped: its
 GPU is gone for good, its MIG device is gone, the count would change (a MIG layout that
 changed), its allocation response cannot be read or names such a device, or its new
-device is already allocated to another pod. Nothing is then allocated twice.
+device is already allocated to another pod (the same physical device, whatever the
+form of its ID: remapguard.py), or its rewritten allocation response would name a GPU
+the entry was not remapped to. Nothing is then allocated twice.
+
+Every part of one entry goes through one generation (translate.py): the newest in the
+whole mode, unless the entry names UUIDs only an older generation knows (it outlived a
+generation unrepaired): then that older one, as for stale IDs.
+
+Without a usable history, an entry that still holds a GPU this node has is left as it
+is and reported, never dropped: dropping it would free that GPU in kubelet's accounting
+while its container may still be using it (docs/checkpoint.md).
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
-from dataclasses import dataclass, field, replace
-from typing import Callable, List, Mapping, Optional, Sequence, Union
+from dataclasses import dataclass, replace
+from typing import Callable, List, Mapping, Optional, Sequence
 
 from gpuguard.checkpoint import allocresp
 from gpuguard.checkpoint.history import History
@@ -34,15 +43,14 @@ from gpuguard.checkpoint.model import Checkpoint, PodDevicesEntry
 from gpuguard.host.inventory import Inventory
 from gpuguard.steps.checkpoint.deviceids import DeviceId, Matcher, classify
 from gpuguard.steps.checkpoint.gpumap import GpuMap, build_map, describe, newest_knowing
-
-VISIBLE = "NVIDIA_VISIBLE_DEVICES"
-_UUIDISH = re.compile(
-    r"(?<![0-9A-Za-z-])(MIG-GPU-[0-9A-Za-z]+(?:-[0-9A-Za-z]+)+/[0-9]{1,9}/[0-9]{1,9}"
-    r"|(?:GPU|MIG)-[0-9A-Za-z]+(?:-[0-9A-Za-z]+)+)(?![0-9A-Za-z])"
+from gpuguard.steps.checkpoint.remapguard import Claim, Devices, clashes, old_unit, stray
+from gpuguard.steps.checkpoint.translate import (
+    INDEX_FORMS,
+    UUID_FORMS,
+    Failed,
+    Translator,
+    Unknown,
 )
-_GPU_NODE = re.compile(r"/dev/nvidia([0-9]{1,7})\Z")
-_CAPS = "/dev/nvidia-caps/"
-_INDEX_FORMS = ("index", "mig-index")
 
 
 @dataclass(frozen=True)
@@ -66,12 +74,15 @@ class EntryRemap:
     # what the entry said before the remap, in today's numbering: the evidence its pod's
     # containers keep being judged by (checkpoint/dropped.py)
     evidence: tuple[str, ...] = ()
+    # (old ID, new ID) in the old entry's order: a NUMA regrouping reorders the new
+    # entry's lists, so its IDs cannot be paired with the old ones by position
+    pairs: tuple[tuple[str, str], ...] = ()
 
     def old_ids(self) -> tuple[str, ...]:
-        return self.old.all_device_ids()
+        return tuple(o for o, _ in self.pairs) if self.pairs else self.old.all_device_ids()
 
     def new_ids(self) -> tuple[str, ...]:
-        return self.new.all_device_ids()
+        return tuple(n for _, n in self.pairs) if self.pairs else self.new.all_device_ids()
 
 
 @dataclass(frozen=True)
@@ -92,6 +103,11 @@ class RemapResult:
     registered_drops: tuple[tuple[str, str], ...]  # (resource, id)
     unavailable: str  # why no remap could be made at all ("" when a map was there)
     whole: bool
+    # stale entries left as they are: without a history they still hold a present GPU
+    kept: tuple[EntryDrop, ...] = ()
+    # entries left alone whose answer kubelet and the wire format's specification read
+    # differently (a hostile or broken plugin): reported, never rewritten
+    ambiguous: tuple[EntryDrop, ...] = ()
 
 
 def _whole(inputs: RemapInputs, maps: Sequence[GpuMap]) -> bool:
@@ -101,102 +117,15 @@ def _whole(inputs: RemapInputs, maps: Sequence[GpuMap]) -> bool:
     return inputs.checkpoint_mtime < inputs.boot_time and newest.recorded_at < inputs.boot_time
 
 
-class _Failed(Exception):
-    pass
-
-
-@dataclass
-class _Translator:
-    """Translates one entry's (or registered list's) IDs through its generation's map."""
-
-    g: GpuMap
-    older: Sequence[GpuMap]
-    matcher: Matcher
-    whole: bool
-    rewritten: dict[bytes, Union[bytes, _Failed]] = field(default_factory=dict)
-    translated: dict[str, Union[str, _Failed]] = field(default_factory=dict)
-    nodes: dict[str, int] = field(default_factory=dict)
-    how: Optional[str] = None  # how its GPUs were paired, for the journal
-
-    def node_of(self, new_id: str, numa: Mapping[str, int]) -> int:
-        """The NUMA node of the GPU behind a translated ID (-1: unknown), once per ID."""
-        node = self.nodes.get(new_id)
-        if node is None:
-            node = self.nodes[new_id] = self.g.numa_now(_gpu_uuid(new_id, self), numa)
-        return node
-
-    def raw_id(self, raw: str) -> str:
-        """id() of a raw ID, each translated once per plan."""
-        done = self.translated.get(raw)
-        if done is None:
-            try:
-                done = self.id(classify(raw))
-            except _Failed as why:
-                done = why
-            self.translated[raw] = done
-        if isinstance(done, _Failed):
-            raise done
-        return done
-
-    def id(self, d: DeviceId) -> str:
-        knows = (
-            self.g.knows_index(int(d.key)) if d.form in _INDEX_FORMS else self.g.knows_uuid(d.key)
-        )
-        if knows and (self.whole or d.form not in _INDEX_FORMS):
-            new, why = self.g.translate(d)
-        elif self.matcher.exists(d):
-            return d.raw
-        elif d.form not in _INDEX_FORMS and (m := newest_knowing(self.older, [d])) is not None:
-            new, why = m.translate(d)
-        else:
-            new, why = None, f"{d.raw} is not in the GPU identity history"
-        if new is None:
-            raise _Failed(why)
-        return new
-
-    def text(self, where: str, key: str, value: str) -> str:
-        path = _GPU_NODE.match(value)
-        if path and where != allocresp.DEVICE_PERMISSIONS:
-            minor, why = self.g.minor_now(int(path.group(1)))
-            if why:
-                raise _Failed(f"its allocation names {why}")
-            return value if minor is None else f"/dev/nvidia{minor}"
-        if value.startswith(_CAPS) and any(m.old.minor != m.new.minor for m in self.g.matches):
-            raise _Failed(
-                f"its allocation names {value}, whose number follows its GPU's minor, which changed"
-            )
-        value = _UUIDISH.sub(self._token, value)
-        if self.whole and (
-            (where == allocresp.ENV and key == VISIBLE)
-            or where in (allocresp.CDI_NAME, allocresp.ANNOTATION)
-        ):
-            value = ",".join(self._list_item(x) for x in value.split(","))
-        return value
-
-    def _token(self, m: re.Match[str]) -> str:
-        d = classify(m.group(0))
-        if not self.g.knows_uuid(d.key):
-            return m.group(0)
-        new, why = self.g.translate(d)
-        if new is None:
-            raise _Failed(f"its allocation names {why}")
-        return new
-
-    def _list_item(self, item: str) -> str:
-        prefix, sep, name = item.rpartition("=")  # CDI: nvidia.com/gpu=0
-        d = classify(name)
-        if d.form not in _INDEX_FORMS or name != name.strip() or not self.g.knows_index(int(d.key)):
-            return item
-        new, why = self.g.translate(d)
-        if new is None:
-            raise _Failed(f"its allocation names {why}")
-        return prefix + sep + new
-
-
-def _regroup(t: _Translator, e: PodDevicesEntry, numa: Mapping[str, int]) -> PodDevicesEntry:
-    """`e` with its IDs translated and each moved to its new GPU's NUMA node if known."""
+def _regroup(
+    t: Translator, e: PodDevicesEntry, numa: Mapping[str, int]
+) -> tuple[PodDevicesEntry, tuple[tuple[str, str], ...]]:
+    """`e` with its IDs translated and each moved to its new GPU's NUMA node if known,
+    and the (old, new) pairs in `e`'s order."""
     if e.shape == "v1":
-        return replace(e, device_ids=tuple(t.raw_id(i) for i in e.all_device_ids()))
+        pairs = tuple((i, t.raw_id(i)) for i in e.all_device_ids())
+        return replace(e, device_ids=tuple(n for _, n in pairs)), pairs
+    out: list[tuple[str, str]] = []
     groups: dict[int, Optional[list[str]]] = {}
     for node, listed in e.numa_pairs():
         if listed is None:  # a JSON null list stays null (it hashes differently from [])
@@ -206,6 +135,7 @@ def _regroup(t: _Translator, e: PodDevicesEntry, numa: Mapping[str, int]) -> Pod
             groups[node] = []
         for raw in listed:
             new = t.raw_id(raw)
+            out.append((raw, new))
             target = node
             if new != raw and numa:
                 gpu = t.node_of(new, numa)
@@ -214,35 +144,22 @@ def _regroup(t: _Translator, e: PodDevicesEntry, numa: Mapping[str, int]) -> Pod
             if group is None:
                 group = groups[target] = []
             group.append(new)
-    pairs = tuple(
+    numa_ids = tuple(
         (n, None if v is None else tuple(v))
         for n, v in groups.items()
         if v is None or v or _had_empty(e, n)
     )
-    return replace(e, device_ids=pairs)
+    return replace(e, device_ids=numa_ids), tuple(out)
 
 
 def _had_empty(e: PodDevicesEntry, node: int) -> bool:
     return any(n == node and not ids for n, ids in e.numa_pairs())
 
 
-def _gpu_uuid(new_id: str, t: _Translator) -> str:
-    """The current GPU's UUID behind a translated ID (for its NUMA node)."""
-    d = classify(new_id)
-    for m in t.g.matches:
-        if d.form == "gpu-uuid" and d.key == m.new.uuid:
-            return m.new.uuid
-        if d.form in _INDEX_FORMS and d.key == str(m.new.index):
-            return m.new.uuid
-        if d.form == "mig-legacy" and d.key == m.new.uuid:
-            return m.new.uuid
-        if d.form == "mig-uuid" and any(x.uuid == d.key for x in m.new.mig):
-            return m.new.uuid
-    return ""
-
-
-def _remap_entry(t: _Translator, e: PodDevicesEntry, numa: Mapping[str, int]) -> PodDevicesEntry:
-    new = _regroup(t, e, numa)
+def _remap_entry(
+    t: Translator, e: PodDevicesEntry, numa: Mapping[str, int], devices: Devices
+) -> tuple[PodDevicesEntry, tuple[tuple[str, str], ...]]:
+    new, pairs = _regroup(t, e, numa)
     if e.alloc_resp is not None:
         # Responses repeat across entries (the same GPUs, the same answer): rewrite once.
         done = t.rewritten.get(e.alloc_resp)
@@ -250,32 +167,59 @@ def _remap_entry(t: _Translator, e: PodDevicesEntry, numa: Mapping[str, int]) ->
             try:
                 done = allocresp.rewrite(e.alloc_resp, t.text)
             except allocresp.AllocRespError as err:
-                done = _Failed(
+                done = Failed(
                     f"its allocation response is not a ContainerAllocateResponse gpuguard can "
-                    f"read ({err})"
+                    f"read as kubelet does ({err})"
                 )
-            except _Failed as why:
+            except Failed as why:
                 done = why
             t.rewritten[e.alloc_resp] = done
-        if isinstance(done, _Failed):
+        if isinstance(done, Failed):
             raise done
         new = replace(new, alloc_resp=done)
-    return new
+    if new != e:  # the result names only the GPUs its IDs name now, or it is not made
+        stray_why = stray(devices, new)
+        if stray_why:
+            raise Failed(stray_why)
+    return new, pairs
 
 
-def _evidence(t: Optional[_Translator], e: PodDevicesEntry) -> tuple[str, ...]:
+def _evidence(t: Optional[Translator], e: PodDevicesEntry) -> tuple[str, ...]:
     """What an entry said before gpuguard touched it, as evidence now: its UUID-form IDs
     as they were (a stale one names no GPU now), its index-form IDs of an earlier
     numbering only once translated (the same number may name another GPU now)."""
     out = []
     for raw in e.all_device_ids():
         d = classify(raw)
-        if t is None or not t.whole or d.form not in _INDEX_FORMS:
+        if t is None or not t.whole or d.form not in INDEX_FORMS:
             out.append(raw)
             continue
-        with contextlib.suppress(_Failed):  # gone: no evidence rather than a wrong one
+        with contextlib.suppress(Failed):  # gone: no evidence rather than a wrong one
             out.append(t.id(d))
     return tuple(out)
+
+
+def _generations(
+    maps: Sequence[GpuMap], ids: Sequence[DeviceId], stale: Sequence[DeviceId], whole: bool
+) -> list[tuple[GpuMap, bool]]:
+    """The generations an entry may have been written under, most likely first, each
+    with whether it is the whole file's. A board that kept its UUID is known to several
+    generations, with the minor of each: the entry's answer tells which (plan())."""
+    stale_uuids = [d for d in stale if d.form in UUID_FORMS]
+    first = (
+        [(maps[0], True)] if whole and all(maps[0].knows_uuid(d.key) for d in stale_uuids) else []
+    )
+    if any(d.form in INDEX_FORMS for d in (ids if whole else stale)):
+        if first:
+            return first
+        raise Failed(
+            "index IDs are remapped only when kubelet wrote the checkpoint before this boot, "
+            "under the newest recorded generation (an index may name another GPU since)"
+        )
+    out = first + [(m, False) for m in maps if all(m.knows_uuid(d.key) for d in stale_uuids)]
+    if not out:
+        raise Unknown(f"{stale_uuids[0].raw} is not in the GPU identity history")
+    return out
 
 
 def plan(
@@ -285,6 +229,7 @@ def plan(
     inputs: Optional[RemapInputs],
 ) -> RemapResult:
     matcher = Matcher(inventory)
+    devices = Devices.of(inventory)
     history = inputs.history if inputs is not None else None
     maps = [build_map(g, inventory) for g in reversed(history.generations)] if history else []
     unavailable = _unavailable(inputs, maps, inventory)
@@ -292,12 +237,16 @@ def plan(
     numa = inputs.numa if inputs is not None else {}
     remaps: List[EntryRemap] = []
     drops: List[EntryDrop] = []
-    made: dict[tuple[int, bool], _Translator] = {}
+    kept: List[EntryDrop] = []
+    ambiguous: List[EntryDrop] = []
+    seen: dict[bytes, str] = {}
+    claims: dict[int, Claim] = {}
+    made: dict[tuple[int, bool], Translator] = {}
 
-    def translator(g: GpuMap, whole: bool) -> _Translator:
+    def translator(g: GpuMap, whole: bool) -> Translator:
         key = (id(g), whole)
         if key not in made:
-            made[key] = _Translator(g, [m for m in maps if m is not g], matcher, whole)
+            made[key] = Translator(g, matcher, whole)
         return made[key]
 
     for pos, e in enumerate(cp.entries or ()):
@@ -306,37 +255,66 @@ def plan(
         ids = [classify(i) for i in e.all_device_ids()]
         stale = [d for d in ids if not matcher.exists(d)]
         if not whole and not stale:
+            why = _disagreement(e.alloc_resp, seen)
+            if why:
+                ambiguous.append(EntryDrop(pos, e, why, ()))
             continue
-        t: Optional[_Translator] = None
+        t: Optional[Translator] = None
         try:
             if unavailable:
-                raise _Failed(unavailable)
-            if whole:
-                t = translator(maps[0], True)
+                raise Unknown(unavailable)
+            tried: Optional[Failed] = None
+            for g, entry_whole in _generations(maps, ids, stale, whole):
+                t = translator(g, entry_whole)
+                try:
+                    new, pairs = _remap_entry(t, e, numa, devices)
+                    break
+                except Failed as why:  # the answer says another generation, maybe
+                    tried = tried or why
             else:
-                if any(d.form in _INDEX_FORMS for d in stale):
-                    raise _Failed(
-                        "index IDs are remapped only when kubelet wrote the checkpoint before "
-                        "this boot (an index may name another GPU since)"
-                    )
-                g = newest_knowing(maps, stale)
-                if g is None:
-                    raise _Failed(f"{stale[0].raw} is not in the GPU identity history")
-                t = translator(g, False)
-            new = _remap_entry(t, e, numa)
-        except _Failed as why:
+                assert tried is not None
+                raise tried
+        except Unknown as why:
+            if len(stale) < len(ids):  # never dropped with a GPU it holds that is here
+                present = ", ".join(d.raw for d in ids if matcher.exists(d))
+                kept.append(EntryDrop(pos, e, f"{why}; it still holds {present}", ()))
+            else:
+                drops.append(EntryDrop(pos, e, str(why), _evidence(t, e)))
+            continue
+        except Failed as why:
             drops.append(EntryDrop(pos, e, str(why), _evidence(t, e)))
             continue
         if new != e:
             if t.how is None:
                 t.how = _how(t)
-            remaps.append(EntryRemap(pos, e, new, t.how, _evidence(t, e)))
-    remaps, drops = _no_double_allocation(cp, remaps, drops)
+            remaps.append(EntryRemap(pos, e, new, t.how, _evidence(t, e), pairs))
+            claims[pos] = Claim(pos, e.pod_uid, e.resource_name, tuple(
+                (devices.unit(o) if o == n else old_unit(o, t.old_gpu(o)), devices.unit(n))
+                for o, n in pairs
+            ))  # fmt: skip
+    remaps, drops = _no_double_allocation(cp, devices, remaps, drops, claims)
     reg, reg_remaps, reg_drops = _registered(cp, in_scope, matcher, maps, whole, unavailable)
     return RemapResult(
         tuple(remaps), tuple(sorted(drops, key=lambda d: d.pos)), reg,
-        tuple(reg_remaps), tuple(reg_drops), unavailable, whole,
+        tuple(reg_remaps), tuple(reg_drops), unavailable, whole, tuple(kept), tuple(ambiguous),
     )  # fmt: skip
+
+
+def _disagreement(resp: Optional[bytes], seen: dict[bytes, str]) -> str:
+    """Why kubelet would read an answer otherwise than gpuguard ("" when it would not)."""
+    if resp is None:
+        return ""
+    why = seen.get(resp)
+    if why is None:
+        try:
+            allocresp.strings(resp)
+            why = ""
+        except allocresp.ReadingsDisagree as e:
+            why = f"its allocation response is read otherwise by kubelet: {e}"
+        except allocresp.AllocRespError:
+            why = ""  # kubelet skips it too
+        seen[resp] = why
+    return why
 
 
 def _unavailable(inputs: Optional[RemapInputs], maps: Sequence[GpuMap], inv: Inventory) -> str:
@@ -351,7 +329,7 @@ def _unavailable(inputs: Optional[RemapInputs], maps: Sequence[GpuMap], inv: Inv
     return ""
 
 
-def _how(t: Optional[_Translator]) -> str:
+def _how(t: Optional[Translator]) -> str:
     if t is None:
         return ""
     pairs = (
@@ -363,42 +341,34 @@ def _how(t: Optional[_Translator]) -> str:
 
 
 def _no_double_allocation(
-    cp: Checkpoint, remaps: List[EntryRemap], drops: List[EntryDrop]
+    cp: Checkpoint,
+    devices: Devices,
+    remaps: List[EntryRemap],
+    drops: List[EntryDrop],
+    claims: Mapping[int, Claim],
 ) -> tuple[List[EntryRemap], List[EntryDrop]]:
-    """Drop each remapped entry whose new device another pod holds under another old ID
-    (kubelet gave it away since): a remap never makes two pods share a device that did
-    not already."""
+    """Drop each remapped entry whose new device another pod holds under another old
+    one (kubelet gave it away since): a remap never makes two pods share a physical
+    device that they did not share already."""
     changed = {r.pos for r in remaps}
     gone = {d.pos for d in drops}
-    # (resource, device now) -> {the ID it is held by: the pods holding it so}
+    # (resource, device now) -> {the device it was held as: the pods holding it so}
     holders: dict[tuple[str, str], dict[str, set[str]]] = {}
     for pos, e in enumerate(cp.entries or ()):
         if pos not in changed and pos not in gone:
             for i in e.all_device_ids():
-                holders.setdefault((e.resource_name, i), {}).setdefault(i, set()).add(e.pod_uid)
+                unit = devices.unit(i)
+                holders.setdefault((e.resource_name, unit), {}).setdefault(unit, set()).add(
+                    e.pod_uid
+                )
     kept: List[EntryRemap] = []
     for r in remaps:
-        pairs = list(zip(r.old_ids(), r.new_ids()))
-        clash = next(
-            (
-                (new, pod)
-                for old, new in pairs
-                for by, pods in holders.get((r.new.resource_name, new), {}).items()
-                if by != old
-                for pod in pods
-                if pod != r.new.pod_uid
-            ),
-            None,
-        )
-        if clash is not None:
-            why = f"its device's new ID {clash[0]} is already allocated to pod {clash[1]}"
+        pod = clashes(holders, claims[r.pos])
+        if pod is not None:
+            why = f"its new device is already allocated to pod {pod} (the same physical GPU)"
             drops.append(EntryDrop(r.pos, r.old, why, r.evidence))
             continue
         kept.append(r)
-        for old, new in pairs:
-            holders.setdefault((r.new.resource_name, new), {}).setdefault(old, set()).add(
-                r.new.pod_uid
-            )
     return kept, drops
 
 
@@ -428,12 +398,12 @@ def _registered(
             d = classify(raw)
             new: Optional[str] = None
             if not unavailable and (whole or not matcher.exists(d)):
-                g = maps[0] if whole else newest_knowing(maps, [d])
-                if g is not None and (whole or d.form not in _INDEX_FORMS):
-                    try:
-                        new = _Translator(g, maps[1:], matcher, whole).id(d)
-                    except _Failed:
-                        new = None
+                index = d.form in INDEX_FORMS
+                g = maps[0] if whole and (index or maps[0].knows_uuid(d.key)) else None
+                g = g or (None if index else newest_knowing(maps, [d]))
+                if g is not None:
+                    with contextlib.suppress(Failed):
+                        new = Translator(g, matcher, whole and g is maps[0]).id(d)
             if new is None and matcher.exists(d) and not whole:
                 new = raw
             if new is None:

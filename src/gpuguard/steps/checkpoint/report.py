@@ -105,6 +105,9 @@ class CheckReport:
     exit_code: int = exitcodes.OK
     # left to kubelet's pre-start hook: its unit was starting or stopping (kubelet.py)
     hook_pending: bool = False
+    # stale entries left as they are (they hold a present GPU; remap.py): the rest of the
+    # checkpoint matches the GPUs, so they are recorded all the same
+    left_stale: int = 0
     # what the remap read from the host (the history among it); not part of the report
     remap_inputs: Optional[RemapInputs] = field(default=None, repr=False, compare=False)
 
