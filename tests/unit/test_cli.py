@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import CHECKPOINTS, REPO
-from gpuguard import __version__, exitcodes
+from gpuguard import exitcodes, package_version, version_line
 from gpuguard.checkpoint import parse
 from gpuguard.checkpoint.spew import checksum
 
@@ -215,7 +215,8 @@ def test_bad_inputs_one_line_exit_3(
 def test_version(root: Path) -> None:
     p = gpuguard("--version", root=root)
     assert p.returncode == 0
-    assert p.stdout.decode().strip() == f"gpuguard {__version__}"
+    assert p.stdout.decode().strip() == version_line()
+    assert version_line().startswith(f"gpuguard {package_version()} (commit ")
 
 
 def test_config_defaults_and_file(root: Path) -> None:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from gpuguard import __version__, exitcodes
+from gpuguard import exitcodes, version_line
 from gpuguard.cli.args import _config, _inventory_path, _log, _opt, _root
 from gpuguard.cli.check import cmd_check
 from gpuguard.cli.checkpoint import cmd_checkpoint_canonical, cmd_checkpoint_inspect
@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         parents=[common],
     )
-    parser.add_argument("--version", action="version", version=f"gpuguard {__version__}")
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_CommandParser)
     sub.required = True
 

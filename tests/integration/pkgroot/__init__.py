@@ -101,10 +101,17 @@ def built_packages(suffix: str = "", variant: str = "") -> Dict[str, Path]:
 
 
 def source_version() -> str:
-    for line in (REPO / "src" / "gpuguard" / "__init__.py").read_text().splitlines():
-        if line.startswith("__version__ = "):
-            return line.split('"')[1]
-    raise AssertionError("no __version__ in src/gpuguard/__init__.py")
+    """The package version (dpkg's upstream part, rpm's Version) this checkout builds,
+    as packaging/version derives it from git (built_packages' suffix not included)."""
+    env = {k: v for k, v in debian_env().items() if k != "GPUGUARD_VERSION_SUFFIX"}
+    res = subprocess.run(
+        ["/usr/bin/python3", str(REPO / "packaging" / "version"), str(REPO)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    return res.stdout.strip()
 
 
 def require_pkgroot_tools() -> None:
