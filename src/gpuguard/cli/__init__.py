@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from gpuguard import exitcodes, version_line
-from gpuguard.cli.args import _config, _inventory_path, _log, _opt, _root
+from gpuguard.cli.args import _config, _config_or_fallback, _inventory_path, _log, _opt, _root
 from gpuguard.cli.check import cmd_check
 from gpuguard.cli.checkpoint import cmd_checkpoint_canonical, cmd_checkpoint_inspect
 from gpuguard.cli.daemon import cmd_daemon
@@ -182,7 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--check",
         action="store_true",
         help="only check it: no output when it is valid; otherwise the file and line, exit 2 "
-        "(what `systemctl reload gpuguard` runs first)",
+        "(what `systemctl reload gpuguard` runs first); an unknown section or key is a "
+        "warning (the daemon ignores it)",
+    )
+    cf.add_argument(
+        "--strict",
+        action="store_true",
+        help="an unknown section or key is an error too (exit 2): for CI, not for nodes "
+        "that may be rolled back",
     )
     dis = sub.add_parser(
         "disable",
@@ -254,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    cfg = _config(args, _root(args))
+    cfg = _config(args, _root(args), strict=args.strict)
     for warning in cfg.warnings:
         print(f"gpuguard: warning: {warning}", file=sys.stderr)
     if not args.check:
@@ -275,7 +282,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from gpuguard.host.inventory import load_inventory
 
     root = _root(args)
-    cfg = _config(args, root)
+    cfg = _config_or_fallback(args, root)
     try:
         inventory = load_inventory(_inventory_path(args, cfg))
     except GpuguardError:
