@@ -39,7 +39,7 @@ LAYOUT = [
     "/usr/lib/gpuguard/vendor/pynvml.py",
     "/usr/share/doc/gpuguard/LICENSE.nvidia-ml-py",
     "/usr/share/doc/gpuguard/hardening.md",
-    "/etc/gpuguard/gpuguard.conf",
+    "/usr/lib/gpuguard/gpuguard.conf",
     "/etc/gpuguard/gpuguard.conf.d",
     "/etc/gpuguard/hooks.d",
     "/var/lib/gpuguard",
@@ -130,7 +130,8 @@ def test_deb_control(pkgs: Dict[str, Path]) -> None:
     conffiles = subprocess.run(
         ["dpkg-deb", "-I", deb, "conffiles"], capture_output=True, text=True, env=debian_env()
     ).stdout.split()
-    assert conffiles == ["/etc/gpuguard/gpuguard.conf"]
+    # No conffile: the defaults are in /usr/lib, so no upgrade ever prompts.
+    assert conffiles == []
     postinst = sh("dpkg-deb", "-I", deb, "postinst")
     assert "deb-systemd-helper enable 'gpuguard.service'" in postinst
     # an upgrade restarts the daemon only after the new version checked the configuration
@@ -185,11 +186,9 @@ def test_rpm_layout(rpm_files: Dict[str, str], pkgs: Dict[str, Path]) -> None:
     assert preset in rpm_files
     assert rpm_files["/var/lib/gpuguard"].startswith("drwx------")
     assert any(re.match(r"/usr/lib/python3\.\d+/site-packages/gpuguard/", p) for p in rpm_files)
-    configs = sh("rpm", "-qcp", str(pkgs["rpm"])).split()
-    assert configs == ["/etc/gpuguard/gpuguard.conf"]
-    # %config(noreplace): verify flags include "n"
-    flags = sh("rpm", "-qp", "--qf", "[%{FILEFLAGS:fflags} %{FILENAMES}\n]", str(pkgs["rpm"]))
-    assert re.search(r"^cn /etc/gpuguard/gpuguard.conf$", flags, re.M), flags
+    # No %config file: the defaults are in /usr/lib, /etc/gpuguard is the operator's.
+    assert [p for p in sh("rpm", "-qcp", str(pkgs["rpm"])).split() if p.startswith("/")] == []
+    assert not any(p.startswith("/etc/gpuguard/") and p.endswith(".conf") for p in rpm_files)
 
 
 def test_rpm_requires_and_scripts(pkgs: Dict[str, Path]) -> None:
@@ -246,7 +245,7 @@ def test_every_path_a_shipped_file_names_is_installed(
         "/usr/lib/systemd/system/kubelet.service.d/10-gpuguard.conf",
         "/usr/lib/udev/rules.d/71-gpuguard.rules",
         "/usr/libexec/gpuguard/kubelet-pre-start",
-        "/etc/gpuguard/gpuguard.conf",
+        "/usr/lib/gpuguard/gpuguard.conf",
         "/usr/lib/systemd/catalog/gpuguard.catalog",
         "/usr/share/man/man8/gpuguard.8.gz",
         "/usr/share/man/man5/gpuguard.conf.5.gz",
