@@ -45,9 +45,9 @@ def git(*argv: str, cwd: Path, env: Dict[str, str] | None = None) -> str:
 def previous_layout_commit() -> str:
     """The parent of the commit that moved the defaults out of /etc (found by content,
     so a rebase of the history does not break it)."""
+    pickaxe = "-S$(PKG)/etc/gpuguard/gpuguard.conf"
     moved = subprocess.run(
-        ["git", "log", "--format=%H", "-1", "-S$(PKG)/etc/gpuguard/gpuguard.conf", "--"]
-        + ["packaging/debian/rules"],
+        ["git", "log", "--format=%H", "-1", pickaxe, "--", "packaging/debian/rules"],
         cwd=REPO,
         capture_output=True,
         text=True,
