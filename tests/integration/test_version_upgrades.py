@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -292,3 +293,40 @@ def test_an_unchanged_shipped_configuration_goes(node: Dict[str, object]) -> Non
     assert not ns.path(CONF).exists()
     assert ns.path("/etc/gpuguard/gpuguard.conf.d").is_dir()
     ns.wait_active("gpuguard.service", timeout=30)
+
+
+def test_readiness_scrapes_the_metrics_endpoint_where_it_is_enabled(
+    node: Dict[str, object],
+) -> None:
+    """Enabled metrics without python3-prometheus-client (the root has no network to get
+    it) answer 503: not Ready, saying so; with it, Ready, naming the scrape."""
+    ns: PackageRoot = node["ns"]  # type: ignore[assignment]
+    debs: Dict[str, Path] = node["debs"]  # type: ignore[assignment]
+    status: Path = node["status"]  # type: ignore[assignment]
+    env = installer_env(ns, debs["a"].parent, status)
+    env["GPUGUARD_INSTALLER_ONESHOT"] = "1"
+    argv = ["busybox", "sh", str(INSTALLER), "install"]
+    ns.systemctl("enable", "--now", "gpuguard-metrics.socket")
+    res = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    got = read_status(status)
+    assert res.returncode == 5 and got["daemon"] == "metrics-failed", (res.stdout, got)
+    assert (
+        "a scrape of gpuguard-metrics.socket (http://127.0.0.1:9835/metrics) failed: "
+        in (got["message"])
+    )
+    assert "HTTP 503" in got["message"], got
+    client = Path("/usr/lib/python3/dist-packages/prometheus_client")
+    if not client.is_dir():
+        pytest.fail("python3-prometheus-client missing here: run scripts/bootstrap")
+    site = "/usr/local/lib/python3.11/dist-packages"
+    ns.run(["mkdir", "-p", site], check=True)
+    shutil.copytree(client, ns.path(f"{site}/prometheus_client"))
+    decorator = client.parent / "decorator.py"  # what this machine's package imports
+    if decorator.exists():
+        shutil.copy(decorator, ns.path(f"{site}/decorator.py"))
+    ns.systemctl("restart", "gpuguard-metrics.socket")
+    ns.systemctl("stop", "gpuguard-metrics.service")
+    res = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    got = read_status(status)
+    assert res.returncode == 0 and got["state"] == "ok", (res.stdout, res.stderr, got)
+    assert "metrics answer at http://127.0.0.1:9835/metrics" in got["message"], got
