@@ -1,8 +1,8 @@
 """Builds of different commits, and the release before, through apt-get -y and the installer.
 
 Three packages of real commits, each built by that commit's own packaging/build-deb in
-a clone: the previous layout (the last commit whose package shipped
-/etc/gpuguard/gpuguard.conf as a conffile, version 0.1.0), this checkout's HEAD (A) and
+a clone: the previous release's layout (the last commit of version 0.1.0, whose package
+shipped /etc/gpuguard/gpuguard.conf as a conffile), this checkout's HEAD (A) and
 a commit made on top of it a minute later (B). They go into one booted Debian 12 root
 (integration/pkgroot) in file order: the old release with an edited configuration,
 `apt-get -y` to A (no prompt, `ii`, the setting kept), apt to B and back to A, then the
@@ -44,27 +44,27 @@ def git(*argv: str, cwd: Path, env: Dict[str, str] | None = None) -> str:
 
 
 def previous_layout_commit() -> str:
-    """The parent of the commit that moved the defaults out of /etc (found by content,
-    so a rebase of the history does not break it)."""
-    pickaxe = "-S$(PKG)/etc/gpuguard/gpuguard.conf"
-    moved = subprocess.run(
-        ["git", "log", "--format=%H", "-1", pickaxe, "--", "packaging/debian/rules"],
+    """The last commit of version 0.1.0, with its conffile: the parent of the commit that
+    brought versions from git (found by content, so a rebase does not break it)."""
+    pickaxe = '-S__commit__ = ""'
+    found = subprocess.run(
+        ["git", "log", "--reverse", "--format=%H", pickaxe, "--", "src/gpuguard/__init__.py"],
         cwd=REPO,
         capture_output=True,
         text=True,
-    ).stdout.strip()
+    ).stdout.split()
     parent = (
         subprocess.run(
-            ["git", "rev-parse", "--verify", "-q", f"{moved}^"],
+            ["git", "rev-parse", "--verify", "-q", f"{found[0]}^"],
             cwd=REPO,
             capture_output=True,
             text=True,
         ).stdout.strip()
-        if moved
+        if found
         else ""
     )
     if not parent:
-        msg = "needs the git history before the defaults moved to /usr/lib (a full clone)"
+        msg = "needs the git history back to version 0.1.0 (a full clone)"
         if os.environ.get("CI") == "true":
             pytest.fail(msg + ": clone with fetch-depth 0")
         pytest.skip(msg)
