@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import shlex
 import shutil
@@ -96,13 +97,20 @@ def built_packages(suffix: str = "", variant: str = "") -> Dict[str, Path]:
             raise AssertionError(f"{script} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
         out[kind] = Path(res.stdout.strip().splitlines()[-1])
         assert out[kind].is_file(), res.stdout
+        # Tests name the packages by source_version(), computed once per run.
+        assert f"{source_version()}{suffix}-1" in out[kind].name, (
+            f"{out[kind].name} is not version {source_version()}{suffix}: the checkout "
+            "changed (a commit or an edit) during this test run; run it again"
+        )
     _built[key] = out
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def source_version() -> str:
     """The package version (dpkg's upstream part, rpm's Version) this checkout builds,
-    as packaging/version derives it from git (built_packages' suffix not included)."""
+    as packaging/version derives it from git (built_packages' suffix not included);
+    computed once per run."""
     env = {k: v for k, v in debian_env().items() if k != "GPUGUARD_VERSION_SUFFIX"}
     res = subprocess.run(
         ["/usr/bin/python3", str(REPO / "packaging" / "version"), str(REPO)],
