@@ -218,7 +218,7 @@ def test_1_off_switch_changes_nothing(node: Node) -> None:
     res = ns.systemctl("reload", "gpuguard.service", check=False)
     assert res.returncode != 0  # nothing to reload: it does not run
     # a package upgrade keeps it off (the file is not the package's)
-    apt(ns, "install", f"/run/host/debs/gpuguard_{source_version()}{UPGRADE}-1_all.deb")
+    apt(ns, "install", f"/run/host/debs/gpuguard_{source_version(UPGRADE)}-1_all.deb")
     assert ns.path("/etc/gpuguard/disabled").read_text() == "canary pool frozen (CHG-1)\n"
     assert_unchanged(before, node.snapshot(), node)
     # visible: status, doctor, npd, metrics, journal

@@ -323,7 +323,7 @@ def test_upgrade_keeps_edited_config(root: Dict[str, object]) -> None:
     edited = "# edited by the operator\n[Kubelet]\nBackupKeep=7\n"
     conf.write_text(edited)
     pid_before = ns.unit_property("gpuguard.service", "InvocationID")
-    new = f"{source_version()}{UPGRADE_SUFFIX}"
+    new = f"{source_version(UPGRADE_SUFFIX)}"
     t0 = time.monotonic()
     apt(ns, "install", f"/run/host/debs/gpuguard_{new}-1_all.deb")
     timings["apt-get upgrade"] = time.monotonic() - t0

@@ -116,9 +116,9 @@ def test_local_changes_and_a_suffix_make_other_versions(repo: Path) -> None:
     (repo / "a").write_text("edited")
     dirty = version(repo)
     assert dirty == clean + ".dirty"
-    assert version(repo, suffix="+test1") == dirty + "+test1"
+    assert version(repo, suffix="+test1") == dirty + ".test1"
     assert version(repo, "--python", suffix="+test1").endswith(".dirty.test1")
-    assert_ordered([clean, dirty, dirty + "+test1"])
+    assert_ordered([clean, dirty, dirty + ".test1"])
     with pytest.raises(subprocess.CalledProcessError):
         version(repo, suffix="test1")
 

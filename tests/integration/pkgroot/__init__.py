@@ -98,19 +98,26 @@ def built_packages(suffix: str = "", variant: str = "") -> Dict[str, Path]:
         out[kind] = Path(res.stdout.strip().splitlines()[-1])
         assert out[kind].is_file(), res.stdout
         # Tests name the packages by source_version(), computed once per run.
-        assert f"{source_version()}{suffix}-1" in out[kind].name, (
-            f"{out[kind].name} is not version {source_version()}{suffix}: the checkout "
+        assert f"{source_version(suffix)}-1" in out[kind].name, (
+            f"{out[kind].name} is not version {source_version(suffix)}: the checkout "
             "changed (a commit or an edit) during this test run; run it again"
         )
     _built[key] = out
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def source_version() -> str:
+def source_version(suffix: str = "") -> str:
     """The package version (dpkg's upstream part, rpm's Version) this checkout builds,
-    as packaging/version derives it from git (built_packages' suffix not included);
-    computed once per run."""
+    as packaging/version derives it from git, with built_packages' ``suffix`` ("+test1":
+    a further part of the local version); the checkout's computed once per run."""
+    base = _checkout_version()
+    if not suffix:
+        return base
+    return f"{base}.{suffix[1:]}" if "+" in base else f"{base}{suffix}"
+
+
+@functools.cache
+def _checkout_version() -> str:
     env = {k: v for k, v in debian_env().items() if k != "GPUGUARD_VERSION_SUFFIX"}
     res = subprocess.run(
         ["/usr/bin/python3", str(REPO / "packaging" / "version"), str(REPO)],
