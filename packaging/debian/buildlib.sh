@@ -2,16 +2,14 @@
 # Not installed and removed from the debian/ copy.
 
 gpuguard_version() {
-    v=$(sed -n 's/^__version__ = "\([^"]*\)"$/\1/p' "$REPO/src/gpuguard/__init__.py")
-    [ -n "$v" ] || { echo "no __version__ in src/gpuguard/__init__.py" >&2; exit 1; }
-    sfx=${GPUGUARD_VERSION_SUFFIX:-}
-    case $sfx in
-        "") ;;
-        +*) printf '%s' "$sfx" | grep -Eq '^\+[A-Za-z0-9.]+$' ||
-                { echo "GPUGUARD_VERSION_SUFFIX must look like +test1" >&2; exit 2; } ;;
-        *) echo "GPUGUARD_VERSION_SUFFIX must start with + (e.g. +test1)" >&2; exit 2 ;;
-    esac
-    printf '%s%s\n' "$v" "$sfx"
+    # packaging/version: the release in src/gpuguard/__init__.py, then the commit's
+    # time and hash (or the tag), plus GPUGUARD_VERSION_SUFFIX (docs: packaging/README.md).
+    /usr/bin/python3 "$REPO/packaging/version" "$REPO" || exit 2
+}
+
+# gpuguard_commit: the full hash of the commit built (empty without git or archive info).
+gpuguard_commit() {
+    /usr/bin/python3 "$REPO/packaging/version" --commit "$REPO" 2>/dev/null
 }
 
 # copy_tree DEST: the checkout's files (tracked and untracked-but-not-ignored),
@@ -29,10 +27,11 @@ copy_tree() {
     rm -rf "$1"/src/*.egg-info
 }
 
-# set_version TREE VERSION: the copy's __version__ (so `gpuguard --version`
-# reports the package version when GPUGUARD_VERSION_SUFFIX is used).
+# set_version TREE: stamp the copy's __version__ and __commit__ with this build's
+# (packaging/version --stamp), so the copy, which has no .git, and everything built
+# from it (`gpuguard --version`, gpuguard_build_info, pip's metadata) carry them.
 set_version() {
-    sed -i "s/^__version__ = \"[^\"]*\"$/__version__ = \"$2\"/" "$1/src/gpuguard/__init__.py"
+    /usr/bin/python3 "$REPO/packaging/version" --stamp "$1/src/gpuguard/__init__.py" "$REPO" || exit 2
 }
 
 # fetch_vendor DESTDIR REQUIREMENTS: download the pinned wheels (pip checks the

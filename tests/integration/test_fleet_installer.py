@@ -320,10 +320,10 @@ def test_upgrades_and_keeps_edited_config(node: Dict[str, object]) -> None:
     ns: PackageRoot = node["ns"]  # type: ignore[assignment]
     run: Installer = node["run"]  # type: ignore[assignment]
     conf = ns.path("/etc/gpuguard/gpuguard.conf")
-    edited = conf.read_text() + "\n# edited by the operator\n"
+    edited = "# edited by the operator\n[Kubelet]\nBackupKeep=7\n"
     conf.write_text(edited)
     daemon = ns.unit_property("gpuguard.service", "InvocationID")
-    new = f"{source_version()}{UPGRADE_SUFFIX}-1"
+    new = f"{source_version(UPGRADE_SUFFIX)}-1"
     res = run("install", node["upgrade"])  # type: ignore[arg-type]
     assert res.returncode == 0, f"{res.returncode}\n{res.stdout}\n{res.stderr}"
     status = run.read_status()

@@ -218,7 +218,7 @@ def test_1_off_switch_changes_nothing(node: Node) -> None:
     res = ns.systemctl("reload", "gpuguard.service", check=False)
     assert res.returncode != 0  # nothing to reload: it does not run
     # a package upgrade keeps it off (the file is not the package's)
-    apt(ns, "install", f"/run/host/debs/gpuguard_{source_version()}{UPGRADE}-1_all.deb")
+    apt(ns, "install", f"/run/host/debs/gpuguard_{source_version(UPGRADE)}-1_all.deb")
     assert ns.path("/etc/gpuguard/disabled").read_text() == "canary pool frozen (CHG-1)\n"
     assert_unchanged(before, node.snapshot(), node)
     # visible: status, doctor, npd, metrics, journal
@@ -319,12 +319,12 @@ def test_4_reload_fails_on_a_broken_configuration(node: Node) -> None:
     ns = node.ns
     pid = ns.unit_property("gpuguard.service", "MainPID")
     bad = ns.path("/etc/gpuguard/gpuguard.conf.d/50-typo.conf")
-    bad.write_text("[Daemon]\n\nAuditIntervall=1min\n")
+    bad.write_text("[Daemon]\n\nAuditInterval=forever\n")
     try:
         res = ns.systemctl("reload", "gpuguard.service", check=False)
         assert res.returncode != 0
         text = ns.run(["systemctl", "status", "--no-pager", "-n", "20", "gpuguard"]).stdout
-        assert "/etc/gpuguard/gpuguard.conf.d/50-typo.conf:3: unknown key 'AuditIntervall'" in text
+        assert "/etc/gpuguard/gpuguard.conf.d/50-typo.conf:3: invalid value 'forever'" in text
     finally:
         bad.unlink()
     assert ns.unit_property("gpuguard.service", "ActiveState") == "active"

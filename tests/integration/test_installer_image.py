@@ -105,7 +105,7 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dict[str, object
         timeout=300,
     )
     assert res.returncode == 0, f"{res.returncode}\n{res.stdout}\n{res.stderr}"
-    tag = f"localhost/gpuguard-installer:{source_version()}-1".replace("+", "_")
+    tag = f"localhost/gpuguard-installer:{source_version()}-1".replace("+", "_").replace("~", "_")
     container = buildah("from", tag)
     try:
         yield {

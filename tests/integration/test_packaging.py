@@ -40,7 +40,7 @@ LAYOUT = [
     "/usr/lib/gpuguard/vendor/pynvml.py",
     "/usr/share/doc/gpuguard/LICENSE.nvidia-ml-py",
     "/usr/share/doc/gpuguard/hardening.md",
-    "/etc/gpuguard/gpuguard.conf",
+    "/usr/lib/gpuguard/gpuguard.conf",
     "/etc/gpuguard/gpuguard.conf.d",
     "/etc/gpuguard/hooks.d",
     "/var/lib/gpuguard",
@@ -80,19 +80,29 @@ def rpm_files(pkgs: Dict[str, Path]) -> Dict[str, str]:
     return out
 
 
-def test_version_comes_from_init(pkgs: Dict[str, Path]) -> None:
+def test_version_comes_from_git(pkgs: Dict[str, Path], tmp_path: Path) -> None:
+    """The packages carry packaging/version's version, and so does the code in them."""
     v = source_version()
     assert pkgs["deb"].name == f"gpuguard_{v}-1_all.deb"
     assert pkgs["rpm"].name == f"gpuguard-{v}-1.noarch.rpm"
     assert sh("dpkg-deb", "-f", str(pkgs["deb"]), "Version").strip() == f"{v}-1"
     assert sh("rpm", "-qp", "--qf", "%{VERSION}", str(pkgs["rpm"])) == v
-    # The committed changelog must follow __version__ (build-deb only warns).
-    top = sh("dpkg-parsechangelog", "-l", str(REPO / "packaging/debian/changelog"), "-S", "Version")
-    assert top.strip() == f"{v}-1", "add a packaging/debian/changelog entry for the new version"
-    spec = (REPO / "packaging/rpm/gpuguard.spec").read_text()
-    assert re.search(rf"^\* .* - {re.escape(v)}-1$", spec, re.M), (
-        "add a %changelog entry to gpuguard.spec"
-    )
+    commit = sh("git", "-C", str(REPO), "rev-parse", "HEAD").strip()
+    sh("dpkg-deb", "-x", str(pkgs["deb"]), str(tmp_path))
+    init = (tmp_path / "usr/lib/python3/dist-packages/gpuguard/__init__.py").read_text()
+    assert f'__commit__ = "{commit}"' in init
+    assert re.search(r'^__version__ = "\d+\.\d+\.\d+(\.dev\d{14}\+g[0-9a-f]{12}\S*)?"$', init, re.M)
+    # A release (a tagged, clean tree) needs its changelog entries; any other build
+    # writes its own on top, which the package's changelog shows.
+    if "~dev" not in v and "+" not in v:
+        top = sh(
+            "dpkg-parsechangelog", "-l", str(REPO / "packaging/debian/changelog"), "-S", "Version"
+        )
+        assert top.strip() == f"{v}-1", "add a packaging/debian/changelog entry for the release"
+        spec = (REPO / "packaging/rpm/gpuguard.spec").read_text()
+        assert re.search(rf"^\* .* - {re.escape(v)}-1$", spec, re.M), (
+            "add a %changelog entry to gpuguard.spec"
+        )
 
 
 def test_deb_layout(deb_files: Dict[str, str]) -> None:
@@ -128,7 +138,8 @@ def test_deb_control(pkgs: Dict[str, Path]) -> None:
     conffiles = subprocess.run(
         ["dpkg-deb", "-I", deb, "conffiles"], capture_output=True, text=True, env=debian_env()
     ).stdout.split()
-    assert conffiles == ["/etc/gpuguard/gpuguard.conf"]
+    # No conffile: the defaults are in /usr/lib, so no upgrade ever prompts.
+    assert conffiles == []
     postinst = sh("dpkg-deb", "-I", deb, "postinst")
     assert "deb-systemd-helper enable 'gpuguard.service'" in postinst
     # an upgrade restarts the daemon only after the new version checked the configuration
@@ -196,11 +207,9 @@ def test_rpm_layout(rpm_files: Dict[str, str], pkgs: Dict[str, Path]) -> None:
     assert preset in rpm_files
     assert rpm_files["/var/lib/gpuguard"].startswith("drwx------")
     assert any(re.match(r"/usr/lib/python3\.\d+/site-packages/gpuguard/", p) for p in rpm_files)
-    configs = sh("rpm", "-qcp", str(pkgs["rpm"])).split()
-    assert configs == ["/etc/gpuguard/gpuguard.conf"]
-    # %config(noreplace): verify flags include "n"
-    flags = sh("rpm", "-qp", "--qf", "[%{FILEFLAGS:fflags} %{FILENAMES}\n]", str(pkgs["rpm"]))
-    assert re.search(r"^cn /etc/gpuguard/gpuguard.conf$", flags, re.M), flags
+    # No %config file: the defaults are in /usr/lib, /etc/gpuguard is the operator's.
+    assert [p for p in sh("rpm", "-qcp", str(pkgs["rpm"])).split() if p.startswith("/")] == []
+    assert not any(p.startswith("/etc/gpuguard/") and p.endswith(".conf") for p in rpm_files)
 
 
 def test_rpm_requires_and_scripts(pkgs: Dict[str, Path]) -> None:
@@ -262,7 +271,7 @@ def test_every_path_a_shipped_file_names_is_installed(
         "/usr/lib/systemd/system/kubelet.service.d/10-gpuguard.conf",
         "/usr/lib/udev/rules.d/71-gpuguard.rules",
         "/usr/libexec/gpuguard/kubelet-pre-start",
-        "/etc/gpuguard/gpuguard.conf",
+        "/usr/lib/gpuguard/gpuguard.conf",
         "/usr/lib/systemd/catalog/gpuguard.catalog",
         "/usr/share/man/man8/gpuguard.8.gz",
         "/usr/share/man/man5/gpuguard.conf.5.gz",

@@ -6,11 +6,12 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Tuple
 
 import pytest
 
 from conftest import CHECKPOINTS, REPO
-from gpuguard import __version__, exitcodes
+from gpuguard import exitcodes, package_version, version_line
 from gpuguard.checkpoint import parse
 from gpuguard.checkpoint.spew import checksum
 
@@ -216,7 +217,8 @@ def test_bad_inputs_one_line_exit_3(
 def test_version(root: Path) -> None:
     p = gpuguard("--version", root=root)
     assert p.returncode == 0
-    assert p.stdout.decode().strip() == f"gpuguard {__version__}"
+    assert p.stdout.decode().strip() == version_line()
+    assert version_line().startswith(f"gpuguard {package_version()} (commit ")
 
 
 def test_config_defaults_and_file(root: Path) -> None:
@@ -239,6 +241,40 @@ def test_config_error_is_one_line_exit_2(root: Path) -> None:
     assert p.returncode == exitcodes.USAGE
     line = one_line_error(p)
     assert "gpuguard.conf" in line and "BackupKeep" in line
+
+
+def test_config_check_strict_for_ci(root: Path) -> None:
+    conf = root / "etc/gpuguard/gpuguard.conf"
+    conf.parent.mkdir(parents=True)
+    conf.write_text("[Daemon]\nAuditIntervall=5min\n")
+    p = gpuguard("config", "--check", root=root)
+    assert p.returncode == exitcodes.OK and p.stdout == b""
+    assert one_line_error(p).startswith(
+        f"gpuguard: warning: {conf}:2: unknown key 'AuditIntervall' in [Daemon]; did you mean "
+        "'AuditInterval'?"
+    )
+    p = gpuguard("config", "--check", "--strict", root=root)
+    assert p.returncode == exitcodes.USAGE
+    assert one_line_error(p).startswith(f"gpuguard: {conf}:2: unknown key 'AuditIntervall'")
+
+
+@pytest.mark.parametrize(
+    "argv", [("status",), ("doctor",), ("check", "--dry-run", "--only", "checkpoint")]
+)
+def test_debugging_commands_run_on_a_broken_dropin(root: Path, argv: Tuple[str, ...]) -> None:
+    """They name the broken file in one line and run without it; `config` still refuses."""
+    bad = root / "etc/gpuguard/gpuguard.conf.d/50-bad.conf"
+    bad.parent.mkdir(parents=True)
+    bad.write_text("[Kubelet]\nBackupKeep=many\n")
+    inv = ("--inventory", str(root / "inventory.json"))
+    p = gpuguard(*argv, *(inv if argv[0] != "status" else ()), root=root)
+    err = p.stderr.decode()
+    assert "Traceback" not in err
+    warned = [line for line in err.splitlines() if str(bad) in line]
+    assert len(warned) == 1 and warned[0].startswith(f"gpuguard: warning: {bad}:2: "), err
+    assert warned[0].endswith(f"this command ignores {bad} and reads the rest")
+    assert p.returncode != exitcodes.USAGE, err
+    assert gpuguard("config", "--check", root=root).returncode == exitcodes.USAGE
 
 
 def test_usage_error_exit_2(root: Path) -> None:

@@ -114,7 +114,8 @@ def test_valid_values(section: str, key: str, text: str, expected: Any) -> None:
     assert cfg.origin(section, key) == "t.conf:2"
 
 
-# Every error names file:line; (file text, line, fragment of the message).
+# Every error names file:line; (file text, line, fragment of the message). Unknown
+# sections and keys are errors in strict mode (`config --check --strict`), warnings else.
 ERRORS = [
     (
         "[Daemon]\nAuditIntervall=5min\n",
@@ -194,7 +195,7 @@ ERRORS = [
 def test_errors_name_file_and_line(tmp_path: Path, text: str, line: int, fragment: str) -> None:
     path = write(tmp_path / "gpuguard.conf", text)
     with pytest.raises(ConfigError) as info:
-        load_config(Root(tmp_path), path=path)
+        load_config(Root(tmp_path), path=path, strict=True)
     message = str(info.value)
     assert message.startswith(f"{path}:{line}: "), message
     assert fragment in message, message
@@ -204,7 +205,7 @@ def test_errors_name_file_and_line(tmp_path: Path, text: str, line: int, fragmen
 
 def test_every_unknown_key_error_points_at_docs() -> None:
     with pytest.raises(ConfigError, match=re.escape(cfgmod.SEE_ALSO)):
-        parse_config("[Daemon]\nAuditIntervall=5min\n")
+        parse_config("[Daemon]\nAuditIntervall=5min\n", strict=True)
 
 
 def test_not_utf8_names_the_line(tmp_path: Path) -> None:
@@ -273,9 +274,84 @@ def test_backslash_continues_a_line_and_skips_comments_inside() -> None:
 
 def test_keys_are_case_sensitive_and_sections_too() -> None:
     with pytest.raises(ConfigError):
-        parse_config("[Daemon]\ndryrun=yes\n")
+        parse_config("[Daemon]\ndryrun=yes\n", strict=True)
     with pytest.raises(ConfigError):
-        parse_config("[DAEMON]\n")
+        parse_config("[DAEMON]\n", strict=True)
+    assert not parse_config("[Daemon]\ndryrun=yes\n").daemon.dry_run
+
+
+# ------------------------------------------------------------------ rollback safety
+
+
+def test_unknown_keys_and_sections_warn_with_file_line_and_a_guess(tmp_path: Path) -> None:
+    """A file written for another gpuguard version: warned about, never fatal."""
+    write(tmp_path / "etc/gpuguard/gpuguard.conf", "[Daemon]\nDryRun=yes\n")
+    dropin = write(
+        tmp_path / "etc/gpuguard/gpuguard.conf.d/50-new.conf",
+        "[Daemon]\nAuditIntervall=5min\nModeX=observe\n[Alerts]\nRule=x\nOther=y\n"
+        "[Kubelet]\nPolicy=report\n",
+    )
+    cfg = load_config(Root(tmp_path))
+    assert cfg.daemon.dry_run and cfg.kubelet.policy == "report"
+    unknown = [w for w in cfg.warnings if "ignored" in w]
+    assert len(unknown) == 3, cfg.warnings  # the section once, not each of its keys
+    assert unknown[0].startswith(f"{dropin}:2: unknown key 'AuditIntervall' in [Daemon]; ")
+    assert "did you mean 'AuditInterval'?" in unknown[0]
+    assert unknown[1].startswith(f"{dropin}:3: unknown key 'ModeX'")
+    assert unknown[2].startswith(f"{dropin}:4: unknown section [Alerts]; ")
+    with pytest.raises(ConfigError, match=re.escape(f"{dropin}:2: unknown key 'AuditIntervall'")):
+        load_config(Root(tmp_path), strict=True)
+
+
+def test_a_broken_dropin_falls_back_and_names_the_file(tmp_path: Path) -> None:
+    write(tmp_path / "etc/gpuguard/gpuguard.conf", "[Daemon]\nDryRun=yes\n")
+    good = tmp_path / "etc/gpuguard/gpuguard.conf.d/10-good.conf"
+    write(good, "[Kubelet]\nPolicy=report\n")
+    bad = write(tmp_path / "etc/gpuguard/gpuguard.conf.d/50-bad.conf", "[Daemon]\nDryRun=maybe\n")
+    with pytest.raises(ConfigError):
+        load_config(Root(tmp_path))
+    cfg, note = cfgmod.load_config_or_fallback(Root(tmp_path))
+    assert cfg.daemon.dry_run and cfg.kubelet.policy == "report"
+    assert note.startswith(f"{bad}:2: invalid value 'maybe'") and "\n" not in note
+    assert note.endswith(f"this command ignores {bad} and reads the rest")
+    # A rule across keys: the file that set the key named is left out.
+    bad.write_text("[Daemon]\nQuietPeriod=5s\n")
+    cfg, note = cfgmod.load_config_or_fallback(Root(tmp_path))
+    assert "MaxDelay=2s is shorter than QuietPeriod=5s" in note
+    assert cfg.daemon.dry_run and note.endswith(f"ignores {bad} and reads the rest")
+    good.unlink()
+    bad.unlink()
+    assert cfgmod.load_config_or_fallback(Root(tmp_path))[1] == ""
+
+
+def test_a_dropin_directory_that_is_a_file_or_leaves_the_root_is_an_error(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "root"
+    conf_d = write(root / "etc/gpuguard/gpuguard.conf.d", "[Daemon]\nMode=observe\n")
+    with pytest.raises(ConfigError, match=re.escape(f"{conf_d}: is a file, not a directory")):
+        load_config(Root(root))
+    conf_d.unlink()
+    outside = tmp_path / "elsewhere"
+    write(outside / "50-x.conf", "[Daemon]\nDryRun=yes\n")
+    conf_d.symlink_to(outside)
+    with pytest.raises(ConfigError, match=r"symbolic link to .*, outside the root"):
+        load_config(Root(root))
+    conf_d.unlink()
+    inside = root / "srv/conf.d"
+    write(inside / "50-x.conf", "[Daemon]\nDryRun=yes\n")
+    conf_d.symlink_to(inside)
+    assert load_config(Root(root)).daemon.dry_run
+
+
+def test_the_package_defaults_are_read_where_etc_has_no_file(tmp_path: Path) -> None:
+    write(tmp_path / "usr/lib/gpuguard/gpuguard.conf", "[Daemon]\nDryRun=yes\n")
+    assert load_config(Root(tmp_path)).daemon.dry_run
+    assert cfgmod.config_files(Root(tmp_path))[0] == tmp_path / "usr/lib/gpuguard/gpuguard.conf"
+    # /etc's file replaces the package's (systemd's rule), drop-ins apply to either.
+    write(tmp_path / "etc/gpuguard/gpuguard.conf", "[Kubelet]\nPolicy=report\n")
+    cfg = load_config(Root(tmp_path))
+    assert not cfg.daemon.dry_run and cfg.kubelet.policy == "report"
 
 
 # --------------------------------------------------------------------------- precedence

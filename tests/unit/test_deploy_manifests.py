@@ -6,6 +6,7 @@ what the installer needs and no more."""
 from __future__ import annotations
 
 import copy
+import re
 import subprocess
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
@@ -14,7 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from integration.pkgroot import source_version
+import gpuguard
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -64,8 +65,10 @@ def test_kustomization_names_existing_files_and_the_package_version(kustomizatio
     base = (DEPLOY / kustomization).parent
     for res in k["resources"]:
         assert (base / res).is_file(), res
-    # The image tag is the package version it carries (+ and ~ are not allowed in tags).
-    tag = f"{source_version()}-1".replace("+", "_").replace("~", "_")
+    # The image tag is the release being prepared (__version__ less .devN), as its
+    # package is versioned; a development build's tag is set with `kustomize edit`.
+    release = re.sub(r"\.dev\d+$", "", gpuguard.__version__.split("+")[0])
+    tag = f"{release}-1"
     assert k["images"] == [{"name": "gpuguard-installer", "newTag": tag}]
     ds = next(load(str((base / r).relative_to(DEPLOY))) for r in k["resources"] if "daemon" in r)
     assert ds["spec"]["template"]["spec"]["containers"][0]["image"] == f"gpuguard-installer:{tag}"

@@ -264,7 +264,7 @@ def test_inventory_number_past_the_int_conversion_limit(tmp_path: Path) -> None:
 @pytest.mark.parametrize("sep", ["\f", "\u2028", "\u2029", "\x1c", "\x85"])
 def test_line_numbers_survive_form_feeds_and_unicode_separators(tmp_path: Path, sep: str) -> None:
     write(tmp_path / "etc/gpuguard/gpuguard.conf", f"# a{sep}b{sep}c\n[Daemon]\nNope=1\n")
-    run = run_cli("config", "--root", str(tmp_path))
+    run = run_cli("config", "--check", "--strict", "--root", str(tmp_path))
     assert run.code == exitcodes.USAGE
     _one_error(run.err, "gpuguard.conf:3:", "unknown key 'Nope'")
 

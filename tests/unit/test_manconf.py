@@ -47,7 +47,7 @@ def test_config_errors_point_at_the_man_page(tmp_path: Path) -> None:
     conf = tmp_path / "gpuguard.conf"
     conf.write_text("[Daemon]\nAuditIntervall=1min\n")
     try:
-        load_config(Root(tmp_path), path=conf)
+        load_config(Root(tmp_path), path=conf, strict=True)
     except ConfigError as e:
         assert e.message.endswith("(see gpuguard.conf(5))"), e.message
     else:

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import statusdoc
 from conftest import REPO
-from gpuguard import cli
+from gpuguard import __commit__, cli, package_version
 from gpuguard.host.paths import Root
 from gpuguard.reporting.metrics import render, render_file
 from gpuguard.reporting.metrics_file import SPEC
@@ -158,7 +158,8 @@ def test_a_pass_becomes_counters_gauges_and_a_histogram() -> None:
     assert s[("gpuguard_node_condition_status", key)] == 1
     assert s[("gpuguard_last_pass_timestamp_seconds", ())] == pytest.approx(last.ended, abs=5)
     (build,) = [k for k in s if k[0] == "gpuguard_build_info"]
-    assert dict(build[1])["version"]
+    labels = dict(build[1])
+    assert labels["version"] == package_version() and labels["commit"] == (__commit__ or "unknown")
 
 
 def test_output_writes_the_state_and_the_textfile_and_reports_an_error_once(

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuguard import __version__
+from gpuguard import __commit__, package_version
 from gpuguard.host.statefile import SchemaError
 from gpuguard.reporting.metrics import render
 from gpuguard.reporting.metrics_file import SPEC, Histogram, MetricsValues, Series
@@ -135,11 +135,12 @@ class Reference:
         )
         build = Gauge(
             "gpuguard_build_info",
-            "gpuguard's version and the Python running it (always 1).",
-            ["version", "python"],
+            "gpuguard's version (as dpkg and rpm show it), the commit it was built from and the "
+            "Python running it (always 1).",
+            ["version", "commit", "python"],
             registry=r,
         )
-        build.labels(__version__, platform.python_version()).set(1)
+        build.labels(package_version(), __commit__ or "unknown", platform.python_version()).set(1)
 
     def observe_pass(self, last_pass: PassRecord, status: Status) -> None:
         """Count one pass and refresh the gauges from each step's latest result."""

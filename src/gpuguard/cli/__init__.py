@@ -9,8 +9,16 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from gpuguard import __version__, exitcodes
-from gpuguard.cli.args import _config, _inventory_path, _log, _nvml_lookup, _opt, _root
+from gpuguard import exitcodes, version_line
+from gpuguard.cli.args import (
+    _config,
+    _config_or_fallback,
+    _inventory_path,
+    _log,
+    _nvml_lookup,
+    _opt,
+    _root,
+)
 from gpuguard.cli.check import cmd_check
 from gpuguard.cli.checkpoint import cmd_checkpoint_canonical, cmd_checkpoint_inspect
 from gpuguard.cli.daemon import cmd_daemon
@@ -105,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         parents=[common],
     )
-    parser.add_argument("--version", action="version", version=f"gpuguard {__version__}")
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_CommandParser)
     sub.required = True
 
@@ -183,7 +191,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--check",
         action="store_true",
         help="only check it: no output when it is valid; otherwise the file and line, exit 2 "
-        "(what `systemctl reload gpuguard` runs first)",
+        "(what `systemctl reload gpuguard` runs first); an unknown section or key is a "
+        "warning (the daemon ignores it)",
+    )
+    cf.add_argument(
+        "--strict",
+        action="store_true",
+        help="an unknown section or key is an error too (exit 2): for CI, not for nodes "
+        "that may be rolled back",
     )
     dis = sub.add_parser(
         "disable",
@@ -263,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    cfg = _config(args, _root(args))
+    cfg = _config(args, _root(args), strict=args.strict)
     for warning in cfg.warnings:
         print(f"gpuguard: warning: {warning}", file=sys.stderr)
     if not args.check:
@@ -284,7 +299,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from gpuguard.host.inventory import load_inventory
 
     root = _root(args)
-    cfg = _config(args, root)
+    cfg = _config_or_fallback(args, root)
     from gpuguard.host.inventory import DriverPendingError
 
     driver_wait = ""

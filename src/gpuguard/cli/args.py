@@ -44,10 +44,24 @@ def _root(args: argparse.Namespace) -> Root:
     return Root(Path(os.path.abspath(_opt(args, "root", "/"))))
 
 
-def _config(args: argparse.Namespace, root: Root) -> Config:
+def _config(args: argparse.Namespace, root: Root, *, strict: bool = False) -> Config:
     from gpuguard.config import load_config
 
-    return load_config(root, path=_opt(args, "config"))
+    return load_config(root, path=_opt(args, "config"), strict=strict)
+
+
+def _config_or_fallback(args: argparse.Namespace, root: Root) -> Config:
+    """For the commands that help debug a node (status, doctor, check --dry-run): with a
+    broken file, the configuration without it (or the defaults) and one line on stderr
+    naming it, instead of refusing to run."""
+    import sys
+
+    from gpuguard.config import load_config_or_fallback
+
+    cfg, broken = load_config_or_fallback(root, path=_opt(args, "config"))
+    if broken:
+        print(f"gpuguard: warning: {broken}", file=sys.stderr)
+    return cfg
 
 
 def _inventory_path(args: argparse.Namespace, cfg: Config) -> Optional[Path]:

@@ -7,7 +7,15 @@ import json
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 from gpuguard import exitcodes
-from gpuguard.cli.args import _config, _inventory_path, _log, _nvml_lookup, _opt, _root
+from gpuguard.cli.args import (
+    _config,
+    _config_or_fallback,
+    _inventory_path,
+    _log,
+    _nvml_lookup,
+    _opt,
+    _root,
+)
 from gpuguard.errors import GpuguardError
 
 if TYPE_CHECKING:  # loaded where used: a healthy kubelet hook stays fast
@@ -81,7 +89,9 @@ def _check(args: argparse.Namespace, root: Root, hook: Optional[HookRun]) -> int
     from gpuguard.errors import NoDriverError
     from gpuguard.host.inventory import load_inventory
 
-    cfg = _config(args, root)
+    # A dry run changes nothing: it runs even on a broken configuration (without the
+    # broken file, which it names); a real check never acts on a partial one.
+    cfg = _config_or_fallback(args, root) if args.dry_run else _config(args, root)
     k = cfg.kubelet
     # kubelet's pre-start hook with a healthy, unchanged checkpoint says nothing to the
     # journal: the event log (and its imports) only when something may be said.

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from gpuguard import exitcodes
-from gpuguard.cli.args import _config, _inventory_path, _nvml_lookup, _root
+from gpuguard.cli.args import _config_or_fallback, _inventory_path, _nvml_lookup, _root
 
 # `gpuguard status`: what admits a container's devices (ContainerCgroup.mechanism)
 MECHANISM_TEXT = {
@@ -23,7 +23,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from gpuguard.host.inventory import load_inventory
 
     root = _root(args)
-    cfg = _config(args, root)
+    cfg = _config_or_fallback(args, root)
     try:
         inventory = load_inventory(_inventory_path(args, cfg), _nvml_lookup(root, cfg))
         gpus_from = inventory.describe_source()

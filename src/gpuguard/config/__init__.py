@@ -1,4 +1,5 @@
-"""gpuguard's configuration: /etc/gpuguard/gpuguard.conf plus drop-ins, in systemd's style.
+"""gpuguard's configuration: /etc/gpuguard/gpuguard.conf (else the package's defaults in
+/usr/lib/gpuguard/gpuguard.conf) plus drop-ins, in systemd's style.
 
 - ``schema``: the sections and their keys (name, value type, default, doc), ``KEYS``;
 - ``types``: the value types (parse a value with ``file:line:`` errors, format it back);
@@ -8,7 +9,13 @@
 
 from __future__ import annotations
 
-from gpuguard.config.parse import load_config, parse_config
+from gpuguard.config.parse import (
+    FileConfigError,
+    config_files,
+    load_config,
+    load_config_or_fallback,
+    parse_config,
+)
 from gpuguard.config.reference import (
     REFERENCE_BEGIN,
     REFERENCE_END,
@@ -43,13 +50,16 @@ __all__ = [
     "DaemonConfig",
     "DevicePluginConfig",
     "DevicesConfig",
+    "FileConfigError",
     "InventoryConfig",
     "KeySpec",
     "KubeletConfig",
     "MetricsConfig",
     "RuntimeConfig",
     "SystemdConfig",
+    "config_files",
     "load_config",
+    "load_config_or_fallback",
     "parse_config",
     "render_reference",
     "render_shipped",

@@ -22,10 +22,14 @@ gpuguard.conf \- gpuguard daemon and command configuration
 .I /etc/gpuguard/gpuguard.conf
 .br
 .I /etc/gpuguard/gpuguard.conf.d/*.conf
+.br
+.I /usr/lib/gpuguard/gpuguard.conf
 .SH DESCRIPTION
 .BR gpuguard (8)
 reads
 .I /etc/gpuguard/gpuguard.conf
+(where it does not exist: the package's defaults,
+.IR /usr/lib/gpuguard/gpuguard.conf )
 and then every
 .I /etc/gpuguard/gpuguard.conf.d/*.conf
 drop\-in, in lexical order of the file names. A missing main file is fine: every
@@ -41,10 +45,15 @@ instead (it must exist) and its drop\-ins from
 and the previous one stays in use.
 .PP
 The package ships
-.I /etc/gpuguard/gpuguard.conf
-with every key commented out at its default. Prefer a drop\-in such as
-.I /etc/gpuguard/gpuguard.conf.d/50\-local.conf
-for local changes, so package upgrades never ask about a modified file.
+.I /usr/lib/gpuguard/gpuguard.conf
+with every key commented out at its default; every upgrade replaces it. Put local
+changes in a drop\-in such as
+.IR /etc/gpuguard/gpuguard.conf.d/50\-local.conf :
+the package owns nothing in
+.IR /etc/gpuguard/ ,
+so no upgrade asks about a modified file. A
+.I gpuguard.conf.d
+that is not a directory is an error.
 .B gpuguard config
 checks the configuration and prints the effective values, each with the file and
 line (or the default) it came from.
@@ -81,7 +90,12 @@ An empty value
 restores the key's default; for a list it means an empty list; for keys whose
 default is empty it means "none".
 .PP
-Unknown sections and keys, values that do not parse, duplicate keys in one file and
+An unknown section or key is a warning naming it, its file and line and the closest
+known name, and is ignored, so that a node rolled back to an older gpuguard keeps
+running on drop\-ins written for a newer one;
+.B gpuguard config \-\-check \-\-strict
+makes it an error (for CI).
+Values that do not parse, duplicate keys in one file and
 .B MaxDelay=
 shorter than
 .B QuietPeriod=

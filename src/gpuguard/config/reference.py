@@ -15,12 +15,14 @@ from gpuguard.config.schema import _BY_SECTION
 def render_shipped() -> str:
     """packaging/gpuguard.conf: every key commented out with its default, systemd style."""
     out = [
-        "#  This file is part of gpuguard.",
+        "#  This file is part of gpuguard: /usr/lib/gpuguard/gpuguard.conf, the",
+        "#  package's defaults, replaced by every upgrade. Do not edit it.",
         "#",
         "# The entries below show the defaults, commented out. To change a setting,",
-        "# uncomment it here or, better, create a drop-in such as",
-        "# /etc/gpuguard/gpuguard.conf.d/50-local.conf with the section header and",
-        "# only the keys you change. Drop-ins are read in lexical order and the last",
+        "# create a drop-in such as /etc/gpuguard/gpuguard.conf.d/50-local.conf with",
+        "# the section header and only the keys you change (or copy this file to",
+        "# /etc/gpuguard/gpuguard.conf, which is then read instead of this one; no",
+        "# upgrade touches /etc/gpuguard). Drop-ins are read in lexical order and the last",
         "# assignment of a key wins; an empty value (Key=) restores the default, or",
         "# empties a list. Reload with: systemctl reload gpuguard",
         "#",

@@ -35,6 +35,8 @@ DROPPED_ENTRIES_FILE = "/var/lib/gpuguard/checkpoint-dropped.json"
 GPU_HISTORY_FILE = "/var/lib/gpuguard/gpu-identity.json"
 CONFIG_FILE = "/etc/gpuguard/gpuguard.conf"
 CONFIG_DROPIN_DIR = "/etc/gpuguard/gpuguard.conf.d"
+# the package's defaults, read when /etc/gpuguard/gpuguard.conf does not exist
+CONFIG_DEFAULTS_FILE = "/usr/lib/gpuguard/gpuguard.conf"
 HOOKS_DIR = "/etc/gpuguard/hooks.d"
 KUBELET_DROPIN = "/etc/systemd/system/kubelet.service.d/10-gpuguard.conf"
 KUBELET_DROPIN_VENDOR = "/usr/lib/systemd/system/kubelet.service.d/10-gpuguard.conf"

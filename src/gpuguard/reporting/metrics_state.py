@@ -26,7 +26,7 @@ from collections import Counter as Tally
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from gpuguard import __version__
+from gpuguard import __commit__, package_version
 from gpuguard.host.echo import cut
 from gpuguard.reporting.metrics_file import FORMAT as FORMAT
 from gpuguard.reporting.metrics_file import STATE_FILE as STATE_FILE
@@ -170,8 +170,9 @@ FAMILIES = (
     Family(
         "gpuguard_build_info",
         GAUGE,
-        "gpuguard's version and the Python running it (always 1).",
-        ("version", "python"),
+        "gpuguard's version (as dpkg and rpm show it), the commit it was built from and the "
+        "Python running it (always 1).",
+        ("version", "commit", "python"),
     ),
 )
 _BY_NAME = {f.name: f for f in FAMILIES}
@@ -195,7 +196,8 @@ class MetricsState:
         self.sums = {name: 0.0 for name in self.buckets}
         self.start = start
         self.counted: Optional[int] = None  # the number of the last pass counted
-        self.set("gpuguard_build_info", 1, __version__, platform.python_version())
+        commit = __commit__ or "unknown"
+        self.set("gpuguard_build_info", 1, package_version(), commit, platform.python_version())
 
     def _series(self, name: str, labels: Key) -> dict[Key, float]:
         family = _BY_NAME[name]

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import shlex
 import shutil
@@ -96,15 +97,36 @@ def built_packages(suffix: str = "", variant: str = "") -> Dict[str, Path]:
             raise AssertionError(f"{script} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
         out[kind] = Path(res.stdout.strip().splitlines()[-1])
         assert out[kind].is_file(), res.stdout
+        # Tests name the packages by source_version(), computed once per run.
+        assert f"{source_version(suffix)}-1" in out[kind].name, (
+            f"{out[kind].name} is not version {source_version(suffix)}: the checkout "
+            "changed (a commit or an edit) during this test run; run it again"
+        )
     _built[key] = out
     return out
 
 
-def source_version() -> str:
-    for line in (REPO / "src" / "gpuguard" / "__init__.py").read_text().splitlines():
-        if line.startswith("__version__ = "):
-            return line.split('"')[1]
-    raise AssertionError("no __version__ in src/gpuguard/__init__.py")
+def source_version(suffix: str = "") -> str:
+    """The package version (dpkg's upstream part, rpm's Version) this checkout builds,
+    as packaging/version derives it from git, with built_packages' ``suffix`` ("+test1":
+    a further part of the local version); the checkout's computed once per run."""
+    base = _checkout_version()
+    if not suffix:
+        return base
+    return f"{base}.{suffix[1:]}" if "+" in base else f"{base}{suffix}"
+
+
+@functools.cache
+def _checkout_version() -> str:
+    env = {k: v for k, v in debian_env().items() if k != "GPUGUARD_VERSION_SUFFIX"}
+    res = subprocess.run(
+        ["/usr/bin/python3", str(REPO / "packaging" / "version"), str(REPO)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    return res.stdout.strip()
 
 
 def require_pkgroot_tools() -> None:
