@@ -222,4 +222,9 @@ def test_generated_configurations(entries: list[tuple[str, str, str]]) -> None:
         inv = root / "inventory.json"
         write(inv, '{"gpus": []}')
         check = _check_dry(root, inv)
-        assert (check.code == exitcodes.USAGE) == (run.code == exitcodes.USAGE)
+        # check --dry-run helps debug a node: with a broken file it runs without it and
+        # names it (config/parse.py, load_config_or_fallback), never refuses to run
+        assert check.code != exitcodes.USAGE, check.err
+        if run.code == exitcodes.USAGE:
+            warned = [ln for ln in check.err.splitlines() if ln.startswith("gpuguard: warning:")]
+            assert warned and "/etc/gpuguard/" in warned[0], check.err
