@@ -152,7 +152,24 @@ class KubeletConfig:
         Bool(),
         "yes",
         "Restart the kubelet around a checkpoint repair so it reloads the file; "
-        "no: only a stopped kubelet's checkpoint is repaired.",
+        "no: the same as RestartPolicy=never (kept for configurations that set it).",
+    )
+    restart_policy: str = _key(
+        "RestartPolicy",
+        Choice("for-pods", "for-pods-no-agent", "never"),
+        "for-pods",
+        "When the daemon restarts a running kubelet's unit so that its pre-start hook "
+        "repairs the checkpoint. for-pods: only when a pod this node runs (its cgroup "
+        "exists) holds a remapped entry, so the restart brings it back (kubelet 1.20-1.26 "
+        "replays the stale entry and its containers crash-loop; a GPU driver that came "
+        "up after kubelet), never for what was stale when the daemon started (an "
+        "install, an upgrade, its own restart): kubelet's next start repairs that. At "
+        "most once per 10 minutes, journaled (kubelet-restart) with the pods it is for. "
+        "Under k3s or RKE2 the unit is the whole agent (k3s-agent.service, "
+        "rke2-agent.service ...), and the whole agent restarts. for-pods-no-agent: the "
+        "same, but never a k3s or RKE2 unit. never: a running kubelet is never restarted "
+        "or stopped, by the daemon or `gpuguard check`; kubelet's next start repairs "
+        "the file.",
     )
 
 

@@ -68,7 +68,9 @@ async def check_checkpoint(
     if actuator is not None:
         from gpuguard.steps.checkpoint.kubelet import coordinate
 
-        report = await coordinate(root, s, report, actuator, log, systemd, inventory, on_restart)
+        report = await coordinate(
+            root, s, report, actuator, log, systemd, inventory, on_restart, snapshot
+        )
     return _remember_gpus(root, inventory, s, log, report)
 
 
@@ -181,7 +183,10 @@ class CheckpointStep:
 
     Restarting kubelet is rate limited in the daemon: at most once per COOLDOWN,
     whatever the passes find, so a checkpoint that keeps coming back stale (a plugin
-    re-registering old IDs?) is reported, never fought in a restart loop.
+    re-registering old IDs?) is reported, never fought in a restart loop. And it is made
+    only as [Kubelet] RestartPolicy= allows: for pods the restart brings back, never for
+    entries that were stale when the daemon started (`at_start`: an install, an upgrade,
+    its own restart), which kubelet's next start repairs.
     """
 
     COOLDOWN = 600.0
@@ -200,6 +205,8 @@ class CheckpointStep:
         self.given = given  # `gpuguard check`'s settings; None: the daemon's
         self.report: Optional[CheckReport] = None  # the last check's
         self.conditions = Conditions()  # the daemon's findings, journaled once while they last
+        # pods whose entries were stale at the daemon's first pass: never restarted for
+        self.at_start: frozenset[str] = frozenset()
 
     def _restarting(self) -> None:
         # Counted when the restart is attempted, not when it succeeds: a restart whose
@@ -225,6 +232,8 @@ class CheckpointStep:
             simulation=simulation(inventory.source, False, svc.config.inventory),
             kubelet_units=svc.config.systemd.kubelet_units,
             kubelet_waits=starting,
+            daemon=True,
+            restart_not_for=self.at_start,
         )
 
     def run_alone(
@@ -300,11 +309,34 @@ class CheckpointStep:
         if report.hook_pending:  # kubelet's unit was starting or stopping
             ctx.recheck(self.HOOK_RECHECK, "kubelet's unit was starting or stopping")
         elif starting and report.kubelet and report.result.startswith("not repaired"):
-            report.coordination = "kubelet is running and gpuguard is starting: next pass"
-            ctx.recheck(0.5, "kubelet restart after gpuguard's start")
+            # Stale before gpuguard looked (an install, an upgrade, its own restart):
+            # never a reason to restart kubelet; its next start's hook repairs it.
+            self.at_start = _stale_pods(report)
+            report.coordination = (
+                "kubelet is running and gpuguard is starting: not restarted; kubelet's "
+                "next start repairs the file (pre-start hook)"
+            )
+            report.result = (
+                "not repaired: stale when gpuguard started; left for kubelet's next start "
+                "(restarting kubelet's unit applies it now)"
+            )
+            why = f"{report.checkpoint}: {report.result}"
+            left.append(Finding("checkpoint-refused", ckpt.NAME, why, severity="warning"))
         elif report.kubelet and report.result.startswith("not repaired"):
             why = f"{report.checkpoint}: {report.result}"
             left.append(Finding("checkpoint-refused", ckpt.NAME, why, severity="warning"))
+        if not report.actions:  # healthy (or repaired): nothing stale is left from the start
+            self.at_start = frozenset()
         log_findings(svc.log, self.conditions, "checkpoint:kubelet", left, lasting_clears=True)
         ctx.findings += report.findings + left
         ctx.outcomes += report.outcomes
+
+
+def _stale_pods(report: CheckReport) -> frozenset[str]:
+    """The pods whose entries the planned repair remaps or drops."""
+    pods: set[str] = set()
+    for a in report.actions:
+        pods.update(r.old.pod_uid for r in getattr(a, "remaps", ()))
+        pods.update(d.entry.pod_uid for d in getattr(a, "drops", ()))
+        pods.update(e.pod_uid for e in getattr(a, "dropped", ()))
+    return frozenset(pods)

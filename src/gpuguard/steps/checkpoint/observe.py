@@ -21,6 +21,7 @@ from gpuguard.host.safeio import proc_text
 from gpuguard.steps.checkpoint.remap import RemapInputs
 
 if TYPE_CHECKING:
+    from gpuguard.engine.snapshot import HostSnapshot
     from gpuguard.host.systemd import Systemd, UnitState
 
 DROPIN_NAME = "10-gpuguard.conf"
@@ -58,6 +59,22 @@ def remap_inputs(root: Root, inventory: Inventory, checkpoint_mtime: float) -> R
     return RemapInputs(
         hist, problem, str(path), numa_nodes(root, inventory), checkpoint_mtime, boot_time(root)
     )
+
+
+def present_pods(snapshot: HostSnapshot) -> frozenset[str]:
+    """The UIDs of the pods this node runs: those whose pod cgroup exists (a pod whose
+    containers crash-loop keeps its sandbox, so its cgroup, between their restarts; a
+    pod that failed admission has none)."""
+    from gpuguard.devices.cgroupnames import CGROUPFS_POD, systemd_pod_uid
+
+    uids = {c.pod_uid for c in snapshot.containers()}
+    for path in snapshot.strays():
+        uid = systemd_pod_uid(path.name)
+        m = CGROUPFS_POD.fullmatch(path.name) if uid is None else None
+        uid = m.group(1) if m else uid
+        if uid:
+            uids.add(uid)
+    return frozenset(uids)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,12 @@ class CheckSettings:
     # Non-empty: the inventory is a simulation (`check --inventory`), so a running
     # kubelet is never stopped or restarted for it; says why and which flag allows it.
     simulation: str = ""
+    # The daemon's [Kubelet] RestartPolicy= (for-pods, for-pods-no-agent): a running
+    # kubelet is restarted only for the pods it brings back (kubelet.restart_pods); "":
+    # whenever a repair needs it (`gpuguard check`, the operator's own command).
+    restart_gate: str = ""
+    # pods whose entries were stale when the daemon started: never restarted for
+    restart_not_for: frozenset[str] = frozenset()
 
     @classmethod
     def from_config(
@@ -50,6 +56,8 @@ class CheckSettings:
         simulation: str = "",
         kubelet_units: tuple[str, ...] = ("kubelet.service",),
         kubelet_waits: bool = False,
+        daemon: bool = False,  # True: RestartPolicy= gates the restart (restart_gate)
+        restart_not_for: frozenset[str] = frozenset(),
     ) -> CheckSettings:
         """The one way from [Kubelet] to a check's settings (`gpuguard check`, the daemon)."""
         return cls(
@@ -59,7 +67,7 @@ class CheckSettings:
             backup_dir=k.backup_dir,
             backup_keep=k.backup_keep,
             kubelet_unit=k.unit or "",
-            restart_kubelet=k.restart_kubelet and may_restart,
+            restart_kubelet=k.restart_kubelet and k.restart_policy != "never" and may_restart,
             dry_run=dry_run,
             kubelet_stopped=kubelet_stopped,
             bus_address=bus_address,
@@ -67,6 +75,8 @@ class CheckSettings:
             simulation=simulation,
             kubelet_units=tuple(kubelet_units),
             kubelet_waits=kubelet_waits,
+            restart_gate=k.restart_policy if daemon else "",
+            restart_not_for=restart_not_for,
         )
 
 
