@@ -81,6 +81,11 @@ def running(root: Path, uid: str) -> None:
     (root / "sys/fs/cgroup/kubepods.slice/kubepods-besteffort.slice" / pod).mkdir(parents=True)
 
 
+def known(root: Path, uid: str) -> None:
+    """The pod's directory, which kubelet keeps while it knows the pod."""
+    (root / "var/lib/kubelet/pods" / uid).mkdir(parents=True)
+
+
 def settings(cfg: Config, unit: str, daemon: bool = True, **kw: Any) -> CheckSettings:
     s = CheckSettings.from_config(
         cfg.kubelet, dry_run=False, reason="test", bus_address="", daemon=daemon, **kw
@@ -104,7 +109,7 @@ def test_no_pod_to_bring_back_no_restart(root: Path) -> None:
     report, sd, journal = run(root, settings(Config(), "kubelet.service"))
     assert sd.jobs == [] and (root / CHECKPOINT).read_bytes() == before
     assert report.result.startswith("not repaired: left for kubelet's next start")
-    assert "no pod whose entry is remapped runs" in report.result
+    assert "kubelet has no pod whose entry is remapped" in report.result
     assert "RestartPolicy=for-pods" in report.coordination
     assert not [e for e in journal if e["kind"].startswith("kubelet-")]
 
@@ -117,6 +122,16 @@ def test_a_running_pod_with_a_remapped_entry_gets_its_restart_journaled(root: Pa
     (stop,) = [e for e in journal if e["kind"] == "kubelet-stop"]
     assert stop["POD_UIDS"] == POD_B and f"for pod(s) {POD_B}" in stop["msg"]
     assert "KUBELET_AGENT" not in stop
+
+
+def test_a_pod_kubelet_still_knows_counts_too(root: Path) -> None:
+    """A static pod rejected at admission has no cgroup, but its directory, and a
+    restart admits it again; a name that is no pod UID is never looked up as a path."""
+    known(root, POD_A)
+    (root / "var/lib/kubelet/pods/..").mkdir(parents=True, exist_ok=True)
+    _report, sd, journal = run(root, settings(Config(), "kubelet.service"))
+    (stop,) = [e for e in journal if e["kind"] == "kubelet-stop"]
+    assert stop["POD_UIDS"] == POD_A and len(sd.jobs) == 2
 
 
 def test_pods_stale_when_the_daemon_started_are_never_restarted_for(root: Path) -> None:

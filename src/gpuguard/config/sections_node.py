@@ -159,8 +159,8 @@ class KubeletConfig:
         Choice("for-pods", "for-pods-no-agent", "never"),
         "for-pods",
         "When the daemon restarts a running kubelet's unit so that its pre-start hook "
-        "repairs the checkpoint. for-pods: only when a pod this node runs (its cgroup "
-        "exists) holds a remapped entry, so the restart brings it back (kubelet 1.20-1.26 "
+        "repairs the checkpoint. for-pods: only when a pod kubelet still has (its "
+        "directory under /var/lib/kubelet/pods, or its cgroup) holds a remapped entry, so the restart brings it back (kubelet 1.20-1.26 "
         "replays the stale entry and its containers crash-loop; a GPU driver that came "
         "up after kubelet), never for what was stale when the daemon started (an "
         "install, an upgrade, its own restart): kubelet's next start repairs that. At "

@@ -142,8 +142,9 @@ def is_agent(unit: str) -> bool:
 
 def restart_pods(k: _Kubelet, s: CheckSettings, report: CheckReport) -> tuple[tuple[str, ...], str]:
     """The pods a restart of the running kubelet brings back (RestartPolicy=for-pods):
-    those this node runs (their pod cgroup exists: kubelet 1.20-1.26 replays a stale
-    entry, so their containers crash-loop) whose entries the repair remaps, not those
+    those kubelet still has (observe.present_pods: kubelet 1.20-1.26 replays a stale
+    entry, so their containers crash-loop; a static pod rejected at admission is
+    admitted again) whose entries the repair remaps, not those
     stale when the daemon started (an install or upgrade never restarts kubelet); and
     why there is no restart when there are none. A dropped entry brings no pod back: its
     pod needs a new allocation before any plugin registered, and fails admission."""
@@ -158,7 +159,7 @@ def restart_pods(k: _Kubelet, s: CheckSettings, report: CheckReport) -> tuple[tu
     from gpuguard.engine.snapshot import HostSnapshot
     from gpuguard.steps.checkpoint.observe import present_pods
 
-    present = present_pods(k.snapshot or HostSnapshot(k.root, s.checkpoint_path))
+    present = present_pods(k.snapshot or HostSnapshot(k.root, s.checkpoint_path), remapped)
     running = [p for p in remapped if p in present]
     pods = tuple(p for p in running if p not in s.restart_not_for)
     if pods:
@@ -168,7 +169,7 @@ def restart_pods(k: _Kubelet, s: CheckSettings, report: CheckReport) -> tuple[tu
             "its pods' entries were stale when gpuguard started (an install, an upgrade "
             "or a restart of gpuguard never restarts kubelet)"
         )
-    return (), "no pod whose entry is remapped runs on this node (none to bring back)"
+    return (), "kubelet has no pod whose entry is remapped (none to bring back)"
 
 
 async def pick_unit(root: Root, systemd: Optional[Systemd], candidates: tuple[str, ...]) -> str:
