@@ -189,7 +189,11 @@ def test_observe_mode_is_a_dry_run_everywhere(
         root, capsys, "check", "--only", "checkpoint", "--kubelet-stopped", "--inventory", inv
     )
     assert code == exitcodes.FINDINGS and "dry run: nothing modified" in out
-    assert {k: v for k, v in tree(root).items() if not k.startswith("run")} == before
+    # nothing on the node; gpuguard's own state only: /run/gpuguard (the hook's
+    # result) and the GPU identity history, recorded at gpuguard's first look
+    after = {k: v for k, v in tree(root).items() if not k.startswith("run")}
+    assert after.pop("var/lib/gpuguard/gpu-identity.json", None)
+    assert after == {**before, "var/lib/gpuguard": "dir"}
     r = Root(root)
     d = Daemon(root=r, config=cfg, config_path=None, log=EventLog(stream=io.StringIO()),
                notifier=Notifier(""), inventory_path=None, bus_address="unix:path=/none",

@@ -79,14 +79,22 @@ def _remember_gpus(
 ) -> CheckReport:
     """Record the GPUs as the history's newest generation once the checkpoint matches them
     (healthy, repaired, or none yet): never before, so that the check after a reboot
-    still finds the generation the checkpoint was written under."""
+    still finds the generation the checkpoint was written under. Except at the first
+    look (no history file yet: an install, the first boot), whatever the checkpoint
+    says: there is no older generation to keep, and the next change of GPUs can then be
+    remapped. In observe mode too (gpuguard's own state, not the node's); never under
+    --dry-run."""
     from gpuguard import exitcodes
 
-    if s.dry_run or report.exit_code != exitcodes.OK or report.remap_inputs is None:
+    inputs = report.remap_inputs
+    if inputs is None or (s.dry_run and not s.observe):
+        return report
+    first_look = inputs.history is None and not inputs.problem
+    if report.exit_code != exitcodes.OK and not first_look:
         return report
     from gpuguard.steps.checkpoint.actuate import record_history
 
-    record_history(root, inventory, report.remap_inputs, log, report.remap_inputs.path)
+    record_history(root, inventory, inputs, log, inputs.path)
     return report
 
 
@@ -234,6 +242,7 @@ class CheckpointStep:
             kubelet_waits=starting,
             daemon=True,
             restart_not_for=self.at_start,
+            observe=svc.config.daemon.observe and not getattr(svc, "cli_dry_run", False),
         )
 
     def run_alone(
@@ -311,15 +320,14 @@ class CheckpointStep:
         elif starting and report.kubelet and report.result.startswith("not repaired"):
             # Stale before gpuguard looked (an install, an upgrade, its own restart):
             # never a reason to restart kubelet; its next start's hook repairs it.
-            self.at_start = _stale_pods(report)
+            from gpuguard.steps.checkpoint.report import STALE_AT_START
+
+            self.at_start = report.stale_pods()
             report.coordination = (
                 "kubelet is running and gpuguard is starting: not restarted; kubelet's "
                 "next start repairs the file (pre-start hook)"
             )
-            report.result = (
-                "not repaired: stale when gpuguard started; left for kubelet's next start "
-                "(restarting kubelet's unit applies it now)"
-            )
+            report.result = STALE_AT_START
             why = f"{report.checkpoint}: {report.result}"
             left.append(Finding("checkpoint-refused", ckpt.NAME, why, severity="warning"))
         elif report.kubelet and report.result.startswith("not repaired"):
@@ -330,13 +338,3 @@ class CheckpointStep:
         log_findings(svc.log, self.conditions, "checkpoint:kubelet", left, lasting_clears=True)
         ctx.findings += report.findings + left
         ctx.outcomes += report.outcomes
-
-
-def _stale_pods(report: CheckReport) -> frozenset[str]:
-    """The pods whose entries the planned repair remaps or drops."""
-    pods: set[str] = set()
-    for a in report.actions:
-        pods.update(r.old.pod_uid for r in getattr(a, "remaps", ()))
-        pods.update(d.entry.pod_uid for d in getattr(a, "drops", ()))
-        pods.update(e.pod_uid for e in getattr(a, "dropped", ()))
-    return frozenset(pods)

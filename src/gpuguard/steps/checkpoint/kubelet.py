@@ -19,7 +19,12 @@ from gpuguard.steps.checkpoint import kubelet_hook
 from gpuguard.steps.checkpoint import reconcile as ckpt
 from gpuguard.steps.checkpoint.actuate import CheckpointActuator
 from gpuguard.steps.checkpoint.observe import KubeletStatus, kubelet_status
-from gpuguard.steps.checkpoint.report import CheckReport, CheckSettings, apply_repair
+from gpuguard.steps.checkpoint.report import (
+    STALE_AT_START,
+    CheckReport,
+    CheckSettings,
+    apply_repair,
+)
 
 if TYPE_CHECKING:  # dbus-next costs import time; a healthy node never needs it
     from gpuguard.engine.snapshot import HostSnapshot
@@ -121,13 +126,13 @@ async def _coordinated(
         return report
     pods: tuple[str, ...] = ()
     if s.restart_gate:
-        pods, why_not = restart_pods(k, s, report)
-        if why_not:
+        pods, result = restart_pods(k, s, report)
+        if result:
             report.coordination = (
                 f"kubelet is running and RestartPolicy={s.restart_gate}: not restarted; "
                 "its next start repairs the file (pre-start hook)"
             )
-            report.result = f"not repaired: left for kubelet's next start: {why_not}"
+            report.result = result
             report.exit_code = exitcodes.FINDINGS
             return report
     if status.has_dropin:
@@ -144,18 +149,22 @@ def restart_pods(k: _Kubelet, s: CheckSettings, report: CheckReport) -> tuple[tu
     """The pods a restart of the running kubelet brings back (RestartPolicy=for-pods):
     those kubelet still has (observe.present_pods: kubelet 1.20-1.26 replays a stale
     entry, so their containers crash-loop; a static pod rejected at admission is
-    admitted again) whose entries the repair remaps, not those
-    stale when the daemon started (an install or upgrade never restarts kubelet); and
-    why there is no restart when there are none. A dropped entry brings no pod back: its
-    pod needs a new allocation before any plugin registered, and fails admission."""
+    admitted again) whose entries the repair remaps, not those stale when the daemon
+    started (an install or upgrade never restarts kubelet); or, when there are none, the
+    check's result saying why. A dropped entry brings no pod back: its pod needs a new
+    allocation before any plugin registered, and fails admission."""
+    stale = report.stale_pods()
+    if stale and stale <= s.restart_not_for:
+        return (), STALE_AT_START
+    left = "not repaired: left for kubelet's next start: "
     if s.restart_gate == "for-pods-no-agent" and is_agent(s.kubelet_unit):
         return (), (
-            f"{s.kubelet_unit} runs kubelet inside the whole agent, which "
+            f"{left}{s.kubelet_unit} runs kubelet inside the whole agent, which "
             "RestartPolicy=for-pods-no-agent never restarts"
         )
     remapped = sorted({r.old.pod_uid for a in report.actions for r in getattr(a, "remaps", ())})
     if not remapped:
-        return (), "no entry is remapped, so a restart would bring no pod back"
+        return (), f"{left}no entry is remapped, so a restart would bring no pod back"
     from gpuguard.engine.snapshot import HostSnapshot
     from gpuguard.steps.checkpoint.observe import present_pods
 
@@ -165,11 +174,8 @@ def restart_pods(k: _Kubelet, s: CheckSettings, report: CheckReport) -> tuple[tu
     if pods:
         return pods, ""
     if running:
-        return (), (
-            "its pods' entries were stale when gpuguard started (an install, an upgrade "
-            "or a restart of gpuguard never restarts kubelet)"
-        )
-    return (), "kubelet has no pod whose entry is remapped (none to bring back)"
+        return (), STALE_AT_START
+    return (), f"{left}kubelet has no pod whose entry is remapped (none to bring back)"
 
 
 async def pick_unit(root: Root, systemd: Optional[Systemd], candidates: tuple[str, ...]) -> str:

@@ -41,6 +41,9 @@ class CheckSettings:
     restart_gate: str = ""
     # pods whose entries were stale when the daemon started: never restarted for
     restart_not_for: frozenset[str] = frozenset()
+    # Mode=observe (not --dry-run, not the off switch): nothing on the node changes,
+    # but gpuguard's own state, the GPU identity history, is recorded
+    observe: bool = False
 
     @classmethod
     def from_config(
@@ -58,6 +61,7 @@ class CheckSettings:
         kubelet_waits: bool = False,
         daemon: bool = False,  # True: RestartPolicy= gates the restart (restart_gate)
         restart_not_for: frozenset[str] = frozenset(),
+        observe: bool = False,
     ) -> CheckSettings:
         """The one way from [Kubelet] to a check's settings (`gpuguard check`, the daemon)."""
         return cls(
@@ -77,6 +81,7 @@ class CheckSettings:
             kubelet_waits=kubelet_waits,
             restart_gate=k.restart_policy if daemon else "",
             restart_not_for=restart_not_for,
+            observe=observe,
         )
 
 
@@ -102,6 +107,14 @@ def simulation(inventory_source: str, cli_file: bool, config: Any, *, allow: boo
     )
 
 
+# The daemon's result for a repair that was stale when it started (an install, an
+# upgrade, its own restart), at that pass and every later one: one journal line.
+STALE_AT_START = (
+    "not repaired: stale when gpuguard started, which never restarts kubelet; left for "
+    "kubelet's next start (restarting kubelet's unit applies it now)"
+)
+
+
 @dataclass
 class CheckReport:
     checkpoint: str
@@ -117,6 +130,15 @@ class CheckReport:
     hook_pending: bool = False
     # what the remap read from the host (the history among it); not part of the report
     remap_inputs: Optional[RemapInputs] = field(default=None, repr=False, compare=False)
+
+    def stale_pods(self) -> frozenset[str]:
+        """The pods whose entries the planned repair remaps or drops."""
+        pods: set[str] = set()
+        for a in self.actions:
+            pods.update(r.old.pod_uid for r in getattr(a, "remaps", ()))
+            pods.update(d.entry.pod_uid for d in getattr(a, "drops", ()))
+            pods.update(e.pod_uid for e in getattr(a, "dropped", ()))
+        return frozenset(pods)
 
     def to_json(self) -> dict[str, Any]:
         return {
