@@ -14,6 +14,7 @@ from gpuguard.host.systemd import Systemd, SystemdError
 from integration.daemon_faults import host_pid, main_pid
 from integration.gpuguard_ns import (
     CHECKPOINT,
+    INVENTORY,
     KEPT_GPU,
     MOVED_GPU,
     bus_connections,
@@ -125,23 +126,72 @@ def test_kubelet_restart_repairs_before_kubelet_reads(systemd_ns) -> None:  # ty
     assert "kubelet.service started" in " ".join(status(ns)["last_pass"]["reasons"])
 
 
-def test_daemon_restarts_running_kubelet_to_repair(systemd_ns) -> None:  # type: ignore[no-untyped-def]
+# numa-blog-04's second pod holds MOVED_GPU; before the GPUs changed it was in the slot
+# where INVENTORY now has another GPU, so the history remaps that pod's entry.
+POD_B = "94283d1b-ce5a-4797-bff8-0cf0c7143b2b"
+NEW_IN_SLOT = INVENTORY["gpus"][2]["uuid"]
+BEFORE = {"gpus": [*INVENTORY["gpus"][:2], {**INVENTORY["gpus"][2], "uuid": MOVED_GPU}]}
+
+
+def _gpus(ns, inventory) -> None:  # type: ignore[no-untyped-def]
+    ns.path("/etc/gpuguard/inventory.json").write_text(json.dumps(inventory))
+
+
+def _node_before_the_change(ns, config: str) -> None:  # type: ignore[no-untyped-def]
+    """The original checkpoint, matching the GPUs it was written under."""
+    setup_node(ns, stale=True, config=config)
+    _gpus(ns, BEFORE)
+
+
+def test_daemon_restarts_running_kubelet_only_for_a_pod_it_brings_back(systemd_ns) -> None:  # type: ignore[no-untyped-def]
     ns = systemd_ns(units=gpuguard_units())
     # The inventory is a file (a simulation): restarting a running kubelet for it must be
     # allowed explicitly (test_daemon_leaves_kubelet_alone_for_a_simulated_inventory)
-    allow = "[Inventory]\nAllowKubeletRestart=yes\n"
-    setup_node(ns, stale=False, config=allow)
+    _node_before_the_change(ns, "[Inventory]\nAllowKubeletRestart=yes\n")
     _start(ns)
     ns.systemctl("start", "kubelet.service")
     settle(ns)
-    setup_node(ns, stale=True, config=allow)
-    ns.systemctl("daemon-reload")  # any pass finds it; kubelet must be restarted
+    assert ns.path("/var/lib/gpuguard/gpu-identity.json").exists()  # the healthy GPUs
+    _gpus(ns, INVENTORY)  # the GPUs change under the running kubelet
+    ns.systemctl("daemon-reload")  # any pass finds the remap
+    left = wait_for(lambda: events(ns, "checkpoint-refused"), what="why it is left")
+    assert "kubelet has no pod whose entry is remapped" in left[-1]["MESSAGE"]
+    settle(ns)
+    assert len(kubelet_reads(ns)) == 1 and not events(ns, "kubelet-restart")
+    ns.path(f"/var/lib/kubelet/pods/{POD_B}").mkdir(parents=True)  # kubelet has the pod
+    ns.systemctl("daemon-reload")
     wait_for(lambda: len(kubelet_reads(ns)) == 2, what="kubelet restarted by gpuguard")
     seen = parse(kubelet_reads(ns)[-1], source="what kubelet read")
-    assert verify(seen) and MOVED_GPU not in [
-        i for e in seen.entries or () for i in e.all_device_ids()
-    ]
-    wait_for(lambda: events(ns, "kubelet-restart"), what="kubelet-restart in the journal")
+    ids = [i for e in seen.entries or () for i in e.all_device_ids()]
+    assert verify(seen) and MOVED_GPU not in ids and NEW_IN_SLOT in ids
+    (restart,) = wait_for(lambda: events(ns, "kubelet-restart"), what="kubelet-restart")
+    assert restart["POD_UIDS"] == POD_B and f"for pod(s) {POD_B}" in restart["MESSAGE"]
+
+
+def test_daemon_start_never_restarts_kubelet(systemd_ns) -> None:  # type: ignore[no-untyped-def]
+    """An install or upgrade: the daemon starts under a running kubelet whose checkpoint
+    is stale, with the pod there. Neither its start nor a later pass restarts kubelet;
+    kubelet's next start repairs the file (its pre-start hook)."""
+    ns = systemd_ns(units=gpuguard_units())
+    _node_before_the_change(ns, "[Inventory]\nAllowKubeletRestart=yes\n")
+    ns.systemctl("start", "kubelet.service")  # its hook records the GPUs of before
+    ns.wait_active("kubelet.service")
+    invocation = ns.unit_property("kubelet.service", "InvocationID")
+    ns.path(f"/var/lib/kubelet/pods/{POD_B}").mkdir(parents=True)
+    _gpus(ns, INVENTORY)
+    _start(ns)
+    left = wait_for(lambda: events(ns, "checkpoint-refused"), what="why it is left")
+    assert "stale when gpuguard started" in left[-1]["MESSAGE"]
+    settle(ns)
+    ns.systemctl("daemon-reload")  # a later pass: still not restarted for
+    settle(ns)
+    assert ns.unit_property("kubelet.service", "InvocationID") == invocation
+    assert len(kubelet_reads(ns)) == 1 and not events(ns, "kubelet-restart")
+    assert ns.systemctl("restart", "kubelet.service").returncode == 0  # the operator's
+    wait_for(lambda: len(kubelet_reads(ns)) == 2, what="kubelet's next start")
+    ids = [i for e in parse(kubelet_reads(ns)[-1], source="read").entries or () for i in
+           e.all_device_ids()]  # fmt: skip
+    assert MOVED_GPU not in ids and NEW_IN_SLOT in ids
 
 
 def test_daemon_leaves_kubelet_alone_for_a_simulated_inventory(systemd_ns) -> None:  # type: ignore[no-untyped-def]

@@ -6,9 +6,11 @@ started: the pre-start hook found none, so it left the checkpoint alone (an inve
 without GPUs never makes gpuguard drop anything: a ``not-repaired`` record, with no
 token since nobody asked) and kubelet runs on the stale file.
 When the driver is up, the daemon's next pass finds the stale checkpoint under a
-running kubelet whose unit has gpuguard's drop-in: it writes a token, restarts
-kubelet through systemd, and reports the repair only because the hook's record carries
-that token and says ``repaired``, and the file kubelet runs on names no stale GPU.
+running kubelet whose unit has gpuguard's drop-in, with the two pods kubelet still has
+remapped (the late driver: RestartPolicy=for-pods restarts for them): it writes a
+token, restarts kubelet through systemd, and reports the repair only because the
+hook's record carries that token and says ``repaired``, and the file kubelet runs on
+names no stale GPU.
 
 On cgroup v1 only, like every real-kubelet test (harness/kubelet.py says why).
 """
@@ -69,6 +71,11 @@ def test_restart_requested_by_gpuguard_is_verified_by_its_token(
     assert not node.ns.path(REQUEST).exists()
     (restart,) = events(node.ns, "kubelet-restart")
     assert restart["UNIT"] == "kubelet.service", restart
+    # RestartPolicy=for-pods: the restart is for the two pods kubelet still has, whose
+    # entries are remapped to the GPUs now in their slots
+    assert sorted(restart["POD_UIDS"].split(",")) == sorted(
+        gpu_pod(n)["metadata"]["uid"] for n in ("gpu-a", "gpu-b")
+    ), restart
     assert not events(node.ns, "checkpoint-repair-unverified")
     # the repair itself was the hook's, in kubelet's own journal
     hook = [e for e in node.ns.journal("kubelet.service") if e.get("GPUGUARD_KIND")]

@@ -81,17 +81,26 @@ def test_one_restart_per_cooldown(
     assert offered == [True, False, False, True]
 
 
-def test_the_daemons_first_pass_leaves_the_restart_to_the_next_pass(
+def test_the_daemons_first_pass_never_restarts_kubelet(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Before READY=1 a kubelet restart job would wait for gpuguard's own start job
-    (kubelet's drop-in orders it After=gpuguard.service), which waits for this pass."""
-    offered: List[bool] = []
+    """What is stale when the daemon starts (an install, an upgrade, its own restart) is
+    left to kubelet's next start, said once, and its pods are never restarted for by a
+    later pass (RestartPolicy=for-pods); once the checkpoint is healthy that is over."""
+    from gpuguard.checkpoint import PodDevicesEntry
+    from gpuguard.steps.checkpoint.reconcile import RewriteCheckpoint
+
+    offered: List[Any] = []
+    stale = [True]
 
     async def fake_check(*args: Any, **kw: Any) -> CheckReport:
-        offered.append(args[2].restart_kubelet)
+        s = args[2]
+        offered.append((s.restart_kubelet, s.restart_gate, s.restart_not_for))
         report = CheckReport(checkpoint="c", kubelet="kubelet.service is active")
-        if not args[2].restart_kubelet:
+        if stale[0]:
+            entry = PodDevicesEntry("pod-1", "app", "nvidia.com/gpu", (("0", ("GPU-0",)),), b"")
+            report.actions = [RewriteCheckpoint("checkpoint", "stale", "c", dropped=(entry,))]
+        if not s.restart_kubelet:
             report.result = "not repaired: kubelet must be restarted to apply the repair"
         return report
 
@@ -103,10 +112,15 @@ def test_the_daemons_first_pass_leaves_the_restart_to_the_next_pass(
     ctx = _ctx()
     ctx.step = "checkpoint"  # as the runner sets it
     asyncio.run(step(svc, ctx))
-    assert offered == [False]
-    (again,) = ctx.followups
-    assert again.step == "checkpoint" and again.delay < 5 and "start" in again.why
-    assert not ctx.findings  # nothing refused: it is only deferred
+    assert offered == [(False, "for-pods", frozenset())]
+    assert not ctx.followups  # no restart "right after the start" either
+    (left,) = ctx.findings
+    assert "stale when gpuguard started" in left.summary and "next start" in left.summary
     first_pass_done.set()
     asyncio.run(step(svc, _ctx()))
-    assert offered == [False, True]
+    assert offered[-1] == (True, "for-pods", frozenset({"pod-1"}))
+    stale[0] = False
+    asyncio.run(step(svc, _ctx()))  # healthy: what was stale at the start is gone
+    stale[0] = True
+    asyncio.run(step(svc, _ctx()))
+    assert offered[-1] == (True, "for-pods", frozenset())

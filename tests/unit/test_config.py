@@ -104,6 +104,8 @@ VALID = [
     ("Daemon", "AuditInterval", "", 300.0),
     ("Kubelet", "Policy", "", "rewrite"),
     ("Kubelet", "RestartKubelet", "", True),
+    ("Kubelet", "RestartPolicy", "for-pods-no-agent", "for-pods-no-agent"),
+    ("Kubelet", "RestartPolicy", "", "for-pods"),
 ]
 
 
@@ -439,6 +441,7 @@ Resources=
 BackupDir=/srv/backups
 BackupKeep=3
 RestartKubelet=no
+RestartPolicy=never
 [Systemd]
 RuntimeUnits=containerd.service
 KubeletUnits=

@@ -97,3 +97,39 @@ def test_a_pass_without_an_urgent_mark_repairs_in_the_full_pass_alone(tmp_path: 
     reload = SameView(view)
     one_pass(tmp_path, view, urgent=True, observer=reload)
     assert reload.fast_views == 1
+
+
+def test_observe_mode_journals_a_lasting_loss_once(tmp_path: Path) -> None:
+    """Nothing is repaired under observe mode, so the loss lasts: journaled when it
+    appears, not again by the fast path of every later daemon-reload (a damaged node
+    journaled the same lines per event)."""
+    c = dataclasses.replace(_container(), cgroup_v1_devices=tmp_path / "devices" / CID)
+    rules = parse_devices_list(RUNC_LIST)
+    view = AccessView(
+        (c,), {c.key: _ent((GPU0, CTL))}, verdicts_from_rules(CID, HOST, rules), {CID: rules}
+    )
+    out = io.StringIO()
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, devices=dataclasses.replace(cfg.devices, durable_grants=False))
+    svc = OneShotServices(
+        Root(tmp_path), cfg, EventLog(stream=out, level="info"), dry_run=True, bus_address=""
+    )
+    step = ContainerAccessStep()
+    step.state.observer = SameView(view)  # type: ignore[assignment]
+
+    async def no_inventory() -> None:
+        return None
+
+    said = []
+    for _ in range(3):
+        ctx = PassContext(
+            Work(frozenset({"container_access"}), ("systemd:reload",), 0, 0, urgent=True),
+            no_inventory,
+        )
+        asyncio.run(step(svc, ctx))
+        lines = [json.loads(line) for line in out.getvalue().splitlines()]
+        out.seek(0)
+        out.truncate()
+        said.append([e for e in lines if e.get("kind") == "container-device-denied"])
+        assert [f for f in ctx.findings if f.kind == "container-device-denied"]  # still found
+    assert said[0] and said[1:] == [[], []], said

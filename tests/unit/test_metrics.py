@@ -117,6 +117,28 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
+def test_a_plan_repeated_by_every_pass_is_one_dry_run_action() -> None:
+    """Observe mode plans the same change at every pass while the loss lasts: counted
+    when the plan appears (and again once it went away and came back), not per pass."""
+    m = MetricsState()
+
+    def observe_pass(number: int, targets: list[str], ran: tuple[str, ...] = ("x",)) -> float:
+        last, steps = a_pass_doc(number)
+        last["reconcilers"] = list(ran)
+        last["outcomes"] = [{**outcome("cgroup-v1-allow", "dry-run"), "target": t} for t in targets]
+        m.observe_pass(*typed(last, steps))
+        key = (("kind", "cgroup-v1-allow"), ("outcome", "dry-run"))
+        return samples(render(m.to_values()).decode()).get(("gpuguard_actions_total", key), 0)
+
+    assert observe_pass(1, ["c1"]) == 1
+    assert observe_pass(2, ["c1"]) == 1  # the same plan again
+    assert observe_pass(3, ["c1", "c2"]) == 2  # a new one
+    assert observe_pass(4, [], ran=("other",)) == 2  # a pass without that step
+    assert observe_pass(5, ["c1", "c2"]) == 2
+    assert observe_pass(6, []) == 2  # repaired meanwhile (the step ran, planned nothing)
+    assert observe_pass(7, ["c1"]) == 3  # lost again: a new event
+
+
 def test_a_pass_becomes_counters_gauges_and_a_histogram() -> None:
     m = MetricsState()
     last, status = a_pass()

@@ -189,7 +189,13 @@ def test_observe_mode_is_a_dry_run_everywhere(
         root, capsys, "check", "--only", "checkpoint", "--kubelet-stopped", "--inventory", inv
     )
     assert code == exitcodes.FINDINGS and "dry run: nothing modified" in out
-    assert {k: v for k, v in tree(root).items() if not k.startswith("run")} == before
+    # nothing on the node; gpuguard's own state only: /run/gpuguard (the hook's
+    # result) and the GPU identity history, recorded at gpuguard's first look
+    after = tree(root)
+    assert after.pop("var/lib/gpuguard/gpu-identity.json", None)
+    assert after.pop("run/gpuguard/kubelet-hook.result", None)  # what the hook found
+    new_dirs = {"var/lib/gpuguard": "dir", "run": "dir", "run/gpuguard": "dir"}
+    assert after == {**before, **new_dirs}
     r = Root(root)
     d = Daemon(root=r, config=cfg, config_path=None, log=EventLog(stream=io.StringIO()),
                notifier=Notifier(""), inventory_path=None, bus_address="unix:path=/none",

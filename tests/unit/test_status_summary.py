@@ -68,7 +68,7 @@ def test_cli_status_prints_the_summary_first(
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "node:       OK"
     assert out[1].startswith("last pass:  ") and out[2].startswith("repairs:    0 in the last hour")
-    assert any(line.startswith("containers: 0 with GPUs") for line in out[3:])
+    assert any(line.startswith("containers: not read now") for line in out[3:])
     assert cli.main(["status", "--root", str(tmp_path), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["summary"]["verdict"] == "ok" and doc["containers"] == []
@@ -89,7 +89,13 @@ def test_the_last_reload_repair_is_summarised() -> None:
         },
     }
     s = summarize(statusdoc.model(doc), "", [])
-    want = {"containers": 200, "checked": 200, "repair_ms": 55.4, "via": "private-socket"}
+    want = {
+        "observe": False,
+        "containers": 200,
+        "checked": 200,
+        "repair_ms": 55.4,
+        "via": "private-socket",
+    }
     assert s["last_reload"] == want
     assert (
         "last reload: 200 of 200 known GPU container(s) re-granted on the signal, the last "
@@ -103,9 +109,38 @@ def test_the_last_reload_repair_is_summarised() -> None:
     assert "2 re-grant(s) tried on the signal, none read back done" in "\n".join(
         render(summarize(statusdoc.model(doc), "", []))
     )
+    doc["mode"] = "observe"  # plans only: nothing was tried
+    text = "\n".join(render(summarize(statusdoc.model(doc), "", [])))
+    assert "re-grant(s) tried" not in text and "re-granted" not in text
+    assert "last reload: observe mode: 2 of 3 known GPU container(s) had lost a device; " in text
+    assert "planned, not tried" in text
+    del doc["mode"]
     doc["fast_paths"] = {}
     assert summarize(statusdoc.model(doc), "", [])["last_reload"] is None
     for broken in ({"reload": "x"}, {"reload": {"signal": "soon"}}, "x"):
         doc["fast_paths"] = broken
         with pytest.raises(SchemaError):  # the loader refuses the file: status unknown
             statusdoc.model(doc)
+
+
+def test_the_containers_line_never_counts_what_it_could_not_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No NVIDIA driver in /proc/devices: nothing judged, which is no "0 with GPUs";
+    a container the daemon's latest results name and this read did not list is said."""
+    cid = "c" * 64
+    named = finding("container-access-lost", "pod p: lost /dev/nvidia0")
+    named["fields"] = {"CONTAINER_ID": cid}
+    status_file(tmp_path, steps=steps(container_access={"findings": [named]}))
+    cli.main(["status", "--root", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "containers: not read now (no NVIDIA driver in /proc/devices)" in out
+    assert "0 with GPUs" not in out
+    (tmp_path / "proc").mkdir(exist_ok=True)
+    (tmp_path / "proc/devices").write_text("Character devices:\n195 nvidia-frontend\n")
+    cli.main(["status", "--root", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert (
+        "containers: 0 with GPUs; the daemon's latest results name 1 more (cccccccccccc), "
+        "not read now as GPU containers"
+    ) in out

@@ -132,6 +132,7 @@ def _check(args: argparse.Namespace, root: Root, hook: Optional[HookRun]) -> int
         kubelet_stopped=args.kubelet_stopped,
         simulation=_simulation(args, cfg, inventory),
         kubelet_units=cfg.systemd.kubelet_units,
+        observe=cfg.daemon.observe and not args.dry_run,
     )
     from gpuguard.engine.oneshot import driver_loaded
     from gpuguard.engine.snapshot import HostSnapshot

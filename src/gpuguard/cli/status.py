@@ -71,7 +71,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 f"{reasons} with {found} finding(s)"
             )
         print(f"GPUs from:  {cut(gpus_from, 300)}")
-        print(f"containers: {len(rows)} with GPUs")
+        print(containers_line(root, rows, daemon))
         for r in rows:
             what = r["access"] if r["access"] != "denied" else "DENIED " + ", ".join(r["denied"])
             how = MECHANISM_TEXT.get(r["mechanism"], r["mechanism"])
@@ -86,3 +86,23 @@ def cmd_status(args: argparse.Namespace) -> int:
     # unknown verdict is printed as UNKNOWN, never as OK, and is not a finding
     bad = summary["verdict"] == "problem" or any(r["access"] != "ok" or r["missing"] for r in rows)
     return exitcodes.FINDINGS if bad else exitcodes.OK
+
+
+def containers_line(root: Any, rows: list[dict[str, Any]], daemon: Any) -> str:
+    """How many GPU containers were read now, and what that count leaves out: no NVIDIA
+    driver registered (nothing could be judged, which is no "0"), or containers the
+    daemon's latest step results name that this read did not list."""
+    from gpuguard.devices.nodes import nvidia_majors, read_proc_devices
+    from gpuguard.reporting.summary import named_containers
+
+    if not rows and nvidia_majors(read_proc_devices(root)).nvidia is None:
+        return "containers: not read now (no NVIDIA driver in /proc/devices)"
+    line = f"containers: {len(rows)} with GPUs"
+    more = sorted(named_containers(daemon) - {r["container_id"] for r in rows})
+    if more:
+        ids = ", ".join(c[:12] for c in more[:4]) + (" ..." if len(more) > 4 else "")
+        line += (
+            f"; the daemon's latest results name {len(more)} more ({ids}), not read "
+            "now as GPU containers"
+        )
+    return line

@@ -69,10 +69,14 @@ class DaemonConfig:
         Choice("repair", "observe"),
         "repair",
         "repair: find and repair. observe: find, report, export metrics and node "
-        "conditions and journal the plan, and change nothing anywhere: no checkpoint "
+        "conditions and journal the plan, and change nothing on the node: no checkpoint "
         "rewrite, no kubelet or device plugin restart, no cgroup write, device program, "
         "unit property or drop-in, in the daemon, kubelet's pre-start hook and `gpuguard "
-        "check` alike: the canary stage of a rollout. Operator hooks still run, "
+        "check` alike: the canary stage of a rollout. gpuguard's own state is still "
+        "written: the GPU identity history (/var/lib/gpuguard/gpu-identity.json), the "
+        "hook's memo (/var/lib/gpuguard/kubelet-hook.memo.json) and result "
+        "(/run/gpuguard/kubelet-hook.result), the status and metrics files in "
+        "/run/gpuguard. Operator hooks still run, "
         "with GPUGUARD_DRY_RUN=1. A probe still runs where a cgroup v2 program cannot be "
         "read: a short-lived process joins the container's cgroup and opens the node, "
         "which changes no access.",
@@ -154,7 +158,25 @@ class KubeletConfig:
         Bool(),
         "yes",
         "Restart the kubelet around a checkpoint repair so it reloads the file; "
-        "no: only a stopped kubelet's checkpoint is repaired.",
+        "no: the same as RestartPolicy=never (kept for configurations that set it).",
+    )
+    restart_policy: str = _key(
+        "RestartPolicy",
+        Choice("for-pods", "for-pods-no-agent", "never"),
+        "for-pods",
+        "When the daemon restarts a running kubelet's unit so that its pre-start hook "
+        "repairs the checkpoint. for-pods: only when a pod kubelet still has (its "
+        "directory under /var/lib/kubelet/pods, or its cgroup) holds a remapped entry, "
+        "so the restart brings it back (kubelet 1.20-1.26 replays the stale entry and "
+        "its containers crash-loop; a GPU driver that came up after kubelet), never "
+        "for what was stale when the daemon started (an install, an upgrade, its own "
+        "restart): kubelet's next start repairs that. At "
+        "most once per 10 minutes, journaled (kubelet-restart) with the pods it is for. "
+        "Under k3s or RKE2 the unit is the whole agent (k3s-agent.service, "
+        "rke2-agent.service ...), and the whole agent restarts. for-pods-no-agent: the "
+        "same, but never a k3s or RKE2 unit. never: a running kubelet is never restarted "
+        "or stopped, by the daemon or `gpuguard check`; kubelet's next start repairs "
+        "the file.",
     )
 
 

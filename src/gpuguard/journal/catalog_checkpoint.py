@@ -37,7 +37,10 @@ CHECKPOINT_KINDS: dict[str, tuple[str, str]] = {
     "checkpoint-refused": (
         "gpuguard declined to repair the checkpoint",
         "A safety rule stopped the repair (for example NVML reports no GPU at all, which more "
-        "likely means a driver problem than GPUs that all changed). Nothing was modified. Check "
+        "likely means a driver problem than GPUs that all changed), or the repair needs a "
+        "kubelet restart that gpuguard does not make (a simulated inventory, [Kubelet] "
+        "RestartPolicy=, a checkpoint that was stale when gpuguard started): kubelet's next "
+        "start repairs it through its pre-start hook. Nothing was modified. Check "
         "`nvidia-smi` and the message above for the reason.",
     ),
     "checkpoint-repaired": (
@@ -121,9 +124,13 @@ CHECKPOINT_KINDS: dict[str, tuple[str, str]] = {
     "kubelet-restart": (
         "gpuguard restarted kubelet to repair its checkpoint",
         "Kubelet overwrites the checkpoint from memory, so the file can only be repaired while "
-        "kubelet is stopped. gpuguard restarted kubelet.service so that its ExecStartPre= hook "
-        "(kubelet.service.d/10-gpuguard.conf) repairs the file before kubelet reads it. The repair "
-        "is then verified; when it cannot be, checkpoint-repair-unverified follows.",
+        "kubelet is stopped. gpuguard restarted kubelet's unit so that its ExecStartPre= hook "
+        "(kubelet.service.d/10-gpuguard.conf) repairs the file before kubelet reads it. The "
+        "daemon does so only as [Kubelet] RestartPolicy= allows: for the pods the message "
+        "names, which the restart brings back, never for a checkpoint that was stale when "
+        "gpuguard started. When the unit is a k3s or RKE2 agent, the whole agent restarted "
+        "(the message says so). The repair is then verified; when it cannot be, "
+        "checkpoint-repair-unverified follows.",
     ),
     "kubelet-stop": (
         "gpuguard stopped kubelet to repair its checkpoint",

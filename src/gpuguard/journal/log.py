@@ -224,7 +224,10 @@ class EventLog:
         """One journal entry per change (or declined/failed change), with its reason."""
         a = o.action
         level = {"done": "notice", "failed": "error", "declined": "warning"}.get(o.status, "info")
-        if o.status != "done" and self._repeated((a.kind, a.target, o.status, o.detail)):
+        # A plan (dry-run) is the same plan whatever its detail says of the host now
+        # (a program id that each daemon-reload renews): keyed by what it would change.
+        said = a.describe() if o.status == "dry-run" else o.detail
+        if o.status != "done" and self._repeated((a.kind, a.target, o.status, said)):
             level = "debug"
         detail = f": {o.detail}" if o.detail else ""
         self.event(

@@ -196,6 +196,9 @@ class MetricsState:
         self.sums = {name: 0.0 for name in self.buckets}
         self.start = start
         self.counted: Optional[int] = None  # the number of the last pass counted
+        # per step, the actions its latest pass planned without making them (dry-run):
+        # the same plan again is no new action (observe mode plans it every pass)
+        self.planned: dict[str, set[tuple[str, str]]] = {}
         commit = __commit__ or "unknown"
         self.set("gpuguard_build_info", 1, package_version(), commit, platform.python_version())
 
@@ -277,10 +280,16 @@ class MetricsState:
         self.set("gpuguard_last_pass_timestamp_seconds", last_pass.ended)
         for f in last_pass.findings:
             self.inc("gpuguard_findings", f.kind, f.reconciler)
+        planned: dict[str, set[tuple[str, str]]] = {r: set() for r in last_pass.reconcilers}
         for o in last_pass.outcomes:
+            if o.status == "dry-run":
+                planned.setdefault(o.reconciler, set()).add((o.kind, o.target))
+                if (o.kind, o.target) in self.planned.get(o.reconciler, ()):
+                    continue  # still planned: counted when the plan appeared
             self.inc("gpuguard_actions", o.kind, o.status)
             if o.kind == "restart-plugin":
                 self.inc("gpuguard_plugin_restarts", o.status)
+        self.planned.update(planned)
 
     def to_values(self) -> MetricsValues:
         """metrics.json's model: per family, its series in the order they appeared; a

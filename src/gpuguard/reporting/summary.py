@@ -63,12 +63,25 @@ def summarize(
     }
 
 
+def named_containers(status: Optional[Status]) -> frozenset[str]:
+    """The container IDs the daemon's latest step results name (CONTAINER_ID)."""
+    if status is None:
+        return frozenset()
+    return frozenset(
+        f.fields["CONTAINER_ID"]
+        for step in status.steps.values()
+        for f in step.findings
+        if f.fields.get("CONTAINER_ID")
+    )
+
+
 def _last_reload(status: Optional[Status]) -> Optional[dict[str, Any]]:
     """The reload fast path's last repair (status file `fast_paths.reload`)."""
     r = status.fast_paths.reload if status is not None else None
     if status is None or r is None:
         return None
     return {
+        "observe": status.mode == "observe",
         "containers": r.containers,
         "checked": r.checked,
         "repair_ms": round((r.restored - r.signal) * 1000, 1) if r.restored is not None else None,
@@ -92,7 +105,14 @@ def render(s: Mapping[str, Any]) -> list[str]:
     r = s.get("last_reload")
     if r is not None:
         via = f" (signal via {r['via']})" if r.get("via") else ""
-        if r["repair_ms"] is not None:
+        if r.get("observe"):  # plans only: nothing was tried, nothing re-granted
+            what = (
+                f"observe mode: {r['containers']} of {r['checked']} known GPU container(s) "
+                "had lost a device; re-granting them was planned, not tried"
+                if r["containers"]
+                else f"none of {r['checked']} known GPU container(s) had lost a device"
+            )
+        elif r["repair_ms"] is not None:
             what = (
                 f"{r['containers']} of {r['checked']} known GPU container(s) re-granted on "
                 f"the signal, the last {r['repair_ms']:.1f} ms after it"

@@ -68,7 +68,9 @@ async def check_checkpoint(
     if actuator is not None:
         from gpuguard.steps.checkpoint.kubelet import coordinate
 
-        report = await coordinate(root, s, report, actuator, log, systemd, inventory, on_restart)
+        report = await coordinate(
+            root, s, report, actuator, log, systemd, inventory, on_restart, snapshot
+        )
     return _remember_gpus(root, inventory, s, log, report)
 
 
@@ -77,15 +79,24 @@ def _remember_gpus(
 ) -> CheckReport:
     """Record the GPUs as the history's newest generation once the checkpoint matches them
     (healthy, repaired, or none yet): never before, so that the check after a reboot
-    still finds the generation the checkpoint was written under."""
+    still finds the generation the checkpoint was written under. Except at the first
+    look (no history file yet: an install, the first boot), whatever the checkpoint
+    says: there is no older generation to keep, and the next change of GPUs can then be
+    remapped. In observe mode too (gpuguard's own state, not the node's); never under
+    --dry-run."""
     from gpuguard import exitcodes
 
+    inputs = report.remap_inputs
+    if inputs is None or (s.dry_run and not s.observe):
+        return report
+    # kept entries (no history: one present and one changed GPU) leave the rest matching
     matches = report.exit_code == exitcodes.OK or (report.left_stale and not report.actions)
-    if s.dry_run or not matches or report.remap_inputs is None:
+    first_look = inputs.history is None and not inputs.problem
+    if not matches and not first_look:
         return report
     from gpuguard.steps.checkpoint.actuate import record_history
 
-    record_history(root, inventory, report.remap_inputs, log, report.remap_inputs.path)
+    record_history(root, inventory, inputs, log, inputs.path)
     return report
 
 
@@ -189,7 +200,10 @@ class CheckpointStep:
 
     Restarting kubelet is rate limited in the daemon: at most once per COOLDOWN,
     whatever the passes find, so a checkpoint that keeps coming back stale (a plugin
-    re-registering old IDs?) is reported, never fought in a restart loop.
+    re-registering old IDs?) is reported, never fought in a restart loop. And it is made
+    only as [Kubelet] RestartPolicy= allows: for pods the restart brings back, never for
+    entries that were stale when the daemon started (`at_start`: an install, an upgrade,
+    its own restart), which kubelet's next start repairs.
     """
 
     COOLDOWN = 600.0
@@ -208,6 +222,8 @@ class CheckpointStep:
         self.given = given  # `gpuguard check`'s settings; None: the daemon's
         self.report: Optional[CheckReport] = None  # the last check's
         self.conditions = Conditions()  # the daemon's findings, journaled once while they last
+        # pods whose entries were stale at the daemon's first pass: never restarted for
+        self.at_start: frozenset[str] = frozenset()
 
     def _restarting(self) -> None:
         # Counted when the restart is attempted, not when it succeeds: a restart whose
@@ -233,6 +249,9 @@ class CheckpointStep:
             simulation=simulation(inventory.source, False, svc.config.inventory),
             kubelet_units=svc.config.systemd.kubelet_units,
             kubelet_waits=starting,
+            daemon=True,
+            restart_not_for=self.at_start,
+            observe=svc.config.daemon.observe and not getattr(svc, "cli_dry_run", False),
         )
 
     def run_alone(
@@ -308,11 +327,23 @@ class CheckpointStep:
         if report.hook_pending:  # kubelet's unit was starting or stopping
             ctx.recheck(self.HOOK_RECHECK, "kubelet's unit was starting or stopping")
         elif starting and report.kubelet and report.result.startswith("not repaired"):
-            report.coordination = "kubelet is running and gpuguard is starting: next pass"
-            ctx.recheck(0.5, "kubelet restart after gpuguard's start")
+            # Stale before gpuguard looked (an install, an upgrade, its own restart):
+            # never a reason to restart kubelet; its next start's hook repairs it.
+            from gpuguard.steps.checkpoint.report import STALE_AT_START
+
+            self.at_start = report.stale_pods()
+            report.coordination = (
+                "kubelet is running and gpuguard is starting: not restarted; kubelet's "
+                "next start repairs the file (pre-start hook)"
+            )
+            report.result = STALE_AT_START
+            why = f"{report.checkpoint}: {report.result}"
+            left.append(Finding("checkpoint-refused", ckpt.NAME, why, severity="warning"))
         elif report.kubelet and report.result.startswith("not repaired"):
             why = f"{report.checkpoint}: {report.result}"
             left.append(Finding("checkpoint-refused", ckpt.NAME, why, severity="warning"))
+        if not report.actions:  # healthy (or repaired): nothing stale is left from the start
+            self.at_start = frozenset()
         log_findings(svc.log, self.conditions, "checkpoint:kubelet", left, lasting_clears=True)
         ctx.findings += report.findings + left
         ctx.outcomes += report.outcomes

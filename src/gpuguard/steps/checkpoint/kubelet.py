@@ -19,10 +19,20 @@ from gpuguard.steps.checkpoint import kubelet_hook
 from gpuguard.steps.checkpoint import reconcile as ckpt
 from gpuguard.steps.checkpoint.actuate import CheckpointActuator
 from gpuguard.steps.checkpoint.observe import KubeletStatus, kubelet_status
-from gpuguard.steps.checkpoint.report import CheckReport, CheckSettings, apply_repair
+from gpuguard.steps.checkpoint.report import (
+    STALE_AT_START,
+    CheckReport,
+    CheckSettings,
+    apply_repair,
+)
 
 if TYPE_CHECKING:  # dbus-next costs import time; a healthy node never needs it
+    from gpuguard.engine.snapshot import HostSnapshot
     from gpuguard.host.systemd import Systemd
+
+# Units that run kubelet inside a whole agent (k3s runs it in its own process, RKE2 as a
+# child): restarting one restarts the agent, not kubelet alone.
+AGENT_PREFIXES = ("k3s", "rke2")
 
 
 async def coordinate(
@@ -34,8 +44,9 @@ async def coordinate(
     systemd: Optional[Systemd],
     inventory: Inventory,
     on_restart: Optional[Callable[[], None]] = None,
+    snapshot: Optional[HostSnapshot] = None,
 ) -> CheckReport:
-    k = _Kubelet(root, inventory, on_restart or (lambda: None))
+    k = _Kubelet(root, inventory, on_restart or (lambda: None), snapshot)
     if systemd is not None:
         return await _coordinated(k, s, report, actuator, log, systemd)
     from gpuguard.host.systemd import Systemd, SystemdError, bus_address_for
@@ -54,11 +65,13 @@ async def coordinate(
 @dataclass(frozen=True)
 class _Kubelet:
     """What coordinating kubelet needs beyond the settings: the host, the inventory the
-    repair was planned with (to re-analyse after a restart), the restart callback."""
+    repair was planned with (to re-analyse after a restart), the restart callback, the
+    pass's snapshot (which pods run: RestartPolicy=)."""
 
     root: Root
     inventory: Inventory
     on_restart: Callable[[], None]
+    snapshot: Optional[HostSnapshot] = None
 
 
 async def _coordinated(
@@ -115,9 +128,58 @@ async def _coordinated(
         report.result = f"not repaired: {s.simulation}"
         report.exit_code = exitcodes.FINDINGS
         return report
+    pods: tuple[str, ...] = ()
+    if s.restart_gate:
+        pods, result = restart_pods(k, s, report)
+        if result:
+            report.coordination = (
+                f"kubelet is running and RestartPolicy={s.restart_gate}: not restarted; "
+                "its next start repairs the file (pre-start hook)"
+            )
+            report.result = result
+            report.exit_code = exitcodes.FINDINGS
+            return report
     if status.has_dropin:
-        return await _restart_with_hook(k, systemd, s, report, log)
-    return await _stop_repair_start(k, systemd, s, report, actuator, log)
+        return await _restart_with_hook(k, systemd, s, report, log, pods)
+    return await _stop_repair_start(k, systemd, s, report, actuator, log, pods)
+
+
+def is_agent(unit: str) -> bool:
+    """A k3s or RKE2 unit: kubelet runs inside the whole agent."""
+    return unit.startswith(AGENT_PREFIXES)
+
+
+def restart_pods(k: _Kubelet, s: CheckSettings, report: CheckReport) -> tuple[tuple[str, ...], str]:
+    """The pods a restart of the running kubelet brings back (RestartPolicy=for-pods):
+    those kubelet still has (observe.present_pods: kubelet 1.20-1.26 replays a stale
+    entry, so their containers crash-loop; a static pod rejected at admission is
+    admitted again) whose entries the repair remaps, not those stale when the daemon
+    started (an install or upgrade never restarts kubelet); or, when there are none, the
+    check's result saying why. A dropped entry brings no pod back: its pod needs a new
+    allocation before any plugin registered, and fails admission."""
+    stale = report.stale_pods()
+    if stale and stale <= s.restart_not_for:
+        return (), STALE_AT_START
+    left = "not repaired: left for kubelet's next start: "
+    if s.restart_gate == "for-pods-no-agent" and is_agent(s.kubelet_unit):
+        return (), (
+            f"{left}{s.kubelet_unit} runs kubelet inside the whole agent, which "
+            "RestartPolicy=for-pods-no-agent never restarts"
+        )
+    remapped = sorted({r.old.pod_uid for a in report.actions for r in getattr(a, "remaps", ())})
+    if not remapped:
+        return (), f"{left}no entry is remapped, so a restart would bring no pod back"
+    from gpuguard.engine.snapshot import HostSnapshot
+    from gpuguard.steps.checkpoint.observe import present_pods
+
+    present = present_pods(k.snapshot or HostSnapshot(k.root, s.checkpoint_path), remapped)
+    running = [p for p in remapped if p in present]
+    pods = tuple(p for p in running if p not in s.restart_not_for)
+    if pods:
+        return pods, ""
+    if running:
+        return (), STALE_AT_START
+    return (), f"{left}kubelet has no pod whose entry is remapped (none to bring back)"
 
 
 async def pick_unit(
@@ -150,8 +212,22 @@ async def pick_unit(
     return candidates[0] if candidates else "kubelet.service"
 
 
+def _for_pods(s: CheckSettings, pods: tuple[str, ...]) -> str:
+    """What a restart is for, as its journal entry says: the pods it brings back, and
+    that an agent's unit restarts the whole agent."""
+    out = f"; for pod(s) {', '.join(pods[:8])}{' ...' if len(pods) > 8 else ''}" if pods else ""
+    if is_agent(s.kubelet_unit):
+        out += f"; {s.kubelet_unit} is the whole agent: all of it restarts, not kubelet alone"
+    return out
+
+
 async def _restart_with_hook(
-    k: _Kubelet, systemd: Systemd, s: CheckSettings, report: CheckReport, log: EventLog
+    k: _Kubelet,
+    systemd: Systemd,
+    s: CheckSettings,
+    report: CheckReport,
+    log: EventLog,
+    pods: tuple[str, ...] = (),
 ) -> CheckReport:
     report.coordination = (
         f"restart {s.kubelet_unit} through systemd; its ExecStartPre= hook repairs the file "
@@ -172,8 +248,11 @@ async def _restart_with_hook(
         ) from None
     k.on_restart()
     try:
-        why = f"so that its pre-start hook repairs {report.checkpoint}: {report.actions[0].reason}"
-        job = await UnitJobs(systemd, log).run(_job(s, "restart", why, "kubelet-restart"))
+        why = (
+            f"so that its pre-start hook repairs {report.checkpoint}: "
+            f"{report.actions[0].reason}{_for_pods(s, pods)}"
+        )
+        job = await UnitJobs(systemd, log).run(_job(s, "restart", why, "kubelet-restart", pods))
         result = f"failed: {job.error}" if job.error else job.result
         verdict = kubelet_hook.verify(
             k.root, token, s.checkpoint_path, k.inventory, s.resources, s.policy
@@ -217,6 +296,7 @@ async def _stop_repair_start(
     report: CheckReport,
     actuator: CheckpointActuator,
     log: EventLog,
+    pods: tuple[str, ...] = (),
 ) -> CheckReport:
     report.coordination = (
         f"the gpuguard drop-in is not active for {s.kubelet_unit}: stop it, repair, start it"
@@ -226,7 +306,7 @@ async def _stop_repair_start(
     k.on_restart()
     jobs = UnitJobs(systemd, log)
     why = f"to repair {report.checkpoint} while it is stopped (no gpuguard drop-in)"
-    stop = await jobs.run(_job(s, "stop", why, "kubelet-stop"))
+    stop = await jobs.run(_job(s, "stop", why + _for_pods(s, pods), "kubelet-stop", pods))
     if not stop.ok:
         why = stop.error or f"stop job ended with '{stop.result}'"
         _coordination_failed(log, s, why)
@@ -241,9 +321,14 @@ async def _stop_repair_start(
     return report
 
 
-def _job(s: CheckSettings, verb: Verb, why: str, kind: str) -> UnitJob:
-    """A kubelet job for the checkpoint step, journaled by the actuator with `kind`."""
+def _job(s: CheckSettings, verb: Verb, why: str, kind: str, pods: tuple[str, ...] = ()) -> UnitJob:
+    """A kubelet job for the checkpoint step, journaled by the actuator with `kind` (and
+    the pods it is for, POD_UIDS)."""
     fields = {"GPUGUARD_RECONCILER": ckpt.NAME, "GPUGUARD_ACTION": kind, "REASON": s.reason}
+    if pods:
+        fields["POD_UIDS"] = ",".join(pods)
+    if is_agent(s.kubelet_unit):
+        fields["KUBELET_AGENT"] = "1"
     return UnitJob(verb, s.kubelet_unit, why, kind, fields)
 
 

@@ -9,8 +9,10 @@ process it is not running, and the checkpoint may be repaired directly.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from pathlib import PurePosixPath
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from gpuguard.checkpoint import history
 from gpuguard.devices.processes import boot_time, kubelet_pids
@@ -21,6 +23,7 @@ from gpuguard.host.safeio import proc_text
 from gpuguard.steps.checkpoint.remap import RemapInputs
 
 if TYPE_CHECKING:
+    from gpuguard.engine.snapshot import HostSnapshot
     from gpuguard.host.systemd import Systemd, UnitState
 
 DROPIN_NAME = "10-gpuguard.conf"
@@ -58,6 +61,34 @@ def remap_inputs(root: Root, inventory: Inventory, checkpoint_mtime: float) -> R
     return RemapInputs(
         hist, problem, str(path), numa_nodes(root, inventory), checkpoint_mtime, boot_time(root)
     )
+
+
+def present_pods(snapshot: HostSnapshot, uids: Iterable[str]) -> frozenset[str]:
+    """Of `uids`, the pods kubelet still has on this node: its pod directory
+    (`pods/<uid>` beside `device-plugins/`), which kubelet keeps while it knows the pod
+    (a static pod rejected at admission too, which a restart admits again), or its pod
+    cgroup (a pod whose containers crash-loop keeps its sandbox between restarts). A pod
+    kubelet forgot, or that never ran since this boot and has no directory, has neither."""
+    from gpuguard.devices.cgroupnames import CGROUPFS_POD, systemd_pod_uid
+
+    wanted = {u for u in uids if _POD_UID.fullmatch(u)}
+    if not wanted:
+        return frozenset()
+    pods_dir = PurePosixPath(snapshot.checkpoint_path).parent.parent / "pods"
+    found = {u for u in wanted if snapshot.root.path(str(pods_dir / u)).is_dir()}
+    if found == wanted:
+        return frozenset(found)
+    found.update(c.pod_uid for c in snapshot.containers())
+    for path in snapshot.strays():
+        uid = systemd_pod_uid(path.name)
+        m = CGROUPFS_POD.fullmatch(path.name) if uid is None else None
+        uid = m.group(1) if m else uid
+        if uid:
+            found.add(uid)
+    return frozenset(found & wanted)
+
+
+_POD_UID = re.compile(r"[0-9a-f][0-9a-f-]{0,63}")  # a name, never a path
 
 
 @dataclass(frozen=True)

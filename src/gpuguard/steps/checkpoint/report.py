@@ -35,6 +35,15 @@ class CheckSettings:
     # Non-empty: the inventory is a simulation (`check --inventory`), so a running
     # kubelet is never stopped or restarted for it; says why and which flag allows it.
     simulation: str = ""
+    # The daemon's [Kubelet] RestartPolicy= (for-pods, for-pods-no-agent): a running
+    # kubelet is restarted only for the pods it brings back (kubelet.restart_pods); "":
+    # whenever a repair needs it (`gpuguard check`, the operator's own command).
+    restart_gate: str = ""
+    # pods whose entries were stale when the daemon started: never restarted for
+    restart_not_for: frozenset[str] = frozenset()
+    # Mode=observe (not --dry-run, not the off switch): nothing on the node changes,
+    # but gpuguard's own state, the GPU identity history, is recorded
+    observe: bool = False
 
     @classmethod
     def from_config(
@@ -50,6 +59,9 @@ class CheckSettings:
         simulation: str = "",
         kubelet_units: tuple[str, ...] = ("kubelet.service",),
         kubelet_waits: bool = False,
+        daemon: bool = False,  # True: RestartPolicy= gates the restart (restart_gate)
+        restart_not_for: frozenset[str] = frozenset(),
+        observe: bool = False,
     ) -> CheckSettings:
         """The one way from [Kubelet] to a check's settings (`gpuguard check`, the daemon)."""
         return cls(
@@ -59,7 +71,7 @@ class CheckSettings:
             backup_dir=k.backup_dir,
             backup_keep=k.backup_keep,
             kubelet_unit=k.unit or "",
-            restart_kubelet=k.restart_kubelet and may_restart,
+            restart_kubelet=k.restart_kubelet and k.restart_policy != "never" and may_restart,
             dry_run=dry_run,
             kubelet_stopped=kubelet_stopped,
             bus_address=bus_address,
@@ -67,6 +79,9 @@ class CheckSettings:
             simulation=simulation,
             kubelet_units=tuple(kubelet_units),
             kubelet_waits=kubelet_waits,
+            restart_gate=k.restart_policy if daemon else "",
+            restart_not_for=restart_not_for,
+            observe=observe,
         )
 
 
@@ -92,6 +107,14 @@ def simulation(inventory_source: str, cli_file: bool, config: Any, *, allow: boo
     )
 
 
+# The daemon's result for a repair that was stale when it started (an install, an
+# upgrade, its own restart), at that pass and every later one: one journal line.
+STALE_AT_START = (
+    "not repaired: stale when gpuguard started, which never restarts kubelet; left for "
+    "kubelet's next start (restarting kubelet's unit applies it now)"
+)
+
+
 @dataclass
 class CheckReport:
     checkpoint: str
@@ -110,6 +133,15 @@ class CheckReport:
     left_stale: int = 0
     # what the remap read from the host (the history among it); not part of the report
     remap_inputs: Optional[RemapInputs] = field(default=None, repr=False, compare=False)
+
+    def stale_pods(self) -> frozenset[str]:
+        """The pods whose entries the planned repair remaps or drops."""
+        pods: set[str] = set()
+        for a in self.actions:
+            pods.update(r.old.pod_uid for r in getattr(a, "remaps", ()))
+            pods.update(d.entry.pod_uid for d in getattr(a, "drops", ()))
+            pods.update(e.pod_uid for e in getattr(a, "dropped", ()))
+        return frozenset(pods)
 
     def to_json(self) -> dict[str, Any]:
         return {

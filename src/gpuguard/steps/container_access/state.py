@@ -20,13 +20,13 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, AbstractSet, Callable, Optional, Sequence
 
-from gpuguard.journal.conditions import Conditions, FindingId, finding_id
+from gpuguard.journal.conditions import Conditions, FindingId, Key, finding_id, finding_key
 from gpuguard.model import Action, Finding, Outcome
 from gpuguard.steps.container_access.cgroups import Cgroups
 from gpuguard.steps.container_access.durable import ReloadRepair, plan_durable
 from gpuguard.steps.container_access.newscope import NewScopes
 from gpuguard.steps.container_access.observe import AccessObserver
-from gpuguard.steps.container_access.reconcile import audit, unreadable_findings
+from gpuguard.steps.container_access.reconcile import RECONCILER, audit, unreadable_findings
 from gpuguard.steps.container_access.resetscope import ScopeResets
 from gpuguard.steps.container_access.settle import Settle, settle
 from gpuguard.steps.container_access.view import AccessView
@@ -129,11 +129,22 @@ class AccessState:
         if findings is None:
             findings, _ = self.audit(view)
         findings += unreadable_findings(view.containers, view.broken)
+        # Nothing is repaired (observe mode, Regrant=no): a loss is a state, journaled
+        # when it appears or changes (fullpass.journal), not again at every event.
+        held = self.held() if svc.dry_run or not svc.config.devices.regrant else {}
         for f in findings:
-            svc.log.finding(f)
+            if held.get(finding_key(f)) != f"{f.severity}: {f.summary}":
+                svc.log.finding(f)
         for o in outcomes:
             svc.log.outcome(o)
         return findings
+
+    def held(self) -> dict[Key, str]:
+        """The findings the full passes journaled and that still hold, by key."""
+        return {
+            **self.conditions.holds(f"{RECONCILER}:events"),
+            **self.conditions.holds(RECONCILER),
+        }
 
     def late_findings(self, view: AccessView, svc: Services) -> None:
         """What a reload's follow-up found, journaled now, for the next pass's result."""
