@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -35,6 +36,7 @@ def cmd_checkpoint_inspect(args: argparse.Namespace) -> int:
     from gpuguard.checkpoint import load
     from gpuguard.errors import BadInputError, NoDriverError
     from gpuguard.host.inventory import load_inventory
+    from gpuguard.steps.checkpoint.observe import remap_inputs
     from gpuguard.steps.checkpoint.reconcile import analyse
 
     root = _root(args)
@@ -67,7 +69,9 @@ def cmd_checkpoint_inspect(args: argparse.Namespace) -> int:
     except NoDriverError as e:
         doc["inventory_error"] = e.message
     else:
-        analysis = analyse(cp, inventory, tuple(cfg.kubelet.resources))
+        # judged as `gpuguard check` judges it: through the GPU identity history
+        inputs = remap_inputs(root, inventory, os.stat(args.file).st_mtime)
+        analysis = analyse(cp, inventory, tuple(cfg.kubelet.resources), inputs)
         doc["inventory"] = inventory.source
         doc["stale"] = [f.to_json() for f in analysis.findings]
     if args.json:

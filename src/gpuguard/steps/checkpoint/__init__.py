@@ -91,7 +91,13 @@ def _remember_gpus(
         return report
     # kept entries (no history: one present and one changed GPU) leave the rest matching
     matches = report.exit_code == exitcodes.OK or (report.left_stale and not report.actions)
-    first_look = inputs.history is None and not inputs.problem
+    # the first look records whatever the checkpoint says, but never after a refusal or
+    # a failure (an unsafe backup directory, kubelet not coordinated: nothing written)
+    first_look = (
+        inputs.history is None
+        and not inputs.problem
+        and report.exit_code in (exitcodes.OK, exitcodes.FINDINGS)
+    )
     if not matches and not first_look:
         return report
     from gpuguard.steps.checkpoint.actuate import record_history
