@@ -38,10 +38,11 @@ from integration.harness.kubelet import (
     Container,
     KubeletNode,
     api_code,
-    kubelet_binary,
+    kubelet_of,
     kubelet_unit,
     prepare,
 )
+from integration.harness.kubelet_versions import Kubelet
 from integration.harness.pods import INVENTORY, busybox_pod
 from integration.kubelet_sites import HostSite, NsFactory, Site, site, stack_versions
 
@@ -65,8 +66,10 @@ def gpu_pod(name: str, n: int = 1, **limits: Any) -> Dict[str, Any]:
 class GpuNode(KubeletNode):
     """The kubelet node with its GPUs, plugin, gpuguard (or not), and reboots."""
 
-    def __init__(self, ns: SystemdNamespace, devices: Path, *, gpuguard: bool) -> None:
-        super().__init__(ns)
+    def __init__(
+        self, ns: SystemdNamespace, devices: Path, *, gpuguard: bool, k: Optional[Kubelet] = None
+    ) -> None:
+        super().__init__(ns, k)
         self.gpuguard = gpuguard
         self.proc_devices = devices  # host file bound over the namespace's /proc/devices
         self.site = ""  # where it runs (integration/kubelet_sites.py), and what with:
@@ -181,25 +184,29 @@ def boot_on(
     config: str = "",
     uvm: bool = True,
     plugin: bool = True,
+    kubelet: str = "1.20",
 ) -> GpuNode:
     """A booted node on ``site`` (integration/kubelet_sites.py) with containerd and
     kubelet running (and gpuguard's daemon before kubelet, when ``gpuguard``); the
     plugin double started as a service if ``plugin``. The node's ``versions`` say what
-    it runs; a site that runs another stack than it stands for fails here."""
+    it runs; a site that runs another stack than it stands for fails here. ``kubelet``:
+    its version, "1.20" or "1.34" (harness/kubelet_versions.py)."""
     require_systemd_ns()
     from conftest import require_tool
 
     require_tool(*REQUIRED_TOOLS)
+    k = kubelet_of(kubelet)
     binds, ro = prepare(tmp / "kubelet", api)
+    ro[str(k.binary.parent)] = k.binary.parent
     devices = fake_proc_devices(tmp / "devices", uvm=uvm)
     ro |= {"/run/fake/devices": devices, "/proc/devices": devices}
     units = {
         "containerd.service": CONTAINERD_UNIT,
-        "kubelet.service": kubelet_unit(kubelet_binary(), flags),
+        "kubelet.service": kubelet_unit(k, tmp / "kubelet", flags),
         PLUGIN: site.plugin_unit(),
     }
     ns = site.start(tmp, units=units, binds=binds, ro_binds=ro, gpuguard=gpuguard)
-    node = GpuNode(ns, devices, gpuguard=gpuguard)
+    node = GpuNode(ns, devices, gpuguard=gpuguard, k=k)
     node.mknod("nvidiactl", 195, 255)
     if uvm:
         node.mknod("nvidia-uvm", UVM_MAJOR, 0)
@@ -213,7 +220,7 @@ def boot_on(
     node.start_kubelet()
     seen = wait_for(node.runtime_seen, 30, "kubelet's line naming its container runtime")
     site.check(ns, seen)
-    node.versions = {**stack_versions(ns), "runtime_seen": seen}
+    node.versions = {**stack_versions(ns, k.binary), "runtime_seen": seen}
     node.site, node.install = site.name, site.install if gpuguard else "none"
     if plugin:
         node.start_plugin()
@@ -257,7 +264,7 @@ def hook_log(node: GpuNode) -> List[Dict[str, Any]]:
 
 # -- F1: two GPU pods, then a reboot into other UUIDs (test_kubelet_f1.py, bench) -------------
 
-F1_CASES = ("all", "one", "gone")
+F1_CASES = ("all", "one", "gone")  # kubelet 1.34 also runs "none": no GPU changed
 F1_PODS = ("gpu-a", "gpu-b")
 
 
@@ -271,13 +278,14 @@ def two_gpu_pods(node: GpuNode) -> Dict[str, str]:
 
 def gpus_after(node: GpuNode, case: str, victim: str) -> List[Dict[str, Any]]:
     """The GPUs the node comes back with: every one with a new UUID (``all``), only the
-    one in slot ``victim`` (``one``), or every one new and ``victim``'s gone (``gone``)."""
+    one in slot ``victim`` (``one``), every one new and ``victim``'s gone (``gone``), or
+    every one as it was (``none``)."""
     fresh = {g["pci_bus_id"]: g["uuid"] for g in gpus(len(node.inventory))}
     out = []
     for g in node.inventory:
         if case == "gone" and g["pci_bus_id"] == victim:
             continue
-        if case in ("all", "gone") or g["pci_bus_id"] == victim:
+        if case in ("all", "gone") or (case == "one" and g["pci_bus_id"] == victim):
             g = {**g, "uuid": fresh[g["pci_bus_id"]]}
         out.append(g)
     return out
