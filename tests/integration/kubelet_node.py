@@ -27,7 +27,7 @@ import pytest
 from gpuguard.checkpoint import parse
 from gpuguard.devices.probe import probe_open
 from integration.gpu_scopes import UVM_MAJOR, fake_proc_devices, gpu_inventory
-from integration.gpuguard_ns import settle, wait_for
+from integration.gpuguard_ns import GPUGUARD, settle, wait_for
 from integration.harness import SystemdNamespace, require_systemd_ns
 from integration.harness.kubelet import (
     CHECKPOINT,
@@ -44,9 +44,24 @@ from integration.harness.kubelet import (
 )
 from integration.harness.kubelet_versions import Kubelet
 from integration.harness.pods import INVENTORY, busybox_pod
+from integration.harness.sysns import REPO
 from integration.kubelet_sites import HostSite, NsFactory, Site, site, stack_versions
 
 PLUGIN = "nvidia-device-plugin.service"
+READMIT = "gpuguard-readmit.service"
+
+
+def readmit_units() -> Dict[str, str]:
+    """The repo's gpuguard-readmit.service, run from this checkout (gpuguard.service
+    pulls it in, as on a host that installed the package)."""
+    return {
+        READMIT: (REPO / "units" / READMIT).read_text(),
+        f"{READMIT}.d/50-checkout.conf": (
+            f"[Service]\nExecStart=\nExecStart={GPUGUARD} readmit\nBindReadOnlyPaths={REPO}\n"
+        ),
+    }
+
+
 # The inventory file stands in for NVML on this node: gpuguard may restart its kubelet
 # as it would on a real one (a configured file alone never lets it: docs/inventory.md)
 CONFIG = "[Inventory]\nFile=/etc/gpuguard/inventory.json\nAllowKubeletRestart=yes\n"
@@ -132,6 +147,37 @@ class GpuNode(KubeletNode):
         self.ns.wait_active(PLUGIN)
         self.wait_registered()
 
+    def bridge_offers(self) -> List[Dict[str, Any]]:
+        """gpuguard's re-admission bridge's offers during this kubelet run (journal
+        entries with their fields)."""
+        if not self.gpuguard:
+            return []
+        since = int(self.ns.unit_property("kubelet.service", "ExecMainStartTimestampMonotonic"))
+        argv = ["journalctl", "--no-pager", "-o", "json", "-u", READMIT]
+        out = []
+        for line in self.ns.run(argv, timeout=30).stdout.splitlines():
+            e = json.loads(line)
+            kind, at = e.get("GPUGUARD_KIND"), int(e["__MONOTONIC_TIMESTAMP"])
+            if kind == "readmit-offered" and at >= since:
+                out.append(e)
+        return out
+
+    def registrations(self, resource: str = "nvidia.com/gpu") -> int:
+        """The real plugin's registrations in this kubelet run (the bridge's left out)."""
+        ours = sum(e.get("RESOURCE") == resource for e in self.bridge_offers())
+        return max(super().registrations(resource) - ours, 0)
+
+    def plugin_allocations(self) -> List[List[str]]:
+        """The device IDs of each Allocate the plugin double (a host service) answered
+        in its current run."""
+        inv = self.ns.unit_property(PLUGIN, "InvocationID")
+        argv = ["journalctl", "--no-pager", "-o", "cat", f"_SYSTEMD_INVOCATION_ID={inv}"]
+        out = []
+        for line in self.ns.run(argv, timeout=30).stdout.splitlines():
+            if line.startswith("{") and '"allocate"' in line:
+                out.append(list(json.loads(line)["ids"]))
+        return out
+
     def start_gpuguard(self) -> None:
         assert self.gpuguard
         self.ns.systemctl("start", "gpuguard.service")
@@ -144,7 +190,7 @@ class GpuNode(KubeletNode):
         self.stop_kubelet()
         self.ns.systemctl("stop", PLUGIN)
         if self.gpuguard:
-            self.ns.systemctl("stop", "gpuguard.service")
+            self.ns.systemctl("stop", "gpuguard.service", READMIT)
             if lose_state:
                 self.ns.run(["sh", "-c", "rm -rf /var/lib/gpuguard/*"], check=True)
         self.kill_all()
@@ -204,6 +250,7 @@ def boot_on(
         "containerd.service": CONTAINERD_UNIT,
         "kubelet.service": kubelet_unit(k, tmp / "kubelet", flags),
         PLUGIN: site.plugin_unit(),
+        **(readmit_units() if gpuguard and site.name == "host" else {}),
     }
     ns = site.start(tmp, units=units, binds=binds, ro_binds=ro, gpuguard=gpuguard)
     node = GpuNode(ns, devices, gpuguard=gpuguard, k=k)

@@ -86,12 +86,7 @@ def runs(mode: str) -> List[Any]:
     out = [pytest.param("host", c, id=f"host-{c}") for c in F1_CASES]
     for stack, modes in ROOT_RUNS.items():
         out += [pytest.param(stack, c, id=f"{stack}-{c}") for c in modes[mode]]
-    lost = pytest.mark.xfail(
-        mode == "yes",
-        strict=True,
-        reason="kubelet 1.34 rejects every GPU pod before a plugin reports a healthy device",
-    )
-    out += [pytest.param("host-1.34", c, id=f"host-1.34-{c}", marks=lost) for c in K134_RUNS[mode]]
+    out += [pytest.param("host-1.34", c, id=f"host-1.34-{c}") for c in K134_RUNS[mode]]
     return out
 
 
@@ -236,6 +231,8 @@ def _gpu_pods_back(node: GpuNode, case: str, t0: float) -> Tuple[Dict[str, Pod],
         pods = node.wait_pods(done, 60, f"{back} Running again", never=failed)
     except AssertionError:
         print("\nF1: a pod failed for good: not every pod came back")
+        if node.gpuguard:
+            print(node.log("gpuguard-readmit.service", lines=20))
         raise
     return pods, time.monotonic() - t0
 
@@ -277,7 +274,22 @@ def test_f1_with_gpuguard_every_pod_back_on_its_slot(
         assert [g["minor"] for g in node.inventory if g["uuid"] == c.visible] == free
         ids = [i for v in node.checkpoint_ids().values() for i in v]
         assert len(ids) == len(set(ids)), f"a GPU allocated twice: {node.checkpoint_ids()}"
+        # ... and it got it from the real plugin, which had registered after the reboot
+        allocs = node.plugin_allocations()
+        assert allocs and allocs[-1] == [c.visible], f"gpu-c: {c.visible}, plugin: {allocs}"
+        if node.kubelet.version != "1.20":
+            _bridge_vouched_only_held_gpus(node, held)
         run.done(len(held), seconds, outcome)
+
+
+def _bridge_vouched_only_held_gpus(node: GpuNode, held: List[Any]) -> None:
+    """kubelet 1.26+: gpuguard's bridge reported healthy exactly the GPUs of the pods
+    that came back, at this kubelet start, and kubelet never counted more GPUs than the
+    node has."""
+    (offer,) = node.bridge_offers()
+    assert sorted(offer["DEVICES"].split(",")) == sorted(c.visible for c in held), offer
+    caps = node.kubelet.capacities(node.kubelet_log())
+    assert caps and max(caps) <= len(node.inventory), caps
 
 
 @pytest.mark.parametrize("case", ("all", "one"))

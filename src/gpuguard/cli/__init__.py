@@ -14,6 +14,7 @@ from gpuguard.cli.args import _config, _inventory_path, _log, _opt, _root
 from gpuguard.cli.check import cmd_check
 from gpuguard.cli.checkpoint import cmd_checkpoint_canonical, cmd_checkpoint_inspect
 from gpuguard.cli.daemon import cmd_daemon
+from gpuguard.cli.readmit import cmd_readmit
 from gpuguard.cli.status import cmd_status
 from gpuguard.cli.switch import cmd_disable, cmd_enable
 from gpuguard.errors import GpuguardError
@@ -206,6 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", action="store_true", help="print the containers and their access as JSON"
     )
     sub.add_parser("catalog", parents=[common], help="print the journal message catalog")
+    sub.add_parser(
+        "readmit",
+        parents=[common],
+        help="the re-admission bridge of gpuguard-readmit.service (kubelet 1.26+: GPU pods "
+        "back after a reboot before the device plugin registers)",
+    )
     doc = sub.add_parser(
         "doctor",
         parents=[common],
@@ -329,6 +336,7 @@ COMMANDS = {
     "catalog": cmd_catalog,
     "disable": cmd_disable,
     "enable": cmd_enable,
+    "readmit": cmd_readmit,
 }
 
 

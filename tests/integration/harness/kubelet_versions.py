@@ -46,8 +46,6 @@ FLAG_FIELDS = {
     "--reserved-cpus": "reservedSystemCPUs",
     "--cpu-manager-reconcile-period": "cpuManagerReconcilePeriod",
 }
-#: the gRPC socket name gpuguard's re-admission bridge registers (docs/checkpoint.md)
-READMIT_ENDPOINT = "gpuguard/readmit.sock"
 
 
 def _sha256(path: Path) -> str:
@@ -141,12 +139,15 @@ class Kubelet:
 
     @staticmethod
     def registrations(log: str, resource: str = "nvidia.com/gpu") -> int:
-        """How often a device plugin other than gpuguard's bridge registered
-        ``resource`` and pushed its devices, in a kubelet run's log."""
+        """How often an endpoint registered ``resource`` and pushed its devices, in a
+        kubelet run's log (gpuguard's bridge included: neither logs the endpoint)."""
         res = re.escape(resource)
-        pushed = len(re.findall(rf'State pushed for device plugin"?\s+(?:resource=")?{res}', log))
-        bridge = len(re.findall(rf"Registering plugin at endpoint.*{READMIT_ENDPOINT}", log))
-        return max(pushed - bridge, 0)
+        return len(re.findall(rf'State pushed for device plugin"?\s+(?:resource=")?{res}', log))
+
+    @staticmethod
+    def capacities(log: str) -> List[int]:
+        """Every GPU capacity 1.34 logged ("resourceCapacity=3", "capacity=3")."""
+        return [int(n) for n in re.findall(r"\b(?:resourceCapacity|capacity)=(\d+)", log)]
 
     @staticmethod
     def runtime_seen(log: str) -> str:
