@@ -184,9 +184,15 @@ class GpuNode(KubeletNode):
         self.ns.wait_active("gpuguard.service", timeout=30)
         settle(self.ns)
 
-    def reboot(self, gpus: Sequence[Mapping[str, Any]], *, lose_state: bool = False) -> float:
+    def reboot(
+        self, gpus: Sequence[Mapping[str, Any]], *, lose_state: bool = False, plugin: str = "late"
+    ) -> float:
         """The node restarted with ``gpus``; returns time.monotonic() at kubelet's start.
-        ``lose_state``: gpuguard's state directory did not survive (a new disk)."""
+        ``lose_state``: gpuguard's state directory did not survive (a new disk).
+        ``plugin``: when the plugin double starts: ``late``, as a unit once kubelet has
+        judged every pod (a DaemonSet's pod); ``service``, as a unit right after
+        kubelet's (its real timing: it registers 0.3-1 s after kubelet's registration
+        server); ``pod``, as the static pod it already is (kubelet starts it)."""
         self.stop_kubelet()
         self.ns.systemctl("stop", PLUGIN)
         if self.gpuguard:
@@ -198,11 +204,16 @@ class GpuNode(KubeletNode):
         if self.gpuguard:
             self.start_gpuguard()
         t0 = self.start_kubelet()
+        if plugin == "service":
+            self.ns.systemctl("start", PLUGIN)
         # As at a boot: the plugin (a DaemonSet's pod, or a unit ordered after kubelet)
         # starts after kubelet has re-admitted its pods (each has a phase once judged).
         names = [p.stem for p in self.ns.path(MANIFESTS).glob("*.json")]
         self.wait_pods(lambda p: all(n in p and p[n].phase for n in names), 60, "re-admission")
-        self.start_plugin()
+        if plugin == "late":
+            self.start_plugin()
+        else:
+            self.wait_registered()
         return t0
 
     def checkpoint_ids(self) -> Dict[str, List[str]]:
