@@ -20,8 +20,10 @@ GPU gone for good; ``none``: no GPU changed); then until every pod has settled
   device was healthy);
 - the resident memory of gpuguard's daemon and of its bridge (``rss_kib``).
 
-Kubelets: ``--kubelet 1.20`` (default) or ``1.34`` (harness/kubelet_versions.py); on
-1.34 the plugin double starts right after kubelet, a host service's real timing.
+Kubelets: ``--kubelet 1.20`` (default) or ``1.34`` (harness/kubelet_versions.py).
+``--plugin late`` (default: the plugin double starts once kubelet has judged every pod,
+a host service's or DaemonSet's timing) or ``fast`` (1.34: started with kubelet, already
+waiting for its socket: racing the re-admission).
 
 Modes: ``none`` (kubelet without gpuguard's drop-in), ``gpuguard`` (the daemon and the
 pre-start hook, as installed). Stacks (tests/integration/kubelet_sites.py): ``host``
@@ -79,15 +81,17 @@ def log_marks(log: str) -> Dict[str, Optional[float]]:
     t: Dict[str, List[float]] = {"server": [], "pushed": [], "admit": []}
     for h, m, sec, text in KLOG.findall(log):
         at = (int(h) * 60 + int(m)) * 60 + float(sec)
-        if "Starting device plugin registration server" in text:
+        if "Starting device plugin registration server" in text or (
+            "Starting Device Plugin manager" in text  # 1.20 logs no server line
+        ):
             t["server"].append(at)
         elif "State pushed for device plugin" in text:
             t["pushed"].append(at)
-        elif "SyncLoop ADD" in text and "file" in text:
+        elif re.search(r"SyncLoop \(?ADD", text) and "file" in text:
             t["admit"].append(at)
     if not t["server"]:
         return {"healthy_ms": None, "plugin_ms": None, "admit_ms": None, "margin_ms": None}
-    zero = t["server"][-1]
+    zero = t["server"][-1]  # this run's, after the reboot
 
     def ms(xs: List[float], last: bool = False) -> Optional[float]:
         xs = [x for x in xs if x >= zero]
@@ -114,7 +118,13 @@ def rss_kib(node: Any, unit: str) -> Optional[int]:
 
 
 def one_round(
-    work: Path, api: Path, case: str, mode: str, stack: str, kubelet: str = "1.20"
+    work: Path,
+    api: Path,
+    case: str,
+    mode: str,
+    stack: str,
+    kubelet: str = "1.20",
+    plugin: str = "late",
 ) -> Dict[str, Any]:
     made: List[SystemdNamespace] = []
 
@@ -127,7 +137,6 @@ def one_round(
     where = site(stack, factory)
     try:
         node = boot_on(where, work, api, gpuguard=mode == "gpuguard", kubelet=kubelet)
-        plugin = "late" if kubelet == "1.20" else "service"
         try:
             _slots, _before, t0 = f1_reboot(node, case, plugin=plugin)
         except AssertionError:  # the plugin never registered (every pod failed first)
@@ -166,6 +175,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--modes", default="none,gpuguard")
     ap.add_argument("--stack", default="host", help="host, or a release's root: trixie")
     ap.add_argument("--kubelet", default="1.20", choices=("1.20", "1.34"))
+    ap.add_argument("--plugin", default="late", choices=("late", "fast"))
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-kubelet-f1-") as tmp:
         api = api_code(Path(tmp) / "api")
@@ -175,7 +185,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 seconds: List[float] = []
                 for i in range(args.n):
                     work = Path(tmp) / f"{mode}-{case}-{i}"
-                    r = one_round(work, api, case, mode, args.stack, args.kubelet)
+                    r = one_round(work, api, case, mode, args.stack, args.kubelet, args.plugin)
                     took = f"{r['seconds']:.1f}" if r["seconds"] is not None else "-"
                     each = [f"{k}=Running@{v:.1f}s" for k, v in sorted(r["up"].items())]
                     each += [f"{k}={v}" for k, v in sorted(r["others"].items())]
@@ -183,7 +193,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         f"stack={args.stack} case={case} gpuguard={label} "
                         f"pods_back={r['back']}/{len(F1_PODS)} seconds_to_running={took} "
                         + " ".join(each)
-                        + f" kubelet={args.kubelet}"
+                        + f" kubelet={args.kubelet} plugin={args.plugin}"
                         + "".join(
                             f" {k}={r[k] if r[k] is not None else '-'}"
                             for k in ("healthy_ms", "plugin_ms", "admit_ms", "margin_ms")

@@ -190,9 +190,11 @@ class GpuNode(KubeletNode):
         """The node restarted with ``gpus``; returns time.monotonic() at kubelet's start.
         ``lose_state``: gpuguard's state directory did not survive (a new disk).
         ``plugin``: when the plugin double starts: ``late``, as a unit once kubelet has
-        judged every pod (a DaemonSet's pod); ``service``, as a unit right after
-        kubelet's (its real timing: it registers 0.3-1 s after kubelet's registration
-        server); ``pod``, as the static pod it already is (kubelet starts it)."""
+        judged every pod (it registers 0.3-1 s after kubelet's registration server, as
+        NVIDIA's plugin does as a host service ordered after kubelet, or later as a
+        DaemonSet's pod); ``fast``, as a unit right after kubelet's, already waiting
+        for kubelet.sock (it registers 20-60 ms after the registration server: racing
+        kubelet's re-admission); ``pod``, as the static pod it already is."""
         self.stop_kubelet()
         self.ns.systemctl("stop", PLUGIN)
         if self.gpuguard:
@@ -204,7 +206,7 @@ class GpuNode(KubeletNode):
         if self.gpuguard:
             self.start_gpuguard()
         t0 = self.start_kubelet()
-        if plugin == "service":
+        if plugin == "fast":
             self.ns.systemctl("start", PLUGIN)
         # As at a boot: the plugin (a DaemonSet's pod, or a unit ordered after kubelet)
         # starts after kubelet has re-admitted its pods (each has a phase once judged).

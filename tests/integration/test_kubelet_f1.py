@@ -81,9 +81,6 @@ ROOT_RUNS: Dict[str, Dict[str, Tuple[str, ...]]] = {
 K134_RUNS: Dict[str, Tuple[str, ...]] = {"none": ("none",), "yes": ("none", "one", "all", "gone")}
 
 
-PLUGIN_TIMING = {"1.20": "late", "1.34": "service"}
-
-
 def runs(mode: str) -> List[Any]:
     """(stack, case) of the tests of ``mode`` ("none": without gpuguard, "yes": with)."""
     out = [pytest.param("host", c, id=f"host-{c}") for c in F1_CASES]
@@ -251,9 +248,7 @@ def test_f1_with_gpuguard_every_pod_back_on_its_slot(
 ) -> None:
     with F1Run(request, stack, case, "yes") as run:
         node = run.node = _boot(sites, stack, tmp_path, api, gpuguard=True)
-        # 1.34: the plugin a host service with its real timing (1.20 allocates at
-        # container start for a pod admitted before it registers: harness/kubelet.py)
-        slots, before, t0 = f1_reboot(node, case, plugin=PLUGIN_TIMING[node.kubelet.version])
+        slots, before, t0 = f1_reboot(node, case)
         pods, seconds = _gpu_pods_back(node, case, t0)
         held = []
         for name in _still_there(case):

@@ -1,7 +1,8 @@
 """gpuguard's re-admission bridge on the real kubelet 1.34 (src/gpuguard/readmit/),
 beyond the F1 cases of test_kubelet_f1.py (``host-1.34-*``: the plugin a host service
-with its real timing):
+registering once kubelet has judged its pods, 0.3-1 s after its registration server):
 
+* a fast plugin, started with kubelet, racing the bridge and kubelet's re-admission;
 * the plugin as a privileged static pod (NVIDIA's DaemonSet's way): after a reboot in
   which every GPU changed its UUID, kubelet re-admits both GPU pods on their slots
   (the bridge reported their remapped GPUs healthy), starts the plugin's pod, and a
@@ -71,14 +72,39 @@ def test_plugin_as_static_pod_every_pod_back_on_its_slot(
     assert len(ids) == len(set(ids)), node.checkpoint_ids()
 
 
+def test_fast_plugin_racing_the_bridge(systemd_ns: NsFactory, tmp_path: Path, api: Path) -> None:
+    """The plugin started with kubelet, already waiting for kubelet.sock: it registers
+    20-60 ms after kubelet's registration server, about when the bridge does and maybe
+    before kubelet's re-admission. Whichever registers first, every pod comes back on
+    its slot and a new pod gets the free GPU from the plugin."""
+    node = boot(systemd_ns, tmp_path, api, gpuguard=True, kubelet="1.34")
+    slots = two_gpu_pods(node)
+    node.reboot(gpus_after(node, "all", slots["gpu-b"]), plugin="fast")
+    node.wait_pods(
+        lambda p: all(n in p and p[n].running for n in F1_PODS),
+        60,
+        "both GPU pods Running again",
+        never=lambda p: any(n in p and p[n].phase == "Failed" for n in F1_PODS),
+    )
+    held = [node.running(n) for n in F1_PODS]
+    assert {c.pod: node.slot(c) for c in held} == slots
+    node.write_pod(gpu_pod("gpu-c"))
+    node.wait_pods(lambda p: "gpu-c" in p and p["gpu-c"].running, 60, "gpu-c running")
+    c = node.running("gpu-c")
+    assert node.plugin_allocations()[-1] == [c.visible]
+    assert [g["minor"] for g in node.inventory if g["uuid"] == c.visible] == free_minor(node, held)
+    caps = node.kubelet.capacities(node.kubelet_log())
+    assert caps and max(caps) <= len(node.inventory), caps
+
+
 def test_observe_mode_registers_nothing(systemd_ns: NsFactory, tmp_path: Path, api: Path) -> None:
     node = boot(
         systemd_ns, tmp_path, api, gpuguard=True, kubelet="1.34", config="[Daemon]\nMode=observe\n"
     )
     slots = two_gpu_pods(node)
-    # the plugin once kubelet judged the pods: under load a plugin started with kubelet
-    # may register before kubelet's re-admission, which then needs no bridge
-    node.reboot(gpus_after(node, "none", slots["gpu-b"]), plugin="late")
+    # the plugin once kubelet judged the pods (a fast one may register before kubelet's
+    # re-admission, which then needs no bridge)
+    node.reboot(gpus_after(node, "none", slots["gpu-b"]))
     pods = node.wait_pods(
         lambda p: all(n in p and p[n].phase == "Failed" for n in F1_PODS), 60, "pods Failed"
     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import pytest
 from hypothesis import given
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from gpuguard.checkpoint.model import PodDevicesEntry
 from gpuguard.host.paths import Root
-from gpuguard.readmit import wire
+from gpuguard.readmit import Readmit, wire
 from gpuguard.readmit.observe import KubeletVersion, kubelet_version
 from gpuguard.readmit.plan import decide
 from gpuguard.readmit.serve import endpoint
@@ -163,3 +163,89 @@ def test_the_version_is_asked_once_per_binary_and_only_of_a_kubelet(tmp_path: Pa
     assert kubelet_version(root, "/bin/sh-like", None).version == ""  # not run
     exe.chmod(0o777)  # anyone may write it: not run
     assert kubelet_version(root, "/usr/bin/kubelet", None).version == ""
+
+
+# -- the loop's decision at a kubelet start (readmit/__init__.py), on a fake root ---------
+
+
+class FakeBridge:
+    def __init__(self) -> None:
+        self.registered: list[tuple[str, tuple[str, ...]]] = []
+
+    def register(self, resource: str, ids: tuple[str, ...], timeout: float = 5.0) -> None:
+        self.registered.append((resource, ids))
+
+
+def _node(tmp_path: Path, config: str = "") -> tuple[Root, Readmit, FakeBridge, list[str]]:
+    from gpuguard.checkpoint.codec import marshal
+    from gpuguard.checkpoint.model import Checkpoint
+    from gpuguard.config import load_config
+    from gpuguard.journal.log import EventLog
+    from gpuguard.readmit import Inputs
+
+    root = Root(tmp_path)
+    plugins = tmp_path / "var/lib/kubelet/device-plugins"
+    plugins.mkdir(parents=True)
+    cp = Checkpoint("v2", (entry("pod-a", ["GPU-a"]), entry("pod-b", ["GPU-b"])), {}, 0)
+    (plugins / "kubelet_internal_checkpoint").write_bytes(marshal(cp))
+    (tmp_path / "etc/gpuguard").mkdir(parents=True)
+    (tmp_path / "etc/gpuguard/gpuguard.conf").write_text(config)
+    said: list[str] = []
+
+    class Log(EventLog):
+        def event(self, kind: str, msg: str, **kw: Any) -> None:  # type: ignore[override]
+            said.append(f"{kind}: {msg}")
+
+    bridge = FakeBridge()
+
+    def inputs() -> Inputs:
+        return Inputs(load_config(root), frozenset({"GPU-a", "GPU-b", "GPU-c"}), "")
+
+    r = Readmit(root, Log(stream_format="none"), inputs, bridge)  # type: ignore[arg-type]
+    return root, r, bridge, said
+
+
+def test_a_kubelet_start_after_a_reboot_registers_the_held_gpus(tmp_path: Path) -> None:
+    _root, r, bridge, said = _node(tmp_path)
+    r.prepare()  # before kubelet's start
+    r.on_kubelet_start()
+    assert bridge.registered == [("nvidia.com/gpu", ("GPU-a", "GPU-b"))]
+    assert said[-1].startswith("readmit-offered: kubelet started: reported 2 nvidia.com/gpu")
+
+
+def test_observe_mode_the_off_switch_and_a_plugin_first_register_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _root, r, bridge, said = _node(tmp_path, "[Daemon]\nMode=observe\n")
+    r.on_kubelet_start()
+    assert bridge.registered == [] and said[-1].startswith("readmit-observe:")
+    _root, r, bridge, said = _node(tmp_path / "off")
+    (tmp_path / "off/etc/gpuguard/disabled").write_text("INC-1\n")
+    r.on_kubelet_start()
+    assert bridge.registered == [] and "gpuguard is off" in said[-1]
+    import socket
+
+    _root, r, bridge, said = _node(tmp_path / "plugin")
+    s = socket.socket(socket.AF_UNIX)
+    monkeypatch.chdir(tmp_path / "plugin/var/lib/kubelet/device-plugins")
+    s.bind("nvidia-gpu.sock")  # relative: a tmp path is past AF_UNIX's 108 bytes
+    try:
+        r.on_kubelet_start()
+    finally:
+        s.close()
+    assert bridge.registered == [] and "a device plugin serves already" in said[-1]
+
+
+def test_a_checkpoint_rewritten_after_the_decision_is_read_again(tmp_path: Path) -> None:
+    from gpuguard.checkpoint.codec import marshal
+    from gpuguard.checkpoint.model import Checkpoint
+
+    _root, r, bridge, _said = _node(tmp_path)
+    r.prepare()
+    cp = Checkpoint("v2", (entry("pod-a", ["GPU-c"]),), {}, 0)  # the pre-start hook's remap
+    path = tmp_path / "var/lib/kubelet/device-plugins/kubelet_internal_checkpoint"
+    tmp = path.with_name(".new")
+    tmp.write_bytes(marshal(cp))
+    tmp.rename(path)
+    r.on_kubelet_start()
+    assert bridge.registered == [("nvidia.com/gpu", ("GPU-c",))]

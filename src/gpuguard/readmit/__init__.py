@@ -38,9 +38,11 @@ from gpuguard.journal.log import EventLog
 from gpuguard.readmit.observe import alive_pods, other_sockets
 from gpuguard.readmit.plan import Decision, decide
 from gpuguard.readmit.serve import Bridge, endpoint
+from gpuguard.readmit.watch import DirWatch
 
-POLL = 0.005  # seconds between looks for a new kubelet.sock (a stat each)
+POLL = 1.0  # seconds at most between looks for a new kubelet.sock (inotify wakes it)
 REFRESH = 60.0  # configuration and inventory read again this often while idle
+AHEAD = 5.0  # the decision made ahead is made again this often (pods that died)
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,30 @@ class Readmit:
         self.inputs = read_inputs()
         self.bridge = bridge
         self.plugins_dir = root.path(Path(self.inputs.cfg.kubelet.checkpoint_path).parent)
+        # the decision made ahead, for the checkpoint as it was then (its identity)
+        self.ahead: Optional[tuple[tuple[int, int, int], float, Decision]] = None
+
+    def checkpoint_key(self) -> tuple[int, int, int]:
+        try:
+            st = os.stat(self.root.path(self.inputs.cfg.kubelet.checkpoint_path))
+        except OSError:
+            return (0, 0, 0)
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def prepare(self) -> None:
+        """Decide ahead of kubelet's start, so that its start costs a stat and the
+        registration: again whenever the checkpoint changed (gpuguard's pre-start hook
+        writes it just before kubelet starts) and every AHEAD seconds (pods that died)."""
+        key = self.checkpoint_key()
+        now = time.monotonic()
+        if self.ahead is None or self.ahead[0] != key or now - self.ahead[1] > AHEAD:
+            self.ahead = (key, now, self.decision())
+
+    def decided(self) -> Decision:
+        """The decision made ahead when the checkpoint is still the same, else now."""
+        if self.ahead is not None and self.ahead[0] == self.checkpoint_key():
+            return self.ahead[2]
+        return self.decision()
 
     def kubelet_sock(self) -> Optional[tuple[int, int]]:
         """kubelet.sock's identity: its inode and change time (a kubelet start removes
@@ -84,8 +110,17 @@ class Readmit:
         that has re-admitted its pods already, never registered with."""
         seen = self.kubelet_sock()
         refreshed = time.monotonic()
+        watch = DirWatch(self.plugins_dir)
         while not stop():
+            watch.wait(POLL)
             sock = self.kubelet_sock()
+            if sock is None or sock == seen:
+                try:
+                    self.prepare()
+                except Exception as e:  # decided again at kubelet's start
+                    self.ahead = None
+                    self.elog.event("debug", f"deciding ahead failed: {e!r}"[:300], level="debug")
+                sock = self.kubelet_sock()  # kubelet may have started meanwhile
             if sock is not None and sock != seen:
                 seen = sock
                 try:
@@ -96,7 +131,7 @@ class Readmit:
             if time.monotonic() - refreshed > REFRESH:
                 self.inputs = self.read_inputs()
                 refreshed = time.monotonic()
-            time.sleep(POLL)
+        watch.close()
 
     def decision(self) -> Decision:
         cfg = self.inputs.cfg
@@ -116,7 +151,7 @@ class Readmit:
         if off is not None:
             self.elog.event("readmit-skip", f"gpuguard is off ({off.describe()}): no offer")
             return
-        d = self.decision()
+        d = self.decided()
         if not d.offers:
             self.elog.event("readmit-skip", f"kubelet started: no offer: {d.why}")
             return
