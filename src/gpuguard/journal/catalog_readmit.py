@@ -44,6 +44,17 @@ READMIT_KINDS: dict[str, tuple[str, str]] = {
         "gpuguard is off. The message says which; docs/checkpoint.md says how to turn "
         "it on whatever the version (a drop-in of gpuguard-readmit.service).",
     ),
+    "readmit-raced": (
+        "a device plugin registered at the same moment as gpuguard's re-admission bridge",
+        "kubelet handles the registration that comes last as the resource's endpoint. "
+        "The bridge registers only while no device plugin socket exists, but a plugin "
+        "already waiting for kubelet (a host service started with it) may register "
+        "within the same milliseconds. If the plugin's registration came first, kubelet "
+        "now asks the bridge, which allocates nothing, for new pods' devices, and sees "
+        "only the held devices as healthy: new GPU pods fail admission until the plugin "
+        "registers again. Restart the plugin (its pod, or its unit). Pods that ran "
+        "before are not affected. " + _WHY,
+    ),
     "readmit-stream": (
         "kubelet asked gpuguard's re-admission bridge for its devices",
         "kubelet opened the bridge's ListAndWatch stream after its registration; the "

@@ -191,3 +191,18 @@ class Readmit:
                 f"({d.why}; {ms:.0f} ms after kubelet.sock appeared)",
                 fields={**fields, "LATENCY_MS": f"{ms:.1f}"},
             )
+            # A plugin's socket exists before kubelet handles its registration: none now
+            # means the plugin registers after the bridge and replaces it. One now may
+            # have registered first, and been replaced by the bridge (the race its
+            # start-up waits to avoid): then new pods find only the held devices.
+            raced = other_sockets(self.plugins_dir)
+            if raced:
+                self.elog.event(
+                    "readmit-raced",
+                    f"a device plugin ({', '.join(raced)[:200]}) registered at the same "
+                    f"moment as the bridge's {o.resource}: if it registered first, kubelet "
+                    "now offers new pods only the held devices until the plugin registers "
+                    "again (restart it)",
+                    level="warning",
+                    fields={**fields, "PLUGINS": ",".join(raced)},
+                )
