@@ -18,7 +18,9 @@ GPU gone for good; ``none``: no GPU changed); then until every pod has settled
   first admission of a pod (``admit_ms``: its ``SyncLoop ADD`` of the static pods);
   ``margin_ms`` = admit_ms - healthy_ms (negative: kubelet judged the pods before any
   device was healthy);
-- the resident memory of gpuguard's daemon and of its bridge (``rss_kib``).
+- the resident memory of gpuguard's daemon and of its bridge (``rss_kib``), and the
+  bridge's start to READY and when that came after gpuguard.service's READY
+  (``bridge_ready``: kubelet is ordered after both, so a negative figure cost it nothing).
 
 Kubelets: ``--kubelet 1.20`` (default) or ``1.34`` (harness/kubelet_versions.py).
 ``--plugin late`` (default: the plugin double starts once kubelet has judged every pod,
@@ -117,6 +119,26 @@ def rss_kib(node: Any, unit: str) -> Optional[int]:
     return int(m[1]) if m else None
 
 
+def bridge_start(node: Any) -> str:
+    """The bridge's start to READY (ms), and how long after gpuguard.service's own
+    READY it came (ms; <= 0: kubelet, ordered after both, waited nothing for it)."""
+    if not node.gpuguard:
+        return "-"
+
+    def at(unit: str, prop: str) -> int:
+        return int(node.ns.unit_property(unit, prop) or 0)
+
+    unit = "gpuguard-readmit.service"
+    start, ready = (
+        at(unit, "ExecMainStartTimestampMonotonic"),
+        at(unit, "ActiveEnterTimestampMonotonic"),
+    )
+    daemon = at("gpuguard.service", "ActiveEnterTimestampMonotonic")
+    if not (start and ready and daemon):
+        return "-"
+    return f"{(ready - start) / 1000:.0f}ms,after_daemon={(ready - daemon) / 1000:.0f}ms"
+
+
 def one_round(
     work: Path,
     api: Path,
@@ -156,6 +178,7 @@ def one_round(
         rss = {u: rss_kib(node, u) for u in ("gpuguard.service", "gpuguard-readmit.service")}
         return {
             **log_marks(node.kubelet_log()),
+            "bridge_ready": bridge_start(node),
             "rss_kib": ",".join(f"{u.split('.')[0]}={v}" for u, v in rss.items() if v),
             "back": len(up),
             "seconds": max(up.values()) if len(up) == expected else None,
@@ -198,7 +221,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             f" {k}={r[k] if r[k] is not None else '-'}"
                             for k in ("healthy_ms", "plugin_ms", "admit_ms", "margin_ms")
                         )
-                        + f" rss_kib={r['rss_kib'] or '-'}",
+                        + f" rss_kib={r['rss_kib'] or '-'} bridge_ready={r['bridge_ready']}",
                         flush=True,
                     )
                     if r["seconds"] is not None:

@@ -9,7 +9,8 @@ registering once kubelet has judged its pods, 0.3-1 s after its registration ser
   new GPU pod gets the one free GPU: from the plugin, since the bridge serves no
   Allocate;
 * observe mode: the bridge registers nothing and says what it would have reported;
-  kubelet then rejects the pods as it does without gpuguard;
+  kubelet then rejects the pods as it does without gpuguard, and the bridge names each
+  (``readmit-rejected``: namespace/name and kubelet's reason);
 * kubelet 1.20 (harness/kubelet_versions.py): the bridge stays off, told by the kubelet
   unit's executable's ``--version``.
 
@@ -120,6 +121,13 @@ def test_observe_mode_registers_nothing(systemd_ns: NsFactory, tmp_path: Path, a
     assert node.bridge_offers() == []
     (seen,) = wait_for(lambda: readmit_events(node, "readmit-observe"), 10, "the observe entry")
     assert sorted(seen["DEVICES"].split(",")) == sorted(slot_uuids(node, slots))
+    # and the pods kubelet rejected are named, with kubelet's reason
+
+    def named() -> List[str]:
+        return sorted(e["POD"] for e in readmit_events(node, "readmit-rejected"))
+
+    want = [f"default/{n}-gpunode" for n in F1_PODS]
+    wait_for(lambda: named() == want, 30, "the rejected pods named")
 
 
 def slot_uuids(node: GpuNode, slots: Dict[str, str]) -> List[str]:

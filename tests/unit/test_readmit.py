@@ -249,3 +249,26 @@ def test_a_checkpoint_rewritten_after_the_decision_is_read_again(tmp_path: Path)
     tmp.rename(path)
     r.on_kubelet_start()
     assert bridge.registered == [("nvidia.com/gpu", ("GPU-c",))]
+
+
+def test_the_pods_kubelet_rejected_are_read_from_its_log() -> None:
+    """kubelet 1.34.9's own lines (allocation_manager.go), as journald keeps them."""
+    from gpuguard.readmit.rejected import rejections
+
+    log = (
+        'I1128 12:20:35.778873     757 allocation_manager.go:702] "Pod admission denied" '
+        'podUID="5be161ab-85e5-5281-8e74-7c9c806b281d" pod="default/gpu-a-gpunode" '
+        'reason="UnexpectedAdmissionError" message="Allocate failed due to no healthy '
+        "devices present; cannot allocate unhealthy devices nvidia.com/gpu, which is "
+        'unexpected"\n'
+        'I1128 12:20:35.778949     757 allocation_manager.go:702] "Pod admission denied" '
+        'podUID="u2" pod="default/big" reason="OutOfmemory" message="Node didn\'t have '
+        'enough resource: memory"\n'
+    )
+    (r,) = rejections(log)
+    assert (r.pod, r.pod_uid, r.reason) == (
+        "default/gpu-a-gpunode",
+        "5be161ab-85e5-5281-8e74-7c9c806b281d",
+        "UnexpectedAdmissionError",
+    )
+    assert r.message.startswith("Allocate failed due to no healthy devices present")

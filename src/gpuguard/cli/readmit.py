@@ -26,6 +26,7 @@ def cmd_readmit(args: argparse.Namespace) -> int:
         read_cached,
         unit_executable,
     )
+    from gpuguard.readmit.rejected import Rejection, RejectionWatch
     from gpuguard.readmit.serve import Bridge
 
     root = _root(args)
@@ -39,10 +40,11 @@ def cmd_readmit(args: argparse.Namespace) -> int:
     cfg = _config(args, root)
     elog = _log(args, cfg, root)
     mode = os.environ.get("GPUGUARD_READMIT", "auto")
+    found = unit_executable(cfg.systemd.kubelet_units)
+    kubelet_unit = found[0] if found else cfg.systemd.kubelet_units[0]
     if mode != "on":
-        exe = unit_executable(cfg.systemd.kubelet_units)
         cached = read_cached(root)
-        kv = kubelet_version(root, exe, cached) if exe else None
+        kv = kubelet_version(root, found[1], cached) if found else None
         if kv is not None and kv != cached and kv.version:
             with contextlib.suppress(OSError, GpuguardError):  # asked again next time
                 write_state(root.path(CACHE_FILE), CACHE, kv)
@@ -91,7 +93,16 @@ def cmd_readmit(args: argparse.Namespace) -> int:
         )
         notifier.ready("off")
         return 0
-    readmit = Readmit(root, elog, read_inputs, bridge)
+
+    def named(r: Rejection) -> None:
+        elog.event(
+            "readmit-rejected",
+            f"kubelet rejected GPU pod {r.pod} at its start: {r.message}",
+            level="warning",
+            fields={"POD": r.pod, "POD_UID": r.pod_uid, "REASON": r.reason},
+        )
+
+    readmit = Readmit(root, elog, read_inputs, bridge, RejectionWatch(kubelet_unit, named))
     notifier.ready("waiting for kubelet")
     readmit.run(lambda: bool(stopping))
     bridge.stop()

@@ -55,6 +55,16 @@ READMIT_KINDS: dict[str, tuple[str, str]] = {
         "registers again. Restart the plugin (its pod, or its unit). Pods that ran "
         "before are not affected. " + _WHY,
     ),
+    "readmit-rejected": (
+        "kubelet rejected a GPU pod at its start",
+        "kubelet's device manager refused to admit the pod the message names "
+        "(UnexpectedAdmissionError: no healthy devices present, previously allocated "
+        "devices no longer healthy, or none available). A static or bare pod stays "
+        "Failed for good; a controller's pod is replaced on any free GPU. gpuguard's "
+        "re-admission bridge reads kubelet's journal for two minutes after each kubelet "
+        "start and names each such pod once: with gpuguard off or observing, a GPU gone "
+        "for good, or a bridge that could not register, these are the pods lost. " + _WHY,
+    ),
     "readmit-stream": (
         "kubelet asked gpuguard's re-admission bridge for its devices",
         "kubelet opened the bridge's ListAndWatch stream after its registration; the "

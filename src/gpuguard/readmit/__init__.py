@@ -37,6 +37,7 @@ from gpuguard.host.paths import Root
 from gpuguard.journal.log import EventLog
 from gpuguard.readmit.observe import alive_pods, other_sockets
 from gpuguard.readmit.plan import Decision, decide
+from gpuguard.readmit.rejected import RejectionWatch
 from gpuguard.readmit.serve import Bridge, endpoint
 from gpuguard.readmit.watch import DirWatch
 
@@ -64,12 +65,14 @@ class Readmit:
         elog: EventLog,
         read_inputs: Callable[[], Inputs],
         bridge: Bridge,
+        rejected: Optional[RejectionWatch] = None,
     ) -> None:
         self.root = root
         self.elog = elog
         self.read_inputs = read_inputs
         self.inputs = read_inputs()
         self.bridge = bridge
+        self.rejected = rejected
         self.plugins_dir = root.path(Path(self.inputs.cfg.kubelet.checkpoint_path).parent)
         # the decision made ahead, for the checkpoint as it was then (its identity)
         self.ahead: Optional[tuple[tuple[int, int, int], float, Decision]] = None
@@ -147,6 +150,8 @@ class Readmit:
 
     def on_kubelet_start(self) -> None:
         t0 = time.monotonic()
+        if self.rejected is not None:  # the pods kubelet rejects now, named (any mode)
+            self.rejected.start(time.time() - 5)
         off = read_off_switch(self.root)
         if off is not None:
             self.elog.event("readmit-skip", f"gpuguard is off ({off.describe()}): no offer")

@@ -68,8 +68,8 @@ CACHE: StateFile[KubeletVersion] = StateFile(
 )
 
 
-def unit_executable(units: Sequence[str]) -> Optional[str]:
-    """The executable of the first of ``units`` that systemd has loaded, as its
+def unit_executable(units: Sequence[str]) -> Optional[tuple[str, str]]:
+    """The first of ``units`` that systemd has loaded and its executable, as its
     ExecStart= names it (``{ path=/usr/bin/kubelet ; argv[]=... }``)."""
     for unit in units:
         try:
@@ -78,7 +78,7 @@ def unit_executable(units: Sequence[str]) -> Optional[str]:
             return None
         m = re.search(r"path=(/\S+)", res.stdout)
         if res.returncode == 0 and m:
-            return m[1]
+            return unit, m[1]
     return None
 
 
