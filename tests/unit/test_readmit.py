@@ -161,6 +161,13 @@ def test_the_version_is_asked_once_per_binary_and_only_of_a_kubelet(tmp_path: Pa
     other.write_text("#!/bin/sh\necho v9.9.9\n")
     other.chmod(0o755)
     assert kubelet_version(root, "/bin/sh-like", None).version == ""  # not run
+    k3s = tmp_path / "usr/local/bin/k3s-agent"  # a stand-in: python3's "Python 3.11.2"
+    k3s.parent.mkdir(parents=True)
+    k3s.write_text("#!/bin/sh\necho 'Python 3.11.2'\n")
+    k3s.chmod(0o755)
+    assert kubelet_version(root, "/usr/local/bin/k3s-agent", None).version == ""
+    k3s.write_text("#!/bin/sh\necho 'k3s version v1.28.5+k3s1 (5b2d1271)'\n")
+    assert kubelet_version(root, "/usr/local/bin/k3s-agent", None).version == "1.28"
     exe.chmod(0o777)  # anyone may write it: not run
     assert kubelet_version(root, "/usr/bin/kubelet", None).version == ""
 

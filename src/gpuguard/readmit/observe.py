@@ -26,7 +26,8 @@ NEEDS_BRIDGE = (1, 26)
 #: executables whose ``--version`` names the kubelet they run: kubelet, or k3s and
 #: RKE2, which run kubelet inside their own binary
 KUBELET_NAMES = re.compile(r"kubelet|k3s|rke2")
-VERSION = re.compile(r"\bv?(\d+)\.(\d+)\.\d+")
+#: "Kubernetes v1.34.9", "k3s version v1.28.5+k3s1 (...)": a version with its "v"
+VERSION = re.compile(r"\bv(\d+)\.(\d+)\.\d+")
 CACHE_FILE = f"{STATE_DIR}/kubelet-version.json"
 CGROUP_TOPS = ("/sys/fs/cgroup/systemd", "/sys/fs/cgroup/unified", "/sys/fs/cgroup")
 
@@ -43,7 +44,7 @@ class KubeletVersion:
     @property
     def needs_bridge(self) -> Optional[bool]:
         """True from 1.26, False before; None when the version is unknown."""
-        m = VERSION.search(self.version + ".0")
+        m = re.fullmatch(r"(\d+)\.(\d+)", self.version)
         if not m:
             return None
         return (int(m[1]), int(m[2])) >= NEEDS_BRIDGE
@@ -102,7 +103,7 @@ def kubelet_version(root: Root, path: str, cached: Optional[KubeletVersion]) -> 
     if st.st_uid != 0 or st.st_mode & 0o022 or not stat.S_ISREG(st.st_mode):
         return KubeletVersion(path, ident, "", f"{path}: not a root-owned file only root writes")
     try:
-        res = commands.run([str(root.path(path)), "--version"], timeout=15)
+        res = commands.run([str(root.path(path)), "--version"], timeout=5)
     except GpuguardError as e:
         return KubeletVersion(path, ident, "", str(e)[:200])
     line = (res.stdout or res.stderr).strip().splitlines()[:1]
