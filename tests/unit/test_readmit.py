@@ -178,9 +178,13 @@ def test_the_version_is_asked_once_per_binary_and_only_of_a_kubelet(tmp_path: Pa
 class FakeBridge:
     def __init__(self) -> None:
         self.registered: list[tuple[str, tuple[str, ...]]] = []
+        self.served: set[str] = set()
 
     def register(self, resource: str, ids: tuple[str, ...], timeout: float = 5.0) -> None:
         self.registered.append((resource, ids))
+
+    def serve(self, resource: str) -> None:
+        self.served.add(resource)
 
 
 def _node(tmp_path: Path, config: str = "") -> tuple[Root, Readmit, FakeBridge, list[str]]:
@@ -214,7 +218,8 @@ def _node(tmp_path: Path, config: str = "") -> tuple[Root, Readmit, FakeBridge, 
 
 def test_a_kubelet_start_after_a_reboot_registers_the_held_gpus(tmp_path: Path) -> None:
     _root, r, bridge, said = _node(tmp_path)
-    r.prepare()  # before kubelet's start
+    r.prepare()  # before kubelet's start: its endpoint made then
+    assert bridge.served == {"nvidia.com/gpu"}
     r.on_kubelet_start()
     assert bridge.registered == [("nvidia.com/gpu", ("GPU-a", "GPU-b"))]
     assert said[-1].startswith("readmit-offered: kubelet started: reported 2 nvidia.com/gpu")

@@ -92,6 +92,8 @@ class Readmit:
         now = time.monotonic()
         if self.ahead is None or self.ahead[0] != key or now - self.ahead[1] > AHEAD:
             self.ahead = (key, now, self.decision())
+            for o in self.ahead[2].offers:  # its endpoint listening before kubelet starts
+                self.bridge.serve(o.resource)
 
     def decided(self) -> Decision:
         """The decision made ahead when the checkpoint is still the same, else now."""
