@@ -9,7 +9,7 @@ _WHY = (
     "is not running (UnexpectedAdmissionError, 'no healthy devices present'): after a "
     "reboot, every GPU pod. The bridge reports healthy, for that moment only, the "
     "devices the checkpoint's pods hold and the node has; the real plugin serves every "
-    "new pod once it registers. docs/checkpoint.md explains it."
+    "new pod once it registers. gpuguard(8) explains it (readmit)."
 )
 
 READMIT_KINDS: dict[str, tuple[str, str]] = {
@@ -41,7 +41,7 @@ READMIT_KINDS: dict[str, tuple[str, str]] = {
         "The kubelet of this node does not need it (before 1.26 kubelet reuses a "
         "checkpointed allocation without a plugin), its version could not be told, "
         "python3-grpcio is not installed, the unit's environment turns it off, or "
-        "gpuguard is off. The message says which; docs/checkpoint.md says how to turn "
+        "gpuguard is off. The message says which; gpuguard(8) (readmit) says how to turn "
         "it on whatever the version (a drop-in of gpuguard-readmit.service).",
     ),
     "readmit-raced": (

@@ -2,7 +2,7 @@
 
 1.20's binary is built from Debian 12's own source package and cached by
 ``scripts/build-kubelet`` (``scripts/bootstrap --full`` runs it; :func:`kubelet_binary`
-finds it); 1.34's is unpacked from ``../shared/kubelet/`` and run from a
+finds it); 1.34's is the prebuilt one beside the checkout, unpacked and run from a
 KubeletConfiguration (harness/kubelet_versions.py). It runs standalone, as
 ``kubelet.service`` of a :class:`SystemdNamespace`
 (this machine's systemd, or a Debian release's root booted with its own:
