@@ -161,7 +161,7 @@ def render_reload(cells: List[Cell]) -> str:
 def f1_stack(c: Cell) -> str:
     where = (
         "this machine's own, in a systemd namespace"
-        if c["stack"] == "host"
+        if c["stack"].startswith("host")
         else "a debootstrapped root booted with its own systemd"
     )
     return f"{RELEASE.get(c['suite'], c['suite'])} ({c['suite']}): {where}"

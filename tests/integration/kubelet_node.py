@@ -27,7 +27,7 @@ import pytest
 from gpuguard.checkpoint import parse
 from gpuguard.devices.probe import probe_open
 from integration.gpu_scopes import UVM_MAJOR, fake_proc_devices, gpu_inventory
-from integration.gpuguard_ns import settle, wait_for
+from integration.gpuguard_ns import GPUGUARD, settle, wait_for
 from integration.harness import SystemdNamespace, require_systemd_ns
 from integration.harness.kubelet import (
     CHECKPOINT,
@@ -38,14 +38,30 @@ from integration.harness.kubelet import (
     Container,
     KubeletNode,
     api_code,
-    kubelet_binary,
+    kubelet_of,
     kubelet_unit,
     prepare,
 )
+from integration.harness.kubelet_versions import Kubelet
 from integration.harness.pods import INVENTORY, busybox_pod
+from integration.harness.sysns import REPO
 from integration.kubelet_sites import HostSite, NsFactory, Site, site, stack_versions
 
 PLUGIN = "nvidia-device-plugin.service"
+READMIT = "gpuguard-readmit.service"
+
+
+def readmit_units() -> Dict[str, str]:
+    """The repo's gpuguard-readmit.service, run from this checkout (gpuguard.service
+    pulls it in, as on a host that installed the package)."""
+    return {
+        READMIT: (REPO / "units" / READMIT).read_text(),
+        f"{READMIT}.d/50-checkout.conf": (
+            f"[Service]\nExecStart=\nExecStart={GPUGUARD} readmit\nBindReadOnlyPaths={REPO}\n"
+        ),
+    }
+
+
 # The inventory file stands in for NVML on this node: gpuguard may restart its kubelet
 # as it would on a real one (a configured file alone never lets it: docs/inventory.md)
 CONFIG = "[Inventory]\nFile=/etc/gpuguard/inventory.json\nAllowKubeletRestart=yes\n"
@@ -65,8 +81,10 @@ def gpu_pod(name: str, n: int = 1, **limits: Any) -> Dict[str, Any]:
 class GpuNode(KubeletNode):
     """The kubelet node with its GPUs, plugin, gpuguard (or not), and reboots."""
 
-    def __init__(self, ns: SystemdNamespace, devices: Path, *, gpuguard: bool) -> None:
-        super().__init__(ns)
+    def __init__(
+        self, ns: SystemdNamespace, devices: Path, *, gpuguard: bool, k: Optional[Kubelet] = None
+    ) -> None:
+        super().__init__(ns, k)
         self.gpuguard = gpuguard
         self.proc_devices = devices  # host file bound over the namespace's /proc/devices
         self.site = ""  # where it runs (integration/kubelet_sites.py), and what with:
@@ -129,19 +147,58 @@ class GpuNode(KubeletNode):
         self.ns.wait_active(PLUGIN)
         self.wait_registered()
 
+    def bridge_offers(self) -> List[Dict[str, Any]]:
+        """gpuguard's re-admission bridge's offers during this kubelet run (journal
+        entries with their fields)."""
+        if not self.gpuguard:
+            return []
+        since = int(self.ns.unit_property("kubelet.service", "ExecMainStartTimestampMonotonic"))
+        argv = ["journalctl", "--no-pager", "-o", "json", "-u", READMIT]
+        out = []
+        for line in self.ns.run(argv, timeout=30).stdout.splitlines():
+            e = json.loads(line)
+            kind, at = e.get("GPUGUARD_KIND"), int(e["__MONOTONIC_TIMESTAMP"])
+            if kind == "readmit-offered" and at >= since:
+                out.append(e)
+        return out
+
+    def registrations(self, resource: str = "nvidia.com/gpu") -> int:
+        """The real plugin's registrations in this kubelet run (the bridge's left out)."""
+        ours = sum(e.get("RESOURCE") == resource for e in self.bridge_offers())
+        return max(super().registrations(resource) - ours, 0)
+
+    def plugin_allocations(self) -> List[List[str]]:
+        """The device IDs of each Allocate the plugin double (a host service) answered
+        in its current run."""
+        inv = self.ns.unit_property(PLUGIN, "InvocationID")
+        argv = ["journalctl", "--no-pager", "-o", "cat", f"_SYSTEMD_INVOCATION_ID={inv}"]
+        out = []
+        for line in self.ns.run(argv, timeout=30).stdout.splitlines():
+            if line.startswith("{") and '"allocate"' in line:
+                out.append(list(json.loads(line)["ids"]))
+        return out
+
     def start_gpuguard(self) -> None:
         assert self.gpuguard
         self.ns.systemctl("start", "gpuguard.service")
         self.ns.wait_active("gpuguard.service", timeout=30)
         settle(self.ns)
 
-    def reboot(self, gpus: Sequence[Mapping[str, Any]], *, lose_state: bool = False) -> float:
+    def reboot(
+        self, gpus: Sequence[Mapping[str, Any]], *, lose_state: bool = False, plugin: str = "late"
+    ) -> float:
         """The node restarted with ``gpus``; returns time.monotonic() at kubelet's start.
-        ``lose_state``: gpuguard's state directory did not survive (a new disk)."""
+        ``lose_state``: gpuguard's state directory did not survive (a new disk).
+        ``plugin``: when the plugin double starts: ``late``, as a unit once kubelet has
+        judged every pod (it registers 0.3-1 s after kubelet's registration server, as
+        NVIDIA's plugin does as a host service ordered after kubelet, or later as a
+        DaemonSet's pod); ``fast``, as a unit right after kubelet's, already waiting
+        for kubelet.sock (it registers 20-60 ms after the registration server: racing
+        kubelet's re-admission); ``pod``, as the static pod it already is."""
         self.stop_kubelet()
         self.ns.systemctl("stop", PLUGIN)
         if self.gpuguard:
-            self.ns.systemctl("stop", "gpuguard.service")
+            self.ns.systemctl("stop", "gpuguard.service", READMIT)
             if lose_state:
                 self.ns.run(["sh", "-c", "rm -rf /var/lib/gpuguard/*"], check=True)
         self.kill_all()
@@ -149,11 +206,16 @@ class GpuNode(KubeletNode):
         if self.gpuguard:
             self.start_gpuguard()
         t0 = self.start_kubelet()
+        if plugin == "fast":
+            self.ns.systemctl("start", PLUGIN)
         # As at a boot: the plugin (a DaemonSet's pod, or a unit ordered after kubelet)
         # starts after kubelet has re-admitted its pods (each has a phase once judged).
         names = [p.stem for p in self.ns.path(MANIFESTS).glob("*.json")]
         self.wait_pods(lambda p: all(n in p and p[n].phase for n in names), 60, "re-admission")
-        self.start_plugin()
+        if plugin == "late":
+            self.start_plugin()
+        else:
+            self.wait_registered()
         return t0
 
     def checkpoint_ids(self) -> Dict[str, List[str]]:
@@ -181,25 +243,30 @@ def boot_on(
     config: str = "",
     uvm: bool = True,
     plugin: bool = True,
+    kubelet: str = "1.20",
 ) -> GpuNode:
     """A booted node on ``site`` (integration/kubelet_sites.py) with containerd and
     kubelet running (and gpuguard's daemon before kubelet, when ``gpuguard``); the
     plugin double started as a service if ``plugin``. The node's ``versions`` say what
-    it runs; a site that runs another stack than it stands for fails here."""
+    it runs; a site that runs another stack than it stands for fails here. ``kubelet``:
+    its version, "1.20" or "1.34" (harness/kubelet_versions.py)."""
     require_systemd_ns()
     from conftest import require_tool
 
     require_tool(*REQUIRED_TOOLS)
+    k = kubelet_of(kubelet)
     binds, ro = prepare(tmp / "kubelet", api)
+    ro[str(k.binary.parent)] = k.binary.parent
     devices = fake_proc_devices(tmp / "devices", uvm=uvm)
     ro |= {"/run/fake/devices": devices, "/proc/devices": devices}
     units = {
         "containerd.service": CONTAINERD_UNIT,
-        "kubelet.service": kubelet_unit(kubelet_binary(), flags),
+        "kubelet.service": kubelet_unit(k, tmp / "kubelet", flags),
         PLUGIN: site.plugin_unit(),
+        **(readmit_units() if gpuguard and site.name == "host" else {}),
     }
     ns = site.start(tmp, units=units, binds=binds, ro_binds=ro, gpuguard=gpuguard)
-    node = GpuNode(ns, devices, gpuguard=gpuguard)
+    node = GpuNode(ns, devices, gpuguard=gpuguard, k=k)
     node.mknod("nvidiactl", 195, 255)
     if uvm:
         node.mknod("nvidia-uvm", UVM_MAJOR, 0)
@@ -213,7 +280,7 @@ def boot_on(
     node.start_kubelet()
     seen = wait_for(node.runtime_seen, 30, "kubelet's line naming its container runtime")
     site.check(ns, seen)
-    node.versions = {**stack_versions(ns), "runtime_seen": seen}
+    node.versions = {**stack_versions(ns, k.binary), "runtime_seen": seen}
     node.site, node.install = site.name, site.install if gpuguard else "none"
     if plugin:
         node.start_plugin()
@@ -257,7 +324,7 @@ def hook_log(node: GpuNode) -> List[Dict[str, Any]]:
 
 # -- F1: two GPU pods, then a reboot into other UUIDs (test_kubelet_f1.py, bench) -------------
 
-F1_CASES = ("all", "one", "gone")
+F1_CASES = ("all", "one", "gone")  # kubelet 1.34 also runs "none": no GPU changed
 F1_PODS = ("gpu-a", "gpu-b")
 
 
@@ -271,13 +338,14 @@ def two_gpu_pods(node: GpuNode) -> Dict[str, str]:
 
 def gpus_after(node: GpuNode, case: str, victim: str) -> List[Dict[str, Any]]:
     """The GPUs the node comes back with: every one with a new UUID (``all``), only the
-    one in slot ``victim`` (``one``), or every one new and ``victim``'s gone (``gone``)."""
+    one in slot ``victim`` (``one``), every one new and ``victim``'s gone (``gone``), or
+    every one as it was (``none``)."""
     fresh = {g["pci_bus_id"]: g["uuid"] for g in gpus(len(node.inventory))}
     out = []
     for g in node.inventory:
         if case == "gone" and g["pci_bus_id"] == victim:
             continue
-        if case in ("all", "gone") or g["pci_bus_id"] == victim:
+        if case in ("all", "gone") or (case == "one" and g["pci_bus_id"] == victim):
             g = {**g, "uuid": fresh[g["pci_bus_id"]]}
         out.append(g)
     return out

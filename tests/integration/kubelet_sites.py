@@ -57,7 +57,7 @@ CONFIG_DROPIN = "/etc/gpuguard/gpuguard.conf.d/50-kubelet-test.conf"
 PACKAGED_DROPIN = "/usr/lib/systemd/system/kubelet.service.d/10-gpuguard.conf"
 
 
-def stack_versions(ns: SystemdNamespace) -> Dict[str, str]:
+def stack_versions(ns: SystemdNamespace, kubelet: Optional[Path] = None) -> Dict[str, str]:
     """The versions the namespace runs (what the matrix shows), and its release."""
 
     def of(*argv: str) -> str:
@@ -65,7 +65,7 @@ def stack_versions(ns: SystemdNamespace) -> Dict[str, str]:
         return version_of(res.stdout + res.stderr).split("~")[0]
 
     kubelet = subprocess.run(
-        [str(kubelet_binary()), "--version"], capture_output=True, text=True, check=True
+        [str(kubelet or kubelet_binary()), "--version"], capture_output=True, text=True, check=True
     ).stdout
     release = dict(
         line.split("=", 1)

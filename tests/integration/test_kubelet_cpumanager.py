@@ -30,6 +30,9 @@ from integration.kubelet_node import api as api
 
 pytestmark = pytest.mark.root
 
+#: both kubelets without gpuguard (harness/kubelet_versions.py: 1.34 gets the flags as
+#: configuration); with gpuguard 1.20, the one whose reconcile rewrites the scope
+KUBELETS = ("1.20", "1.34")
 PERIOD = 2.0
 FLAGS = (
     "--cpu-manager-policy=static",
@@ -66,23 +69,35 @@ def _cpus_set_at(node: GpuNode, c: Container) -> int:
 
 def _through_reconciles(node: GpuNode) -> List[Any]:
     """The Guaranteed GPU pod's verdicts on its GPU over 3 reconcile periods, at least
-    one of which updated the container."""
+    one of which updated the container (1.20); none did (1.34: its CPU manager sends a
+    container's cpuset again only when it changed)."""
     c, minor = _guaranteed_gpu_pod(node)
     mark = _cpus_set_at(node, c)
     seen = _verdicts_over(node, c, minor, 3 * PERIOD)
-    assert _cpus_set_at(node, c) > mark, "no reconcile updated the container"
+    updated = _cpus_set_at(node, c) > mark
+    if node.kubelet.version == "1.20":
+        assert updated, "no reconcile updated the container"
+    else:
+        assert not updated, "kubelet 1.34 updated an unchanged cpuset"
     return seen
 
 
+@pytest.mark.parametrize("kubelet", KUBELETS)
 def test_cpu_manager_takes_the_gpu_without_gpuguard(
-    systemd_ns: NsFactory, tmp_path: Path, api: Path
+    systemd_ns: NsFactory, tmp_path: Path, api: Path, kubelet: str
 ) -> None:
-    seen = _through_reconciles(boot(systemd_ns, tmp_path, api, gpuguard=False, flags=FLAGS))
-    assert seen[-1] is False, f"still allowed after 3 reconcile periods: {seen}"
+    node = boot(systemd_ns, tmp_path, api, gpuguard=False, flags=FLAGS, kubelet=kubelet)
+    seen = _through_reconciles(node)
+    if kubelet == "1.20":
+        assert seen[-1] is False, f"still allowed after 3 reconcile periods: {seen}"
+    else:  # no update, nothing taken (a daemon-reload still takes it: F2's tests)
+        assert all(seen), f"denied at some point: {seen}"
 
 
+@pytest.mark.parametrize("kubelet", ["1.20"])
 def test_cpu_manager_keeps_the_gpu_with_gpuguard(
-    systemd_ns: NsFactory, tmp_path: Path, api: Path
+    systemd_ns: NsFactory, tmp_path: Path, api: Path, kubelet: str
 ) -> None:
-    seen = _through_reconciles(boot(systemd_ns, tmp_path, api, gpuguard=True, flags=FLAGS))
+    node = boot(systemd_ns, tmp_path, api, gpuguard=True, flags=FLAGS, kubelet=kubelet)
+    seen = _through_reconciles(node)
     assert all(seen), f"denied at some point: {seen}"

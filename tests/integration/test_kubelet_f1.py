@@ -75,6 +75,10 @@ RESULTS = REPO / "build" / "stacks"
 ROOT_RUNS: Dict[str, Dict[str, Tuple[str, ...]]] = {
     "trixie": {"none": ("all",), "yes": F1_CASES},
 }
+#: The cases kubelet 1.34 runs on the host's stack (stack ``host-1.34``): without
+#: gpuguard no GPU changed (every pod fails all the same: the baseline), with it no
+#: GPU, one and all changed, and one gone.
+K134_RUNS: Dict[str, Tuple[str, ...]] = {"none": ("none",), "yes": ("none", "one", "all", "gone")}
 
 
 def runs(mode: str) -> List[Any]:
@@ -82,7 +86,14 @@ def runs(mode: str) -> List[Any]:
     out = [pytest.param("host", c, id=f"host-{c}") for c in F1_CASES]
     for stack, modes in ROOT_RUNS.items():
         out += [pytest.param(stack, c, id=f"{stack}-{c}") for c in modes[mode]]
+    out += [pytest.param("host-1.34", c, id=f"host-1.34-{c}") for c in K134_RUNS[mode]]
     return out
+
+
+def _boot(sites: Callable[[str], Site], stack: str, tmp: Path, api: Path, **kw: Any) -> GpuNode:
+    """The node of ``stack``: a site's name, ``-1.34`` for kubelet 1.34 (else 1.20)."""
+    site, _, version = stack.partition("-")
+    return boot_on(sites(site), tmp, api, kubelet=version or "1.20", **kw)
 
 
 class F1Run:
@@ -168,8 +179,11 @@ def test_f1_without_gpuguard_pods_crash_loop(
     case: str,
 ) -> None:
     with F1Run(request, stack, case, "none") as run:
-        node = run.node = boot_on(sites(stack), tmp_path, api, gpuguard=False)
+        node = run.node = _boot(sites, stack, tmp_path, api, gpuguard=False)
         slots, before, _t0 = f1_reboot(node, case)
+        if node.kubelet.version != "1.20":
+            _all_fail_admission(node, run)
+            return
         changed = [p for p in F1_PODS if case != "one" or p == "gpu-b"]
         pods = node.wait_pods(
             lambda p: all(n in p and _crash_looping(p[n], before[slots[n]]) for n in changed),
@@ -181,6 +195,19 @@ def test_f1_without_gpuguard_pods_crash_loop(
         assert not any(pods[n].running for n in changed)
         back = sum(pods[n].running for n in F1_PODS)
         run.done(back, None, f"{', '.join(changed)} CrashLoopBackOff (unknown device)")
+
+
+def _all_fail_admission(node: GpuNode, run: F1Run) -> None:
+    """kubelet 1.26+ without gpuguard: it re-admits its pods before any plugin has
+    reported a healthy device, and rejects every GPU pod for good, GPUs changed or not
+    (upstream kubernetes #125579, #133382)."""
+    pods = node.wait_pods(
+        lambda p: all(n in p and p[n].phase == "Failed" for n in F1_PODS), 60, "pods Failed"
+    )
+    for name in F1_PODS:
+        assert pods[name].reason == "UnexpectedAdmissionError", pods[name]
+        assert "no healthy devices present" in pods[name].message, pods[name]
+    run.done(0, None, "every GPU pod UnexpectedAdmissionError (no healthy devices present)")
 
 
 def _still_there(case: str) -> List[str]:
@@ -204,6 +231,8 @@ def _gpu_pods_back(node: GpuNode, case: str, t0: float) -> Tuple[Dict[str, Pod],
         pods = node.wait_pods(done, 60, f"{back} Running again", never=failed)
     except AssertionError:
         print("\nF1: a pod failed for good: not every pod came back")
+        if node.gpuguard:
+            print(node.log("gpuguard-readmit.service", lines=20))
         raise
     return pods, time.monotonic() - t0
 
@@ -218,7 +247,7 @@ def test_f1_with_gpuguard_every_pod_back_on_its_slot(
     case: str,
 ) -> None:
     with F1Run(request, stack, case, "yes") as run:
-        node = run.node = boot_on(sites(stack), tmp_path, api, gpuguard=True)
+        node = run.node = _boot(sites, stack, tmp_path, api, gpuguard=True)
         slots, before, t0 = f1_reboot(node, case)
         pods, seconds = _gpu_pods_back(node, case, t0)
         held = []
@@ -226,7 +255,7 @@ def test_f1_with_gpuguard_every_pod_back_on_its_slot(
             c = node.running(name)
             assert node.made_by(c) == "runc", f"{name}: {node.made_by(c)}"
             assert node.slot(c) == slots[name], f"{name} moved from {slots[name]} to {node.slot(c)}"
-            assert c.visible != before[slots[name]] or case == "one"
+            assert c.visible != before[slots[name]] or case in ("one", "none")
             mine = next(g["minor"] for g in node.inventory if g["uuid"] == c.visible)
             verdicts = node.verdicts(c)
             assert verdicts[mine] is True, f"{name}: its GPU denied: {verdicts}"
@@ -245,7 +274,22 @@ def test_f1_with_gpuguard_every_pod_back_on_its_slot(
         assert [g["minor"] for g in node.inventory if g["uuid"] == c.visible] == free
         ids = [i for v in node.checkpoint_ids().values() for i in v]
         assert len(ids) == len(set(ids)), f"a GPU allocated twice: {node.checkpoint_ids()}"
+        # ... and it got it from the real plugin, which had registered after the reboot
+        allocs = node.plugin_allocations()
+        assert allocs and allocs[-1] == [c.visible], f"gpu-c: {c.visible}, plugin: {allocs}"
+        if node.kubelet.version != "1.20":
+            _bridge_vouched_only_held_gpus(node, held)
         run.done(len(held), seconds, outcome)
+
+
+def _bridge_vouched_only_held_gpus(node: GpuNode, held: List[Any]) -> None:
+    """kubelet 1.26+: gpuguard's bridge reported healthy exactly the GPUs of the pods
+    that came back, at this kubelet start, and kubelet never counted more GPUs than the
+    node has."""
+    (offer,) = node.bridge_offers()
+    assert sorted(offer["DEVICES"].split(",")) == sorted(c.visible for c in held), offer
+    caps = node.kubelet.capacities(node.kubelet_log())
+    assert caps and max(caps) <= len(node.inventory), caps
 
 
 @pytest.mark.parametrize("case", ("all", "one"))

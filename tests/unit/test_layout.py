@@ -314,6 +314,7 @@ READERS: dict[str, tuple[frozenset[str], str]] = {
         "the plugin's mount namespace for setns; the child's bounded report on a pipe",
     ),
     "sources/transient.py": (frozenset({"os.read"}), "its inotify descriptor"),
+    "readmit/watch.py": (frozenset({"os.read"}), "its inotify descriptor"),
     "host/threadclock.py": (
         frozenset({"open"}),
         "the calling thread's own schedstat, on the reload fast path (a kernel file of "

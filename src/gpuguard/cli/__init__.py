@@ -23,6 +23,7 @@ from gpuguard.cli.check import cmd_check
 from gpuguard.cli.checkpoint import cmd_checkpoint_canonical, cmd_checkpoint_inspect
 from gpuguard.cli.daemon import cmd_daemon
 from gpuguard.cli.protect import cmd_protect
+from gpuguard.cli.readmit import cmd_readmit
 from gpuguard.cli.status import cmd_status
 from gpuguard.cli.switch import cmd_disable, cmd_enable
 from gpuguard.errors import GpuguardError
@@ -230,6 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--dry-run", action="store_true", help="print what it would write")
     pr.add_argument("--reason", default="", help="why (journaled with each write)")
     sub.add_parser("catalog", parents=[common], help="print the journal message catalog")
+    sub.add_parser(
+        "readmit",
+        parents=[common],
+        help="the re-admission bridge of gpuguard-readmit.service (kubelet 1.26+: GPU pods "
+        "back after a reboot before the device plugin registers)",
+    )
     doc = sub.add_parser(
         "doctor",
         parents=[common],
@@ -361,6 +368,7 @@ COMMANDS = {
     "disable": cmd_disable,
     "enable": cmd_enable,
     "protect": cmd_protect,
+    "readmit": cmd_readmit,
 }
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from gpuguard.journal.catalog_checkpoint import CHECKPOINT_KINDS
 from gpuguard.journal.catalog_ops import OPS_KINDS
+from gpuguard.journal.catalog_readmit import READMIT_KINDS
 
 NAMESPACE = uuid.UUID("5b0f3c2e-8d7a-4c1e-9f55-6a1d2b3c4e5f")
 
@@ -39,6 +40,8 @@ KINDS: dict[str, KindDoc] = {
     **{k: KindDoc(*v) for k, v in CHECKPOINT_KINDS.items()},
     # operating gpuguard itself (the off switch, observe-only): catalog_ops.py
     **{k: KindDoc(*v) for k, v in OPS_KINDS.items()},
+    # the re-admission bridge (kubelet 1.26+ after a reboot): catalog_readmit.py
+    **{k: KindDoc(*v) for k, v in READMIT_KINDS.items()},
     # device nodes and /dev/char links (F2, F3)
     "device-node-created": KindDoc(
         "gpuguard created an NVIDIA device node",

@@ -1,8 +1,10 @@
-"""A real kubelet (1.20.2) in a private systemd namespace, on cgroup v1 (hybrid).
+"""A real kubelet (1.20.2 or 1.34.9) in a private systemd namespace, on cgroup v1 (hybrid).
 
-The binary is built from Debian 12's own source package and cached by
+1.20's binary is built from Debian 12's own source package and cached by
 ``scripts/build-kubelet`` (``scripts/bootstrap --full`` runs it; :func:`kubelet_binary`
-finds it). It runs standalone, as ``kubelet.service`` of a :class:`SystemdNamespace`
+finds it); 1.34's is the prebuilt one beside the checkout, unpacked and run from a
+KubeletConfiguration (harness/kubelet_versions.py). It runs standalone, as
+``kubelet.service`` of a :class:`SystemdNamespace`
 (this machine's systemd, or a Debian release's root booted with its own:
 integration/kubelet_sites.py); a test adds gpuguard's real drop-in
 (units/kubelet.service.d/), so that gpuguard's pre-start hook runs at each kubelet
@@ -38,7 +40,6 @@ directory``, seen with ``layout="v2"``).
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import time
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .deviceplugin import generate
+from .kubelet_versions import Kubelet, kubelet
 from .oci_image import busybox_image
 from .pods import API, BUSYBOX, DEVICE_PLUGINS, INVENTORY, PLUGIN_SCRIPT, VENV_PYTHON, Pod, show
 from .sysns import REPO, SystemdNamespace
@@ -140,18 +142,24 @@ def kubelet_flags(extra: Sequence[str] = ()) -> List[str]:
     ]
 
 
-def kubelet_unit(binary: Path, extra_flags: Sequence[str] = ()) -> str:
+def kubelet_unit(k: Kubelet, host_dir: Path, extra_flags: Sequence[str] = ()) -> str:
+    """kubelet.service for ``k``; 1.34's configuration file written into ``host_dir``
+    (bound at INNER)."""
+    flags = kubelet_flags()
+    extra = list(extra_flags)
+    k.write_config(host_dir / "kubelet-config.json", flags, extra)
+    argv = k.argv(flags, extra, f"{INNER}/kubelet-config.json")
     return f"""[Unit]
-Description=kubelet {binary.parent.name} (standalone, static pods)
+Description=kubelet {k.version} (standalone, static pods)
 After=containerd.service
 [Service]
-ExecStart={binary} {" ".join(kubelet_flags(extra_flags))}
+ExecStart={" ".join(argv)}
 KillMode=process
 """
 
 
 def kubelet_binary() -> Path:
-    """The cached kubelet (scripts/build-kubelet builds it); skip, or fail under CI."""
+    """The cached kubelet 1.20 (scripts/build-kubelet builds it); skip, or fail under CI."""
     from conftest import _missing
 
     res = subprocess.run([str(BUILD_SCRIPT), "--path"], capture_output=True, text=True)
@@ -159,6 +167,13 @@ def kubelet_binary() -> Path:
     if res.returncode != 0 or not path.is_file():
         _missing(f"no cached kubelet at {path}: run scripts/build-kubelet")
     return path
+
+
+def kubelet_of(version: str) -> Kubelet:
+    """The kubelet of ``version`` ("1.20" or "1.34"); skip, or fail under CI, without it."""
+    if version == "1.20":
+        return kubelet(version, {"path": kubelet_binary()})
+    return kubelet(version, {})
 
 
 def api_code(dest: Path) -> Path:
@@ -216,8 +231,9 @@ class Container:
 class KubeletNode:
     """Drives the namespace's containerd, kubelet and static pods."""
 
-    def __init__(self, ns: SystemdNamespace) -> None:
+    def __init__(self, ns: SystemdNamespace, k: Optional[Kubelet] = None) -> None:
         self.ns = ns
+        self.kubelet = k or Kubelet("1.20", Path("kubelet"))
 
     # -- containerd ------------------------------------------------------------------------
     def start_runtime(self) -> None:
@@ -310,7 +326,7 @@ class KubeletNode:
     def registrations(self, resource: str = "nvidia.com/gpu") -> int:
         """How often this kubelet run has had the plugin of ``resource`` register and
         push its devices."""
-        return self.kubelet_log().count(f"State pushed for device plugin {resource}")
+        return self.kubelet.registrations(self.kubelet_log(), resource)
 
     def wait_registered(self, more_than: int = 0, timeout: float = 30) -> None:
         """Until this kubelet run has had the GPU plugin register (``more_than`` times
@@ -324,11 +340,7 @@ class KubeletNode:
     def runtime_seen(self) -> str:
         """What this kubelet run says its container runtime is ("containerd 1.7.24~ds1,
         apiVersion v1alpha2"), from its own log line at start-up; "" before it."""
-        m = re.search(
-            r"Container runtime (\S+) initialized, version: ([^,]+), apiVersion: (\S+)",
-            self.kubelet_log(),
-        )
-        return f"{m[1]} {m[2]}, apiVersion {m[3]}" if m else ""
+        return self.kubelet.runtime_seen(self.kubelet_log())
 
     def stop_kubelet(self) -> None:
         self.ns.systemctl("stop", "kubelet.service")

@@ -1,0 +1,115 @@
+"""The bridge's gRPC side (grpcio): its endpoints in kubelet's device-plugins
+directory and its registration with kubelet.
+
+One endpoint per resource, under the ``gpuguard/`` subdirectory: kubelet removes the
+sockets of the directory when it starts, not those of subdirectories, so the servers
+are made once, before kubelet starts, and registering costs one call. Messages are
+encoded by readmit/wire.py (no generated code, no python3-protobuf).
+
+Each ListAndWatch answers once, with the devices offered for that registration, and
+then keeps the stream open until kubelet closes it: when the real plugin registers
+later, kubelet replaces the bridge's endpoint without closing its stream, and if that
+stream then ended, kubelet would look the resource's client up by name and disconnect
+the real plugin. Allocate, GetPreferredAllocation and PreStartContainer are not
+served (UNIMPLEMENTED): the bridge never allocates anything.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from gpuguard.readmit import wire
+
+SUBDIR = "gpuguard"
+
+
+def _same(b: bytes) -> bytes:
+    return b
+
+
+def endpoint(resource: str) -> str:
+    """The endpoint (relative to the device-plugins directory) serving ``resource``."""
+    return f"{SUBDIR}/readmit-{re.sub(r'[^A-Za-z0-9._-]', '_', resource)}.sock"
+
+
+class Bridge:
+    """The endpoints, made on demand, and the registration."""
+
+    def __init__(self, plugins_dir: Path, on_stream: Callable[[str, int], None]) -> None:
+        import grpc  # type: ignore[import-untyped]  # ~40 ms: loaded before kubelet starts
+
+        self.grpc: Any = grpc
+        self.dir = plugins_dir
+        self.on_stream = on_stream  # (resource, devices sent): for the journal
+        self.offers: dict[str, tuple[str, ...]] = {}
+        self.servers: dict[str, Any] = {}
+        self.streams = 0  # open ListAndWatch streams
+        self.lock = threading.Lock()
+
+    def _list_and_watch(self, resource: str) -> Callable[[bytes, Any], Iterator[bytes]]:
+        def handler(_request: bytes, context: Any) -> Iterator[bytes]:
+            ids = self.offers.get(resource, ())
+            closed = threading.Event()
+            context.add_callback(closed.set)
+            with self.lock:
+                self.streams += 1
+            try:
+                yield wire.list_and_watch_response(ids)
+                self.on_stream(resource, len(ids))
+                closed.wait()  # kubelet's whole run: never end it ourselves
+            finally:
+                with self.lock:
+                    self.streams -= 1
+
+        return handler
+
+    def serve(self, resource: str) -> None:
+        """The endpoint of ``resource``, listening (made once)."""
+        if resource in self.servers:
+            return
+        from concurrent import futures
+
+        grpc = self.grpc
+        sock = self.dir / endpoint(resource)
+        sock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        sock.unlink(missing_ok=True)
+        handlers = {
+            "GetDevicePluginOptions": grpc.unary_unary_rpc_method_handler(
+                lambda _req, _ctx: wire.device_plugin_options(),
+                request_deserializer=_same,
+                response_serializer=_same,
+            ),
+            "ListAndWatch": grpc.unary_stream_rpc_method_handler(
+                self._list_and_watch(resource),
+                request_deserializer=_same,
+                response_serializer=_same,
+            ),
+        }
+        # one thread per open stream (kubelet keeps one per registration it has not
+        # closed) plus the options call
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(wire.SERVICE, handlers),)
+        )
+        server.add_insecure_port(f"unix://{sock}")
+        server.start()
+        self.servers[resource] = server
+
+    def register(self, resource: str, ids: tuple[str, ...], timeout: float = 5.0) -> None:
+        """Offer ``ids`` for ``resource`` and register its endpoint with kubelet.
+        Raises grpc.RpcError when kubelet refuses or does not answer."""
+        self.serve(resource)
+        self.offers[resource] = ids
+        grpc = self.grpc
+        with grpc.insecure_channel(f"unix://{self.dir / 'kubelet.sock'}") as channel:
+            call = channel.unary_unary(
+                wire.REGISTER, request_serializer=_same, response_deserializer=_same
+            )
+            call(wire.register_request(resource, endpoint(resource)), timeout=timeout)
+
+    def stop(self) -> None:
+        for server in self.servers.values():
+            server.stop(0)
