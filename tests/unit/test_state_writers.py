@@ -18,6 +18,7 @@ from gpuguard.actuate.statefile import UnreadableStateError, write_state
 from gpuguard.checkpoint import dropped, history
 from gpuguard.checkpoint.history import Generation, GpuIdentity, History, MigIdentity
 from gpuguard.host.statefile import StateFile, load
+from gpuguard.readmit import observe as readmit_observe
 from gpuguard.reporting import metrics_file
 from gpuguard.reporting.metrics_file import MetricsValues, Series
 from gpuguard.reporting.status import SPEC as STATUS_SPEC
@@ -89,6 +90,13 @@ PAIRS: dict[str, tuple[StateFile[Any], Any, list[Any]]] = {
         plugin_state.SPEC,
         {"plugin": plugin_state.PluginState(failures=1)},
         [{"plugin": plugin_state.PluginState(failures=-1)}],
+    ),
+    "kubelet-version": (
+        readmit_observe.CACHE,
+        readmit_observe.KubeletVersion(
+            "/usr/bin/kubelet", "2049:131:58720256:1", "1.34.9", "v1.34.9"
+        ),
+        [readmit_observe.KubeletVersion("/usr/bin/kubelet", "i" * 300, "1.34", "v1.34.9")],
     ),
     "metrics": (
         metrics_file.SPEC,
