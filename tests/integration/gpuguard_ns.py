@@ -42,6 +42,16 @@ INVENTORY = {
     ]
 }
 
+# The same slots before that replacement: the GPUs numa-blog-04 was written under, so a
+# daemon started with these records them as the history's generation and remaps pod B.
+BEFORE_CHANGE = {
+    "gpus": [
+        INVENTORY["gpus"][0],
+        {**INVENTORY["gpus"][1], "uuid": "GPU-9b341c59-f96b-ba85-c137-78c3652fea65"},
+        {**INVENTORY["gpus"][2], "uuid": MOVED_GPU},
+    ]
+}
+
 FAKE_KUBELET = f"""[Unit]
 Description=fake kubelet: records the device checkpoint it reads at start-up
 [Service]

@@ -19,9 +19,11 @@ import pytest
 from gpuguard import exitcodes
 from gpuguard.journal.catalog import message_id
 from integration.gpuguard_ns import (
+    BEFORE_CHANGE,
     CHECKPOINT,
     FIXTURE,
     GPUGUARD,
+    INVENTORY,
     events,
     gpuguard_units,
     kubelet_reads,
@@ -162,12 +164,17 @@ def test_an_inventory_file_never_restarts_kubelet_without_the_flag(systemd_ns) -
 def test_the_daemon_reports_an_unverified_repair_and_restarts_kubelet_once(systemd_ns) -> None:  # type: ignore[no-untyped-def]
     ns = systemd_ns(units=gpuguard_units())
     allow = "[Inventory]\nAllowKubeletRestart=yes\n"  # the inventory file is a simulation
-    setup_node(ns, stale=False, config=allow)
+    # the checkpoint matching the GPUs it was written under: recorded as the history
+    setup_node(ns, stale=True, config=allow)
+    ns.path("/etc/gpuguard/inventory.json").write_text(json.dumps(BEFORE_CHANGE))
     assert ns.systemctl("start", "gpuguard.service").returncode == 0
     start_kubelet(ns)
     settle(ns)
     hook_wrapper(ns, "kill -KILL $$")  # the daemon-reload in it makes a pass too
-    setup_node(ns, stale=True, config=allow)
+    # the GPUs change under the running kubelet, which has pod B: [Kubelet]
+    # RestartPolicy=for-pods restarts it for that pod, whose entry is remapped
+    ns.path("/var/lib/kubelet/pods/94283d1b-ce5a-4797-bff8-0cf0c7143b2b").mkdir(parents=True)
+    ns.path("/etc/gpuguard/inventory.json").write_text(json.dumps(INVENTORY))
     ns.systemctl("daemon-reload")
     wait_for(lambda: events(ns, "checkpoint-repair-unverified"), what="the unverified repair")
     (entry,) = events(ns, "checkpoint-repair-unverified")
@@ -184,7 +191,11 @@ def test_the_daemon_reports_an_unverified_repair_and_restarts_kubelet_once(syste
     # The last pass still reports the problem (the failure, or the stale entries it
     # leaves for kubelet's next start), and kubelet was not restarted again.
     kinds = {f["kind"] for f in status(ns)["last_pass"]["findings"]}
-    assert kinds & {"kubelet-coordination-failed", "checkpoint-stale-entry"}, kinds
+    assert kinds & {
+        "kubelet-coordination-failed",
+        "checkpoint-stale-entry",
+        "checkpoint-entry-remap",
+    }, kinds
     assert len(kubelet_reads(ns)) == 2
     restarts = [e for e in events(ns) if e.get("GPUGUARD_ACTION") == "kubelet-restart"]
     assert [e["GPUGUARD_KIND"] for e in restarts] == ["kubelet-restart"]  # queued once, done

@@ -13,6 +13,7 @@ from gpuguard.checkpoint import parse, verify
 from gpuguard.host.systemd import Systemd, SystemdError
 from integration.daemon_faults import host_pid, main_pid
 from integration.gpuguard_ns import (
+    BEFORE_CHANGE,
     CHECKPOINT,
     INVENTORY,
     KEPT_GPU,
@@ -130,7 +131,7 @@ def test_kubelet_restart_repairs_before_kubelet_reads(systemd_ns) -> None:  # ty
 # where INVENTORY now has another GPU, so the history remaps that pod's entry.
 POD_B = "94283d1b-ce5a-4797-bff8-0cf0c7143b2b"
 NEW_IN_SLOT = INVENTORY["gpus"][2]["uuid"]
-BEFORE = {"gpus": [*INVENTORY["gpus"][:2], {**INVENTORY["gpus"][2], "uuid": MOVED_GPU}]}
+BEFORE = BEFORE_CHANGE
 
 
 def _gpus(ns, inventory) -> None:  # type: ignore[no-untyped-def]
