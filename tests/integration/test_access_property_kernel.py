@@ -308,6 +308,9 @@ def _judge(case: Case, before: list[set[Any]], after: list[set[Any]], when: str)
             assert given_ <= after[slot], f"given but still denied: {given_ - after[slot]}; {ctx}"
 
 
+KEPT = "left as they are: each still holds a GPU this host has"
+
+
 @pytest.fixture(autouse=True)
 def quiet_log(monkeypatch: pytest.MonkeyPatch) -> None:
     log_to_stderr(monkeypatch, level="error")
@@ -344,14 +347,20 @@ def test_no_container_is_granted_a_node_outside_what_it_was_given(
         _judge(case, before, after, "first run")
         assert _access_actions(real) == _access_actions(dry)
         stale = any(set(ids) & set(STALE) for _, _, ids in case.ckpt)
-        assert (real["result"] == "repaired") == stale, real["result"]
+        # a stale entry is repaired, or left as it is where it still holds a GPU the host
+        # has and no history maps it (a drop would hand that GPU to another pod)
+        acted = real["result"] == "repaired" or real["result"].endswith(KEPT)
+        assert acted == stale, real["result"]
 
         # A later pass after the repair: the cgroups wiped again, the checkpoint now
         # without the dropped entries; the decisions must not change.
         for cg, c in zip(cgs, case.ctrs):
             _reset(cg, c.pre)
         again = _check(r)
-        assert again["result"].startswith("checkpoint matches"), again["result"]
+        # (or only entries left as they are: no history, and still holding a GPU the
+        # host has, which a drop would hand to another pod: docs/checkpoint.md)
+        settled = again["result"].startswith("checkpoint matches") or again["result"].endswith(KEPT)
+        assert settled, again["result"]
         _judge(case, before, _admitted(cgs, host), "run after the repair")
         assert _access_actions(again) == _access_actions(dry)
     finally:
