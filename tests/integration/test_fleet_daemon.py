@@ -39,15 +39,16 @@ def test_npd_status_and_doctor_answer_from_the_daemon(systemd_ns) -> None:  # ty
     # judged, and NPD hears "unknown", never "OK"
     code, out = npd("device-access")
     assert code == 2 and "NVIDIA driver has registered no device" in out, out
-    # the test node's inventory has 3 GPUs, its checkpoint registers 2: a true finding
+    # the test node's inventory has 3 GPUs, the repaired checkpoint registers 1 (the other
+    # two were replaced and, with no history, dropped from the registered list): true
     code, out = npd("gpu-count")
-    assert code == 1 and out.startswith("kubelet has 2 of 3 GPU(s) registered"), out
+    assert code == 1 and out.startswith("kubelet has 1 of 3 GPU(s) registered"), out
     assert out.count("\n") == 1 and len(out.rstrip("\n")) <= 80
 
     r = ns.run([str(GPUGUARD), "status"])
     lines = r.stdout.splitlines()
     assert lines[0] == "node:       PROBLEM", r.stdout
-    assert lines[1].startswith("  problem:  GPUCountMismatch: kubelet has 2 of 3")
+    assert lines[1].startswith("  problem:  GPUCountMismatch: kubelet has 1 of 3")
     repairs = next(line for line in lines if line.startswith("repairs:"))
     assert "checkpoint" in repairs and not repairs.startswith("repairs:    0 ")
 
