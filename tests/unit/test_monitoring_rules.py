@@ -13,6 +13,7 @@ the copy tested here, so the expectations name labels only."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 from typing import Dict, List, Sequence
@@ -32,6 +33,17 @@ from unit.promtool_series import (
     relabel,
     series,
 )
+
+
+def _recorded_version() -> str:
+    """The version label the recorded scrapes carry (the checkout's, unstamped)."""
+    text = (REPO / "tests/fixtures/metrics/healthy.prom").read_text()
+    m = re.search(r'^gpuguard_build_info\{[^}]*version="([^"]*)"', text, re.M)
+    assert m, "healthy.prom has no gpuguard_build_info"
+    return m[1]
+
+
+RECORDED = _recorded_version()
 
 MONITORING = REPO / "deploy/monitoring"
 RULES = MONITORING / "gpuguard.rules.yml"
@@ -256,7 +268,9 @@ CASES = [
                     P(
                         "healthy",
                         3000,
-                        rewrite=relabel("gpuguard_build_info", "version", "0.1.0", "0.2.0"),
+                        rewrite=relabel(
+                            "gpuguard_build_info", "version", RECORDED, RECORDED + ".other"
+                        ),
                     ),
                 ),
             ),
