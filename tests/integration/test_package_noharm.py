@@ -177,10 +177,9 @@ def test_install_upgrade_remove_take_no_device(node: Tuple[PackageRoot, str]) ->
     ns, mode = node
     t0 = time.monotonic()
     dropin = prepare(ns, MODES[mode])
-    v = source_version()
     old, new = (
-        f"/run/host/debs/gpuguard_{v}-1_all.deb",
-        f"/run/host/debs/gpuguard_{v}{UPGRADE}-1_all.deb",
+        f"/run/host/debs/gpuguard_{source_version()}-1_all.deb",
+        f"/run/host/debs/gpuguard_{source_version(UPGRADE)}-1_all.deb",
     )
     ops = [
         ("install", ("install", old)),
