@@ -80,6 +80,15 @@ class NewScope:
     runtime: frozenset[str] = frozenset()
 
 
+def p50_p99(values: Sequence[float]) -> list[float]:
+    """[p50, p99] of `values` (ms), rounded for the status file; [] when there is none."""
+    ordered = sorted(values)
+    if not ordered:
+        return []
+    p50, p99 = ordered[len(ordered) // 2], ordered[(len(ordered) * 99 - 1) // 100]
+    return [round(p50, 1), round(p99, 1)]
+
+
 class PodDeviceIds:
     """The checkpoint's device IDs per pod (dropped entries included), re-read only when
     either file is replaced or changes: kubelet rewrites it (a new file) at each
@@ -223,10 +232,9 @@ class NewScopes:
             "peak_in_flight": q.peak_running,
         }
         for i, name in enumerate(("first_try_ms", "ready_ms", "granted_ms", "call_ms")):
-            values = sorted(t[i] for t in self._timings)
-            if values:
-                p50, p99 = values[len(values) // 2], values[(len(values) * 99 - 1) // 100]
-                out[name] = [round(p50, 1), round(p99, 1)]
+            figures = p50_p99([t[i] for t in self._timings])
+            if figures:
+                out[name] = figures
         return out
 
     def busy(self) -> frozenset[str]:

@@ -29,6 +29,7 @@ from gpuguard.devices.scopepolicy import ScopeDevices, scope_devices
 from gpuguard.model import Outcome
 from gpuguard.steps.container_access.actions import UnitDeviceAllow
 from gpuguard.steps.container_access.durable import NAME
+from gpuguard.steps.container_access.newscope import p50_p99
 
 if TYPE_CHECKING:
     from gpuguard.devices.containers import ContainerCgroup
@@ -148,8 +149,7 @@ class ScopeResets:
     def status(self) -> dict[str, object]:
         """Repairs made, and p50/p99 of event -> systemd's reply (ms)."""
         out: dict[str, object] = {"repaired": self.repaired}
-        values = sorted(self._timings)
-        if values:
-            p50, p99 = values[len(values) // 2], values[(len(values) * 99 - 1) // 100]
-            out["repair_ms"] = [round(p50, 1), round(p99, 1)]
+        figures = p50_p99(self._timings)
+        if figures:
+            out["repair_ms"] = figures
         return out
