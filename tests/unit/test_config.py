@@ -452,6 +452,7 @@ CreateCharLinks=no
 NvidiaModprobe=/opt/nvidia/bin/nvidia-modprobe
 Regrant=no
 DurableGrants=no
+WatchInterval=1s
 V2Remedy=restart-container
 [DevicePlugin]
 Restart=no

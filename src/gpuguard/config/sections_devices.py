@@ -63,6 +63,17 @@ class DevicesConfig:
         "repaired under V2Remedy=. A scope that admits every device (a privileged "
         "container's) never gets a DeviceAllow=, whatever this says.",
     )
+    watch_interval: float = _key(
+        "WatchInterval",
+        TimeSpan(0.0),
+        "200ms",
+        "How often the daemon compares each GPU container's device cgroup with its last "
+        "look, for a rewrite nothing announces (cgroup v1: a runtime's own write to "
+        "devices.deny and devices.allow, e.g. runc's cgroupfs driver on an update); a "
+        "container that lost a node it was given is repaired at once. Reads one small "
+        "kernel file per GPU container each time; 0 turns the watch off (such a "
+        "rewrite then waits for the next pass).",
+    )
     v2_remedy: str = _key(
         "V2Remedy",
         Choice("report", "inplace", "restart-container"),

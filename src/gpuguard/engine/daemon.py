@@ -184,6 +184,8 @@ class Daemon:
         helpers = []
         if self.sources is not None:
             helpers.append(asyncio.create_task(self.sources.timer.run()))
+            if self.sources.watch is not None:
+                helpers.append(asyncio.create_task(self.sources.watch.run()))
         interval = watchdog_interval()
         if interval is not None:
             helpers.append(asyncio.create_task(self._watchdog(interval)))

@@ -7,7 +7,9 @@ found by `isinstance`, so the engine knows no step's internals).
 - a container scope started: each `ScopeFastPath` handles it on its own and asks for
   its pass when done;
 - a scope's device properties were set at runtime: each `ScopeDevicesFastPath` looks at
-  that one scope and says whether it took the event.
+  that one scope and says whether it took the event;
+- the device watch's tick: each `DeviceWatchFastPath` looks for what no event
+  announces; the tick itself never marks a pass (a step that acted asks for its own).
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ from gpuguard.host.inventory import Inventory
 from gpuguard.reporting.metrics_output import MetricsOutput
 from gpuguard.reporting.metrics_state import REPAIR_HISTOGRAM
 from gpuguard.steps.events import Event, EventKind
-from gpuguard.steps.registry import ReloadFastPath, ScopeDevicesFastPath, ScopeFastPath, Step
+from gpuguard.steps.registry import (
+    DeviceWatchFastPath,
+    ReloadFastPath,
+    ScopeDevicesFastPath,
+    ScopeFastPath,
+    Step,
+)
 
 
 class Daemon(Services, Protocol):
@@ -47,6 +55,8 @@ def run_fast_paths(d: Daemon, names: frozenset[str], event: Event) -> frozenset[
         return _new_scope(d, names, event)
     elif event.kind is EventKind.SCOPE_DEVICES_SET and event.unit:
         return _scope_devices(d, names, event)
+    elif event.kind is EventKind.DEVICE_WATCH:
+        return _device_watch(d, names)
     return frozenset()
 
 
@@ -94,3 +104,15 @@ def _scope_devices(d: Daemon, names: frozenset[str], event: Event) -> frozenset[
             except Exception as e:  # the pass marked instead repairs it
                 d.log.crashed(name, "scope devices fast path", e)
     return frozenset(served)
+
+
+def _device_watch(d: Daemon, names: frozenset[str]) -> frozenset[str]:
+    """The watch's tick: each woken step with a device watch looks now. All of them
+    are served: a tick is no reason for a pass."""
+    for name, step in d.steps.items():
+        if name in names and isinstance(step, DeviceWatchFastPath):
+            try:
+                step.on_device_watch(d, d.again(name))
+            except Exception as e:  # the next tick, or the pass, tries again
+                d.log.crashed(name, "device watch", e)
+    return names

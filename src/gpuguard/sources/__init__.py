@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from gpuguard.host.paths import Root
     from gpuguard.journal.log import EventLog
     from gpuguard.sources.systemd import SystemdSource
-    from gpuguard.sources.timer import AuditTimer
+    from gpuguard.sources.timer import AuditTimer, WatchTimer
     from gpuguard.sources.transient import TransientWatch
     from gpuguard.sources.udev import UdevSource
 
@@ -49,7 +49,8 @@ class EventSink:
 
 
 class Sources:
-    """The daemon's event sources: systemd's D-Bus signals, the periodic audit, and udev
+    """The daemon's event sources: systemd's D-Bus signals, the periodic audit, the
+    device watch's tick, and udev
     and the runtime properties systemd writes for container scopes (both made on the
     daemon's loop, since their fds go on that loop)."""
 
@@ -61,10 +62,12 @@ class Sources:
         udev: Optional[Callable[[asyncio.AbstractEventLoop], UdevSource]],
         max_in_flight: int,
         transient: Optional[Callable[[asyncio.AbstractEventLoop], Optional[TransientWatch]]],
+        watch: Optional[WatchTimer] = None,
     ) -> None:
         self.sink = sink
         self.systemd = systemd
         self.timer = timer
+        self.watch = watch
         self.udev = udev
         self.transient = transient
         self.max_in_flight = max_in_flight  # for the next bus connection
@@ -73,6 +76,8 @@ class Sources:
         """A reloaded configuration (SIGHUP): units to watch, audit interval, bus limit."""
         self.systemd.set_units(config.systemd.kubelet_units, config.systemd.runtime_units)
         self.timer.interval = config.daemon.audit_interval
+        if self.watch is not None:
+            self.watch.set_interval(config.devices.watch_interval)
         self.max_in_flight = config.systemd.max_in_flight
 
 
@@ -84,7 +89,7 @@ def build_sources(
     from gpuguard.journal.log import stdlib_logger
     from gpuguard.sources.reload_socket import PrivateReloadWatch
     from gpuguard.sources.systemd import SystemdSource
-    from gpuguard.sources.timer import AuditTimer
+    from gpuguard.sources.timer import AuditTimer, WatchTimer
 
     sink = EventSink()
     sources: Sources
@@ -120,6 +125,7 @@ def build_sources(
         private=private if socket else None,
     )
     timer = AuditTimer(sink.emit, config.daemon.audit_interval)
+    watch = WatchTimer(sink.emit, config.devices.watch_interval)
     sources = Sources(sink, systemd, timer, make_udev if udev else None,
-                      config.systemd.max_in_flight, make_transient)  # fmt: skip
+                      config.systemd.max_in_flight, make_transient, watch)  # fmt: skip
     return sources

@@ -36,6 +36,9 @@ class EventKind(enum.Enum):
     # NVML became available or its GPU set changed (engine/inventory_reader.py): the
     # driver arrived, late on a GPU Operator node, or GPUs came back with new UUIDs
     INVENTORY_CHANGED = "inventory-changed"
+    # WatchInterval= passed: the known GPU containers' device cgroups are due a look for
+    # a rewrite nothing announces (steps/container_access/devwatch.py); never a pass
+    DEVICE_WATCH = "device-watch"
 
 
 @dataclass(frozen=True)

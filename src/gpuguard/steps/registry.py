@@ -79,6 +79,15 @@ class ScopeDevicesFastPath(Protocol):
     def on_scope_devices(self, svc: Services, unit: str, again: Callable[[str], None]) -> bool: ...
 
 
+@runtime_checkable
+class DeviceWatchFastPath(Protocol):
+    """A step that looks, every WatchInterval=, for what no event announces and repairs
+    it on its own (DEVICE_WATCH): it calls `again(why)` for its pass when it acted;
+    the tick itself never marks a pass."""
+
+    def on_device_watch(self, svc: Services, again: Callable[[str], None]) -> None: ...
+
+
 # What may change anything on the node: every step looks.
 EVERY_CHANGE: frozenset[E] = frozenset({
     E.START_UP, E.CONFIG_RELOADED, E.AUDIT, E.SYSTEMD_RELOADED, E.SYSTEMD_REEXECUTED,
@@ -109,7 +118,8 @@ STEPS: tuple[StepSpec, ...] = (
     StepSpec(CONTAINER_ACCESS, "gpuguard.steps.container_access:ContainerAccessStep",
              "first: after a daemon-reload every millisecond counts",
              EVERY_CHANGE | {E.NVIDIA_MODULE, E.RUNTIME_STARTED, E.KUBELET_STARTED,
-                             E.SCOPE_STARTED, E.SCOPE_DEVICES_SET, E.DEVICE_LINKS_CREATED}),
+                             E.SCOPE_STARTED, E.SCOPE_DEVICES_SET, E.DEVICE_LINKS_CREATED,
+                             E.DEVICE_WATCH}),
     StepSpec(DEVICE_NODES, "gpuguard.steps.device_nodes:DeviceNodesStep",
              "a new /dev/char link asks for an immediate second container access run, "
              "so durable grants follow at once",

@@ -69,11 +69,17 @@ class ContainerAccessStep:
         at once where it was lost (resetscope.py); False leaves it to the pass."""
         return self.state.resets.on_devices_set(svc, unit, again)
 
+    def on_device_watch(self, svc: Services, again: Callable[[str], None]) -> None:
+        """WatchInterval= passed: the known containers' device cgroups compared with
+        the last look, a rewritten one repaired at once (devwatch.py)."""
+        self.state.watch.on_tick(svc, again)
+
     def fast_status(self) -> Mapping[str, object]:
         """The fast paths' last figures, for the status file (and bench/)."""
         out: dict[str, object] = {
             "new_scopes": self.state.scopes.status(),
             "scope_resets": self.state.resets.status(),
+            "device_watch": self.state.watch.status(),
         }
         if self.state.last_reload is not None:
             out["reload"] = self.state.last_reload.to_json()

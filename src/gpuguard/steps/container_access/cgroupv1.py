@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, AbstractSet, Container, Mapping, Optional, Sequence
 
 from gpuguard.devices.rules import ALLOW_ALL, DeviceRules, looks_runc_written, parsed_devices_list
-from gpuguard.host.safeio import CGROUP_MAX, UnsafeFileError, read_kernel_text
+from gpuguard.host.safeio import CGROUP_MAX, UnsafeFileError, read_bytes, read_kernel_text
 from gpuguard.model import Action, Finding, Outcome
 from gpuguard.steps.container_access.actions import CgroupV1Allow
 from gpuguard.steps.container_access.actuate import (
@@ -228,6 +228,15 @@ class CgroupV1:
         try:
             return read_devices_list(self._dir(c))
         except (UnsafeFileError, ValueError):
+            return None
+
+    def fingerprint(self, root: Root, c: ContainerCgroup) -> Optional[bytes]:
+        # devices.list as the kernel prints it: a runtime's own rewrite (cgroupfs
+        # driver) changes it, and nothing announces that (devwatch.py)
+        try:
+            return read_bytes(self._dir(c) / "devices.list", what="devices.list",
+                              max_bytes=CGROUP_MAX)[0]  # fmt: skip
+        except UnsafeFileError:
             return None
 
     def end_of_pass(self, view: AccessView) -> None:

@@ -99,6 +99,13 @@ class DeviceCgroup(Protocol):
         blocking: call from a thread); a container that cannot be read now is unknown."""
         ...
 
+    def fingerprint(self, root: Root, c: ContainerCgroup) -> Optional[bytes]:
+        """What decides `c`'s device opens, read cheaply enough to poll (devwatch.py:
+        every WatchInterval= on the loop); a change is judged by `reread`. None: this
+        layout is not watched so (its changes are announced), or `c` cannot be read
+        now (the pass judges it)."""
+        ...
+
     def end_of_pass(self, view: AccessView) -> None:
         """Forget what belongs to containers no longer in the pass's view."""
         ...

@@ -9,7 +9,9 @@ points share (the pass, a reload's fast path, a new scope's grant: __init__.py).
   last seen intact; v2: programs read, bridges pending their DeviceAllow=, the in-place
   back-off);
 - `observer`: entitlements by container process, the last pass's GPU containers;
-- `scopes`: the new-scope queue (newscope.py); `conditions`: lasting findings
+- `scopes`: the new-scope queue (newscope.py); `resets`: a scope's DeviceAllow= set
+  at runtime (resetscope.py); `watch`: device cgroups rewritten behind systemd's back
+  (devwatch.py); `conditions`: lasting findings
   journaled on change; `pod_restarts`: V2Remedy=restart-container's budget;
 - `last_reload`: what the last reload's fast path did (the status file).
 """
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING, AbstractSet, Callable, Optional, Sequence
 from gpuguard.journal.conditions import Conditions, FindingId, Key, finding_id, finding_key
 from gpuguard.model import Action, Finding, Outcome
 from gpuguard.steps.container_access.cgroups import Cgroups
+from gpuguard.steps.container_access.devwatch import DeviceWatch
 from gpuguard.steps.container_access.durable import ReloadRepair, plan_durable
 from gpuguard.steps.container_access.newscope import NewScopes
 from gpuguard.steps.container_access.observe import AccessObserver
@@ -86,6 +89,12 @@ class AccessState:
             self.carried.outcome,
             lambda: [p for _cg, pairs in self.observer.known for p in pairs],
             self.scopes.busy,
+        )
+        self.watch = DeviceWatch(
+            lambda: self.observer.known,
+            lambda: self.settle,
+            self.report,
+            self.carried.add,
         )
         self.conditions = Conditions()
         self.pod_restarts: dict[str, float] = {}  # pod UID -> when we last stopped one
