@@ -51,6 +51,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     from gpuguard.engine.daemon import Daemon
     from gpuguard.host.notify import Notifier
     from gpuguard.host.systemd import bus_address_for
+    from gpuguard.host.workers import worker_pool
     from gpuguard.journal.conditions import REMINDER
     from gpuguard.reporting.metrics_output import MetricsOutput
     from gpuguard.reporting.metrics_state import MetricsState
@@ -81,5 +82,6 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         sources=build_sources(root, cfg, log, bus, udev=not args.no_udev),
         dry_run=args.dry_run,
         metrics=MetricsOutput(MetricsState(), renderer=_load_renderer),
+        executor=worker_pool(),
     )
     return asyncio.run(daemon.run())

@@ -16,6 +16,7 @@ import asyncio
 import os
 import signal
 import time
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -72,6 +73,7 @@ class Daemon:
         wakes: Wakes = WAKES,
         dry_run: bool = False,
         metrics: Optional[MetricsOutput] = None,
+        executor: Optional[Executor] = None,
     ) -> None:
         # Steps run in step_order (steps/registry.py says why), woken by the events the
         # registry declares for them (`wakes`); marks name steps from it.
@@ -86,6 +88,8 @@ class Daemon:
             log, config, inventory_path, root=root, on_change=self.on_event
         )
         self.memtrim = MemoryTrim()  # the C heap's freed pages back to the kernel
+        # where the blocking reads run (asyncio.to_thread): main bounds it (workers.py)
+        self.executor = executor
         self.bus_address = bus_address or bus_address_for(root.prefix)
         self.cli_dry_run = dry_run  # --dry-run: kept across reloads
         self.dry_run = dry_run or config.daemon.observe  # Mode=observe, DryRun=yes
@@ -157,6 +161,8 @@ class Daemon:
         loop.add_signal_handler(signal.SIGTERM, self.stop, "SIGTERM")
         loop.add_signal_handler(signal.SIGINT, self.stop, "SIGINT")
         loop.add_signal_handler(signal.SIGHUP, self.reload_config)
+        if self.executor is not None:
+            loop.set_default_executor(self.executor)
         if self.sources is not None and self.sources.udev is not None:
             self._start_udev(loop, self.sources.udev)
         if self.sources is not None and self.sources.transient is not None:
