@@ -224,7 +224,7 @@ def test_the_daemon_runs_the_fast_paths_its_steps_declare_then_marks(tmp_path: P
     assert marks == [(frozenset({"container_access"}), False)]
     d._write_status()  # the fast paths' figures go to the status file
     doc = json.loads(d.root.path("/run/gpuguard/status.json").read_text())
-    assert doc["fast_paths"] == {"new_scopes": {"calls": 2}, "scope_resets": {}}
+    assert doc["fast_paths"] == {"new_scopes": {"calls": 2}, "scope_resets": {}, "device_watch": {}}
 
 
 def test_the_container_access_step_declares_both_fast_paths_by_their_protocols() -> None:

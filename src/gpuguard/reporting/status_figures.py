@@ -101,12 +101,14 @@ class ReloadFigures:
 
 @dataclass(frozen=True)
 class FastPaths:
-    """The fast paths' last figures: the reload's re-grant, new scopes' grants and the
-    grants set again after a scope's DeviceAllow= was reset at runtime."""
+    """The fast paths' last figures: the reload's re-grant, new scopes' grants, the
+    grants set again after a scope's DeviceAllow= was reset at runtime, and the device
+    watch's repairs of cgroups rewritten behind systemd's back."""
 
     reload: Optional[ReloadFigures] = None
     new_scopes: Mapping[str, Figure] = field(default_factory=dict)
     scope_resets: Mapping[str, Figure] = field(default_factory=dict)
+    device_watch: Mapping[str, Figure] = field(default_factory=dict)
 
     @classmethod
     def parse(cls, v: Any, where: str) -> FastPaths:
@@ -116,6 +118,7 @@ class FastPaths:
             reload=ReloadFigures.parse(reload.doc, reload.where) if reload else None,
             new_scopes=o.mapping("new_scopes", _figure, max_items=32, default={}),
             scope_resets=o.mapping("scope_resets", _figure, max_items=32, default={}),
+            device_watch=o.mapping("device_watch", _figure, max_items=32, default={}),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -124,6 +127,7 @@ class FastPaths:
             for name, figures in (
                 ("new_scopes", self.new_scopes),
                 ("scope_resets", self.scope_resets),
+                ("device_watch", self.device_watch),
             )
         }
         if self.reload is not None:
