@@ -1,11 +1,11 @@
-"""Memory the daemon freed handed back to the kernel, at most once a minute, after a pass.
+"""Memory the daemon freed handed back to the kernel, at most every 10 s, after a pass.
 
 The daemon's Python objects stay flat under sustained events (bench/soak.py --memtrace:
 the traced heap grew 47 KiB in 5 minutes of one event a second), yet its RSS grew by
 about 0.4 MB a minute: each burst (a daemon-reload's hundreds of D-Bus signals, a pass
 over every container) raises the C heap's high-water mark, and glibc gives freed pages
 in the middle of its heaps back only when asked (`malloc_trim`: it releases every whole
-free page of every arena, not only the top). Asked after a pass, once a minute at most,
+free page of every arena, not only the top). Asked after a pass, every 10 s at most,
 the RSS follows what the daemon holds instead of its busiest moment so far.
 
 Where the C library has no `malloc_trim` (musl), this does nothing.
@@ -17,7 +17,7 @@ import ctypes
 import time
 from typing import Callable, Optional
 
-TRIM_INTERVAL = 60.0  # seconds between two trims at most; one costs about a millisecond
+TRIM_INTERVAL = 10.0  # seconds between two trims at most; one costs about a millisecond
 
 
 def _malloc_trim() -> Optional[Callable[[int], int]]:
