@@ -43,7 +43,7 @@ from integration.kubelet_node import api as api
 pytestmark = pytest.mark.root
 
 RESOURCE = "nvidia.com/gpu"
-# no audit pass meanwhile: the bridge unit leaving active wakes the step; no cool-down
+# no audit pass meanwhile: the bridge's process ending wakes the step; no cool-down
 CONFIG = "[DevicePlugin]\nCoolDown=0\nRegistrationGrace=2s\n"
 #: How long the dropped plugin is watched with gpuguard held still: it stays dropped.
 STILL = 3.0
@@ -93,7 +93,7 @@ def test_plugin_dropped_when_the_bridge_ends_is_restarted(
         assert allocatable(node, short_root).counts.get(RESOURCE, 0) == 0
         assert node.ns.unit_property(PLUGIN, "InvocationID") == plugin_run
     wait_for(lambda: events(node.ns, "plugin-restarted"), 30, "gpuguard restarting the plugin")
-    (found,) = [e for e in events(node.ns, "plugin-not-allocatable")]
+    found = events(node.ns, "plugin-not-allocatable")[0]
     assert found["RESOURCE"] == RESOURCE and found["GPUS"] == str(gpus), found
     assert found["ALLOCATABLE"] == "0", found
     (restarted,) = events(node.ns, "plugin-restarted")

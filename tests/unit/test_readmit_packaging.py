@@ -8,7 +8,7 @@ manages it (their upgrade would restart it, their removal stop it), no maintaine
 script names it, and no unit ties its stop or restart to gpuguard.service's (which
 an upgrade restarts). A new version of the bridge runs from the next boot. If it
 ends anyway (a crash, an operator's stop), the daemon's device plugin step notices
-the unit leaving active and restarts a plugin kubelet dropped.
+the unit's process ending and restarts a plugin kubelet dropped.
 """
 
 from __future__ import annotations

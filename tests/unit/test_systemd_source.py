@@ -159,11 +159,18 @@ def test_the_bridge_leaving_active_wakes_the_device_plugin_step_once() -> None:
     src, rec = _source()
     bridge = "gpuguard-readmit.service"
     src._active[unit_object_path(bridge)] = "active"
-    for state in ("active", "deactivating", "failed", "activating", "active", "inactive"):
+    states = (
+        *("active", "deactivating", "inactive"),  # a stop: once its process is gone
+        *("activating", "active"),  # started again: nothing
+        *("activating", "activating", "active"),  # killed, restarted by Restart=
+        *("failed", "inactive", "activating"),  # a crash, then started by hand
+    )
+    for state in states:
         src._handle(_props(bridge, state))
     assert [m[1] for m in rec.marks] == [
-        "systemd: gpuguard-readmit.service is deactivating",
-        "systemd: gpuguard-readmit.service is inactive",
+        "systemd: gpuguard-readmit.service ended (inactive)",
+        "systemd: gpuguard-readmit.service ended (activating)",
+        "systemd: gpuguard-readmit.service ended (failed)",
     ]
     assert all(m[0] == {"device_plugin"} for m in rec.marks)
 

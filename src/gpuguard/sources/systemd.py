@@ -15,8 +15,10 @@ each signal means:
 - PropertiesChanged of a watched unit whose ActiveState becomes "active" from
   anything else: a (re)start (KUBELET_STARTED, RUNTIME_STARTED). A reload re-sends
   properties of every unit; those keep ActiveState "active" and are ignored, so a
-  reload is one pass, not many. gpuguard-readmit.service's ActiveState leaving
-  "active" is READMIT_STOPPED (its streams ended: kubelet may have dropped the plugin).
+  reload is one pass, not many. gpuguard-readmit.service's process ending (its
+  ActiveState from active or deactivating to inactive, failed, or activating: an
+  automatic restart) is READMIT_STOPPED (its streams ended: kubelet may have dropped
+  the plugin that replaced its endpoint).
 - JobRemoved of a container scope's job (cri-containerd-/crio-/docker-*.scope, result
   "done"): a new container whose device grant can be made durable before any reload,
   SCOPE_STARTED (the daemon hands it to the step's new-scope fast path; the end of a
@@ -248,7 +250,10 @@ class SystemdSource:
             # looked new to us there is re-registration, not a start.
             unit, kind = watched
             if kind is EventKind.READMIT_STOPPED:
-                if before == "active" and state != "active":
-                    self.emit(Event(kind, f"systemd: {unit} is {state}"))
+                # once its process is gone (its streams with it), not at "deactivating":
+                # a stop's SIGTERM may take a while; auto-restart shows as "activating"
+                was_up = before in ("active", "deactivating", "reloading")
+                if was_up and state in ("inactive", "failed", "activating"):
+                    self.emit(Event(kind, f"systemd: {unit} ended ({state})"))
             elif state == "active" and before != "active" and not self._reloading:
                 self.emit(Event(kind, f"systemd: {unit} started"))

@@ -27,7 +27,7 @@ class EventKind(enum.Enum):
     BUS_RECONNECTED = "bus-reconnected"  # the system bus is back: what was missed meanwhile
     KUBELET_STARTED = "kubelet-started"  # a kubelet unit became active
     RUNTIME_STARTED = "runtime-started"  # a container runtime's unit became active
-    # gpuguard-readmit.service left active: the re-admission bridge's streams ended, and
+    # gpuguard-readmit.service's process ended: the re-admission bridge's streams with it, and
     # kubelet 1.26+ may have dropped the plugin that replaced its endpoint
     READMIT_STOPPED = "readmit-stopped"
     SCOPE_STARTED = "scope-started"  # a container scope's job ended (its unit: Event.unit)
