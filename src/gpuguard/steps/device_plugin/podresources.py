@@ -9,8 +9,9 @@ does not know, its socket and process look fine, and only this answer shows it: 
 
 One unary call on kubelet's unix socket (``pod-resources/kubelet.sock`` under
 kubelet's root directory, the parent of the device-plugins directory), bounded by
-TIMEOUT, made only when the step has a plugin to judge. The answer is decoded here,
-as the bridge encodes its messages (readmit/wire.py): no generated code, no
+TIMEOUT, made only when the step has a plugin to judge, through host/unarygrpc.py
+(HTTP/2 by hand: grpcio would cost the daemon 10-14 MB of RSS). The answer is decoded
+here, as the bridge encodes its messages (readmit/wire.py): no generated code, no
 python3-protobuf. Field numbers are those of k8s.io/kubelet/pkg/apis/podresources/v1
 api.proto: AllocatableResourcesResponse{devices = 1: ContainerDevices{resource_name =
 1, device_ids = 2, topology = 3}, cpu_ids = 2, memory = 3}.
@@ -22,8 +23,9 @@ import os
 import posixpath
 import stat
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Mapping
 
+from gpuguard.host import unarygrpc
 from gpuguard.host.paths import Root
 
 METHOD = "/v1.PodResourcesLister/GetAllocatableResources"
@@ -44,10 +46,6 @@ class Allocatable:
 def kubelet_dir(socket_dir: str) -> str:
     """kubelet's root directory: the parent of its device-plugins directory."""
     return posixpath.dirname(socket_dir.rstrip("/")) or "/"
-
-
-def _same(b: bytes) -> bytes:
-    return b
 
 
 def _fields(data: bytes) -> dict[int, list[bytes]]:
@@ -112,36 +110,13 @@ def read_allocatable(root: Root, socket_dir: str, timeout: float = TIMEOUT) -> A
     if not stat.S_ISSOCK(st.st_mode):
         return Allocatable(shown, unchecked=f"{shown} is not a socket")
     try:
-        import grpc  # type: ignore[import-untyped]  # python3-grpcio, a Recommends
-    except ImportError:
-        return Allocatable(shown, unchecked="python3-grpcio is not installed")
-    try:
-        data = _call(grpc, f"unix://{path}", timeout)
-    except grpc.RpcError as e:
-        return Allocatable(shown, unchecked=_rpc_error(e))
-    if len(data) > MAX_ANSWER:
-        return Allocatable(shown, unchecked=f"kubelet's answer is {len(data)} bytes, too long")
+        data = unarygrpc.call(METHOD, str(path), b"", timeout=timeout, limit=MAX_ANSWER)
+    except unarygrpc.CallError as e:
+        why = f"{e} (kubelet before 1.21, or its KubeletPodResourcesGetAllocatable gate off?)"
+        return Allocatable(shown, unchecked=f"kubelet's GetAllocatableResources: {why}")
+    except OSError as e:
+        return Allocatable(shown, unchecked=f"{shown}: {e.strerror or e}")
     try:
         return Allocatable(shown, decode_allocatable(data))
     except ValueError as e:
         return Allocatable(shown, unchecked=f"kubelet's answer is not readable: {e}")
-
-
-def _call(grpc: Any, target: str, timeout: float) -> bytes:
-    options = [("grpc.max_receive_message_length", MAX_ANSWER + 1)]
-    with grpc.insecure_channel(target, options=options) as channel:
-        call = channel.unary_unary(METHOD, request_serializer=_same, response_deserializer=_same)
-        data: bytes = call(b"", timeout=timeout)
-        return data
-
-
-def _rpc_error(e: Any) -> str:
-    code = e.code() if callable(getattr(e, "code", None)) else None
-    name = getattr(code, "name", "UNKNOWN")
-    detail = str(e.details() if callable(getattr(e, "details", None)) else e)
-    detail = " ".join(detail.split())[:200]
-    if name == "UNIMPLEMENTED":
-        return "kubelet does not serve GetAllocatableResources (before 1.21)"
-    if "disabled" in detail.lower():  # 1.21-1.27 with the feature gate off
-        return f"kubelet's GetAllocatableResources is off: {detail}"
-    return f"kubelet's podresources API answered {name}: {detail}"
