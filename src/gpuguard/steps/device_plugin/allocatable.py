@@ -14,7 +14,7 @@ resource the node's plugins serve, and a plugin's socket is younger than kubelet
 older than RegistrationGrace (a plugin registering now is not judged), that plugin is
 restarted (within the step's limits). "Any resource": a resource may be empty on
 purpose while another of the same GPUs is not (nvidia.com/gpu beside MIG profiles).
-Where kubelet cannot be asked (before 1.21, no socket, no grpcio, the call not served)
+Where kubelet cannot be asked (before 1.21, no socket, the call not served, no answer)
 that is said, as an info finding that is never "OK", and the socket-time rule alone
 judges registration.
 """
