@@ -10,6 +10,9 @@ serving a socket made after kubelet's start. With gpuguard running, the plugin i
 restarted (``plugin-not-allocatable``, then ``plugin-restarted`` with its cause and
 reason), kubelet's allocatable comes back to the node's GPU count and a new pod gets
 the free GPU from the plugin's own Allocate.
+
+On kubelet 1.20, which has no GetAllocatableResources, the step says once that it
+cannot ask (``plugin-allocatable-unchecked``) and acts on nothing for it.
 """
 
 from __future__ import annotations
@@ -113,3 +116,20 @@ def test_plugin_dropped_when_the_bridge_ends_is_restarted(
     assert node.plugin_allocations()[-1] == [c.visible]
     assert [g["minor"] for g in node.inventory if g["uuid"] == c.visible] == free_minor(node, held)
     assert len(events(node.ns, "plugin-restarted")) == 1  # once: never a loop
+
+
+def test_kubelet_1_20_cannot_be_asked_said_once_never_acted_on(
+    systemd_ns: NsFactory, tmp_path: Path, api: Path
+) -> None:
+    """kubelet 1.20 has no GetAllocatableResources: the step says so once (an info
+    finding, not "OK") over many passes, restarts nothing, and still judges registration
+    by the sockets' times (test_kubelet_plugin.py's F4)."""
+    config = "[Daemon]\nAuditInterval=1s\n" + CONFIG
+    node = boot(systemd_ns, tmp_path, api, gpuguard=True, kubelet="1.20", config=config)
+    (said,) = wait_for(lambda: events(node.ns, "plugin-allocatable-unchecked"), 30, "unchecked")
+    assert said["REASON"] and said["PODRESOURCES_SOCKET"].endswith("pod-resources/kubelet.sock")
+    time.sleep(STILL)  # three more audit passes: journaled once
+    assert len(events(node.ns, "plugin-allocatable-unchecked")) == 1
+    assert not events(node.ns, "plugin-restarted")
+    assert not events(node.ns, "plugin-not-allocatable")
+    print(f"kubelet 1.20: {said['REASON']}")
