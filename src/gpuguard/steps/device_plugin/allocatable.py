@@ -15,8 +15,9 @@ older than RegistrationGrace (a plugin registering now is not judged), that plug
 restarted (within the step's limits). "Any resource": a resource may be empty on
 purpose while another of the same GPUs is not (nvidia.com/gpu beside MIG profiles).
 kubelet counts only healthy devices, so a plugin that reports every GPU unhealthy looks
-the same; NVIDIA's plugin marks a device healthy again only when it restarts, so the
-restart (at most MaxRestartsPerHour) is the remedy there too.
+the same; NVIDIA's plugin keeps a device it marked unhealthy so until it restarts
+(NVIDIA/k8s-device-plugin#234), so the restart (at most MaxRestartsPerHour) is the
+remedy there too.
 Where kubelet cannot be asked (before 1.21, no socket, the call not served, no answer)
 that is said, as an info finding that is never "OK", and the socket-time rule alone
 judges registration.
