@@ -93,7 +93,9 @@ def test_plugin_dropped_when_the_bridge_ends_is_restarted(
         time.sleep(STILL)  # the plugin does not know: it stays dropped
         assert allocatable(node, short_root).counts.get(RESOURCE, 0) == 0
         assert node.ns.unit_property(PLUGIN, "InvocationID") == plugin_run
+    resumed = time.monotonic()
     wait_for(lambda: events(node.ns, "plugin-restarted"), 30, "gpuguard restarting the plugin")
+    restarted_after = time.monotonic() - resumed
     found = events(node.ns, "plugin-not-allocatable")[0]
     assert found["RESOURCE"] == RESOURCE and found["GPUS"] == str(gpus), found
     assert found["ALLOCATABLE"] == "0", found
@@ -102,6 +104,8 @@ def test_plugin_dropped_when_the_bridge_ends_is_restarted(
     assert f"0 allocatable {RESOURCE} of the node's {gpus} GPUs" in restarted["MESSAGE"]
     assert node.ns.unit_property(PLUGIN, "InvocationID") != plugin_run
     wait_for(lambda: allocatable(node, short_root).counts.get(RESOURCE) == gpus, 30, "GPUs back")
+    back_after = time.monotonic() - resumed
+    print(f"after gpuguard resumed: restart {restarted_after:.2f}s, GPUs back {back_after:.2f}s")
     wait_for(lambda: events(node.ns, "plugin-recovered"), 30, "the restart verified")
 
     def woken() -> list[str]:  # by the bridge's end: no audit pass in this test's minutes
