@@ -10,6 +10,7 @@ tests/conftest.py checks every entry any test makes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
 import time
@@ -30,6 +31,7 @@ from gpuguard.journal.log import EventLog
 from gpuguard.model import Finding
 from gpuguard.steps.checkpoint.actuate import CheckpointActuator
 from gpuguard.steps.checkpoint.reconcile import DeleteCheckpoint, RewriteCheckpoint, sha256
+from gpuguard.steps.device_plugin.podresources import Allocatable
 from gpuguard.steps.device_plugin.reconcile import assess
 from unit.test_container_findings import ALL_ALLOWED, OLD_UVM, _audit, _ent
 from unit.test_devices_audit import CTL, GPU0, RUNC_LIST
@@ -59,6 +61,12 @@ def plugin_findings() -> Entries:
     for nvml in ({GPU: UNKNOWN}, {GPU: NO_NS}):
         stale = plugin(dev=())  # sees none of the host's nodes
         out += findings(assess(observation(stale), registration_grace=120, nvml=nvml).findings)
+    # kubelet dropped the plugin (0 allocatable), and kubelet that cannot be asked
+    sock = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    for alloc in (Allocatable(sock), Allocatable(sock, unchecked="no podresources socket")):
+        o = observation(plugin())
+        o = dataclasses.replace(o, kubelet_started=o.now - 610, gpus=1, allocatable=alloc)
+        out += findings(assess(o, registration_grace=120).findings)
     return out
 
 

@@ -39,6 +39,7 @@ PURE = (
     SRC / "steps/checkpoint/remapguard.py",
     SRC / "steps/checkpoint/translate.py",
     SRC / "steps/device_plugin/limits.py",
+    SRC / "steps/device_plugin/allocatable.py",
     SRC / "steps/container_access/inplace.py",
     SRC / "steps/container_access/durable.py",
     SRC / "steps/container_access/bridgeplan.py",

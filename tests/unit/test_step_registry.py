@@ -168,6 +168,7 @@ def test_each_event_wakes_the_steps_it_always_did() -> None:
     assert registry.woken_by(EventKind.INVENTORY_CHANGED) == {
         "device_nodes", "checkpoint", "device_plugin", "gpu_count"}  # fmt: skip
     assert registry.woken_by(EventKind.RUNTIME_STARTED) == {"container_access", "device_plugin"}
+    assert registry.woken_by(EventKind.READMIT_STOPPED) == {"device_plugin"}
     assert registry.woken_by(EventKind.KUBELET_STARTED) == {
         "checkpoint", "container_access", "device_plugin"}  # fmt: skip
     for kind in (EventKind.SCOPE_STARTED, EventKind.SCOPE_DEVICES_SET,

@@ -154,6 +154,27 @@ def test_restart_detected_from_active_state_transitions() -> None:
     assert "checkpoint" not in rec.marks[1][0]
 
 
+def test_the_bridge_leaving_active_wakes_the_device_plugin_step_once() -> None:
+    """Its streams ended: kubelet 1.26+ may have dropped the plugin that replaced it."""
+    src, rec = _source()
+    bridge = "gpuguard-readmit.service"
+    src._active[unit_object_path(bridge)] = "active"
+    states = (
+        *("active", "deactivating", "inactive"),  # a stop: once its process is gone
+        *("activating", "active"),  # started again: nothing
+        *("activating", "activating", "active"),  # killed, restarted by Restart=
+        *("failed", "inactive", "activating"),  # a crash, then started by hand
+    )
+    for state in states:
+        src._handle(_props(bridge, state))
+    assert [m[1] for m in rec.marks] == [
+        "systemd: gpuguard-readmit.service ended (inactive)",
+        "systemd: gpuguard-readmit.service ended (activating)",
+        "systemd: gpuguard-readmit.service ended (failed)",
+    ]
+    assert all(m[0] == {"device_plugin"} for m in rec.marks)
+
+
 def _job_removed(unit: str, result: str = "done") -> Message:
     return _sig("JobRemoved", [7, "/org/freedesktop/systemd1/job/7", unit, result], sig="uoss")
 

@@ -316,6 +316,21 @@ KINDS: dict[str, KindDoc] = {
         "namespace: entering the plugin's mount namespace needs CAP_SYS_ADMIN and CAP_SYS_CHROOT "
         "in gpuguard.service's CapabilityBoundingSet= and mnt allowed by its RestrictNamespaces=.",
     ),
+    "plugin-not-allocatable": KindDoc(
+        "kubelet dropped a registered GPU device plugin: 0 allocatable GPUs",
+        "kubelet's podresources API reports no allocatable @RESOURCE@ although the node has "
+        "@GPUS@ GPUs and the plugin serves a socket made after kubelet started. kubelet 1.26+ "
+        "does this when a replaced endpoint's stream ends (gpuguard-readmit stopped while "
+        "kubelet runs): it disconnects the current plugin and marks every device unhealthy until "
+        "the plugin registers again. gpuguard restarts the plugin, within Restart=, CoolDown= "
+        "and MaxRestartsPerHour= (gpuguard.conf(5)).",
+    ),
+    "plugin-allocatable-unchecked": KindDoc(
+        "gpuguard cannot ask kubelet which GPUs it can allocate",
+        "kubelet's podresources API (GetAllocatableResources, kubelet 1.21+) did not answer: "
+        "@REASON@. A plugin kubelet dropped after it registered goes unseen; registration is "
+        "judged by the plugin sockets' times only.",
+    ),
     "gpu-count-mismatch": KindDoc(
         "The node has fewer (or more) GPUs at one layer than at the one below",
         "gpuguard counts NVIDIA GPUs on the PCI bus, GPUs NVML sees and devices kubelet registered "

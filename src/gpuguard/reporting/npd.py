@@ -94,6 +94,7 @@ CONDITIONS: tuple[Condition, ...] = (
             {
                 "plugin-missing-device",
                 "plugin-not-registered",
+                "plugin-not-allocatable",
                 "plugin-not-serving",
                 "plugin-nvml-failed",
             }

@@ -15,7 +15,10 @@ each signal means:
 - PropertiesChanged of a watched unit whose ActiveState becomes "active" from
   anything else: a (re)start (KUBELET_STARTED, RUNTIME_STARTED). A reload re-sends
   properties of every unit; those keep ActiveState "active" and are ignored, so a
-  reload is one pass, not many.
+  reload is one pass, not many. gpuguard-readmit.service's process ending (its
+  ActiveState from active or deactivating to inactive, failed, or activating: an
+  automatic restart) is READMIT_STOPPED (its streams ended: kubelet may have dropped
+  the plugin that replaced its endpoint).
 - JobRemoved of a container scope's job (cri-containerd-/crio-/docker-*.scope, result
   "done"): a new container whose device grant can be made durable before any reload,
   SCOPE_STARTED (the daemon hands it to the step's new-scope fast path; the end of a
@@ -42,6 +45,8 @@ from gpuguard.host.systemd import MANAGER, PROPS, UNIT, Systemd, SystemdError, u
 from gpuguard.journal.log import EventLog
 from gpuguard.sources.reload_socket import PrivateReloadWatch
 from gpuguard.steps.events import Event, EventKind
+
+READMIT_UNIT = "gpuguard-readmit.service"  # the re-admission bridge (units/)
 
 Emit = Callable[[Event], None]
 VIA_BUS, VIA_PRIVATE = "bus", "private-socket"
@@ -95,6 +100,7 @@ class SystemdSource:
             self._watch[unit_object_path(u)] = (u, EventKind.RUNTIME_STARTED)
         for u in kubelet_units:
             self._watch[unit_object_path(u)] = (u, EventKind.KUBELET_STARTED)
+        self._watch[unit_object_path(READMIT_UNIT)] = (READMIT_UNIT, EventKind.READMIT_STOPPED)
         self._active: dict[str, str] = {}
         client = getattr(self, "client", None)
         if client is not None:  # a SIGHUP named other units: watch them from now on
@@ -242,6 +248,12 @@ class SystemdSource:
             self._active[msg.path or ""] = state
             # Inside a reload the Reloading end wakes every step anyway; a unit that
             # looked new to us there is re-registration, not a start.
-            if state == "active" and before != "active" and not self._reloading:
-                unit, kind = watched
+            unit, kind = watched
+            if kind is EventKind.READMIT_STOPPED:
+                # once its process is gone (its streams with it), not at "deactivating":
+                # a stop's SIGTERM may take a while; auto-restart shows as "activating"
+                was_up = before in ("active", "deactivating", "reloading")
+                if was_up and state in ("inactive", "failed", "activating"):
+                    self.emit(Event(kind, f"systemd: {unit} ended ({state})"))
+            elif state == "active" and before != "active" and not self._reloading:
                 self.emit(Event(kind, f"systemd: {unit} started"))

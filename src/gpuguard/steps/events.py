@@ -27,6 +27,9 @@ class EventKind(enum.Enum):
     BUS_RECONNECTED = "bus-reconnected"  # the system bus is back: what was missed meanwhile
     KUBELET_STARTED = "kubelet-started"  # a kubelet unit became active
     RUNTIME_STARTED = "runtime-started"  # a container runtime's unit became active
+    # gpuguard-readmit.service's process ended: the re-admission bridge's streams with it, and
+    # kubelet 1.26+ may have dropped the plugin that replaced its endpoint
+    READMIT_STOPPED = "readmit-stopped"
     SCOPE_STARTED = "scope-started"  # a container scope's job ended (its unit: Event.unit)
     SCOPE_DEVICES_SET = "scope-devices-set"  # a scope's DevicePolicy=/DeviceAllow= set at runtime
     NVIDIA_MODULE = "nvidia-module"  # an NVIDIA driver module loaded, unloaded or changed

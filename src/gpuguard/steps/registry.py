@@ -132,7 +132,7 @@ STEPS: tuple[StepSpec, ...] = (
     StepSpec(DEVICE_PLUGIN, "gpuguard.steps.device_plugin:DevicePluginStep",
              "judges the plugins once nodes and the checkpoint are repaired",
              EVERY_CHANGE | {E.NVIDIA_MODULE, E.RUNTIME_STARTED, E.KUBELET_STARTED,
-                             E.INVENTORY_CHANGED}),
+                             E.INVENTORY_CHANGED, E.READMIT_STOPPED}),
     StepSpec(GPU_COUNT, "gpuguard.steps.gpu_count:GpuCountStep",
              "last, report only: it judges what the plugins' repairs left",
              EVERY_CHANGE | {E.NVIDIA_MODULE, E.INVENTORY_CHANGED}),

@@ -18,20 +18,24 @@ daemon restart, or a crash in the middle of one, does not reset it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Callable, Optional
 
 from gpuguard.actuate.units import UnitJobs
-from gpuguard.devices.plugins import NodeInfo, discover_plugins, list_nodes
+from gpuguard.devices.plugins import GPU_NODE, NodeInfo, discover_plugins, list_nodes
 from gpuguard.devices.processes import ProcessInfo, still_running
 from gpuguard.errors import GpuguardError
 from gpuguard.host.paths import Root
 from gpuguard.journal.conditions import Conditions, log_findings
 from gpuguard.model import Finding, Outcome
 from gpuguard.steps.device_plugin.actuate import PluginRestarter, check_new_plugin, verify
+from gpuguard.steps.device_plugin.allocatable import allocatable_judged
 from gpuguard.steps.device_plugin.limits import HOUR, why_not
 from gpuguard.steps.device_plugin.observe import PluginObservation, container_devs, kubelet_started
+from gpuguard.steps.device_plugin.podresources import read_allocatable
 from gpuguard.steps.device_plugin.reconcile import (
     K_DECLINED,
     K_FAILED,
@@ -91,6 +95,7 @@ class DevicePluginStep:
         self._loaded_from: Optional[Root] = None
         # [Systemd] KubeletUnits= (set each pass): only a trusted kubelet's start counts
         self.kubelet_units: tuple[str, ...] = ()
+        self.read_allocatable = read_allocatable  # kubelet's podresources API (tests: a stub)
 
     # -- persisted state -----------------------------------------------------------
 
@@ -181,6 +186,7 @@ class DevicePluginStep:
         unit_started = await self._kubelet_unit_started(svc)
         self.kubelet_units = svc.config.systemd.kubelet_units  # whose starts count
         obs = await asyncio.to_thread(self.observe, root, cfg, unit_started, ctx.host(svc))
+        obs = await self._with_allocatable(root, cfg, ctx, obs)
         nvml = await asyncio.to_thread(self.probe_nvml, root, obs) if cfg.nvml_probe else {}
         result = assess(obs, registration_grace=cfg.registration_grace, nvml=nvml)
         k = obs.kubelet_started
@@ -203,6 +209,22 @@ class DevicePluginStep:
         for action in result.actions:
             ctx.outcomes.append(await self._decide(svc, ctx, cfg, restarter, action))
         self._save(root, elog)
+
+    async def _with_allocatable(
+        self, root: Root, cfg: DevicePluginConfig, ctx: PassContext, obs: PluginObservation
+    ) -> PluginObservation:
+        """The node's GPU count (the inventory known now, else its /dev/nvidiaN: NVML is
+        not waited for) and, only when the rule has a plugin to judge, kubelet's
+        allocatable devices (one bounded gRPC call in a worker thread)."""
+        inv = getattr(ctx, "known_inventory", None)  # a stand-in pass may have none
+        gpus = len(inv.gpus) if inv is not None else 0
+        if not gpus:
+            gpus = sum(bool(GPU_NODE.fullmatch(os.path.basename(n.path))) for n in obs.host_nodes)
+        obs = dataclasses.replace(obs, gpus=gpus)
+        if not allocatable_judged(obs, cfg.registration_grace):
+            return obs
+        got = await asyncio.to_thread(self.read_allocatable, root, cfg.socket_dir)
+        return dataclasses.replace(obs, allocatable=got)
 
     def _forgettable(self, st: PluginState, now: float) -> bool:
         recent = [t for t in st.restarts if now - t < HOUR]

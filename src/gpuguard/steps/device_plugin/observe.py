@@ -13,6 +13,7 @@ from gpuguard.devices.kubelettrust import kubelets
 from gpuguard.devices.plugins import GPU_NODE, KUBELET_SOCKET, NodeInfo, PluginInfo, list_nodes
 from gpuguard.devices.processes import ProcessInfo, process_start
 from gpuguard.host.paths import Root
+from gpuguard.steps.device_plugin.podresources import Allocatable
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,10 @@ class PluginObservation:
     containers: tuple[ContainerDev, ...] = ()
     # identity -> the remembered plugin process, when it still runs (F4: its socket is gone)
     remembered: Mapping[str, Optional[ProcessInfo]] = field(default_factory=dict)
+    # The node's GPUs (the inventory, else its /dev/nvidiaN) and what kubelet reports
+    # allocatable (podresources.py); None: not asked (nothing to judge)
+    gpus: int = 0
+    allocatable: Optional[Allocatable] = None
 
 
 def _ctime(p: Path) -> Optional[float]:

@@ -14,6 +14,7 @@ Rules:
   the latest kubelet start, each known plugin (seen before, remembered across
   passes) must have a socket created after that start; if not, restart it (when its
   process is still known), else report.
+- F4, registered but dropped by kubelet: 0 allocatable GPUs (allocatable.py): restart.
 - GPU containers whose /dev lacks ``/dev/nvidia-uvm`` while the host has it were
   given their devices by a stale plugin: a cgroup grant cannot add a node to a
   container's /dev, so they must be recreated. Reported, never acted on here.
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING, Mapping, Optional
 from gpuguard.devices.plugins import UVM_PATH, NodeInfo, PluginInfo
 from gpuguard.devices.processes import ProcessInfo
 from gpuguard.model import Action, Finding
+from gpuguard.steps.device_plugin.allocatable import not_allocatable
 from gpuguard.steps.device_plugin.observe import PluginObservation
 from gpuguard.steps.registry import DEVICE_PLUGIN
 
@@ -60,6 +62,7 @@ K_FAILED = "plugin-restart-failed"
 CAUSE_STALE = "stale-view"
 CAUSE_UNREGISTERED = "not-registered"
 CAUSE_NVML = "nvml-failed"  # NVML cannot initialise in the plugin's context
+CAUSE_NOT_ALLOCATABLE = "not-allocatable"  # kubelet dropped it (allocatable.py)
 
 # A node is "newer than the plugin" only beyond start-time precision (btime is whole
 # seconds, start is in clock ticks).
@@ -71,7 +74,7 @@ class RestartPlugin(Action):
     identity: str
     socket: str
     process: ProcessInfo
-    cause: str  # CAUSE_STALE | CAUSE_UNREGISTERED | CAUSE_NVML
+    cause: str  # CAUSE_STALE | CAUSE_UNREGISTERED | CAUSE_NVML | CAUSE_NOT_ALLOCATABLE
     missing: tuple[str, ...] = ()
 
     @property
@@ -220,6 +223,7 @@ def assess(
         )
 
     findings += _registration(obs, registration_grace, actions)
+    findings += _allocatable(obs, registration_grace, actions)
     findings += _containers(obs, stale)
     return Assessment(tuple(findings), tuple(actions.values()), tuple(healthy))
 
@@ -295,6 +299,24 @@ def _registration(
                 cause=CAUSE_UNREGISTERED,
             )
     return out
+
+
+def _allocatable(
+    obs: PluginObservation, grace: float, actions: dict[str, RestartPlugin]
+) -> list[Finding]:
+    findings, dropped = not_allocatable(obs, grace)
+    for p, reason in dropped:
+        if p.process is not None and p.identity not in actions:
+            actions[p.identity] = RestartPlugin(
+                reconciler=RECONCILER,
+                reason=reason,
+                target=p.process.describe(),
+                identity=p.identity,
+                socket=p.socket,
+                process=p.process,
+                cause=CAUSE_NOT_ALLOCATABLE,
+            )
+    return findings
 
 
 def _containers(obs: PluginObservation, stale: list[str]) -> list[Finding]:

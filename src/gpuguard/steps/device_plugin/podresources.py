@@ -1,0 +1,122 @@
+"""kubelet's allocatable devices, read through its podresources API.
+
+``v1.PodResourcesLister/GetAllocatableResources`` (GA in kubelet 1.28, on by default
+as beta from 1.23, absent before 1.21) answers with the devices kubelet's device
+manager counts healthy. When a replaced endpoint's stream ends (the re-admission
+bridge stopped after the real plugin registered: docs/checkpoint.md), kubelet 1.34
+disconnects the resource's CURRENT plugin and marks every device unhealthy; the plugin
+does not know, its socket and process look fine, and only this answer shows it: 0.
+
+One unary call on kubelet's unix socket (``pod-resources/kubelet.sock`` under
+kubelet's root directory, the parent of the device-plugins directory), bounded by
+TIMEOUT, made only when the step has a plugin to judge, through host/unarygrpc.py
+(HTTP/2 by hand: grpcio would cost the daemon 10-14 MB of RSS). The answer is decoded
+here, as the bridge encodes its messages (readmit/wire.py): no generated code, no
+python3-protobuf. Field numbers are those of k8s.io/kubelet/pkg/apis/podresources/v1
+api.proto: AllocatableResourcesResponse{devices = 1: ContainerDevices{resource_name =
+1, device_ids = 2, topology = 3}, cpu_ids = 2, memory = 3}.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import stat
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from gpuguard.host import unarygrpc
+from gpuguard.host.paths import Root
+
+METHOD = "/v1.PodResourcesLister/GetAllocatableResources"
+SOCKET = "pod-resources/kubelet.sock"  # under kubelet's root directory
+TIMEOUT = 0.5  # seconds: a local kubelet answers in milliseconds
+MAX_ANSWER = 4 << 20  # bytes: thousands of devices fit in far less
+
+
+@dataclass(frozen=True)
+class Allocatable:
+    """What kubelet said it can allocate, or why it could not be asked."""
+
+    socket: str  # as configured (under the root prefix)
+    counts: Mapping[str, int] = field(default_factory=dict)  # resource -> device IDs
+    unchecked: str = ""  # why there is no answer ("" when kubelet answered)
+
+
+def kubelet_dir(socket_dir: str) -> str:
+    """kubelet's root directory: the parent of its device-plugins directory."""
+    return posixpath.dirname(socket_dir.rstrip("/")) or "/"
+
+
+def _fields(data: bytes) -> dict[int, list[bytes]]:
+    """Field number -> its length-delimited values; other wire types are skipped.
+    ValueError on a truncated message or a wire type protobuf does not have."""
+    out: dict[int, list[bytes]] = {}
+    i = 0
+
+    def varint() -> int:
+        nonlocal i
+        shift = value = 0
+        while True:
+            if i >= len(data) or shift > 63:
+                raise ValueError("truncated varint")
+            b = data[i]
+            i += 1
+            value |= (b & 0x7F) << shift
+            shift += 7
+            if not b & 0x80:
+                return value
+
+    while i < len(data):
+        key = varint()
+        kind = key & 7
+        if kind == 0:
+            varint()
+            continue
+        n = {1: 8, 5: 4}.get(kind)
+        if n is None:
+            if kind != 2:
+                raise ValueError(f"wire type {kind}")
+            n = varint()
+        if i + n > len(data):
+            raise ValueError("truncated field")
+        if kind == 2:
+            out.setdefault(key >> 3, []).append(data[i : i + n])
+        i += n
+    return out
+
+
+def decode_allocatable(data: bytes) -> dict[str, int]:
+    """resource name -> how many distinct device IDs kubelet reports allocatable
+    (kubelet sends one ContainerDevices per device; several are summed).
+    ValueError on a message that is not an AllocatableResourcesResponse."""
+    ids: dict[str, set[bytes]] = {}
+    for dev in _fields(data).get(1, []):
+        f = _fields(dev)
+        name = f.get(1, [b""])[-1].decode()  # UnicodeDecodeError is a ValueError
+        ids.setdefault(name, set()).update(f.get(2, []))
+    return {name: len(v) for name, v in ids.items() if name}
+
+
+def read_allocatable(root: Root, socket_dir: str, timeout: float = TIMEOUT) -> Allocatable:
+    """kubelet's answer, or an unchecked Allocatable saying why there is none."""
+    shown = posixpath.join(kubelet_dir(socket_dir), SOCKET)
+    path = root.path(shown)
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        why = f"{shown}: {e.strerror} (kubelet before 1.21, or not running)"
+        return Allocatable(shown, unchecked=why)
+    if not stat.S_ISSOCK(st.st_mode):
+        return Allocatable(shown, unchecked=f"{shown} is not a socket")
+    try:
+        data = unarygrpc.call(METHOD, str(path), b"", timeout=timeout, limit=MAX_ANSWER)
+    except unarygrpc.CallError as e:
+        why = f"{e} (kubelet before 1.21, or its KubeletPodResourcesGetAllocatable gate off?)"
+        return Allocatable(shown, unchecked=f"kubelet's GetAllocatableResources: {why}")
+    except OSError as e:
+        return Allocatable(shown, unchecked=f"{shown}: {e.strerror or e}")
+    try:
+        return Allocatable(shown, decode_allocatable(data))
+    except ValueError as e:
+        return Allocatable(shown, unchecked=f"kubelet's answer is not readable: {e}")
