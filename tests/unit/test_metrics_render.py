@@ -24,6 +24,7 @@ from gpuguard.reporting.metrics_state import (
     PASS_BUCKETS,
     RELOAD_BUCKETS,
     REPAIR_HISTOGRAM,
+    RESET_HISTOGRAM,
     MetricsState,
 )
 from gpuguard.reporting.npd import CONDITIONS, DEFAULT_MAX_AGE, OK, PROBLEM, UNKNOWN, evaluate
@@ -53,6 +54,14 @@ class Reference:
             "gpuguard_reload_repair_seconds",
             "From systemd's end of a daemon-reload or reexec to the last device re-granted "
             "on it, for the reloads that left GPU containers without a device they were given.",
+            buckets=RELOAD_BUCKETS,
+            registry=r,
+        )
+        self.reset_repair = Histogram(
+            "gpuguard_runtime_reset_repair_seconds",
+            "From seeing a GPU container's device access reset at runtime (its scope's "
+            "DeviceAllow= set over the bus without the GPU, or its cgroup v1 devices.list "
+            "rewritten behind systemd's back) to the grant in place again.",
             buckets=RELOAD_BUCKETS,
             registry=r,
         )
@@ -219,6 +228,8 @@ def test_the_rendered_text_is_what_the_librarys_own_metrics_gave() -> None:
     for (last, status), repair in zip(passes(), (0.004, 0.3, 7.5)):
         reference.reload_repair.observe(repair)
         state.observe(REPAIR_HISTOGRAM, repair)
+        reference.reset_repair.observe(repair / 100)
+        state.observe(RESET_HISTOGRAM, repair / 100)
         reference.observe_pass(last, status)
         state.observe_pass(last, status)
         # through the file, as gpuguard metrics reads it

@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING, Mapping, Optional, Protocol
 
 from gpuguard.engine.passes import STATUS_FILE
 from gpuguard.errors import GpuguardError
+from gpuguard.reporting.metrics_state import RESET_HISTOGRAM
 from gpuguard.reporting.status import SPEC as STATUS_SPEC
 from gpuguard.reporting.status import Status
 from gpuguard.reporting.status_figures import FastPaths, ReloadSignal
-from gpuguard.steps.registry import ReloadFastPath
+from gpuguard.steps.registry import ReloadFastPath, ResetRepairTimes
 
 if TYPE_CHECKING:
     from gpuguard.config import Config
@@ -116,6 +117,10 @@ def write_status(d: Reporting) -> None:
     except GpuguardError as e:  # a state directory that is a link or not root's
         d.log.warning(f"status file not written: {e.message}")
     if d.metrics is not None and d.last_pass is not None:
+        for step in d.steps.values():  # the fast paths' repairs since the last pass
+            if isinstance(step, ResetRepairTimes):
+                for seconds in step.take_reset_seconds():
+                    d.metrics.state.observe(RESET_HISTOGRAM, seconds)
         d.metrics.after_pass(
             d.last_pass, status, d.root, d.config.metrics.textfile_directory, d.log
         )

@@ -42,6 +42,7 @@ PASS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 # From one container re-granted at once to hundreds while systemd is busy (bench/README).
 RELOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 REPAIR_HISTOGRAM = "gpuguard_reload_repair_seconds"
+RESET_HISTOGRAM = "gpuguard_runtime_reset_repair_seconds"
 DENIED_KINDS = frozenset({"container-device-denied", "v2-report-only"})
 MISSING_LIBRARY = (
     "python3-prometheus-client is not installed, so gpuguard cannot render its metrics "
@@ -96,6 +97,14 @@ FAMILIES = (
         HISTOGRAM,
         "From systemd's end of a daemon-reload or reexec to the last device re-granted "
         "on it, for the reloads that left GPU containers without a device they were given.",
+        buckets=RELOAD_BUCKETS,
+    ),
+    Family(
+        RESET_HISTOGRAM,
+        HISTOGRAM,
+        "From seeing a GPU container's device access reset at runtime (its scope's "
+        "DeviceAllow= set over the bus without the GPU, or its cgroup v1 devices.list "
+        "rewritten behind systemd's back) to the grant in place again.",
         buckets=RELOAD_BUCKETS,
     ),
     Family("gpuguard_last_pass_timestamp_seconds", GAUGE, "When the last pass ended (Unix time)."),

@@ -88,6 +88,15 @@ class DeviceWatchFastPath(Protocol):
     def on_device_watch(self, svc: Services, again: Callable[[str], None]) -> None: ...
 
 
+@runtime_checkable
+class ResetRepairTimes(Protocol):
+    """A step whose fast paths repair device access reset at runtime: the seconds each
+    repair took (from seeing the reset to the grant in place) since the last call, for
+    the metrics' histogram."""
+
+    def take_reset_seconds(self) -> Sequence[float]: ...
+
+
 # What may change anything on the node: every step looks.
 EVERY_CHANGE: frozenset[E] = frozenset({
     E.START_UP, E.CONFIG_RELOADED, E.AUDIT, E.SYSTEMD_RELOADED, E.SYSTEMD_REEXECUTED,

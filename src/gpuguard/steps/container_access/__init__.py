@@ -74,6 +74,10 @@ class ContainerAccessStep:
         the last look, a rewritten one repaired at once (devwatch.py)."""
         self.state.watch.on_tick(svc, again)
 
+    def take_reset_seconds(self) -> Sequence[float]:
+        """Each runtime reset repaired since the last call, in seconds (the metrics)."""
+        return self.state.resets.take() + self.state.watch.take()
+
     def fast_status(self) -> Mapping[str, object]:
         """The fast paths' last figures, for the status file (and bench/)."""
         out: dict[str, object] = {

@@ -58,6 +58,7 @@ class DeviceWatch:
         self._inflight: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._timings: deque[float] = deque(maxlen=256)
+        self._fresh: deque[float] = deque(maxlen=1024)  # seconds, not yet in the metrics
         self.ticks = 0
         self._failing = False
         self.changes = 0
@@ -148,11 +149,19 @@ class DeviceWatch:
             findings += self.report(view, done, svc)
             if any(o.status == "done" for o in done):
                 self.repaired += 1
-                self._timings.append((time.monotonic() - seen) * 1000)
+                took = time.monotonic() - seen
+                self._timings.append(took * 1000)
+                self._fresh.append(took)
         if outcomes:
             self.carry(outcomes, findings)
         if lost_any:
             again("device watch: a GPU container's device cgroup was rewritten")
+
+    def take(self) -> list[float]:
+        """The seconds of each repair since the last call (the metrics' histogram)."""
+        out = list(self._fresh)
+        self._fresh.clear()
+        return out
 
     def status(self) -> dict[str, object]:
         """Ticks, changes seen, repairs made, and p50/p99 of tick -> read back (ms)."""

@@ -93,6 +93,7 @@ class ScopeResets:
         self._tasks: set[asyncio.Task[None]] = set()
         self._inflight: set[str] = set()
         self._timings: deque[float] = deque(maxlen=256)
+        self._fresh: deque[float] = deque(maxlen=1024)  # seconds, not yet in the metrics
         self.repaired = 0
 
     def on_devices_set(self, svc: Services, unit: str, again: Callable[[str], None]) -> bool:
@@ -139,12 +140,20 @@ class ScopeResets:
             self.carry(outcome)
             if outcome.status == "done":
                 self.repaired += 1
-                self._timings.append((time.monotonic() - began) * 1000)
+                took = time.monotonic() - began
+                self._timings.append(took * 1000)
+                self._fresh.append(took)
         except Exception as e:  # the pass repairs it: never the loop down
             svc.log.warning(f"{action.unit}: DeviceAllow= reset fast path failed ({e})")
         finally:
             self._inflight.discard(action.unit)
             again(f"systemd: {action.unit}: DeviceAllow= set at runtime")
+
+    def take(self) -> list[float]:
+        """The seconds of each repair since the last call (the metrics' histogram)."""
+        out = list(self._fresh)
+        self._fresh.clear()
+        return out
 
     def status(self) -> dict[str, object]:
         """Repairs made, and p50/p99 of event -> systemd's reply (ms)."""
