@@ -37,6 +37,9 @@ class PluginObservation:
     containers: tuple[ContainerDev, ...] = ()
     # identity -> the remembered plugin process, when it still runs (F4: its socket is gone)
     remembered: Mapping[str, Optional[ProcessInfo]] = field(default_factory=dict)
+    # when gpuguard's re-admission bridge registered in this kubelet run (readmit/state.py):
+    # a plugin socket older than that may have been replaced by it (F4)
+    bridge_registered: Optional[float] = None
 
 
 def _ctime(p: Path) -> Optional[float]:
@@ -72,6 +75,19 @@ def kubelet_started(
         if s is not None:
             times.append(s)
     return max(times) if times else None
+
+
+def bridge_registered(root: Root, kubelet_started: Optional[float]) -> Optional[float]:
+    """When the re-admission bridge's registration returned, if it did in the kubelet
+    run that started at ``kubelet_started`` (kubelet.sock comes first)."""
+    from gpuguard.host.statefile import load
+    from gpuguard.readmit.state import SPEC, STATE_FILE
+
+    s = load(root.path(STATE_FILE), SPEC).value
+    at = s.registered_at if s is not None else None
+    if at is None or kubelet_started is None or at < kubelet_started:
+        return None
+    return at
 
 
 def container_devs(root: Root, containers: Iterable[ContainerCgroup]) -> tuple[ContainerDev, ...]:
