@@ -18,6 +18,7 @@ def cmd_readmit(args: argparse.Namespace) -> int:
     from gpuguard.host.inventory import load_inventory
     from gpuguard.host.notify import Notifier
     from gpuguard.host.offswitch import read_off_switch
+    from gpuguard.host.statefile import load
     from gpuguard.readmit import Inputs, Readmit
     from gpuguard.readmit.observe import (
         CACHE,
@@ -118,6 +119,8 @@ def cmd_readmit(args: argparse.Namespace) -> int:
             fields={"POD": r.pod, "POD_UID": r.pod_uid, "REASON": r.reason},
         )
 
+    if load(root.path(STATE_FILE), SPEC).absent:  # the daemon then knows the bridge is on
+        write(ReadmitState("", 0.0, "waiting", "waiting for kubelet's start"))
     watch = RejectionWatch(kubelet_unit, named, recorder.admitted)
     readmit = Readmit(root, elog, read_inputs, bridge, watch, recorder)
     notifier.ready("waiting for kubelet")

@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING
 
 from gpuguard.journal.conditions import Conditions, log_findings
+from gpuguard.readmit.rejected import WATCH_SECONDS
 from gpuguard.steps.readmit.observe import observe
 from gpuguard.steps.readmit.reconcile import MARGIN, RECONCILER, judge
 
@@ -45,7 +46,11 @@ class ReadmitStep:
             ctx.unknown.append(view.unreadable)
         log_findings(svc.log, self.conditions, RECONCILER, j.findings)
         ctx.findings += j.findings
-        if s is not None and time.time() < s.watch_until:
+        # the bridge's state (written at its start when on) says it reads kubelet's
+        # journal after a kubelet start, which this pass may precede
+        started = view.kubelet_sock or 0.0
+        until = max(s.watch_until, started + WATCH_SECONDS + 5) if s is not None else 0.0
+        if time.time() < until:
             ctx.recheck(WATCHING, "the re-admission bridge reads kubelet's journal")
         elif j.findings:
             ctx.recheck(NAMED, "a rejected GPU pod is named: running again, or gone?")

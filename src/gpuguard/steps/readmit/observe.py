@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Optional
 
 from gpuguard.host.paths import Root
 from gpuguard.host.statefile import load
@@ -18,14 +19,24 @@ def pods_dir(checkpoint_path: str) -> str:
     return str(Path(checkpoint_path).parent.parent / "pods")
 
 
+def _ctime(path: Path) -> Optional[float]:
+    try:
+        return os.stat(path, follow_symlinks=False).st_ctime
+    except OSError:
+        return None
+
+
 def observe(root: Root, checkpoint_path: str) -> ReadmitView:
     got = load(root.path(STATE_FILE), SPEC)
     s = got.value
+    sock = _ctime(root.path(checkpoint_path).parent / "kubelet.sock")
     if s is None or not s.rejected:
-        return ReadmitView(s, "" if got.absent else got.why, frozenset(), frozenset())
+        why = "" if got.absent else got.why
+        return ReadmitView(s, why, frozenset(), frozenset(), kubelet_sock=sock)
     uids = {p.pod_uid for p in s.rejected}
     pods = root.path(pods_dir(checkpoint_path))
     present = frozenset(u for u in uids if os.path.isdir(pods / u))
     alive = alive_pods(root) & uids
     seen = os.path.isdir(pods)  # absent or unreadable: no pod is taken as gone
-    return ReadmitView(s, "" if seen else f"{pods}: not a directory", alive, present, seen)
+    why = "" if seen else f"{pods}: not a directory"
+    return ReadmitView(s, why, alive, present, seen, sock)
