@@ -164,7 +164,7 @@ def test_each_event_wakes_the_steps_it_always_did() -> None:
         assert registry.woken_by(kind) == every, kind
     # the driver's module loading wakes the checkpoint too: a late driver (a GPU
     # Operator node's) is when GPUs back with new UUIDs can first be judged
-    assert registry.woken_by(EventKind.NVIDIA_MODULE) == every - {"readmit"}
+    assert registry.woken_by(EventKind.NVIDIA_MODULE) == every
     assert registry.woken_by(EventKind.INVENTORY_CHANGED) == {
         "device_nodes", "checkpoint", "device_plugin", "gpu_count"}  # fmt: skip
     assert registry.woken_by(EventKind.RUNTIME_STARTED) == {"container_access", "device_plugin"}

@@ -130,7 +130,7 @@ STEPS: tuple[StepSpec, ...] = (
     StepSpec(READMIT, "gpuguard.steps.readmit:ReadmitStep",
              "report only, after every repair: the GPU pods kubelet rejected at its "
              "start, from the re-admission bridge's state",
-             EVERY_CHANGE | {E.KUBELET_STARTED}),
+             EVERY_CHANGE | {E.NVIDIA_MODULE, E.KUBELET_STARTED}),
 )  # fmt: skip
 STEP_ORDER: tuple[str, ...] = tuple(s.name for s in STEPS)
 ALL_STEPS: frozenset[str] = frozenset(STEP_ORDER)
