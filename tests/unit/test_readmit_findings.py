@@ -253,3 +253,17 @@ def test_status_names_each_rejected_pod_and_the_condition_is_a_problem() -> None
     code, msg = evaluate(BY_NAME["gpu-pods"], status.steps, status.steps["readmit"].ended, 600)
     assert code == PROBLEM and msg.startswith("kubelet rejected GPU pod default/gpu-a")
     assert msg.endswith("(+1 more)")
+
+
+def test_the_device_plugin_step_reads_the_bridges_registration_of_this_kubelet_run(
+    tmp_path: Path,
+) -> None:
+    from gpuguard.steps.device_plugin.observe import bridge_registered
+
+    root = Root(tmp_path)
+    assert bridge_registered(root, 100.0) is None  # no bridge
+    regs = (Registration("nvidia.com/gpu", 100.03, ("GPU-a",), 100.04),)
+    write_state(root.path(STATE_FILE), SPEC, state(registrations=regs))
+    assert bridge_registered(root, 100.0) == 100.03
+    assert bridge_registered(root, 200.0) is None  # an earlier kubelet run's
+    assert bridge_registered(root, None) is None
