@@ -17,7 +17,9 @@ GPU gone for good; ``none``: no GPU changed); then until every pod has settled
   gpuguard, else the plugin), the plugin's registration (``plugin_ms``), and kubelet's
   first admission of a pod (``admit_ms``: its ``SyncLoop ADD`` of the static pods);
   ``margin_ms`` = admit_ms - healthy_ms (negative: kubelet judged the pods before any
-  device was healthy);
+  device was healthy); ``gpuguard_margin_ms``: the same margin as gpuguard measures and
+  exports it (``gpuguard_readmit_margin_seconds``, from the bridge's state file:
+  kubelet's ListAndWatch answered to kubelet's first ``SyncLoop ADD``);
 - the resident memory of gpuguard's daemon and of its bridge (``rss_kib``), and the
   bridge's start to READY and when that came after gpuguard.service's READY
   (``bridge_ready``: kubelet is ordered after both, so a negative figure cost it nothing).
@@ -109,6 +111,25 @@ def log_marks(log: str) -> Dict[str, Optional[float]]:
     }
 
 
+def gpuguard_margin_ms(node: Any) -> Optional[float]:
+    """The bridge's margin for nvidia.com/gpu (readmit/state.py), once it has read
+    kubelet's first admission from the journal (within a few seconds)."""
+    if not node.gpuguard:
+        return None
+    from gpuguard.host.statefile import load
+    from gpuguard.readmit.state import SPEC, STATE_FILE
+
+    deadline = time.monotonic() + 6
+    while time.monotonic() < deadline:
+        s = load(node.ns.path(STATE_FILE), SPEC).value
+        if s is not None and s.first_admission is not None:
+            margins = dict(s.margins())
+            m = margins.get("nvidia.com/gpu")
+            return round(m * 1000, 1) if m is not None else None
+        time.sleep(0.5)
+    return None
+
+
 def rss_kib(node: Any, unit: str) -> Optional[int]:
     """VmRSS of the unit's main process, read inside the node's namespace."""
     pid = node.ns.unit_property(unit, "MainPID")
@@ -178,6 +199,7 @@ def one_round(
         rss = {u: rss_kib(node, u) for u in ("gpuguard.service", "gpuguard-readmit.service")}
         return {
             **log_marks(node.kubelet_log()),
+            "gpuguard_margin_ms": gpuguard_margin_ms(node),
             "bridge_ready": bridge_start(node),
             "rss_kib": ",".join(f"{u.split('.')[0]}={v}" for u, v in rss.items() if v),
             "back": len(up),
@@ -219,7 +241,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         + f" kubelet={args.kubelet} plugin={args.plugin}"
                         + "".join(
                             f" {k}={r[k] if r[k] is not None else '-'}"
-                            for k in ("healthy_ms", "plugin_ms", "admit_ms", "margin_ms")
+                            for k in (
+                                "healthy_ms",
+                                "plugin_ms",
+                                "admit_ms",
+                                "margin_ms",
+                                "gpuguard_margin_ms",
+                            )
                         )
                         + f" rss_kib={r['rss_kib'] or '-'} bridge_ready={r['bridge_ready']}",
                         flush=True,

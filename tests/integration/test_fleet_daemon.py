@@ -13,7 +13,7 @@ from integration.harness import systemd_ns as systemd_ns
 
 pytestmark = pytest.mark.root
 
-STEPS = {"container_access", "device_nodes", "checkpoint", "device_plugin", "gpu_count"}
+STEPS = {"container_access", "device_nodes", "checkpoint", "device_plugin", "gpu_count", "readmit"}
 
 
 def test_npd_status_and_doctor_answer_from_the_daemon(systemd_ns) -> None:  # type: ignore[no-untyped-def]

@@ -10,7 +10,9 @@ registering once kubelet has judged its pods, 0.3-1 s after its registration ser
   Allocate;
 * observe mode: the bridge registers nothing and says what it would have reported;
   kubelet then rejects the pods as it does without gpuguard, and the bridge names each
-  (``readmit-rejected``: namespace/name and kubelet's reason);
+  (``readmit-rejected``: namespace/name and kubelet's reason); the daemon makes each a
+  finding (``gpuguard status``, ``gpuguard npd gpu-pods``, the metrics) until the pod
+  is deleted;
 * kubelet 1.20 (harness/kubelet_versions.py): the bridge stays off, told by the kubelet
   unit's executable's ``--version``.
 
@@ -20,13 +22,16 @@ registration) is test_kubelet_plugin.py's F4 with gpuguard on 1.34.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any, Dict, List, Mapping
+from typing import Any, Dict, List, Mapping, Tuple
 
 import pytest
 
-from integration.gpuguard_ns import wait_for
+from gpuguard.readmit.state import STATE_FILE
+from integration.gpuguard_ns import GPUGUARD, status, wait_for
 from integration.harness import systemd_ns as systemd_ns
+from integration.harness.kubelet import MANIFESTS
 from integration.harness.pods import plugin_pod
 from integration.kubelet_node import (
     F1_PODS,
@@ -128,6 +133,34 @@ def test_observe_mode_registers_nothing(systemd_ns: NsFactory, tmp_path: Path, a
 
     want = [f"default/{n}-gpunode" for n in F1_PODS]
     wait_for(lambda: named() == want, 30, "the rejected pods named")
+    # ... where a finding would be: the daemon's status, NPD's condition, the metrics
+    wait_for(lambda: rejected_in_status(node) == want, 30, "the daemon's findings")
+    code, out = gg(node, "npd", "gpu-pods")
+    assert code == 1 and out.startswith("kubelet rejected GPU pod default/gpu-"), out
+    code, out = gg(node, "status")
+    assert out.startswith("node:       PROBLEM") and code == 1, out
+    assert sum(line.startswith("  rejected: default/gpu-") for line in out.splitlines()) == 2
+    code, text = gg(node, "metrics")
+    assert "gpuguard_readmit_rejected_pods 2.0" in text, text
+    assert 'gpuguard_node_condition_status{condition="GPUPodsRejected",status="true"} 1.0' in text
+    state = json.loads(node.ns.path(STATE_FILE).read_text())
+    assert state["decision"] == "observe" and state["registrations"] == []
+    assert state["first_admission"] is not None  # kubelet's first SyncLoop ADD, read back
+    # a rejected pod deleted (its manifest removed: kubelet removes its pod directory) is
+    # no longer named; the other one still is
+    node.ns.path(f"{MANIFESTS}/{F1_PODS[0]}.json").unlink()
+    wait_for(lambda: rejected_in_status(node) == want[1:], 90, "gpu-a's finding cleared")
+    assert gg(node, "npd", "gpu-pods")[0] == 1
+
+
+def rejected_in_status(node: GpuNode) -> List[str]:
+    step = status(node.ns).get("steps", {}).get("readmit", {})
+    return sorted(f["fields"]["POD"] for f in step.get("findings", ()))
+
+
+def gg(node: GpuNode, *argv: str) -> Tuple[int, str]:
+    r = node.ns.run([str(GPUGUARD), *argv])
+    return r.returncode, r.stdout
 
 
 def slot_uuids(node: GpuNode, slots: Dict[str, str]) -> List[str]:

@@ -29,7 +29,7 @@ from gpuguard.reporting.metrics_state import (
 )
 from gpuguard.reporting.npd import CONDITIONS, DEFAULT_MAX_AGE, OK, PROBLEM, UNKNOWN, evaluate
 from gpuguard.reporting.status import PassRecord, Status
-from gpuguard.steps.registry import CONTAINER_ACCESS, GPU_COUNT
+from gpuguard.steps.registry import CONTAINER_ACCESS, GPU_COUNT, READMIT
 from unit.test_metrics import DENIED, a_pass, a_pass_doc, outcome, typed
 
 T0 = 1_700_000_000.25
@@ -113,6 +113,20 @@ class Reference:
             ["layer"],
             registry=r,
         )
+        self.readmit_rejected = Gauge(
+            "gpuguard_readmit_rejected_pods",
+            "GPU pods kubelet rejected at its start (UnexpectedAdmissionError) that have not "
+            "run since, as the re-admission bridge read them from kubelet's journal.",
+            registry=r,
+        )
+        self.readmit_margin = Gauge(
+            "gpuguard_readmit_margin_seconds",
+            "At kubelet's latest start: seconds from the re-admission bridge's devices "
+            "healthy to kubelet's first pod admission, by resource (negative: kubelet judged "
+            "its pods first); absent when not known.",
+            ["resource"],
+            registry=r,
+        )
         self.condition = Gauge(
             "gpuguard_node_condition",
             "1 while a node condition's problem is present, 0 while it is not; absent "
@@ -179,6 +193,12 @@ class Reference:
         for layer in ("pci", "nvml", "kubelet"):
             if f"gpus_{layer}" in counts:
                 self.gpus.labels(layer).set(counts[f"gpus_{layer}"])
+        readmit = steps[READMIT].gauges if READMIT in steps else {}
+        self.readmit_rejected.set(readmit.get("readmit_rejected_pods", 0))
+        self.readmit_margin.clear()
+        for key, seconds in readmit.items():
+            if key.startswith("readmit_margin_seconds:"):
+                self.readmit_margin.labels(key.partition(":")[2]).set(seconds)
         self.mode.clear()
         self.mode.labels(status.mode).set(1)
         self.disabled.set(1 if status.off_switch is not None else 0)
@@ -210,6 +230,11 @@ def passes() -> list[tuple[PassRecord, Status]]:
         "outcomes": [outcome("restart-plugin", "failed"), outcome('x"y', "done")],
     }
     second_steps["container_access"]["findings"] = [odd, DENIED]
+    second_steps["readmit"] = {
+        **second_steps["gpu_count"],
+        "findings": [],
+        "gauges": {"readmit_rejected_pods": 2, "readmit_margin_seconds:nvidia.com/gpu": -0.031},
+    }
     third_last, third_steps = a_pass_doc(3)
     third_last = {**third_last, "duration_ms": 5.0, "findings": [], "outcomes": []}
     del third_steps["gpu_count"]

@@ -41,6 +41,7 @@ KIND_OF = {
     "checkpoint": "checkpoint-stale-entry",
     "device-plugin": "plugin-not-registered",
     "gpu-count": "gpu-count-mismatch",
+    "gpu-pods": "gpu-pod-rejected",
 }
 
 

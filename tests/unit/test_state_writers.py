@@ -19,6 +19,7 @@ from gpuguard.checkpoint import dropped, history
 from gpuguard.checkpoint.history import Generation, GpuIdentity, History, MigIdentity
 from gpuguard.host.statefile import StateFile, load
 from gpuguard.readmit import observe as readmit_observe
+from gpuguard.readmit import state as readmit_state
 from gpuguard.reporting import metrics_file
 from gpuguard.reporting.metrics_file import MetricsValues, Series
 from gpuguard.reporting.status import SPEC as STATUS_SPEC
@@ -97,6 +98,21 @@ PAIRS: dict[str, tuple[StateFile[Any], Any, list[Any]]] = {
             "/usr/bin/kubelet", "2049:131:58720256:1", "1.34.9", "v1.34.9"
         ),
         [readmit_observe.KubeletVersion("/usr/bin/kubelet", "i" * 300, "1.34", "v1.34.9")],
+    ),
+    "readmit-state": (
+        readmit_state.SPEC,
+        readmit_state.ReadmitState(
+            "131:1764342378123456789",
+            1764342378.12,
+            "offered",
+            "2 of 2 GPU pods have no running process",
+            (readmit_state.Registration("nvidia.com/gpu", 1764342378.14, (U,), 1764342378.15),),
+            ("nvidia-gpu.sock",),
+            1764342378.19,
+            (readmit_state.RejectedPod("u1", "default/a", "UnexpectedAdmissionError", "m", 1.0),),
+            1764342503.0,
+        ),
+        [readmit_state.ReadmitState("k", 1.0, "skip", "d" * 500)],
     ),
     "metrics": (
         metrics_file.SPEC,

@@ -78,7 +78,7 @@ def test_a_new_step_is_one_line_and_runs_in_its_place(tmp_path: Path) -> None:
     d = daemon(tmp_path, WITH_DUMMY)
     run_pass(d, frozenset(s.name for s in WITH_DUMMY))
     assert RAN == ["container_access", "device_nodes", "checkpoint", "dummy",
-                   "device_plugin", "gpu_count"]  # fmt: skip
+                   "device_plugin", "gpu_count", "readmit"]  # fmt: skip
     assert d.ledger.steps.keys() >= {"dummy"}
     RAN.clear()
     run_pass(d, frozenset({"gpu_count", "dummy"}))  # only the marked ones, still in order
@@ -170,7 +170,7 @@ def test_each_event_wakes_the_steps_it_always_did() -> None:
     assert registry.woken_by(EventKind.RUNTIME_STARTED) == {"container_access", "device_plugin"}
     assert registry.woken_by(EventKind.READMIT_STOPPED) == {"device_plugin"}
     assert registry.woken_by(EventKind.KUBELET_STARTED) == {
-        "checkpoint", "container_access", "device_plugin"}  # fmt: skip
+        "checkpoint", "container_access", "device_plugin", "readmit"}  # fmt: skip
     for kind in (EventKind.SCOPE_STARTED, EventKind.SCOPE_DEVICES_SET,
                  EventKind.DEVICE_LINKS_CREATED):  # fmt: skip
         assert registry.woken_by(kind) == {"container_access"}, kind

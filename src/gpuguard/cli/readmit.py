@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import os
 import signal
+import time
 from pathlib import Path
 
 from gpuguard.cli.args import _config, _log, _root
@@ -17,6 +18,7 @@ def cmd_readmit(args: argparse.Namespace) -> int:
     from gpuguard.host.inventory import load_inventory
     from gpuguard.host.notify import Notifier
     from gpuguard.host.offswitch import read_off_switch
+    from gpuguard.host.statefile import load
     from gpuguard.readmit import Inputs, Readmit
     from gpuguard.readmit.observe import (
         CACHE,
@@ -28,6 +30,7 @@ def cmd_readmit(args: argparse.Namespace) -> int:
     )
     from gpuguard.readmit.rejected import Rejection, RejectionWatch
     from gpuguard.readmit.serve import Bridge
+    from gpuguard.readmit.state import SPEC, STATE_FILE, ReadmitState, Recorder, RejectedPod
 
     root = _root(args)
     notifier = Notifier()
@@ -73,17 +76,30 @@ def cmd_readmit(args: argparse.Namespace) -> int:
             return Inputs(c, frozenset(), e.message)
 
     plugins_dir = root.path(Path(cfg.kubelet.checkpoint_path).parent)
+    told: list[str] = []
+
+    def write(state: ReadmitState) -> None:
+        try:
+            write_state(root.path(STATE_FILE), SPEC, state)
+        except (OSError, GpuguardError) as e:  # said once: the daemon then sees nothing
+            if not told:
+                told.append(str(e))
+                elog.event("error", f"cannot write {STATE_FILE}: {e}"[:300], level="warning")
+
+    recorder = Recorder(write)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     try:
-        bridge = Bridge(
-            plugins_dir,
-            lambda resource, n: elog.event(
+
+        def streamed(resource: str, n: int) -> None:
+            recorder.healthy(resource, time.time())
+            elog.event(
                 "readmit-stream",
                 f"kubelet asked for {resource}'s devices: {n} reported healthy",
                 level="debug",
-            ),
-        )
+            )
+
+        bridge = Bridge(plugins_dir, streamed)
     except ImportError:  # a Recommends of the package, not a Depends
         elog.event(
             "readmit-off",
@@ -95,6 +111,7 @@ def cmd_readmit(args: argparse.Namespace) -> int:
         return 0
 
     def named(r: Rejection) -> None:
+        recorder.rejected(RejectedPod(r.pod_uid, r.pod, r.reason, r.message, time.time()))
         elog.event(
             "readmit-rejected",
             f"kubelet rejected GPU pod {r.pod} at its start: {r.message}",
@@ -102,7 +119,10 @@ def cmd_readmit(args: argparse.Namespace) -> int:
             fields={"POD": r.pod, "POD_UID": r.pod_uid, "REASON": r.reason},
         )
 
-    readmit = Readmit(root, elog, read_inputs, bridge, RejectionWatch(kubelet_unit, named))
+    if load(root.path(STATE_FILE), SPEC).absent:  # the daemon then knows the bridge is on
+        write(ReadmitState("", 0.0, "waiting", "waiting for kubelet's start"))
+    watch = RejectionWatch(kubelet_unit, named, recorder.admitted)
+    readmit = Readmit(root, elog, read_inputs, bridge, watch, recorder)
     notifier.ready("waiting for kubelet")
     readmit.run(lambda: bool(stopping))
     bridge.stop()

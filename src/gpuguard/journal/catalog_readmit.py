@@ -65,6 +65,16 @@ READMIT_KINDS: dict[str, tuple[str, str]] = {
         "start and names each such pod once: with gpuguard off or observing, a GPU gone "
         "for good, or a bridge that could not register, these are the pods lost. " + _WHY,
     ),
+    "gpu-pod-rejected": (
+        "a GPU pod kubelet rejected at its start has not run since",
+        "kubelet's device manager refused pod @POD@ (@POD_UID@) at its start (@REASON@: "
+        "@KUBELET_MESSAGE@) and the pod has not run since: a finding of the daemon's "
+        "readmit step, from what the re-admission bridge read in kubelet's journal. It is the "
+        "NPD condition GPUPodsRejected and gpuguard_readmit_rejected_pods, and clears "
+        "(condition-cleared) when a container of the pod runs again or the pod is "
+        "deleted (its pod directory gone). A static or bare pod stays Failed: delete "
+        "it, or restart kubelet once its GPU is back. " + _WHY,
+    ),
     "readmit-stream": (
         "kubelet asked gpuguard's re-admission bridge for its devices",
         "kubelet opened the bridge's ListAndWatch stream after its registration; the "

@@ -37,8 +37,9 @@ from gpuguard.host.paths import Root
 from gpuguard.journal.log import EventLog
 from gpuguard.readmit.observe import alive_pods, other_sockets
 from gpuguard.readmit.plan import Decision, decide
-from gpuguard.readmit.rejected import RejectionWatch
+from gpuguard.readmit.rejected import WATCH_SECONDS, RejectionWatch
 from gpuguard.readmit.serve import Bridge, endpoint
+from gpuguard.readmit.state import Recorder
 from gpuguard.readmit.watch import DirWatch
 
 POLL = 1.0  # seconds at most between looks for a new kubelet.sock (inotify wakes it)
@@ -66,6 +67,7 @@ class Readmit:
         read_inputs: Callable[[], Inputs],
         bridge: Bridge,
         rejected: Optional[RejectionWatch] = None,
+        recorder: Optional[Recorder] = None,
     ) -> None:
         self.root = root
         self.elog = elog
@@ -73,6 +75,8 @@ class Readmit:
         self.inputs = read_inputs()
         self.bridge = bridge
         self.rejected = rejected
+        # what the daemon reads (readmit/state.py); a stand-in that writes nothing
+        self.recorder = recorder if recorder is not None else Recorder(lambda _s: None)
         self.plugins_dir = root.path(Path(self.inputs.cfg.kubelet.checkpoint_path).parent)
         # the decision made ahead, for the checkpoint as it was then (its identity)
         self.ahead: Optional[tuple[tuple[int, int, int], float, Decision]] = None
@@ -152,21 +156,31 @@ class Readmit:
 
     def on_kubelet_start(self) -> None:
         t0 = time.monotonic()
+        sock = self.kubelet_sock()
+        started = sock[1] / 1e9 if sock is not None else time.time()
+        rec = self.recorder
+        rec.kubelet_started(
+            f"{sock[0]}:{sock[1]}" if sock else "", started, time.time() + WATCH_SECONDS + 5
+        )
         if self.rejected is not None:  # the pods kubelet rejects now, named (any mode)
             self.rejected.start(time.time() - 5)
         off = read_off_switch(self.root)
         if off is not None:
             self.elog.event("readmit-skip", f"gpuguard is off ({off.describe()}): no offer")
+            rec.decided("off", f"gpuguard is off ({off.describe()})")
             return
         d = self.decided()
         if not d.offers:
             self.elog.event("readmit-skip", f"kubelet started: no offer: {d.why}")
+            rec.decided("skip", d.why)
             return
         plugins = other_sockets(self.plugins_dir)
         if plugins:
             why = f"a device plugin serves already ({', '.join(plugins)[:200]})"
             self.elog.event("readmit-skip", f"kubelet started: no offer: {why}")
+            rec.decided("skip", why)
             return
+        rec.decided("observe" if self.inputs.cfg.daemon.observe else "offered", d.why)
         for o in d.offers:
             fields = {
                 "RESOURCE": o.resource,
@@ -184,6 +198,7 @@ class Readmit:
             try:
                 self.bridge.register(o.resource, o.healthy)
             except Exception as e:  # grpc.RpcError, or the socket's directory
+                rec.decided("failed", f"registering {o.resource} failed")
                 self.elog.event(
                     "readmit-failed",
                     f"registering {o.resource} failed: {str(e).splitlines()[0][:200]}",
@@ -192,6 +207,7 @@ class Readmit:
                 )
                 continue
             ms = (time.monotonic() - t0) * 1000
+            rec.registered(o.resource, o.healthy, time.time())
             self.elog.event(
                 "readmit-offered",
                 f"kubelet started: reported {what} healthy for their re-admission "
@@ -204,6 +220,7 @@ class Readmit:
             # start-up waits to avoid): then new pods find only the held devices.
             raced = other_sockets(self.plugins_dir)
             if raced:
+                rec.raced(raced)
                 self.elog.event(
                     "readmit-raced",
                     f"a device plugin ({', '.join(raced)[:200]}) registered at the same "

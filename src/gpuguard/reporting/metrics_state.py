@@ -34,7 +34,7 @@ from gpuguard.reporting.metrics_file import STATE_MAX as STATE_MAX
 from gpuguard.reporting.metrics_file import AnySeries, Histogram, MetricsValues, Series
 from gpuguard.reporting.npd import CONDITIONS, DEFAULT_MAX_AGE, STATE_NAMES, evaluate
 from gpuguard.reporting.status import PassRecord, Status
-from gpuguard.steps.registry import CONTAINER_ACCESS, GPU_COUNT
+from gpuguard.steps.registry import CONTAINER_ACCESS, GPU_COUNT, READMIT
 
 TEXTFILE_NAME = "gpuguard.prom"
 # From a 5 ms container re-grant to a pass that restarts kubelet (tens of seconds).
@@ -147,6 +147,20 @@ FAMILIES = (
         GAUGE,
         "GPUs counted at each layer (pci, nvml, kubelet) by the last GPU count check.",
         ("layer",),
+    ),
+    Family(
+        "gpuguard_readmit_rejected_pods",
+        GAUGE,
+        "GPU pods kubelet rejected at its start (UnexpectedAdmissionError) that have not "
+        "run since, as the re-admission bridge read them from kubelet's journal.",
+    ),
+    Family(
+        "gpuguard_readmit_margin_seconds",
+        GAUGE,
+        "At kubelet's latest start: seconds from the re-admission bridge's devices "
+        "healthy to kubelet's first pod admission, by resource (negative: kubelet judged "
+        "its pods first); absent when not known.",
+        ("resource",),
     ),
     Family(
         "gpuguard_node_condition",
@@ -270,6 +284,13 @@ class MetricsState:
         for layer in ("pci", "nvml", "kubelet"):
             if f"gpus_{layer}" in counts:
                 self.set("gpuguard_gpus", counts[f"gpus_{layer}"], layer)
+        readmit = steps[READMIT].gauges if READMIT in steps else {}
+        self.set("gpuguard_readmit_rejected_pods", readmit.get("readmit_rejected_pods", 0))
+        self.clear("gpuguard_readmit_margin_seconds")  # absent when unknown
+        for key, seconds in readmit.items():
+            if key.startswith("readmit_margin_seconds:"):
+                resource = key.partition(":")[2]
+                self.set("gpuguard_readmit_margin_seconds", seconds, resource)
         self.clear("gpuguard_mode")
         self.set("gpuguard_mode", 1, status.mode)
         self.set("gpuguard_disabled", 1 if status.off_switch is not None else 0)

@@ -25,7 +25,13 @@ from gpuguard.model import Finding
 from gpuguard.reporting.status import STATUS_FILE as STATUS_FILE
 from gpuguard.reporting.status import ConditionState, Status, StepResult
 from gpuguard.reporting.status import read_status as load_status
-from gpuguard.steps.registry import CHECKPOINT, CONTAINER_ACCESS, DEVICE_PLUGIN, GPU_COUNT
+from gpuguard.steps.registry import (
+    CHECKPOINT,
+    CONTAINER_ACCESS,
+    DEVICE_PLUGIN,
+    GPU_COUNT,
+    READMIT,
+)
 
 OK, PROBLEM, UNKNOWN = 0, 1, 2
 DEFAULT_MAX_LENGTH = 80  # NPD's default max_output_length
@@ -111,6 +117,15 @@ CONDITIONS: tuple[Condition, ...] = (
         "GPUCountMismatch",
         "GPUCountOK",
         "PCI, NVML and kubelet agree on the number of GPUs",
+    ),
+    Condition(
+        "gpu-pods",
+        "GPUPodsRejected",
+        (READMIT,),
+        frozenset({"gpu-pod-rejected"}),
+        "GPUPodsRejected",
+        "GPUPodsAdmitted",
+        "no GPU pod kubelet rejected at its start is left unrun",
     ),
 )
 BY_NAME = {c.name: c for c in CONDITIONS}

@@ -11,6 +11,7 @@ from gpuguard.host.echo import cut
 from gpuguard.host.paths import Root
 from gpuguard.reporting.npd import CONDITIONS, DEFAULT_MAX_AGE, OK, PROBLEM, evaluate
 from gpuguard.reporting.status import Status
+from gpuguard.steps.registry import READMIT
 
 MESSAGE_MAX = 300  # characters of one problem in `gpuguard status`
 
@@ -60,7 +61,20 @@ def summarize(
         "repairs_last_hour": len(done),
         "repairs_by_kind": dict(Counter(c.kind for c in done)),
         "last_reload": _last_reload(status),
+        "rejected_pods": _rejected(status),
     }
+
+
+def _rejected(status: Optional[Status]) -> list[dict[str, str]]:
+    """The GPU pods kubelet rejected at its start and not run since (the readmit step)."""
+    st = status.steps.get(READMIT) if status is not None else None
+    if st is None:
+        return []
+    return [
+        {k.lower(): f.fields.get(k, "") for k in ("POD", "POD_UID", "REASON", "KUBELET_MESSAGE")}
+        for f in st.findings
+        if f.kind == "gpu-pod-rejected"
+    ]
 
 
 def named_containers(status: Optional[Status]) -> frozenset[str]:
@@ -122,6 +136,9 @@ def render(s: Mapping[str, Any]) -> list[str]:
         else:
             what = f"none of {r['checked']} known GPU container(s) had lost a device"
         lines.append(f"last reload: {what}{via}")
+    for p in s.get("rejected_pods", ()):
+        what = f"{p['pod']} ({p['pod_uid']}) by kubelet at its start: {p['reason']}"
+        lines.append(f"  rejected: {cut(what + ': ' + p['kubelet_message'], MESSAGE_MAX)}")
     kinds = ", ".join(f"{n} {k}" for k, n in sorted(s["repairs_by_kind"].items()))
     lines.append(
         f"repairs:    {s['repairs_last_hour']} in the last hour" + (f" ({kinds})" if kinds else "")

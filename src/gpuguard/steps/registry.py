@@ -37,6 +37,7 @@ DEVICE_NODES = "device_nodes"
 CHECKPOINT = "checkpoint"
 DEVICE_PLUGIN = "device_plugin"
 GPU_COUNT = "gpu_count"
+READMIT = "readmit"
 
 
 class Step(Protocol):
@@ -145,6 +146,10 @@ STEPS: tuple[StepSpec, ...] = (
     StepSpec(GPU_COUNT, "gpuguard.steps.gpu_count:GpuCountStep",
              "last, report only: it judges what the plugins' repairs left",
              EVERY_CHANGE | {E.NVIDIA_MODULE, E.INVENTORY_CHANGED}),
+    StepSpec(READMIT, "gpuguard.steps.readmit:ReadmitStep",
+             "report only, after every repair: the GPU pods kubelet rejected at its "
+             "start, from the re-admission bridge's state",
+             EVERY_CHANGE | {E.NVIDIA_MODULE, E.KUBELET_STARTED}),
 )  # fmt: skip
 STEP_ORDER: tuple[str, ...] = tuple(s.name for s in STEPS)
 ALL_STEPS: frozenset[str] = frozenset(STEP_ORDER)

@@ -34,7 +34,12 @@ from gpuguard.model import Finding, Outcome
 from gpuguard.steps.device_plugin.actuate import PluginRestarter, check_new_plugin, verify
 from gpuguard.steps.device_plugin.allocatable import allocatable_judged
 from gpuguard.steps.device_plugin.limits import HOUR, why_not
-from gpuguard.steps.device_plugin.observe import PluginObservation, container_devs, kubelet_started
+from gpuguard.steps.device_plugin.observe import (
+    PluginObservation,
+    bridge_registered,
+    container_devs,
+    kubelet_started,
+)
 from gpuguard.steps.device_plugin.podresources import read_allocatable
 from gpuguard.steps.device_plugin.reconcile import (
     K_DECLINED,
@@ -143,15 +148,17 @@ class DevicePluginStep:
                 remembered[ident] = st.last
             elif now - st.last_seen < self.forget_after:
                 remembered[ident] = None
+        started = kubelet_started(
+            root, cfg.socket_dir, unit_started=unit_started, units=self.kubelet_units
+        )
         return PluginObservation(
             now=now,
             host_nodes=self.host_nodes(root),
             plugins=plugins,
-            kubelet_started=kubelet_started(
-                root, cfg.socket_dir, unit_started=unit_started, units=self.kubelet_units
-            ),
+            kubelet_started=started,
             containers=container_devs(root, snapshot.containers(self.cgroup_root)),
             remembered=remembered,
+            bridge_registered=bridge_registered(root, started),
         )
 
     def probe_nvml(self, root: Root, obs: PluginObservation) -> dict[str, NvmlResult]:

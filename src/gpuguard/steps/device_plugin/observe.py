@@ -42,6 +42,9 @@ class PluginObservation:
     # allocatable (podresources.py); None: not asked (nothing to judge)
     gpus: int = 0
     allocatable: Optional[Allocatable] = None
+    # when gpuguard's re-admission bridge registered in this kubelet run (readmit/state.py):
+    # a plugin socket older than that may have been replaced by it (F4)
+    bridge_registered: Optional[float] = None
 
 
 def _ctime(p: Path) -> Optional[float]:
@@ -77,6 +80,19 @@ def kubelet_started(
         if s is not None:
             times.append(s)
     return max(times) if times else None
+
+
+def bridge_registered(root: Root, kubelet_started: Optional[float]) -> Optional[float]:
+    """When the re-admission bridge's registration returned, if it did in the kubelet
+    run that started at ``kubelet_started`` (kubelet.sock comes first)."""
+    from gpuguard.host.statefile import load
+    from gpuguard.readmit.state import SPEC, STATE_FILE
+
+    s = load(root.path(STATE_FILE), SPEC).value
+    at = s.registered_at if s is not None else None
+    if at is None or kubelet_started is None or at < kubelet_started:
+        return None
+    return at
 
 
 def container_devs(root: Root, containers: Iterable[ContainerCgroup]) -> tuple[ContainerDev, ...]:

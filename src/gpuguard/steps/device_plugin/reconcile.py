@@ -14,6 +14,10 @@ Rules:
   the latest kubelet start, each known plugin (seen before, remembered across
   passes) must have a socket created after that start; if not, restart it (when its
   process is still known), else report.
+  Where gpuguard's re-admission bridge registered in this kubelet run, the socket
+  must be newer than the bridge's registration: an older one may have registered
+  first and been replaced by the bridge, which allocates nothing (its restart makes
+  it register after; its new socket is then newer, so this happens once per run).
 - F4, registered but dropped by kubelet: 0 allocatable GPUs (allocatable.py): restart.
 - GPU containers whose /dev lacks ``/dev/nvidia-uvm`` while the host has it were
   given their devices by a stale plugin: a cgroup grant cannot add a node to a
@@ -263,16 +267,27 @@ def _registration(
     out: list[Finding] = []
     current = {p.identity: p for p in obs.plugins}
     identities = sorted(set(current) | set(obs.remembered))
+    bridge = obs.bridge_registered
+    after = max(k, bridge) if bridge is not None else k
     for ident in identities:
         p = current.get(ident)
-        if p is not None and p.socket_ctime >= k:
+        if p is not None and p.socket_ctime >= after:
             continue
         proc = p.process if p is not None else None
         if proc is None:
             proc = obs.remembered.get(ident)
         since = obs.now - k
-        what = "its socket is gone" if p is None else "its socket predates kubelet's start"
+        what = (
+            "its socket is gone"
+            if p is None
+            else "its socket predates kubelet's start"
+            if p.socket_ctime < k
+            else "its socket predates the registration of gpuguard's re-admission bridge, "
+            "which may have replaced it"
+        )
         fields = {"PLUGIN": ident, "KUBELET_STARTED": f"{k:.3f}"}
+        if bridge is not None:
+            fields["BRIDGE_REGISTERED"] = f"{bridge:.3f}"
         if proc is not None:
             fields["PLUGIN_PID"] = str(proc.pid)
             if proc.container_id:
