@@ -29,10 +29,12 @@ from gpuguard.journal.catalog import KINDS
 from gpuguard.journal.conditions import Conditions, log_findings
 from gpuguard.journal.log import EventLog
 from gpuguard.model import Finding
+from gpuguard.readmit.state import ReadmitState, RejectedPod
 from gpuguard.steps.checkpoint.actuate import CheckpointActuator
 from gpuguard.steps.checkpoint.reconcile import DeleteCheckpoint, RewriteCheckpoint, sha256
 from gpuguard.steps.device_plugin.podresources import Allocatable
 from gpuguard.steps.device_plugin.reconcile import assess
+from gpuguard.steps.readmit.reconcile import ReadmitView, judge
 from unit.test_container_findings import ALL_ALLOWED, OLD_UVM, _audit, _ent
 from unit.test_devices_audit import CTL, GPU0, RUNC_LIST
 from unit.test_plugins_nvml import GPU, NO_NS, UNKNOWN, observation, plugin
@@ -68,6 +70,13 @@ def plugin_findings() -> Entries:
         o = dataclasses.replace(o, kubelet_started=o.now - 610, gpus=1, allocatable=alloc)
         out += findings(assess(o, registration_grace=120).findings)
     return out
+
+
+def readmit_findings() -> Entries:
+    pod = RejectedPod("uid-1", "ml/train-0", "UnexpectedAdmissionError", "Allocate failed", 2.0)
+    state = ReadmitState("131:1", 1.0, "observe", "1 of 1", rejected=(pod,))
+    view = ReadmitView(state, "", alive=frozenset(), present=frozenset({"uid-1"}))
+    return findings(judge(view, frozenset()).findings)
 
 
 def checkpoint_changes(tmp: Path) -> Entries:
@@ -231,6 +240,7 @@ def entries(tmp_path_factory: pytest.TempPathFactory) -> Entries:
     return (
         container_findings()
         + plugin_findings()
+        + readmit_findings()
         + checkpoint_changes(tmp)
         + remap_changes(tmp)
         + daemon_pass(tmp)
