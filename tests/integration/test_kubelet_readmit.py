@@ -138,7 +138,7 @@ def test_observe_mode_registers_nothing(systemd_ns: NsFactory, tmp_path: Path, a
     code, out = gg(node, "npd", "gpu-pods")
     assert code == 1 and out.startswith("kubelet rejected GPU pod default/gpu-"), out
     code, out = gg(node, "status")
-    assert out.startswith("node:       PROBLEM") and code == 1, out
+    assert "\nnode:       PROBLEM\n" in "\n" + out and code == 1, out
     assert sum(line.startswith("  rejected: default/gpu-") for line in out.splitlines()) == 2
     code, text = gg(node, "metrics")
     assert "gpuguard_readmit_rejected_pods 2.0" in text, text
