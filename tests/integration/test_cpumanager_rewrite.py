@@ -4,9 +4,10 @@ kubelet's CPU manager (policy static) periodically updates each container's cpus
 through the runtime; older runc then re-wrote the container's whole v1 device cgroup:
 ``a`` to devices.deny, then only runc's default list and the spec's devices, which
 never name the GPU nodes the legacy NVIDIA hook granted. Nothing announces such an
-update (no systemd unit, no uevent), so only gpuguard's periodic audit can see it. The
-container here is in no systemd scope, so no grant can be made durable: the audit
-repairs every rewrite again, within its interval (AuditInterval=1s in this test).
+update (no systemd unit, no uevent): gpuguard's device watch sees it within
+WatchInterval= (its periodic audit would, within AuditInterval=1s here). The container
+here is in no systemd scope, so no grant can be made durable: every rewrite is repaired
+again.
 
 Layout, inside the systemd namespace harness (whose v1 devices root is the instance's
 cgroup, ``ns.cgroup_dir("devices")``): ``kubepods/burstable/pod<uid>/<64-hex id>``,
@@ -32,7 +33,7 @@ from gpuguard.devices.probe import probe_open, query_device_programs
 from gpuguard.devices.rules import RUNC_DEFAULT_RULES
 from gpuguard.steps.container_access.reconcile import CAUSE_REWRITE
 from integration.gpu_scopes import Container, boot_node, containers
-from integration.gpuguard_ns import events, paused, wait_for
+from integration.gpuguard_ns import events, paused, settle, wait_for
 from integration.harness import SystemdNamespace
 from integration.harness import systemd_ns as systemd_ns
 from integration.harness.bpfdev import DEFAULT_RULES, replace_programs
@@ -138,6 +139,10 @@ def test_cpu_manager_rewrite_is_repaired_by_the_periodic_audit(systemd_ns, tmp_p
             assert {e["CAUSE"] for e in mine} == {CAUSE_REWRITE}
             assert {e["CGROUP_DRIVER"] for e in mine} == {"cgroupfs"}
             assert {e["POD_UID"] for e in mine} == {c.pod_uid}
+        # The device watch repairs a rewrite within WatchInterval= and asks for a pass;
+        # the next round's rewrite waits for it, so each loss is a new finding, as on a
+        # node where CPU manager updates are seconds apart.
+        settle(ns)
     print(f"\nrewrite -> repaired (s): {[round(s, 3) for s in repair_s]}")
     assert not events(ns, "unit-device-allow"), "no scope: nothing can be made durable"
     assert not events(ns, "reconciler-crashed")
