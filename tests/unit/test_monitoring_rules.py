@@ -102,6 +102,18 @@ CASES = [
         50,
         [{**cond("GPUDevicePluginStale"), "severity": "warning"}],
     ),
+    Case(
+        "GpuguardGPUPodsRejected",
+        one(P("healthy", 30), P("healthy", 30, rewrite=condition_true("GPUPodsRejected"))),
+        33,
+        [],
+    ),
+    Case(
+        "GpuguardGPUPodsRejected",
+        one(P("healthy", 30), P("healthy", 30, rewrite=condition_true("GPUPodsRejected"))),
+        40,
+        [{**cond("GPUPodsRejected"), "severity": "warning"}],
+    ),
     Case("GpuguardConditionUnknown", one(P("healthy", 30), P("unknown", 90)), 80, []),
     Case(
         "GpuguardConditionUnknown",
