@@ -68,7 +68,7 @@ print(default, asyncio.run(asyncio.sleep(0, "ran")), metrics, hashes, textfile,
 def test_daemon_default_imports_neither_prometheus_client_nor_ssl_and_the_textfile_does(
     tmp_path: Path,
 ) -> None:
-    assert set(cli_unused()) == {"gi", "ssl"}
+    assert set(cli_unused()) == {"gi", "ssl", "bz2", "lzma", "_elementtree"}
     (tmp_path / "run/gpuguard").mkdir(parents=True)
     (tmp_path / "textfile").mkdir()
     p = subprocess.run(
@@ -85,6 +85,51 @@ def test_daemon_default_imports_neither_prometheus_client_nor_ssl_and_the_textfi
     # OpenSSL's hashes stay only where Python has no sha1/sha256 of its own (RHEL).
     assert hashes in ("builtin", "openssl")
     assert (textfile, ssl) == ("prometheus_client+created", "ssl")
+
+
+# What the daemon loads (cmd_daemon's imports, every step, the udev source) must leave
+# these out: each was loaded for one call the daemon can make without it (bench/README.md).
+NOT_IN_DAEMON = ("fractions", "decimal", "difflib", "uuid", "platform", "bz2", "lzma", "pyexpat")
+
+LEAN = """
+import sys
+from gpuguard.cli import daemon as cli
+cli._skip_unused_backends()
+import asyncio
+from gpuguard.engine.daemon import Daemon
+from gpuguard.host.workers import worker_pool
+from gpuguard.reporting.metrics_output import MetricsOutput
+from gpuguard.sources import build_sources
+from gpuguard.sources.udev import *
+from gpuguard.steps.registry import build_steps
+import pyudev
+build_steps()
+from gpuguard.config.types import parse_timespan
+from gpuguard.journal.catalog import message_id
+spans = (parse_timespan("2s 500ms"), parse_timespan("1.5us"), parse_timespan("2.5us"))
+ids = message_id("pass-complete")
+loaded = sorted(m for m in sys.modules if sys.modules[m] is not None and m in NOT)
+# dbus-next's introspection still parses: ElementTree's pure-Python parser, expat on demand
+from dbus_next.introspection import Node
+node = Node.parse('<node><interface name="a.b"><method name="C"/></interface></node>')
+print(" ".join(loaded) or "none", spans, ids, node.interfaces[0].methods[0].name)
+"""
+
+
+def test_daemon_leaves_out_what_one_call_would_load() -> None:
+    p = subprocess.run(
+        [sys.executable, "-c", f"NOT = {NOT_IN_DAEMON!r}\n{LEAN}"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin"},
+        check=False,
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    import uuid
+
+    want_id = uuid.uuid5(uuid.UUID("5b0f3c2e-8d7a-4c1e-9f55-6a1d2b3c4e5f"), "pass-complete")
+    assert p.stdout.split() == ["none", "(2.5,", "2e-06,", "2e-06)", want_id.hex, "C"]
 
 
 def cli_unused() -> tuple[str, ...]:

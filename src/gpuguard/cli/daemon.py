@@ -18,8 +18,11 @@ if TYPE_CHECKING:
 # ~2 MB: the daemon speaks TLS to nobody). Marked absent before the first import, each
 # library takes the ImportError path it has for hosts without them. prometheus_client
 # needs `ssl` (its exposition module imports it): _load_renderer() lets it load for the
-# one configuration that renders in the daemon (reporting/metrics_state.py).
-UNUSED_IN_DAEMON = ("gi", "ssl")
+# one configuration that renders in the daemon (reporting/metrics_state.py). Also the
+# compressors `shutil` loads for its archive functions (bz2, lzma: 0.3 MB with their
+# libraries) and ElementTree's C parser, which dbus-next's introspection module imports
+# and the daemon never calls (ElementTree keeps its pure-Python parser: 0.15 MB).
+UNUSED_IN_DAEMON = ("gi", "ssl", "bz2", "lzma", "_elementtree")
 # OpenSSL's hashes (libcrypto, ~3 MB) where Python has its own sha1 and sha256 built in:
 # hashlib then uses those (MESSAGE_IDs, checkpoint digests: 5.6 ms per MB instead of 1.0).
 # RHEL's Python builds none of them in, so there hashlib keeps OpenSSL.

@@ -29,7 +29,6 @@ that both files match), so the three cannot drift apart.
 
 from __future__ import annotations
 
-import difflib
 import errno
 import os
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ from gpuguard.config.schema import (
     SEE_ALSO,
     Config,
 )
-from gpuguard.config.types import format_timespan
+from gpuguard.config.types import closest, format_timespan
 from gpuguard.errors import ConfigError
 from gpuguard.host import safeio
 from gpuguard.host.numparse import clip, cut
@@ -75,7 +74,7 @@ class _Assignment:
 
 
 def _unknown_section(name: str) -> str:
-    close = difflib.get_close_matches(name, list(_BY_SECTION), n=1)
+    close = closest(name, list(_BY_SECTION))
     if not close:
         close = [s for s in _BY_SECTION if s.lower() == name.strip().lower()]
     hint = (
@@ -92,7 +91,7 @@ def _unknown_key(section: str, key: str) -> str:
     if homes:
         return f"key {clip(key)} belongs in [{homes[0]}], not [{section}]; move it there {SEE_ALSO}"
     same_case = [k for k in keys if k.lower() == key.lower()]
-    close = same_case or difflib.get_close_matches(key, keys, n=1)
+    close = same_case or closest(key, keys)
     if close:
         hint = f"did you mean '{close[0]}'?"
         if same_case:

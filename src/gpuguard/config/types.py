@@ -7,13 +7,19 @@ Time spans follow systemd.time(7): `150ms`, `5min`, `2s 500ms`, a bare number is
 
 from __future__ import annotations
 
-import difflib
 import math
 import re
-from fractions import Fraction
 from typing import Any, Tuple
 
 from gpuguard.host.numparse import clip, cut, parse_decimal
+
+
+def closest(word: str, candidates: list[str]) -> list[str]:
+    """The candidate a misspelt `word` most likely meant, if any: for error messages only,
+    so difflib is loaded here and not by the daemon (0.3 MB of its RSS)."""
+    import difflib
+
+    return difflib.get_close_matches(word, candidates, n=1)
 
 
 class ValueType:
@@ -92,6 +98,7 @@ _FORMAT_UNITS = (
 # nothing reaches Python's int conversion limit, and MAX_TIMESPAN_USEC bounds the sum.
 _TIME_PART = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([^\s0-9.]*)")
 _MAX_NUMBER = 30
+_SCALE: int = 10**_MAX_NUMBER  # the sum's unit: 10**-_MAX_NUMBER microsecond
 MAX_TIMESPAN_USEC = 365 * 86_400_000_000  # one year: no interval or delay needs more
 _TIME_HINT = "use a number with a unit such as 150ms, 5min, 1h or 2s 500ms"
 
@@ -99,13 +106,15 @@ _TIME_HINT = "use a number with a unit such as 150ms, 5min, 1h or 2s 500ms"
 def parse_timespan(text: str) -> float:
     """Parse a systemd.time(7) span ("5min", "2s 500ms", "1.5h", bare "300" = seconds).
 
-    Sums in exact fractions of a microsecond and converts to float seconds once, so that
-    format_timespan() and parse_timespan() are exact inverses at microsecond resolution.
+    Sums exactly, in units of 10**-_MAX_NUMBER microsecond (every part has at most
+    _MAX_NUMBER digits), and converts to float seconds once, so that format_timespan()
+    and parse_timespan() are exact inverses at microsecond resolution. Integers, not
+    `fractions.Fraction`: that module and `decimal` cost the daemon about 0.5 MB.
     """
     text = text.strip()
     if not text:
         raise ValueError(f"empty time span; {_TIME_HINT}")
-    total = Fraction(0)
+    total: int = 0  # in 10**-_MAX_NUMBER microsecond
     pos = 0
     while pos < len(text):
         m = _TIME_PART.match(text, pos)
@@ -121,14 +130,19 @@ def parse_timespan(text: str) -> float:
                 raise ValueError(f"{clip(number)} has no unit; {_TIME_HINT}")
             unit = "s"
         if unit not in _USEC_PER:
-            close = difflib.get_close_matches(unit, list(_USEC_PER), n=1)
+            close = closest(unit, list(_USEC_PER))
             hint = f"did you mean {cut(number)}{close[0]}?" if close else _TIME_HINT
             raise ValueError(f"unknown time unit {clip(unit)}; {hint}")
-        total += Fraction(number) * _USEC_PER[unit]
-        if total > MAX_TIMESPAN_USEC:
+        whole, _, frac = number.partition(".")
+        shift: int = 10 ** (_MAX_NUMBER - len(frac))  # frac has at most _MAX_NUMBER digits
+        total += int(whole + frac or "0") * _USEC_PER[unit] * shift
+        if total > MAX_TIMESPAN_USEC * _SCALE:
             raise ValueError("longer than a year; use a span of 365d or less")
         pos = m.end()
-    return round(total) / 1_000_000
+    usec, rest = divmod(total, _SCALE)
+    if 2 * rest > _SCALE or (2 * rest == _SCALE and usec % 2):  # half to even, as round()
+        usec += 1
+    return usec / 1_000_000
 
 
 def format_timespan(seconds: float) -> str:
@@ -194,7 +208,7 @@ class Choice(ValueType):
     def parse(self, text: str) -> str:
         if text in self.choices:
             return text
-        close = difflib.get_close_matches(text.lower(), self.choices, n=1)
+        close = closest(text.lower(), list(self.choices))
         hint = f"did you mean {close[0]!r}?" if close else f"use one of {', '.join(self.choices)}"
         raise ValueError(f"not one of {', '.join(self.choices)}; {hint}")
 

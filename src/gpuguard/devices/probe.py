@@ -27,7 +27,6 @@ import ctypes
 import errno
 import functools
 import os
-import platform
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,7 +126,7 @@ def _libc() -> ctypes.CDLL:
 
 @functools.lru_cache(maxsize=1)
 def _bpf_nr() -> Optional[ctypes.c_long]:
-    nr = _BPF_NR.get(platform.machine())  # asked once: a reload's sweep makes thousands
+    nr = _BPF_NR.get(os.uname().machine)  # asked once: a reload's sweep makes thousands
     return None if nr is None else ctypes.c_long(nr)
 
 
@@ -141,7 +140,7 @@ def bpf_syscall(cmd: int, attr: ctypes.Array[ctypes.c_char]) -> int:
     """Raw bpf(2). Returns the result; raises OSError with the errno on failure."""
     nr = _bpf_nr()
     if nr is None:
-        raise OSError(errno.ENOSYS, f"bpf(2) number unknown on {platform.machine()}")
+        raise OSError(errno.ENOSYS, f"bpf(2) number unknown on {os.uname().machine}")
     size = _ATTR_LEN if len(attr) == BPF_ATTR_SIZE else ctypes.c_uint(len(attr))
     ret = int(_libc().syscall(nr, ctypes.c_int(cmd), ctypes.byref(attr), size))
     if ret < 0:

@@ -214,6 +214,7 @@ class Daemon:
             if self.transient is not None:
                 self.transient.close()
             await asyncio.gather(*helpers, return_exceptions=True)
+            self.memtrim.cancel()
             thaw()
         return 0
 

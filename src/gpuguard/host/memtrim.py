@@ -1,23 +1,33 @@
-"""Memory the daemon freed handed back to the kernel, at most every 10 s, after a pass.
+"""Memory the daemon freed handed back to the kernel: after a pass, at most every 10 s,
+and 10 s after the last pass of a burst when no pass follows it.
 
 The daemon's Python objects stay flat under sustained events (bench/soak.py --memtrace:
 the traced heap grew 47 KiB in 5 minutes of one event a second), yet its RSS grew by
 about 0.4 MB a minute: each burst (a daemon-reload's hundreds of D-Bus signals, a pass
 over every container) raises the C heap's high-water mark, and glibc gives freed pages
 in the middle of its heaps back only when asked (`malloc_trim`: it releases every whole
-free page of every arena, not only the top). Asked after a pass, every 10 s at most,
-the RSS follows what the daemon holds instead of its busiest moment so far.
+free page of every arena, not only the top). A full collection goes first: cyclic
+garbage (an exception's frames, a finished task's) lives until one, and pins pages of
+both heaps (Python's own arenas and the C heap) that the trim could otherwise release.
+After start-up's objects are frozen (engine/gcpause.py) it walks only what passes
+created: about a millisecond. A trim skipped because the last was too recent is made
+when it is due, on the running loop, so the RSS of a node gone quiet is what the daemon
+holds, not what its last burst left behind; never inside a fast path's repair window
+(the collector is paused there): it waits for the window to close.
 
 Where the C library has no `malloc_trim` (musl), this does nothing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import gc
 import time
 from typing import Callable, Optional
 
 TRIM_INTERVAL = 10.0  # seconds between two trims at most; one costs about a millisecond
+WINDOW_RETRY = 1.0  # seconds: a trim due inside a repair window is tried again after
 
 
 def _malloc_trim() -> Optional[Callable[[int], int]]:
@@ -30,19 +40,29 @@ def _malloc_trim() -> Optional[Callable[[int], int]]:
 
 
 class MemoryTrim:
-    """`after_pass()`: trim if the last trim is TRIM_INTERVAL old; `trims` counts them."""
+    """`after_pass()`: collect and trim now if the last trim is `interval` old, else
+    once it is (a timer on the running loop, if there is one); `trims` counts them."""
 
     def __init__(
-        self, interval: float = TRIM_INTERVAL, clock: Callable[[], float] = time.monotonic
+        self,
+        interval: float = TRIM_INTERVAL,
+        clock: Callable[[], float] = time.monotonic,
+        collect: Callable[[], object] = gc.collect,
     ) -> None:
-        self.interval, self.clock = interval, clock
+        self.interval, self.clock, self.collect = interval, clock, collect
         self._trim = _malloc_trim()
         self._last: Optional[float] = None
+        self._later: Optional[asyncio.TimerHandle] = None
         self.trims = 0
 
     @property
     def available(self) -> bool:
         return self._trim is not None
+
+    @property
+    def deferred(self) -> bool:
+        """A trim is waiting for its time."""
+        return self._later is not None
 
     def after_pass(self) -> bool:
         """True when it trimmed now."""
@@ -50,8 +70,37 @@ class MemoryTrim:
             return False
         now = self.clock()
         if self._last is not None and now - self._last < self.interval:
+            self._defer(self._last + self.interval - now)
             return False
+        self._run(now)
+        return True
+
+    def cancel(self) -> None:
+        """No trim later (the daemon's loop is ending)."""
+        if self._later is not None:
+            self._later.cancel()
+            self._later = None
+
+    def _defer(self, delay: float) -> None:
+        if self._later is not None:
+            return  # one is already waiting: it trims what this pass freed too
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop (a one-shot command): the next pass trims
+        self._later = loop.call_later(delay, self._due)
+
+    def _due(self) -> None:
+        self._later = None
+        if not gc.isenabled():  # a repair window (engine/gcpause.py): after it
+            self._defer(WINDOW_RETRY)
+            return
+        self._run(self.clock())
+
+    def _run(self, now: float) -> None:
+        if self._trim is None:
+            return
         self._last = now
+        self.collect()
         self._trim(0)
         self.trims += 1
-        return True

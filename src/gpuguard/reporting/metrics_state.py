@@ -20,7 +20,7 @@ rendered text is what the library's own Counter/Gauge/Histogram gave
 
 from __future__ import annotations
 
-import platform
+import sys
 import time
 from collections import Counter as Tally
 from dataclasses import dataclass
@@ -223,7 +223,9 @@ class MetricsState:
         # the same plan again is no new action (observe mode plans it every pass)
         self.planned: dict[str, set[tuple[str, str]]] = {}
         commit = __commit__ or "unknown"
-        self.set("gpuguard_build_info", 1, package_version(), commit, platform.python_version())
+        self.set(
+            "gpuguard_build_info", 1, package_version(), commit, sys.version.split()[0]
+        )  # platform's: not loaded for it
 
     def _series(self, name: str, labels: Key) -> dict[Key, float]:
         family = _BY_NAME[name]

@@ -56,7 +56,6 @@ import contextlib
 import ctypes
 import json
 import os
-import platform
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
@@ -78,7 +77,7 @@ CAP_SYS_CHROOT = 18
 CAP_SYS_ADMIN = 21
 
 # Where driver libraries live in images (and where the toolkit injects them).
-_ARCH = f"{platform.machine()}-linux-gnu"
+_ARCH = f"{os.uname().machine}-linux-gnu"
 LIBRARY_DIRS = (
     f"/usr/lib/{_ARCH}",
     f"/lib/{_ARCH}",
