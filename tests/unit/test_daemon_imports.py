@@ -89,7 +89,13 @@ def test_daemon_default_imports_neither_prometheus_client_nor_ssl_and_the_textfi
 
 # What the daemon loads (cmd_daemon's imports, every step, the udev source) must leave
 # these out: each was loaded for one call the daemon can make without it (bench/README.md).
-NOT_IN_DAEMON = ("fractions", "decimal", "difflib", "uuid", "platform", "bz2", "lzma", "pyexpat")
+STDLIB_NOT_IN_DAEMON = ("fractions", "decimal", "difflib", "uuid", "platform", "bz2", "lzma")
+COMMANDS_NOT_IN_DAEMON = ("check", "checkpoint", "protect", "readmit", "status", "switch")
+NOT_IN_DAEMON = (
+    *STDLIB_NOT_IN_DAEMON,
+    "pyexpat",
+    *(f"gpuguard.cli.{c}" for c in COMMANDS_NOT_IN_DAEMON),
+)
 
 LEAN = """
 import sys

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from gpuguard import exitcodes, version_line
 from gpuguard.cli.args import (
@@ -19,17 +20,12 @@ from gpuguard.cli.args import (
     _opt,
     _root,
 )
-from gpuguard.cli.check import cmd_check
-from gpuguard.cli.checkpoint import cmd_checkpoint_canonical, cmd_checkpoint_inspect
-from gpuguard.cli.daemon import cmd_daemon
-from gpuguard.cli.protect import cmd_protect
-from gpuguard.cli.readmit import cmd_readmit
-from gpuguard.cli.status import cmd_status
-from gpuguard.cli.switch import cmd_disable, cmd_enable
 from gpuguard.errors import GpuguardError
 from gpuguard.host.echo import cut
 
 __all__ = ["COMMANDS", "_log", "build_parser", "main"]
+
+Command = Callable[[argparse.Namespace], int]
 
 EPILOG = """exit codes: 0 healthy or repaired; 1 problems found and left (dry-run, policy);
 2 usage or configuration error; 3 corrupt or unreadable input (nothing modified);
@@ -354,21 +350,32 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     return print_file(path, read_off_switch(root) is not None)
 
 
-COMMANDS = {
+def _command(module: str, name: str) -> Command:
+    """A command of gpuguard/cli/<module>.py, imported when it runs: the daemon does not
+    carry the other commands' code (each process runs one command)."""
+
+    def run(args: argparse.Namespace) -> int:
+        fn: Command = getattr(importlib.import_module(f"gpuguard.cli.{module}"), name)
+        return fn(args)
+
+    return run
+
+
+COMMANDS: dict[str, Command] = {
     "metrics": cmd_metrics,
     "npd": cmd_npd,
     "doctor": cmd_doctor,
-    "check": cmd_check,
-    "daemon": cmd_daemon,
+    "check": _command("check", "cmd_check"),
+    "daemon": _command("daemon", "cmd_daemon"),
     "config": cmd_config,
-    "status": cmd_status,
-    "checkpoint-inspect": cmd_checkpoint_inspect,
-    "checkpoint-canonical": cmd_checkpoint_canonical,
+    "status": _command("status", "cmd_status"),
+    "checkpoint-inspect": _command("checkpoint", "cmd_checkpoint_inspect"),
+    "checkpoint-canonical": _command("checkpoint", "cmd_checkpoint_canonical"),
     "catalog": cmd_catalog,
-    "disable": cmd_disable,
-    "enable": cmd_enable,
-    "protect": cmd_protect,
-    "readmit": cmd_readmit,
+    "disable": _command("switch", "cmd_disable"),
+    "enable": _command("switch", "cmd_enable"),
+    "protect": _command("protect", "cmd_protect"),
+    "readmit": _command("readmit", "cmd_readmit"),
 }
 
 
