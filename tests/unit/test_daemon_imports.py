@@ -18,7 +18,7 @@ PROBE = """
 import json, sys
 from pathlib import Path
 from gpuguard.cli import daemon as cli
-cli._skip_unused_backends()
+cli.skip_unused_backends()
 import asyncio
 import dbus_next
 from dbus_next.aio import MessageBus
@@ -98,9 +98,12 @@ NOT_IN_DAEMON = (
 )
 
 LEAN = """
-import sys
+import contextlib, io, sys
+import gpuguard.cli
 from gpuguard.cli import daemon as cli
-cli._skip_unused_backends()
+# `gpuguard daemon` as far as its arguments: what main and argparse load on the way
+with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):
+    gpuguard.cli.main(["daemon", "--help"])
 import asyncio
 from gpuguard.engine.daemon import Daemon
 from gpuguard.host.workers import worker_pool

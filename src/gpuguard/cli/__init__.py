@@ -420,6 +420,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if VENDOR_DIR not in sys.path and os.path.isdir(VENDOR_DIR):
             sys.path.append(VENDOR_DIR)
+        if (sys.argv[1:] if argv is None else list(argv))[:1] == ["daemon"]:
+            # before the parser: argparse's help formatter imports shutil, and shutil
+            # the compressors the daemon leaves out
+            from gpuguard.cli.daemon import skip_unused_backends
+
+            skip_unused_backends()
         parser = build_parser()
         args = parser.parse_args(argv)
         name = args.command

@@ -29,7 +29,7 @@ UNUSED_IN_DAEMON = ("gi", "ssl", "bz2", "lzma", "_elementtree")
 BUILTIN_HASHES = (("_sha1",), ("_sha2", "_sha256"))
 
 
-def _skip_unused_backends() -> None:
+def skip_unused_backends() -> None:
     for name in UNUSED_IN_DAEMON:
         sys.modules.setdefault(name, None)  # type: ignore[arg-type]
     if "hashlib" not in sys.modules and all(
@@ -48,7 +48,7 @@ def _load_renderer() -> Render:
 
 
 def cmd_daemon(args: argparse.Namespace) -> int:
-    _skip_unused_backends()
+    skip_unused_backends()  # a no-op after main's (tests call cmd_daemon directly)
     import asyncio
 
     from gpuguard.engine.daemon import Daemon
