@@ -36,6 +36,15 @@ CGROUP_MAX = 1024 * 1024  # devices.list, cgroup.procs: a few KB on a busy node
 PROC_MAX = 4 * 1024 * 1024  # /proc/devices, mountinfo, environ, cmdline
 ATTR_MAX = 4096  # one sysfs/procfs attribute: the kernel serves at most a page
 STATE_MAX = 4 * 1024 * 1024  # a gpuguard state file (status, metrics, hook records)
+# os.read(fd, n) allocates n bytes before the kernel fills any. Reading every cgroup and
+# /proc file in 1 MiB requests had glibc hand out (and, its threshold for mmap raised by
+# the first such block freed, keep in its heaps) a megabyte per read, hundreds a pass,
+# the main source of the daemon's RSS growth under events (bench/README.md). The first
+# request is what the file's size says, or a few pages (the kernel reports 0 or 4096 for
+# its own files), the next one four times larger when it was filled, up to
+# READ_CHUNK_MAX.
+READ_CHUNK_MIN = 16 * 1024
+READ_CHUNK_MAX = 1024 * 1024
 
 
 class UnsafeFileError(BadInputError):
@@ -90,9 +99,11 @@ def read_bytes(
         )
         chunks = []
         left = max_bytes + 1  # one byte more tells us it grew past the limit
+        size = min(max(READ_CHUNK_MIN, st.st_size + 1), READ_CHUNK_MAX)
         while left > 0:
+            asked = min(left, size)
             try:
-                chunk = os.read(fd, min(left, 1 << 20))
+                chunk = os.read(fd, asked)
             except OSError as e:
                 raise UnsafeFileError(
                     f"{path}: read failed ({e.strerror}) — check the disk and try again",
@@ -102,6 +113,8 @@ def read_bytes(
                 break
             chunks.append(chunk)
             left -= len(chunk)
+            if len(chunk) == asked:  # more may follow: a larger request
+                size = min(size * 4, READ_CHUNK_MAX)
         data = b"".join(chunks)
         if len(data) > max_bytes:
             raise UnsafeFileError(too_big)
