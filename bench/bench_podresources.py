@@ -23,6 +23,8 @@ import tempfile
 from concurrent import futures
 from pathlib import Path
 
+from gpuguard.host.protowire import field, varint
+
 CHILD = r"""
 import json, sys, time
 def rss():
@@ -53,25 +55,17 @@ print(json.dumps({"first_ms": first_ms, "times": times, "rss_before_kb": before,
 """
 
 
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def ld(number: int, payload: bytes) -> bytes:
-    return varint(number << 3 | 2) + varint(len(payload)) + payload
-
-
 def answer(gpus: int) -> bytes:
     devs = b"".join(
-        ld(1, ld(1, b"nvidia.com/gpu") + ld(2, f"GPU-{i:08x}".encode()) + ld(3, ld(1, b"\x08\x00")))
+        field(
+            1,
+            field(1, b"nvidia.com/gpu")
+            + field(2, f"GPU-{i:08x}".encode())
+            + field(3, field(1, b"\x08\x00")),
+        )
         for i in range(gpus)
     )
-    return devs + ld(2, b"".join(varint(c) for c in range(64)))
+    return devs + field(2, b"".join(varint(c) for c in range(64)))
 
 
 def pct(xs: list[float], p: float) -> float:

@@ -24,6 +24,7 @@ from gpuguard.devices.nodes import ROLE_OTHER
 from gpuguard.devices.plugins import NodeInfo, PluginInfo, resource_for_socket
 from gpuguard.devices.processes import ProcessInfo
 from gpuguard.host.paths import Root
+from gpuguard.host.protowire import field, varint
 from gpuguard.steps.device_plugin import podresources
 from gpuguard.steps.device_plugin.allocatable import (
     K_ALLOCATABLE_UNCHECKED,
@@ -59,28 +60,15 @@ HOST = (
 # -- the wire format -------------------------------------------------------------------
 
 
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def ld(number: int, payload: bytes) -> bytes:
-    return varint(number << 3 | 2) + varint(len(payload)) + payload
-
-
 def device(resource: str, *ids: str, numa: Optional[int] = 0) -> bytes:
-    topo = ld(3, ld(1, varint(1 << 3) + varint(numa))) if numa is not None else b""
-    return ld(1, resource.encode()) + b"".join(ld(2, i.encode()) for i in ids) + topo
+    topo = field(3, field(1, varint(1 << 3) + varint(numa))) if numa is not None else b""
+    return field(1, resource.encode()) + b"".join(field(2, i.encode()) for i in ids) + topo
 
 
 def answer(*devices: bytes, cpus: tuple[int, ...] = (0, 1, 2, 3)) -> bytes:
-    packed = ld(2, b"".join(varint(c) for c in cpus)) if cpus else b""
-    memory = ld(3, varint(1 << 3) + b"\x0e" + ld(3, b""))  # ContainerMemory{...}
-    return b"".join(ld(1, d) for d in devices) + packed + memory
+    packed = field(2, b"".join(varint(c) for c in cpus)) if cpus else b""
+    memory = field(3, varint(1 << 3) + b"\x0e" + field(3, b""))  # ContainerMemory{...}
+    return b"".join(field(1, d) for d in devices) + packed + memory
 
 
 def test_one_entry_per_device_as_kubelet_sends_it() -> None:
@@ -114,10 +102,10 @@ def test_fixed_width_and_unpacked_fields_are_skipped() -> None:
 @pytest.mark.parametrize(
     "data",
     [
-        ld(1, device("nvidia.com/gpu", "GPU-a"))[:-2],  # truncated
+        field(1, device("nvidia.com/gpu", "GPU-a"))[:-2],  # truncated
         b"\x0a\x80",  # truncated length varint
         varint(1 << 3 | 3) + b"\x00",  # group wire types: not in proto3
-        ld(1, ld(1, b"\xff\xfe")),  # a resource name that is not UTF-8
+        field(1, field(1, b"\xff\xfe")),  # a resource name that is not UTF-8
     ],
 )
 def test_a_malformed_answer_is_an_error(data: bytes) -> None:

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from gpuguard.checkpoint.model import PodDevicesEntry
 from gpuguard.host.paths import Root
+from gpuguard.host.protowire import fields
 from gpuguard.readmit import Readmit, wire
 from gpuguard.readmit.observe import KubeletVersion, kubelet_version
 from gpuguard.readmit.plan import decide
@@ -94,13 +95,13 @@ def test_never_vouches_for_a_device_not_held_or_not_present(
 
 
 def test_wire_messages_decode_to_their_fields() -> None:
-    req = wire.decode_strings(wire.register_request("nvidia.com/gpu", endpoint("nvidia.com/gpu")))
+    req = fields(wire.register_request("nvidia.com/gpu", endpoint("nvidia.com/gpu")))
     assert req[1] == [b"v1beta1"]
     assert req[2] == [b"gpuguard/readmit-nvidia.com_gpu.sock"]
     assert req[3] == [b"nvidia.com/gpu"]
     assert req[4] == [b""]  # empty DevicePluginOptions
-    resp = wire.decode_strings(wire.list_and_watch_response(["GPU-a", "GPU-" + "b" * 200]))
-    devices = [wire.decode_strings(d) for d in resp[1]]
+    resp = fields(wire.list_and_watch_response(["GPU-a", "GPU-" + "b" * 200]))
+    devices = [fields(d) for d in resp[1]]
     assert [d[1][0] for d in devices] == [b"GPU-a", b"GPU-" + b"b" * 200]
     assert all(d[2] == [b"Healthy"] for d in devices)
     assert wire.list_and_watch_response([]) == b""

@@ -11,7 +11,7 @@ One unary call on kubelet's unix socket (``pod-resources/kubelet.sock`` under
 kubelet's root directory, the parent of the device-plugins directory), bounded by
 TIMEOUT, made only when the step has a plugin to judge, through host/unarygrpc.py
 (HTTP/2 by hand: grpcio would cost the daemon 10-14 MB of RSS). The answer is decoded
-here, as the bridge encodes its messages (readmit/wire.py): no generated code, no
+with host/protowire.py, the bridge's encoder (readmit/wire.py): no generated code, no
 python3-protobuf. Field numbers are those of k8s.io/kubelet/pkg/apis/podresources/v1
 api.proto: AllocatableResourcesResponse{devices = 1: ContainerDevices{resource_name =
 1, device_ids = 2, topology = 3}, cpu_ids = 2, memory = 3}.
@@ -27,6 +27,7 @@ from typing import Mapping
 
 from gpuguard.host import unarygrpc
 from gpuguard.host.paths import Root
+from gpuguard.host.protowire import fields
 
 METHOD = "/v1.PodResourcesLister/GetAllocatableResources"
 SOCKET = "pod-resources/kubelet.sock"  # under kubelet's root directory
@@ -48,51 +49,13 @@ def kubelet_dir(socket_dir: str) -> str:
     return posixpath.dirname(socket_dir.rstrip("/")) or "/"
 
 
-def _fields(data: bytes) -> dict[int, list[bytes]]:
-    """Field number -> its length-delimited values; other wire types are skipped.
-    ValueError on a truncated message or a wire type protobuf does not have."""
-    out: dict[int, list[bytes]] = {}
-    i = 0
-
-    def varint() -> int:
-        nonlocal i
-        shift = value = 0
-        while True:
-            if i >= len(data) or shift > 63:
-                raise ValueError("truncated varint")
-            b = data[i]
-            i += 1
-            value |= (b & 0x7F) << shift
-            shift += 7
-            if not b & 0x80:
-                return value
-
-    while i < len(data):
-        key = varint()
-        kind = key & 7
-        if kind == 0:
-            varint()
-            continue
-        n = {1: 8, 5: 4}.get(kind)
-        if n is None:
-            if kind != 2:
-                raise ValueError(f"wire type {kind}")
-            n = varint()
-        if i + n > len(data):
-            raise ValueError("truncated field")
-        if kind == 2:
-            out.setdefault(key >> 3, []).append(data[i : i + n])
-        i += n
-    return out
-
-
 def decode_allocatable(data: bytes) -> dict[str, int]:
     """resource name -> how many distinct device IDs kubelet reports allocatable
     (kubelet sends one ContainerDevices per device; several are summed).
     ValueError on a message that is not an AllocatableResourcesResponse."""
     ids: dict[str, set[bytes]] = {}
-    for dev in _fields(data).get(1, []):
-        f = _fields(dev)
+    for dev in fields(data).get(1, []):
+        f = fields(dev)
         name = f.get(1, [b""])[-1].decode()  # UnicodeDecodeError is a ValueError
         ids.setdefault(name, set()).update(f.get(2, []))
     return {name: len(v) for name, v in ids.items() if name}
