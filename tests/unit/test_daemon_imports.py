@@ -71,16 +71,7 @@ def test_daemon_default_imports_neither_prometheus_client_nor_ssl_and_the_textfi
     assert set(cli_unused()) == {"gi", "ssl", "bz2", "lzma", "_elementtree"}
     (tmp_path / "run/gpuguard").mkdir(parents=True)
     (tmp_path / "textfile").mkdir()
-    p = subprocess.run(
-        [sys.executable, "-c", PROBE, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin"},
-        check=False,
-    )
-    assert p.returncode == 0, p.stderr[-2000:]
-    default, ran, metrics, hashes, textfile, ssl = p.stdout.split()
+    default, ran, metrics, hashes, textfile, ssl = probe(PROBE, str(tmp_path))
     assert (default, ran, metrics) == ("none", "ran", "ok")
     # OpenSSL's hashes stay only where Python has no sha1/sha256 of its own (RHEL).
     assert hashes in ("builtin", "openssl")
@@ -126,8 +117,17 @@ print(" ".join(loaded) or "none", spans, ids, node.interfaces[0].methods[0].name
 
 
 def test_daemon_leaves_out_what_one_call_would_load() -> None:
+    import uuid
+
+    want_id = uuid.uuid5(uuid.UUID("5b0f3c2e-8d7a-4c1e-9f55-6a1d2b3c4e5f"), "pass-complete")
+    got = probe(f"NOT = {NOT_IN_DAEMON!r}\n{LEAN}")
+    assert got == ["none", "(2.5,", "2e-06,", "2e-06)", want_id.hex, "C"]
+
+
+def probe(code: str, *args: str) -> list[str]:
+    """The words `code` prints, run in a fresh interpreter on the repo's sources."""
     p = subprocess.run(
-        [sys.executable, "-c", f"NOT = {NOT_IN_DAEMON!r}\n{LEAN}"],
+        [sys.executable, "-c", code, *args],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -135,10 +135,7 @@ def test_daemon_leaves_out_what_one_call_would_load() -> None:
         check=False,
     )
     assert p.returncode == 0, p.stderr[-2000:]
-    import uuid
-
-    want_id = uuid.uuid5(uuid.UUID("5b0f3c2e-8d7a-4c1e-9f55-6a1d2b3c4e5f"), "pass-complete")
-    assert p.stdout.split() == ["none", "(2.5,", "2e-06,", "2e-06)", want_id.hex, "C"]
+    return p.stdout.split()
 
 
 def cli_unused() -> tuple[str, ...]:
