@@ -1,11 +1,13 @@
 """The C heap's freed pages handed back after a pass, at most once per interval and
-once more when the interval is up (host/memtrim.py), through glibc's malloc_trim
-where the C library has it; a full collection first."""
+once more when the interval is up, a full collection first, and glibc's mmap threshold
+fixed (host/memtrim.py), where the C library has malloc_trim and mallopt."""
 
 from __future__ import annotations
 
 import asyncio
 import ctypes.util
+import subprocess
+import sys
 
 import pytest
 
@@ -108,3 +110,12 @@ def test_outside_a_loop_the_next_pass_trims() -> None:
         pytest.skip("this C library has no malloc_trim")
     trim.after_pass()
     assert not trim.after_pass() and not trim.deferred
+
+
+def test_the_mmap_threshold_is_fixed_where_glibc_is() -> None:
+    """In a child: the setting is the whole process's."""
+    if "musl" in (ctypes.util.find_library("c") or ""):
+        pytest.skip("musl: no mallopt")
+    code = "from gpuguard.host.memtrim import fix_mmap_threshold as f; print(f(), f(1 << 20))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True"]

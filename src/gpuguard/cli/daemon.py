@@ -51,6 +51,10 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     skip_unused_backends()  # a no-op after main's (tests call cmd_daemon directly)
     import asyncio
 
+    from gpuguard.host.memtrim import fix_mmap_threshold
+
+    fix_mmap_threshold()  # big transient blocks from mmap, not the heap (memtrim.py)
+
     from gpuguard.engine.daemon import Daemon
     from gpuguard.host.notify import Notifier
     from gpuguard.host.systemd import bus_address_for

@@ -1,5 +1,5 @@
-"""Memory the daemon freed handed back to the kernel: after a pass, at most every 10 s,
-and 10 s after the last pass of a burst when no pass follows it.
+"""Memory the daemon freed handed back to the kernel: after a pass, at most every 2 s,
+and 2 s after the last pass of a burst when no pass follows it.
 
 The daemon's Python objects stay flat under sustained events (bench/soak.py --memtrace:
 the traced heap grew 47 KiB in 5 minutes of one event a second), yet its RSS grew by
@@ -26,8 +26,14 @@ import gc
 import time
 from typing import Callable, Optional
 
-TRIM_INTERVAL = 10.0  # seconds between two trims at most; one costs about a millisecond
+TRIM_INTERVAL = 2.0  # seconds between two trims at most; one costs 1-2 ms (0.1 % CPU)
 WINDOW_RETRY = 1.0  # seconds: a trim due inside a repair window is tried again after
+# glibc serves a block this large or larger from its own mmap, given back when freed. Its
+# default moves the threshold up to the largest block freed so far (up to 32 MiB), after
+# which a pass's big transient buffers (the status document's JSON, a long file read)
+# were carved out of the heap and left holes there that later small blocks pinned.
+MMAP_THRESHOLD = 64 * 1024
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
 
 def _malloc_trim() -> Optional[Callable[[int], int]]:
@@ -37,6 +43,17 @@ def _malloc_trim() -> Optional[Callable[[int], int]]:
         return None
     fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
     return fn
+
+
+def fix_mmap_threshold(size: int = MMAP_THRESHOLD) -> bool:
+    """Blocks of `size` bytes or more from mmap, at a threshold that no longer moves
+    (the daemon calls it once at start). False where the C library has no mallopt."""
+    try:
+        fn = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(fn(_M_MMAP_THRESHOLD, size))
 
 
 class MemoryTrim:
