@@ -36,24 +36,21 @@ MMAP_THRESHOLD = 64 * 1024
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
 
-def _malloc_trim() -> Optional[Callable[[int], int]]:
+def _libc_function(name: str, *argtypes: type) -> Optional[Callable[..., int]]:
+    """The C library's `name` returning an int, None where it has none (musl)."""
     try:
-        fn = ctypes.CDLL(None).malloc_trim
+        fn = getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
-    return fn
+    fn.argtypes, fn.restype = list(argtypes), ctypes.c_int
+    return fn  # type: ignore[no-any-return]
 
 
 def fix_mmap_threshold(size: int = MMAP_THRESHOLD) -> bool:
     """Blocks of `size` bytes or more from mmap, at a threshold that no longer moves
     (the daemon calls it once at start). False where the C library has no mallopt."""
-    try:
-        fn = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(fn(_M_MMAP_THRESHOLD, size))
+    mallopt = _libc_function("mallopt", ctypes.c_int, ctypes.c_int)
+    return mallopt is not None and bool(mallopt(_M_MMAP_THRESHOLD, size))
 
 
 class MemoryTrim:
@@ -67,7 +64,7 @@ class MemoryTrim:
         collect: Callable[[], object] = gc.collect,
     ) -> None:
         self.interval, self.clock, self.collect = interval, clock, collect
-        self._trim = _malloc_trim()
+        self._trim = _libc_function("malloc_trim", ctypes.c_size_t)
         self._last: Optional[float] = None
         self._later: Optional[asyncio.TimerHandle] = None
         self.trims = 0
