@@ -15,16 +15,15 @@ from gpuguard.cli.args import _config, _log, _root
 def cmd_readmit(args: argparse.Namespace) -> int:
     from gpuguard.actuate.statefile import write_state
     from gpuguard.errors import GpuguardError
-    from gpuguard.host.inventory import load_inventory
     from gpuguard.host.notify import Notifier
     from gpuguard.host.offswitch import read_off_switch
     from gpuguard.host.statefile import load
     from gpuguard.readmit import Inputs, Readmit
+    from gpuguard.readmit.node import NodeReader
     from gpuguard.readmit.observe import (
         CACHE,
         CACHE_FILE,
         kubelet_version,
-        present_ids,
         read_cached,
         unit_executable,
     )
@@ -67,13 +66,15 @@ def cmd_readmit(args: argparse.Namespace) -> int:
             notifier.ready("off")
             return 0
 
+    node_reader = NodeReader(root)  # NVML once at most, in a child (readmit/node.py)
+
     def read_inputs() -> Inputs:
         c = _config(args, root)
-        path = Path(c.inventory.file) if c.inventory.file else None
-        try:
-            return Inputs(c, present_ids(load_inventory(path)), "")
-        except GpuguardError as e:
-            return Inputs(c, frozenset(), e.message)
+        sock = root.path(Path(c.kubelet.checkpoint_path).parent / "kubelet.sock")
+        node, problem = node_reader.read(
+            c.inventory.file or "", c.inventory.driver_root or "", os.path.lexists(sock)
+        )
+        return Inputs(c, node, problem)
 
     plugins_dir = root.path(Path(cfg.kubelet.checkpoint_path).parent)
     told: list[str] = []

@@ -27,7 +27,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from gpuguard.checkpoint.reader import load as load_checkpoint
 from gpuguard.config.schema import Config
@@ -37,6 +37,7 @@ from gpuguard.host.paths import Root
 from gpuguard.journal.log import EventLog
 from gpuguard.readmit.observe import alive_pods, other_sockets
 from gpuguard.readmit.plan import Decision, decide
+from gpuguard.readmit.presence import NodeDevices
 from gpuguard.readmit.rejected import WATCH_SECONDS, RejectionWatch
 from gpuguard.readmit.serve import Bridge, endpoint
 from gpuguard.readmit.state import Recorder
@@ -50,10 +51,11 @@ AHEAD = 5.0  # the decision made ahead is made again this often (pods that died)
 @dataclass(frozen=True)
 class Inputs:
     """What is read before kubelet starts, so that a kubelet start costs only the
-    checkpoint's read: the configuration and the device IDs the node has."""
+    checkpoint's read: the configuration and the devices the node has (readmit/node.py;
+    a plain set of IDs in tests)."""
 
     cfg: Config
-    present: frozenset[str]
+    present: Union[NodeDevices, frozenset[str]]
     inventory_problem: str  # "" when the inventory was read
 
 

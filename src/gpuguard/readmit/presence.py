@@ -48,6 +48,9 @@ from gpuguard.readmit.devids import (
 )
 
 DRIVER_NOT_LOADED = "PCI + history, driver not loaded"
+# the history's newest generation was recorded this boot (by the daemon, from NVML):
+# its MIG devices are this boot's, as the driver last showed them
+THIS_BOOT = "PCI + this boot's history (NVML as gpuguard last read it)"
 GPU_CLASSES = ("0x0300", "0x0302")  # VGA, 3D controller (PCI class, subclass)
 NOT_VOUCHED_MIG = "MIG devices are recreated at each boot: never vouched for without the driver"
 
@@ -194,11 +197,17 @@ def is_gpu(f: PciFunction) -> bool:
 
 
 def from_pci_history(
-    functions: Sequence[PciFunction], history: Optional[Generation], why_no_driver: str
+    functions: Sequence[PciFunction],
+    history: Optional[Generation],
+    why_no_driver: str,
+    boot_id: str = "",
 ) -> NodeDevices:
-    """The view without a driver: the history's GPUs whose slot holds an NVIDIA GPU."""
+    """The view without a driver: the history's GPUs whose slot holds an NVIDIA GPU.
+    A newest generation recorded in this boot (``boot_id``) is what the driver showed
+    the daemon this boot: its MIG devices are known too."""
     if history is None:
         return NodeDevices("", problem=f"{why_no_driver}; gpuguard's GPU history has no generation")
+    this_boot = bool(boot_id) and history.boot_id == boot_id
     by_slot = {f.address: f for f in functions}
     slots = tuple(sorted(f.address for f in functions if is_gpu(f)))
     gpus, unvouched = [], []
@@ -215,11 +224,11 @@ def from_pci_history(
                 )
             )
         else:
-            gpus.append(SlotGpu(h.pci_bus_id, h.uuid, h.index))
+            gpus.append(SlotGpu(h.pci_bus_id, h.uuid, h.index, h.mig if this_boot else ()))
     return NodeDevices(
-        DRIVER_NOT_LOADED,
+        THIS_BOOT if this_boot else DRIVER_NOT_LOADED,
         tuple(gpus),
-        driver=False,
+        driver=this_boot,
         history=history,
         slots=slots,
         unvouched=tuple(unvouched),
