@@ -38,6 +38,7 @@ from gpuguard.journal.log import EventLog
 from gpuguard.readmit.observe import alive_pods, other_sockets
 from gpuguard.readmit.plan import Decision, decide
 from gpuguard.readmit.presence import NodeDevices
+from gpuguard.readmit.refusals import refused_field
 from gpuguard.readmit.rejected import WATCH_SECONDS, RejectionWatch
 from gpuguard.readmit.serve import Bridge, endpoint
 from gpuguard.readmit.state import Recorder
@@ -172,8 +173,9 @@ class Readmit:
             rec.decided("off", f"gpuguard is off ({off.describe()})")
             return
         d = self.decided()
+        judged = {"EVIDENCE": d.evidence, "REFUSED": refused_field(d.refused)}
         if not d.offers:
-            self.elog.event("readmit-skip", f"kubelet started: no offer: {d.why}")
+            self.elog.event("readmit-skip", f"kubelet started: no offer: {d.why}", fields=judged)
             rec.decided("skip", d.why)
             return
         plugins = other_sockets(self.plugins_dir)
@@ -190,6 +192,7 @@ class Readmit:
                 "ABSENT": ",".join(o.absent),
                 "PODS": ",".join(o.pods),
                 "ENDPOINT": endpoint(o.resource),
+                **judged,
             }
             what = f"{len(o.healthy)} {o.resource} devices held by {len(o.pods)} pods"
             if self.inputs.cfg.daemon.observe:

@@ -43,3 +43,8 @@ def describe(refused: tuple[tuple[str, str], ...], evidence: str) -> str:
         more = f" (+{len(refused) - NAMED} more pods)" if len(refused) > NAMED else ""
         said += f"; not offered: {named}{more}"
     return said
+
+
+def refused_field(refused: tuple[tuple[str, str], ...]) -> str:
+    """The journal field REFUSED: every pod not offered, "uid: why" each, bounded."""
+    return cut("; ".join(f"{u}: {w}" for u, w in refused), 2000)
