@@ -25,6 +25,7 @@ from gpuguard.host import commands
 from gpuguard.host.echo import cut
 from gpuguard.host.inventory import Inventory, parse_inventory
 from gpuguard.host.paths import Root
+from gpuguard.host.statefile import parse_json
 
 TIMEOUT = 15.0  # seconds: NVML's init on a healthy 8-GPU node takes well under 1 s
 MAX_OUT = 1024 * 1024
@@ -49,7 +50,7 @@ def read_in_child(
         return None, f"NVML's reader ended by signal {-res.returncode}"
     out = res.stdout[:MAX_OUT]
     try:
-        doc = json.loads(out)
+        doc = parse_json(out.encode())  # bounded numbers and nesting
     except ValueError:
         tail = (res.stderr or out).strip().splitlines()[-1:] or ["no output"]
         return None, f"NVML's reader failed (exit {res.returncode}): {cut(tail[0], 200)}"
