@@ -201,3 +201,10 @@ def test_the_runtime_s_bundle_wins_over_a_process_named_pause(tmp_path: Path) ->
     note["annotations"]["io.kubernetes.cri.container-type"] = "sandbox"
     (bundle / "config.json").write_text(json.dumps(note))
     assert alive_pods(Root(tmp_path)) == frozenset()
+
+
+def test_a_gpu_gone_or_replaced_is_named_for_what_it_is() -> None:
+    gone = Inventory((Gpu(B, 1, 1, BUS_B),), "nvml")
+    assert "has no GPU the driver sees" in from_inventory(gone, history(), "NVML").judge(A)
+    other = Inventory((Gpu("GPU-new", 0, 0, BUS_A), Gpu(B, 1, 1, BUS_B)), "nvml")
+    assert "holds another GPU now" in from_inventory(other, history(), "NVML").judge(A)

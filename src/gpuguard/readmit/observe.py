@@ -1,6 +1,6 @@
 """What the bridge reads from the host: which kubelet runs here and whether it needs
 the bridge, which checkpointed pods still have processes, which device plugin sockets
-exist, which device IDs the node has."""
+exist (the device IDs the node has: readmit/node.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from typing import Optional, Sequence
 
 from gpuguard.errors import GpuguardError
 from gpuguard.host import commands
-from gpuguard.host.inventory import Inventory
 from gpuguard.host.paths import STATE_DIR, Root
 from gpuguard.host.statefile import StateFile, load
 from gpuguard.readmit.alive import alive_pods as own_containers_alive
@@ -136,9 +135,3 @@ def other_sockets(plugins_dir: Path) -> tuple[str, ...]:
             )
     except OSError:
         return ()
-
-
-def present_ids(inv: Inventory) -> frozenset[str]:
-    """The device IDs NVIDIA's plugin gives this node's GPUs: their UUIDs and those of
-    their MIG devices."""
-    return frozenset(g.uuid for g in inv.gpus) | inv.mig_uuids()

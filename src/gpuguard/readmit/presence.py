@@ -116,7 +116,9 @@ class NodeDevices:
             why = dict(self.unvouched).get(old.pci_bus_id)
             if why:
                 return why
-            return f"its slot {old.pci_bus_id} (by history) holds another GPU now"
+            if any(g.bus == old.pci_bus_id for g in self.gpus):
+                return f"its slot {old.pci_bus_id} (by history) holds another GPU now"
+            return f"its slot {old.pci_bus_id} (by history) has no GPU the driver sees"
         return "not on the node" if self.driver else "not in gpuguard's GPU history"
 
     def _index(self, d: DeviceId) -> str:
