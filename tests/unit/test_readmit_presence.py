@@ -208,3 +208,18 @@ def test_a_gpu_gone_or_replaced_is_named_for_what_it_is() -> None:
     assert "has no GPU the driver sees" in from_inventory(gone, history(), "NVML").judge(A)
     other = Inventory((Gpu("GPU-new", 0, 0, BUS_A), Gpu(B, 1, 1, BUS_B)), "nvml")
     assert "holds another GPU now" in from_inventory(other, history(), "NVML").judge(A)
+
+
+def test_mig_positions_are_judged_against_the_boot_before_not_this_one() -> None:
+    """The pre-start hook records this boot's generation (new MIG UUIDs) before kubelet
+    starts: an index or legacy MIG ID still names last boot's device."""
+    old = (MigIdentity("MIG-old1", 1, 0),)
+    new = (MigDevice("MIG-new1", 1, 0),)
+    now = Generation(
+        (GpuIdentity(A, BUS_A, 0, 0, mig=(MigIdentity("MIG-new1", 1, 0),)),), 2.0, "boot-2"
+    )
+    node = from_inventory(inventory(new), now, "NVML", earlier=history(old))
+    for raw in ("0:0", "MIG-GPU-aaaa/1/0"):
+        assert "MIG devices recreated on slot 0000:17:00.0" in node.judge(raw), raw
+    same = from_inventory(inventory(new), now, "NVML", earlier=now)
+    assert same.judge("0:0") == "" and same.judge("MIG-new1") == ""

@@ -39,9 +39,13 @@ def boot_id(root: Root) -> str:
         return ""
 
 
-def newest_generation(root: Root) -> tuple[Optional[Generation], str]:
+def generations(root: Root, boot: str) -> tuple[Optional[Generation], Optional[Generation], str]:
+    """(the newest generation, the newest of an earlier boot than ``boot``, why none)."""
     hist, problem = history.read(root.path(GPU_HISTORY_FILE))
-    return (hist.newest if hist is not None else None), problem
+    if hist is None:
+        return None, None, problem
+    earlier = next((g for g in reversed(hist.generations) if boot and g.boot_id != boot), None)
+    return hist.newest, earlier, problem
 
 
 class NodeReader:
@@ -57,13 +61,14 @@ class NodeReader:
         self, inventory_file: str, driver_root: str, kubelet_started: bool
     ) -> tuple[NodeDevices, str]:
         """(the node's devices, the problem with the driver's view or "")."""
-        gen, hist_problem = newest_generation(self.root)
+        boot = boot_id(self.root)
+        gen, earlier, hist_problem = generations(self.root, boot)
         if inventory_file:
             try:
                 inv = load_inventory_file(Path(inventory_file))
             except GpuguardError as e:
                 return NodeDevices("", problem=e.message), e.message
-            return from_inventory(inv, gen, f"inventory {cut(inventory_file, 120)}"), ""
+            return from_inventory(inv, gen, f"inventory {cut(inventory_file, 120)}", earlier), ""
         why = "NVML read once at the bridge's start"
         if not self.asked:
             self.asked = True
@@ -73,7 +78,7 @@ class NodeReader:
                 self.nvml_reads += 1
                 seen, why = self.read_driver(self.root, driver_root)
                 if seen is not None:
-                    return from_inventory(seen, gen, seen.describe_source()), ""
+                    return from_inventory(seen, gen, seen.describe_source(), earlier), ""
         try:
             functions = read_pci_functions(self.root)
         except OSError as e:
@@ -81,5 +86,5 @@ class NodeReader:
             return NodeDevices("", problem=problem), problem
         if gen is None and hist_problem:
             why = f"{why}; {hist_problem}"
-        node = from_pci_history(functions, gen, why, boot_id(self.root))
+        node = from_pci_history(functions, gen, why, boot, earlier)
         return node, cut(node.problem, 300)

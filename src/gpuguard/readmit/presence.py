@@ -21,9 +21,9 @@ An ID (readmit/devids.py) is present when its base device is:
   devices are destroyed at each boot and recreated, by the MIG manager, with new
   UUIDs): ``MIG-<uuid>`` when that MIG UUID exists now; the older
   ``MIG-GPU-<uuid>/<gi>/<ci>`` and the index form ``<gpu>:<mig>`` when the GPU is
-  there with the same MIG devices as the history recorded (the same UUIDs for the
-  index form, the same placements for the legacy form), since those IDs name a
-  position that a recreated layout may fill with another device;
+  there with the same MIG devices (UUID for UUID) as the history's generation before
+  this boot recorded, since those IDs name a position that a recreated layout may
+  fill with another device (another profile: a slice held twice);
 - a replica ``<id>::<n>`` (time-slicing, MPS): when ``<id>`` is.
 
 ``judge`` says why an ID is not present, for the decision's ``why`` (pods named).
@@ -77,6 +77,8 @@ class NodeDevices:
     gpus: tuple[SlotGpu, ...] = ()
     driver: bool = False  # the driver's view: MIG devices are known
     history: Optional[Generation] = None  # the newest generation, for index and MIG
+    # the newest generation of an earlier boot (MIG positions are judged against it)
+    earlier: Optional[Generation] = None
     slots: tuple[str, ...] = ()  # the PCI view: the NVIDIA GPU slots on the bus now
     unvouched: tuple[tuple[str, str], ...] = ()  # the PCI view: history's bus -> why not
     problem: str = ""  # why the node's devices are not known ("" when they are)
@@ -158,29 +160,36 @@ class NodeDevices:
                 return "its GPU is not on the node"
             if (d.gi, d.ci) not in {(m.gi, m.ci) for m in at.mig}:
                 return f"no MIG device at GPU instance {d.gi}, compute instance {d.ci}"
-            return self._same_layout(at, by_uuid=False)
+            return self._same_mig(at)
         at = next((g for g in self.gpus if g.index == d.gpu_index), None)  # MIG_INDEX
         if at is None:
             return f"no GPU has index {d.gpu_index}"
         if not at.mig:
             return f"GPU {d.gpu_index} has no MIG device now"
-        return self._same_layout(at, by_uuid=True)
+        return self._same_mig(at)
 
-    def _same_layout(self, at: SlotGpu, *, by_uuid: bool) -> str:
-        old = self._old(lambda h: h.pci_bus_id == at.bus)
+    def _same_mig(self, at: SlotGpu) -> str:
+        """The index and legacy forms name a position, which MIG devices recreated
+        (with new UUIDs, perhaps other profiles) may fill with another device: present
+        only while the slot's MIG devices are those of the generation before this boot
+        (the newest, when none is older), UUID for UUID."""
+        gen = self.earlier or self.history
+        old = next((h for h in gen.gpus if h.pci_bus_id == at.bus), None) if gen else None
         if old is None:
             return (
                 f"slot {at.bus} is not in gpuguard's GPU history: whether its MIG devices "
                 "are the checkpoint's cannot be told"
             )
-        if by_uuid:
-            same = {m.uuid for m in old.mig} == {m.uuid for m in at.mig}
-        else:
-            same = old.mig_layout() == tuple(sorted((m.gi, m.ci) for m in at.mig))
+        same = {m.uuid for m in old.mig} == {m.uuid for m in at.mig}
         return "" if same else f"MIG devices recreated on slot {at.bus}: its MIG layout changed"
 
 
-def from_inventory(inv: Inventory, history: Optional[Generation], evidence: str) -> NodeDevices:
+def from_inventory(
+    inv: Inventory,
+    history: Optional[Generation],
+    evidence: str,
+    earlier: Optional[Generation] = None,
+) -> NodeDevices:
     """The driver's view: every GPU of ``inv`` with its MIG devices."""
     gpus = tuple(
         SlotGpu(
@@ -191,7 +200,7 @@ def from_inventory(inv: Inventory, history: Optional[Generation], evidence: str)
         )
         for g in inv.gpus
     )
-    return NodeDevices(cut(evidence, 200), gpus, driver=True, history=history)
+    return NodeDevices(cut(evidence, 200), gpus, driver=True, history=history, earlier=earlier)
 
 
 def is_gpu(f: PciFunction) -> bool:
@@ -203,6 +212,7 @@ def from_pci_history(
     history: Optional[Generation],
     why_no_driver: str,
     boot_id: str = "",
+    earlier: Optional[Generation] = None,
 ) -> NodeDevices:
     """The view without a driver: the history's GPUs whose slot holds an NVIDIA GPU.
     A newest generation recorded in this boot (``boot_id``) is what the driver showed
@@ -231,6 +241,7 @@ def from_pci_history(
         THIS_BOOT if this_boot else DRIVER_NOT_LOADED,
         tuple(gpus),
         driver=this_boot,
+        earlier=earlier,
         history=history,
         slots=slots,
         unvouched=tuple(unvouched),
