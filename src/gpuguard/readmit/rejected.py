@@ -34,6 +34,7 @@ from gpuguard.config.schema import Config
 from gpuguard.errors import GpuguardError
 from gpuguard.host.echo import cut
 from gpuguard.host.paths import Root
+from gpuguard.readmit import kubeletlog
 from gpuguard.readmit.klog import Line, Rejection, Scan, klog_unix, scan, uid_key
 from gpuguard.readmit.kubeletlog import (
     Journalctl,
@@ -43,7 +44,6 @@ from gpuguard.readmit.kubeletlog import (
     LogUnreadable,
     Position,
     Source,
-    have_reader,
     kubelet_run,
     position,
 )
@@ -145,7 +145,7 @@ class RejectionWatch:
         if w.file_at is not None and w.cfg.kubelet.log_file:
             path = self.root.path(w.cfg.kubelet.log_file)
             return LogFile(path, w.file_at, check_owner=self.root.is_host)
-        if have_reader():
+        if kubeletlog.have_reader():
             return JournalReader(run)
         if not self.told_fallback:
             self.told_fallback = True
