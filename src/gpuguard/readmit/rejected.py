@@ -166,9 +166,12 @@ class RejectionWatch:
                 said.add(why)
                 self.problem(why)
 
+        # now: kubelet drops a rejected pod's entries at its next allocation
         held, why = held_pods(self.root, w.cfg)
         if held is None:
             tell(f"{why}: no rejection is named at this start")
+        deadline = time.monotonic() + WATCH_SECONDS
+        time.sleep(self.every)  # the bridge's registration first: nothing to read yet
         run = self.runs(self.root, self.unit, w.file_at is not None)
         if run.pid == 0:
             tell(f"kubelet's records cannot be told from others: {run.why}")
@@ -179,14 +182,14 @@ class RejectionWatch:
             tell(e.message)
             return
         state = Scan()
-        deadline = time.monotonic() + WATCH_SECONDS
         done = 0
         try:
             while w.generation == self.generation and time.monotonic() < deadline:
                 if rounds is not None and done >= rounds:
                     return
+                if done:
+                    time.sleep(self.every)
                 done += 1
-                time.sleep(self.every)
                 try:
                     lines = source.read()
                 except LogUnreadable as e:
