@@ -166,7 +166,7 @@ class Readmit:
             f"{sock[0]}:{sock[1]}" if sock else "", started, time.time() + WATCH_SECONDS + 5
         )
         if self.rejected is not None:  # the pods kubelet rejects now, named (any mode)
-            self.rejected.start(time.time() - 5)
+            self.rejected.start(self.inputs.cfg)  # this kubelet's own records
         off = read_off_switch(self.root)
         if off is not None:
             self.elog.event("readmit-skip", f"gpuguard is off ({off.describe()}): no offer")
