@@ -314,6 +314,11 @@ READERS: dict[str, tuple[frozenset[str], str]] = {
         frozenset({"os.open", "json.loads"}),
         "the plugin's mount namespace for setns; the child's bounded report on a pipe",
     ),
+    "host/nvmllib.py": (
+        frozenset({"os.open"}),
+        "NVML's library opened (never read) to be loaded through its descriptor, the file "
+        "checked",
+    ),
     "sources/transient.py": (frozenset({"os.read"}), "its inotify descriptor"),
     "readmit/watch.py": (frozenset({"os.read"}), "its inotify descriptor"),
     "host/threadclock.py": (
