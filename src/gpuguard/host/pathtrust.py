@@ -54,10 +54,10 @@ def dir_problem(st: os.stat_result) -> str:
     return ""
 
 
-def resolve(base: Path, path: str) -> Optional[Resolved]:
+def resolve(base: Path, path: str, *, follow_last: bool = True) -> Optional[Resolved]:
     """`path` (absolute, inside `base`) with every directory on the way checked.
     None: it does not exist; Untrusted: someone besides root could change where it
-    leads."""
+    leads, or (``follow_last`` False) its last component is a symbolic link."""
     _check_dir(base, base)
     parts = [p for p in path.split("/") if p]
     done: list[str] = []
@@ -76,6 +76,8 @@ def resolve(base: Path, path: str) -> Optional[Resolved]:
         except OSError:
             return None
         if stat.S_ISLNK(st.st_mode):
+            if not parts and not follow_last:
+                raise Untrusted(f"{_shown(base, here)}: a symbolic link")
             links += 1
             if links > MAX_LINKS:
                 raise Untrusted(f"{_shown(base, here)}: more than {MAX_LINKS} symbolic links")
