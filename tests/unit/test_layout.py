@@ -316,8 +316,7 @@ READERS: dict[str, tuple[frozenset[str], str]] = {
     ),
     "host/nvmllib.py": (
         frozenset({"os.open"}),
-        "NVML's library opened (never read) to be loaded through its descriptor, the file "
-        "checked",
+        "NVML's library opened (never read) to be loaded through its descriptor, the file checked",
     ),
     "sources/transient.py": (frozenset({"os.read"}), "its inotify descriptor"),
     "readmit/watch.py": (frozenset({"os.read"}), "its inotify descriptor"),
