@@ -53,7 +53,7 @@ def serve_zero(path: Path) -> Any:
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(service, {method: handler}),)
     )
-    server.add_insecure_port(f"unix://{path}")
+    server.add_insecure_port(f"unix:{path}" if not path.is_absolute() else f"unix://{path}")
     server.start()
     return server
 
@@ -147,3 +147,20 @@ def test_a_server_that_is_not_root_is_not_believed(short_root: Path) -> None:
     assert got.counts == {} and got.unchecked == (
         f"not kubelet's socket: /var/lib/kubelet/{SOCKET}: the server runs as uid 65534, not 0"
     )
+
+
+def test_a_root_prefix_longer_than_sun_path_is_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Connected through its directory's descriptor: the socket's own path may exceed
+    the 108 bytes of sun_path (a root prefix under pytest's tmp)."""
+    root = tmp_path / ("x" * 60)
+    (root / PODRES).mkdir(parents=True)
+    assert len(str(root / PODRES / "kubelet.sock")) > 108
+    monkeypatch.chdir(root / PODRES)
+    server = serve_zero(Path("kubelet.sock"))  # grpcio binds it relative to the cwd
+    try:
+        got = read_allocatable(Root(root), SOCKETS)
+    finally:
+        server.stop(0)
+    assert got.unchecked == "" and got.counts == {}

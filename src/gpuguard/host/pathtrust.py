@@ -58,7 +58,10 @@ def resolve(base: Path, path: str, *, follow_last: bool = True) -> Optional[Reso
     """`path` (absolute, inside `base`) with every directory on the way checked.
     None: it does not exist; Untrusted: someone besides root could change where it
     leads, or (``follow_last`` False) its last component is a symbolic link."""
-    _check_dir(base, base)
+    try:  # the root prefix itself may be a link (/proc/PID/root): the caller's choice
+        _check_dir(base, base, os.stat(base))
+    except OSError as e:
+        raise Untrusted(f"{_shown(base, base)}: {e.strerror}") from None
     parts = [p for p in path.split("/") if p]
     done: list[str] = []
     links = 0

@@ -21,11 +21,15 @@ reached through a symbolic link, it must be a socket owned by root in directorie
 only root may change (host/pathtrust.py: from the root down, the links on the way
 resolved and checked), and after connect its server must run as root (SO_PEERCRED):
 a pod with a read-write hostPath on ``pod-resources`` cannot put its own socket or
-server there. Otherwise the check is unchecked, with the reason.
+server there. Otherwise the check is unchecked, with the reason. The socket is
+connected through its directory, opened ``O_PATH`` after the check
+(``/proc/self/fd/N/kubelet.sock``): the directory cannot be swapped meanwhile, and
+no root prefix makes the path too long for ``sun_path``.
 """
 
 from __future__ import annotations
 
+import os
 import posixpath
 import stat
 from dataclasses import dataclass, field
@@ -82,9 +86,21 @@ def read_allocatable(root: Root, socket_dir: str, timeout: float = TIMEOUT) -> A
     if found.st.st_uid != 0:
         why = f"not kubelet's socket: {shown} is owned by uid {found.st.st_uid}, not root"
         return Allocatable(shown, unchecked=why)
+    try:  # connected relative to its directory, held open: no path too long, no race
+        dfd = os.open(found.real.parent, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        return Allocatable(shown, unchecked=f"{shown}: {e.strerror}")
     try:
+        again = os.stat(found.real.name, dir_fd=dfd, follow_symlinks=False)
+        if (again.st_dev, again.st_ino) != (found.st.st_dev, found.st.st_ino):
+            return Allocatable(shown, unchecked=f"{shown}: replaced while it was checked")
         data = unarygrpc.call(
-            METHOD, str(found.real), b"", timeout=timeout, limit=MAX_ANSWER, peer_uid=0
+            METHOD,
+            f"/proc/self/fd/{dfd}/{found.real.name}",
+            b"",
+            timeout=timeout,
+            limit=MAX_ANSWER,
+            peer_uid=0,
         )
     except unarygrpc.PeerError as e:
         return Allocatable(shown, unchecked=f"not kubelet's socket: {shown}: {e}")
@@ -93,6 +109,8 @@ def read_allocatable(root: Root, socket_dir: str, timeout: float = TIMEOUT) -> A
         return Allocatable(shown, unchecked=f"kubelet's GetAllocatableResources: {why}")
     except OSError as e:
         return Allocatable(shown, unchecked=f"{shown}: {e.strerror or e}")
+    finally:
+        os.close(dfd)
     try:
         return Allocatable(shown, decode_allocatable(data))
     except ValueError as e:
