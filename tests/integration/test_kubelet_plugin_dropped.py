@@ -113,7 +113,9 @@ def test_kubelet_1_20_cannot_be_asked_said_once_never_acted_on(
     config = "[Daemon]\nAuditInterval=1s\n" + CONFIG
     node = boot(systemd_ns, tmp_path, api, gpuguard=True, kubelet="1.20", config=config)
     (said,) = wait_for(lambda: events(node.ns, "plugin-allocatable-unchecked"), 30, "unchecked")
-    assert said["REASON"] and said["PODRESOURCES_SOCKET"].endswith("pod-resources/kubelet.sock")
+    assert said["PODRESOURCES_SOCKET"].endswith("pod-resources/kubelet.sock")
+    # kubelet's Go gRPC server's refusal, read from its trailers (HPACK)
+    assert "code 12 UNIMPLEMENTED: unknown method GetAllocatableResources" in said["REASON"]
     time.sleep(STILL)  # three more audit passes: journaled once
     assert len(events(node.ns, "plugin-allocatable-unchecked")) == 1
     assert not events(node.ns, "plugin-restarted")
