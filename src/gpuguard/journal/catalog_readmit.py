@@ -40,7 +40,8 @@ READMIT_KINDS: dict[str, tuple[str, str]] = {
     ),
     "readmit-failed": (
         "gpuguard's re-admission bridge could not register with kubelet",
-        "The registration call on kubelet.sock failed (the message has gRPC's error); "
+        "The registration call on kubelet.sock failed (the message has gRPC's status "
+        "code and kubelet's details); "
         "kubelet may reject GPU pods that were running before it started. " + _WHY,
     ),
     "readmit-off": (
