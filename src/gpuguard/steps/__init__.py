@@ -2,6 +2,14 @@
 
 Each step is an object built in main() and called once per pass whose work names it;
 state that must outlive a pass (caches, rate limits) lives in the step object.
+
+Modules (docs/architecture.md has the map of the packages):
+
+- `registry.py`: every step by name with the events that wake it, the pass order
+  (`STEP_ORDER`) and `gpuguard check`'s (`CHECK_ORDER`), each reason once; the `Step`,
+  `ReloadFastPath`, `ScopeFastPath` and `ScopeDevicesFastPath` protocols; marks name
+  steps by these names and the daemon refuses any other
+- `events.py`: the event kinds sources (and steps) emit, and `Event`
 """
 
 from __future__ import annotations

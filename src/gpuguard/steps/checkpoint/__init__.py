@@ -9,6 +9,21 @@ file is changed only while kubelet is stopped:
 - running but not through systemd: nothing we can safely do; report (exit 5).
 A repair made by the hook is reported only once verified (kubelet_hook.judge): a
 `done` restart job says nothing about what the hook did.
+
+Modules (docs/architecture.md has the map of the packages):
+
+- the checkpoint step (F1), one class for the daemon and `gpuguard check`
+  (`__init__.py`); its settings and report (`report.py`); kubelet coordination, the unit
+  jobs around a repair (`kubelet.py`); is kubelet running (`observe.py`); which IDs are
+  stale and the repair plan (`reconcile.py`, `deviceids.py`); the one-to-one map from a
+  recorded generation of GPUs to the GPUs now (`gpumap.py`, pure) and each pod entry
+  remapped or dropped through it (`remap.py`, pure); what the remap reads from the host:
+  the history, NUMA nodes, boot time (`observe.py`); the repair, written atomically with
+  a backup, each remap and drop journaled, and the GPUs recorded in the identity history
+  once the checkpoint matches them (`actuate.py`); the records between a kubelet
+  restart's caller and the pre-start hook, and when a repair counts as verified
+  (`kubelet_hook.py`); the hook's memo of the last healthy checkpoint and inventory
+  (`memo.py`)
 """
 
 from __future__ import annotations
