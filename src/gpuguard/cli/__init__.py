@@ -255,9 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
         "problem is present), 2 unknown (no or unreadable status, daemon gone, result too "
         "old). The first output line is the message.",
     )
-    from gpuguard.reporting.npd import CONDITIONS, DEFAULT_MAX_AGE, DEFAULT_MAX_LENGTH
+    from gpuguard.reporting.npd_names import DEFAULT_MAX_AGE, DEFAULT_MAX_LENGTH, NAMES
 
-    npd.add_argument("condition", choices=[c.name for c in CONDITIONS])
+    npd.add_argument("condition", choices=list(NAMES))
     me = sub.add_parser(
         "metrics",
         parents=[common],

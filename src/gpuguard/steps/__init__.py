@@ -14,6 +14,19 @@ Modules (docs/architecture.md has the map of the packages):
 
 from __future__ import annotations
 
-from gpuguard.steps.registry import build_steps
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpuguard.steps.registry import build_steps
 
 __all__ = ["build_steps"]
+
+
+def __getattr__(name: str) -> object:
+    # Loaded on first use: kubelet's pre-start hook imports steps.checkpoint's records
+    # (kubelet_hook, memo) and, on a healthy node, never needs the step table.
+    if name == "build_steps":
+        from gpuguard.steps.registry import build_steps
+
+        return build_steps
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

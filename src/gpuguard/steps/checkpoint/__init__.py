@@ -132,11 +132,8 @@ def analyse_checkpoint(
     """Read and analyse the checkpoint (from the pass's `snapshot`, so every step decides
     from the same read); the actuator comes back only when a repair that needs kubelet
     stopped is planned (the report is final otherwise)."""
-    from gpuguard.devices.processes import kubelet_pids
     from gpuguard.engine.snapshot import HostSnapshot
-    from gpuguard.journal.conditions import log_findings
     from gpuguard.steps.checkpoint import reconcile as ckpt
-    from gpuguard.steps.checkpoint.actuate import CheckpointActuator
     from gpuguard.steps.checkpoint.observe import remap_inputs
     from gpuguard.steps.checkpoint.report import CheckReport, apply_repair
 
@@ -170,6 +167,8 @@ def analyse_checkpoint(
         for f in report.findings:
             log.finding(f)
     else:
+        from gpuguard.journal.conditions import log_findings
+
         log_findings(log, conditions, ckpt.NAME, report.findings, lasting_clears=True)
     report.actions = list(ckpt.plan(analysis, path=path, raw=raw, policy=s.policy))
     if analysis.refused:
@@ -190,6 +189,8 @@ def analyse_checkpoint(
         else:
             report.result = "checkpoint matches this host's GPUs; nothing to do"
         return report, None
+    # a repair is planned: only now its writer (a healthy checkpoint never loads it)
+    from gpuguard.steps.checkpoint.actuate import CheckpointActuator
 
     actuator = CheckpointActuator(
         backup_dir=root.path(s.backup_dir),
@@ -199,6 +200,8 @@ def analyse_checkpoint(
         dropped_file=root.path(DROPPED_ENTRIES_FILE),
     )
     if s.kubelet_stopped:
+        from gpuguard.devices.processes import kubelet_pids
+
         pids = kubelet_pids(root)
         report.kubelet = "stopped (running as kubelet's ExecStartPre= hook)"
         if pids:
