@@ -35,7 +35,7 @@ PROC_DEVICES = (
 )
 # What runc leaves in a container's devices.list: no GPU (a daemon-reload wiped it).
 RUNC_LIST = "c 1:3 rwm\nc 1:5 rwm\nc 1:7 rwm\nc 5:0 rwm\nc 5:2 rwm\nc 136:* rwm\n"
-EXIT_CODES = {0, 1, 2, 3, 4, 5}  # README's table, less 70 (a bug)
+EXIT_CODES = {0, 1, 2, 3, 4, 5}  # docs/operations.md's table, less 70 (a bug)
 
 
 def gpu_uuid(minor: int) -> str:

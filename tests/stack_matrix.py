@@ -1,5 +1,5 @@
-"""The README's support matrix, its F1 matrix and docs/devices.md's reload table, from
-the stack runs.
+"""The support matrix and the F1 matrix (docs/support-matrix.md) and docs/devices.md's
+reload table, from the stack runs.
 
 tests/integration/test_stacks_f2.py writes one JSON document per F2 cell (release,
 cgroup layout, runtime) to build/stacks/, tests/integration/test_kubelet_f1.py one per
@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Tuple
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "docs" / "stack-matrix.json"
 RUNS = REPO / "build" / "stacks"
-README = REPO / "README.md"
+SUPPORT = REPO / "docs" / "support-matrix.md"
 DEVICES = REPO / "docs" / "devices.md"
 ORDER = {"bullseye": 0, "bookworm": 1, "trixie": 2, "sid": 3}
 RELEASE = {
@@ -252,8 +252,8 @@ def replace(text: str, name: str, body: str) -> str:
 
 
 TABLES = (
-    (README, "stack-matrix", render_support),
-    (README, "f1-matrix", render_f1),
+    (SUPPORT, "stack-matrix", render_support),
+    (SUPPORT, "f1-matrix", render_f1),
     (DEVICES, "reload-table", render_reload),
 )
 

@@ -36,7 +36,7 @@ harness/kubelet.py).
 Each test prints its figures (``F1 figures: ...``: pods back / pods before, and the
 seconds from kubelet's start to every GPU pod Running; run with ``-s``) and writes
 them, with the versions its node ran, to ``build/stacks/f1-STACK-LAYOUT-CASE-MODE.json``
-(the README's F1 matrix is rendered from them: scripts/stack-matrix).
+(docs/support-matrix.md's F1 matrix is rendered from them: scripts/stack-matrix).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ every scope, and which containers the kernel then denies their GPU. Then with gp
 running, the same events twice over; after each, once its passes have gone quiet, every
 container must open its GPU and must not open the one it was not given, and `gpuguard
 status` must list every container. Each cell writes its counts to build/stacks/ (the
-README's support matrix is rendered from them: scripts/stack-matrix).
+support matrix in docs/support-matrix.md is rendered from them: scripts/stack-matrix).
 
 Each runtime also runs a privileged GPU container (a device plugin, dcgm-exporter or the
 GPU operator's pods run so): its scope admits every device, and after every event with

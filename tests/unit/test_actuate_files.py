@@ -262,8 +262,8 @@ def test_newest_backup_survives_pruning_within_one_second(
     tmp_path: Path, node: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     suffixes = iter(["ffff", "0000"])
-    real = files.secrets.token_hex  # temp files draw from it too; pin only the suffix
-    monkeypatch.setattr(files.secrets, "token_hex", lambda n: next(suffixes) if n == 2 else real(n))
+    real = files._token  # temp files draw from it too; pin only the suffix
+    monkeypatch.setattr(files, "_token", lambda n: next(suffixes) if n == 2 else real(n))
     # both in the same microsecond: only the random suffix tells them apart
     monkeypatch.setattr(files.time, "time_ns", lambda: 1_700_000_000 * 10**9)
     bdir = tmp_path / "backups"

@@ -201,3 +201,12 @@ def test_a_container_gpuguard_cannot_audit_is_never_ok(tmp_path: Path, kind: str
     cg = "/sys/fs/cgroup/kubepods.slice/x.scope"
     status_file(tmp_path, steps=steps(container_access={"findings": [finding(kind, cg)]}))
     assert answer(Root(tmp_path), "device-access") == (PROBLEM, cg)
+
+
+def test_the_parser_offers_exactly_the_conditions() -> None:
+    """The parser takes the names from reporting/npd_names.py, so that building it loads
+    no condition: they must be npd.CONDITIONS' own, in their order."""
+    from gpuguard.reporting import npd, npd_names
+
+    assert tuple(c.name for c in npd.CONDITIONS) == npd_names.NAMES
+    assert (npd.DEFAULT_MAX_AGE, npd.DEFAULT_MAX_LENGTH) == (7200.0, 80)

@@ -1,4 +1,4 @@
-"""The README's support matrix, its F1 matrix and docs/devices.md's reload table are
+"""The support matrix, the F1 matrix (docs/support-matrix.md) and docs/devices.md's reload table are
 what the committed stack results (docs/stack-matrix.json) render, and those results
 cover every cell the stack test runs (tests/integration/test_stacks_f2.py) and every
 run of the real-kubelet F1 test (tests/integration/test_kubelet_f1.py)."""

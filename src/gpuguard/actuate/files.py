@@ -14,7 +14,6 @@ import contextlib
 import errno
 import fnmatch
 import os
-import secrets
 import stat
 import time
 from pathlib import Path
@@ -23,6 +22,12 @@ from typing import Optional
 from gpuguard.errors import BadInputError
 
 TEMP_PREFIX = ".gpuguard-"
+
+
+def _token(n: int) -> str:
+    """n random bytes in hex: secrets.token_hex's own definition, without importing
+    secrets (hmac, base64, random), which kubelet's pre-start hook would load for it."""
+    return os.urandom(n).hex()
 
 
 def fsync_dir(directory: Path) -> None:
@@ -107,7 +112,7 @@ def open_private_dir(path: Path) -> int:
 
 def _write_at(dir_fd: int, name: str, data: bytes, *, mode: int) -> None:
     """Write `name` in the directory `dir_fd` atomically (temp file, fsync, rename)."""
-    tmp = f"{TEMP_PREFIX}{name}.{secrets.token_hex(4)}"
+    tmp = f"{TEMP_PREFIX}{name}.{_token(4)}"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
     try:
@@ -144,7 +149,7 @@ def atomic_replace(
     path: Path, data: bytes, *, mode: int, uid: Optional[int], gid: Optional[int]
 ) -> None:
     directory = path.parent
-    tmp = directory / f"{TEMP_PREFIX}{path.name}.{secrets.token_hex(4)}"
+    tmp = directory / f"{TEMP_PREFIX}{path.name}.{_token(4)}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         view = memoryview(data)
@@ -198,7 +203,7 @@ def backup(src_data: bytes, src: Path, backup_dir: Path, *, keep: int) -> Path:
         stamp = (
             time.strftime("%Y%m%dT%H%M%S", time.gmtime(ns // 10**9)) + f".{ns // 1000 % 10**6:06d}Z"
         )
-        name = f"{src.name}.{stamp}.{secrets.token_hex(2)}.bak"
+        name = f"{src.name}.{stamp}.{_token(2)}.bak"
         _write_at(dir_fd, name, src_data, mode=0o600)
         _prune_at(dir_fd, src.name, keep=keep, protect=name)
     finally:

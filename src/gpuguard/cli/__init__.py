@@ -1,4 +1,10 @@
-"""Command line. Imports are lazy so `gpuguard check` on a healthy node stays fast."""
+"""Command line, `gpuguard.cli:main` with its parser (here). Imports are lazy so
+`gpuguard check` on a healthy node stays fast. One module per command group: `check.py`
+(the checkpoint and device steps once, kubelet's pre-start hook), `status.py`,
+`daemon.py` (the daemon's objects built and passed in), `checkpoint.py`, `protect.py`
+(`gpuguard protect`, run by the maintainer scripts before each daemon-reload they cause),
+`switch.py` (`gpuguard disable`/`enable`, the off switch: host/offswitch.py), `readmit.py`;
+what they share, the root, configuration and log from the arguments, in `args.py`."""
 
 from __future__ import annotations
 
@@ -249,9 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
         "problem is present), 2 unknown (no or unreadable status, daemon gone, result too "
         "old). The first output line is the message.",
     )
-    from gpuguard.reporting.npd import CONDITIONS, DEFAULT_MAX_AGE, DEFAULT_MAX_LENGTH
+    from gpuguard.reporting.npd_names import DEFAULT_MAX_AGE, DEFAULT_MAX_LENGTH, NAMES
 
-    npd.add_argument("condition", choices=[c.name for c in CONDITIONS])
+    npd.add_argument("condition", choices=list(NAMES))
     me = sub.add_parser(
         "metrics",
         parents=[common],

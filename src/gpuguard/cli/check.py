@@ -134,7 +134,6 @@ def _check(args: argparse.Namespace, root: Root, hook: Optional[HookRun]) -> int
         kubelet_units=cfg.systemd.kubelet_units,
         observe=cfg.daemon.observe and not args.dry_run,
     )
-    from gpuguard.engine.oneshot import driver_loaded
     from gpuguard.engine.snapshot import HostSnapshot
 
     # One snapshot for the whole run, and the steps in the daemon's order
@@ -143,7 +142,7 @@ def _check(args: argparse.Namespace, root: Root, hook: Optional[HookRun]) -> int
     snapshot = HostSnapshot(root, k.checkpoint_path)
     checkpoint = CheckpointStep(given=settings)
     devices: Optional[list[StepResult]] = None
-    if args.only is None and driver_loaded(root) and _checkpoint_usable(snapshot):
+    if args.only is None and _devices_first(root, snapshot):
         import asyncio
 
         from gpuguard.engine.oneshot import OneShotServices, check_steps, run_check_pass
@@ -212,12 +211,15 @@ def _print_report(
     prints none of them as text: `_check`), pods by namespace/name where the runtime
     knows them. `journaled`: the findings and changes are in the same journal already;
     only the summary lines are printed."""
-    from gpuguard.devices.podnames import name_pod, pod_names
-
     if journaled:
         report = report.summary_only()
     fields = [f.fields for f in (*findings, *report.findings)]
     fields += [o.action.fields() for o in outcomes]
+    if not fields:  # no pod to name (a healthy node): devices/podnames is not loaded
+        print("\n".join(line for line, _ in report.lines()))
+        return
+    from gpuguard.devices.podnames import name_pod, pod_names
+
     names = pod_names(root, (f.get("CONTAINER_ID", "") for f in fields))
     by_uid = {p.uid: p for p in names.values() if p.uid}
 
@@ -283,6 +285,14 @@ def _remember_healthy(
     # remembered (the next start verifies it fully).
     if loaded is not None and memo.digest(loaded.raw) == key.checkpoint_sha256:
         memo.write_memo(root, key)
+
+
+def _devices_first(root: Root, snapshot: HostSnapshot) -> bool:
+    """Whether the device steps run before the checkpoint's (`gpuguard check` without
+    --only): the driver is loaded and the checkpoint is one the step will not refuse."""
+    from gpuguard.engine.oneshot import driver_loaded
+
+    return driver_loaded(root) and _checkpoint_usable(snapshot)
 
 
 def _checkpoint_usable(snapshot: HostSnapshot) -> bool:

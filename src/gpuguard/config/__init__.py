@@ -5,6 +5,16 @@
 - ``types``: the value types (parse a value with ``file:line:`` errors, format it back);
 - ``parse``: the INI dialect, drop-ins and where each value came from (``load_config``);
 - ``reference``: the files generated from the key table (``python -m gpuguard.config``).
+
+Modules (docs/architecture.md has the map of the packages):
+
+- configuration: the key table and `Config` (`schema.py`), the sections' dataclasses
+  (`sections_node.py`, `sections_devices.py`, `sections_inputs.py`), what a key is, its
+  name, type, default and doc (`keyspec.py`), value types (`types.py`), the INI dialect
+  with drop-ins and each value's origin, unknown keys as warnings (errors with `strict`)
+  and the fallback without a broken file for the debugging commands (`parse.py`), the
+  generated shipped file and key reference (`reference.py`), gpuguard.conf(5) rendered
+  from the key table (`manconf.py`)
 """
 
 from __future__ import annotations

@@ -29,13 +29,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Mapping, Optional, Union
+from typing import TYPE_CHECKING, Mapping, Optional, Union
 
 from gpuguard.checkpoint import Loaded, dropped, load
-from gpuguard.devices.containers import ContainerCgroup, Kubepods, discover_kubepods
-from gpuguard.devices.nodes import DeviceNode, NvidiaMajors, nvidia_majors, read_proc_devices
 from gpuguard.errors import BadInputError
 from gpuguard.host.paths import DROPPED_ENTRIES_FILE, Root
+
+if TYPE_CHECKING:  # loaded where used: kubelet's pre-start hook reads the checkpoint only
+    from gpuguard.devices.containers import ContainerCgroup, Kubepods
+    from gpuguard.devices.nodes import DeviceNode, NvidiaMajors
 
 
 @dataclass
@@ -106,6 +108,8 @@ class HostSnapshot:
     def majors(self) -> NvidiaMajors:
         """The NVIDIA majors of /proc/devices, parsed once for every step of the pass (a
         module loaded since is the next pass's: its udev event marks one)."""
+        from gpuguard.devices.nodes import nvidia_majors, read_proc_devices
+
         return nvidia_majors(read_proc_devices(self.root))
 
     @cached_property
@@ -115,6 +119,8 @@ class HostSnapshot:
     def _walk(self, cgroup_root: str) -> Kubepods:
         got = self._kubepods.get(cgroup_root)
         if got is None:
+            from gpuguard.devices.containers import discover_kubepods
+
             got = self._kubepods[cgroup_root] = discover_kubepods(
                 self.root, cgroup_root=cgroup_root
             )

@@ -19,6 +19,17 @@ later; cached by the executable's identity (/var/lib/gpuguard/kubelet-version.js
 ``GPUGUARD_READMIT=on|off`` in the unit's environment overrides it (default auto).
 The off switch and Mode=observe are read at each kubelet start: off, it does
 nothing; observe, it journals what it would offer and registers nothing.
+
+Modules (docs/architecture.md has the map of the packages):
+
+- the re-admission bridge for kubelet 1.26+ (`gpuguard readmit`,
+  gpuguard-readmit.service; docs/checkpoint.md): the loop, one decision per kubelet
+  start, made ahead (`__init__.py`); what it offers: the checkpoint's held device IDs
+  present on the node, only while a GPU pod has no process (`plan.py`, pure); the
+  kubelet version from its unit's executable, cached by the file's identity, the pods
+  with processes, the plugin sockets (`observe.py`); its gRPC endpoints and registration
+  with grpcio (`serve.py`) and the four messages encoded by hand (`wire.py`); inotify on
+  kubelet's device-plugins directory (`watch.py`). It imports no step
 """
 
 from __future__ import annotations

@@ -22,6 +22,8 @@ from typing import Any, Mapping, Optional
 
 from gpuguard.host.paths import Root
 from gpuguard.model import Finding
+from gpuguard.reporting.npd_names import DEFAULT_MAX_AGE as DEFAULT_MAX_AGE
+from gpuguard.reporting.npd_names import DEFAULT_MAX_LENGTH as DEFAULT_MAX_LENGTH
 from gpuguard.reporting.status import STATUS_FILE as STATUS_FILE
 from gpuguard.reporting.status import ConditionState, Status, StepResult
 from gpuguard.reporting.status import read_status as load_status
@@ -34,8 +36,6 @@ from gpuguard.steps.registry import (
 )
 
 OK, PROBLEM, UNKNOWN = 0, 1, 2
-DEFAULT_MAX_LENGTH = 80  # NPD's default max_output_length
-DEFAULT_MAX_AGE = 7200.0  # two default audit intervals
 
 
 @dataclass(frozen=True)

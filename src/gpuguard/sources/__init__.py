@@ -5,6 +5,15 @@ A source never acts and never names a step: it emits an `Event`, and the registr
 (build_sources) and hands them to the daemon, which connects their events to its
 dispatch (fast paths, then marks for its coalescer): the sources exist before the
 daemon, so they emit through an EventSink.
+
+Modules (docs/architecture.md has the map of the packages):
+
+- `udev.py`, `systemd.py`, `timer.py`, `transient.py`: event sources (uevents, systemd's
+  D-Bus signals, the periodic audit, a scope's device properties set at runtime seen in
+  `/run/systemd/transient` with inotify on the loop), built in `main`
+  (`sources.build_sources`) and handed to the daemon through an `EventSink`
+- `reload_socket.py`, `dbuswire.py`: systemd's `Reloading` from its private socket (a
+  header-only reader of the D-Bus wire format; reports only, never calls systemd)
 """
 
 from __future__ import annotations

@@ -9,6 +9,21 @@ file is changed only while kubelet is stopped:
 - running but not through systemd: nothing we can safely do; report (exit 5).
 A repair made by the hook is reported only once verified (kubelet_hook.judge): a
 `done` restart job says nothing about what the hook did.
+
+Modules (docs/architecture.md has the map of the packages):
+
+- the checkpoint step (F1), one class for the daemon and `gpuguard check`
+  (`__init__.py`); its settings and report (`report.py`); kubelet coordination, the unit
+  jobs around a repair (`kubelet.py`); is kubelet running (`observe.py`); which IDs are
+  stale and the repair plan (`reconcile.py`, `deviceids.py`); the one-to-one map from a
+  recorded generation of GPUs to the GPUs now (`gpumap.py`, pure) and each pod entry
+  remapped or dropped through it (`remap.py`, pure); what the remap reads from the host:
+  the history, NUMA nodes, boot time (`observe.py`); the repair, written atomically with
+  a backup, each remap and drop journaled, and the GPUs recorded in the identity history
+  once the checkpoint matches them (`actuate.py`); the records between a kubelet
+  restart's caller and the pre-start hook, and when a repair counts as verified
+  (`kubelet_hook.py`); the hook's memo of the last healthy checkpoint and inventory
+  (`memo.py`)
 """
 
 from __future__ import annotations
@@ -117,11 +132,8 @@ def analyse_checkpoint(
     """Read and analyse the checkpoint (from the pass's `snapshot`, so every step decides
     from the same read); the actuator comes back only when a repair that needs kubelet
     stopped is planned (the report is final otherwise)."""
-    from gpuguard.devices.processes import kubelet_pids
     from gpuguard.engine.snapshot import HostSnapshot
-    from gpuguard.journal.conditions import log_findings
     from gpuguard.steps.checkpoint import reconcile as ckpt
-    from gpuguard.steps.checkpoint.actuate import CheckpointActuator
     from gpuguard.steps.checkpoint.observe import remap_inputs
     from gpuguard.steps.checkpoint.report import CheckReport, apply_repair
 
@@ -155,6 +167,8 @@ def analyse_checkpoint(
         for f in report.findings:
             log.finding(f)
     else:
+        from gpuguard.journal.conditions import log_findings
+
         log_findings(log, conditions, ckpt.NAME, report.findings, lasting_clears=True)
     report.actions = list(ckpt.plan(analysis, path=path, raw=raw, policy=s.policy))
     if analysis.refused:
@@ -175,6 +189,8 @@ def analyse_checkpoint(
         else:
             report.result = "checkpoint matches this host's GPUs; nothing to do"
         return report, None
+    # a repair is planned: only now its writer (a healthy checkpoint never loads it)
+    from gpuguard.steps.checkpoint.actuate import CheckpointActuator
 
     actuator = CheckpointActuator(
         backup_dir=root.path(s.backup_dir),
@@ -184,6 +200,8 @@ def analyse_checkpoint(
         dropped_file=root.path(DROPPED_ENTRIES_FILE),
     )
     if s.kubelet_stopped:
+        from gpuguard.devices.processes import kubelet_pids
+
         pids = kubelet_pids(root)
         report.kubelet = "stopped (running as kubelet's ExecStartPre= hook)"
         if pids:

@@ -32,7 +32,6 @@ from gpuguard.host import safeio
 from gpuguard.host.echo import cut
 from gpuguard.host.paths import Root
 from gpuguard.host.statefile import Obj, SchemaError, StateFile, load
-from gpuguard.steps.registry import CHECKPOINT
 
 if TYPE_CHECKING:  # the hook's healthy path parses and analyses nothing
     from gpuguard.host.inventory import Inventory
@@ -348,6 +347,8 @@ class HookRun:
     def skipped(self, log: EventLog, why: str) -> int:
         """Nothing it can or should do: exit 0 (kubelet's status shows no failing
         ExecStartPre=), said in the journal once per state rather than at every start."""
+        from gpuguard.steps.registry import CHECKPOINT  # the step table: not on a healthy path
+
         last = read_result(self.root)
         repeated = last is not None and last.outcome == SKIPPED and last.detail == why
         log.event(

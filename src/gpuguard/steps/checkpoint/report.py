@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from gpuguard import exitcodes
 from gpuguard.model import Action, Finding, Outcome
-from gpuguard.steps.checkpoint.actuate import CheckpointActuator
 
 if TYPE_CHECKING:
     from gpuguard.config import KubeletConfig
+    from gpuguard.steps.checkpoint.actuate import CheckpointActuator
     from gpuguard.steps.checkpoint.remap import RemapInputs
 
 

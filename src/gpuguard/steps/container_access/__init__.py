@@ -19,6 +19,32 @@ cached; a pass after a reload only re-reads the verdicts.
 The three entry points are thin: what they share across passes is one object
 (state.py), and each container's cgroup layout is one implementation of one interface
 (devcgroup.py: cgroupv1.py, cgroupv2.py).
+
+Modules (docs/architecture.md has the map of the packages):
+
+- the container access step (F2). The step and its three thin entry points
+  (`__init__.py`), what they share (`state.py`), the pass (`fullpass.py`), the fast
+  paths after a reload and before an urgent pass's walk (`fastpaths.py`); the
+  `DeviceCgroup` interface (`devcgroup.py`), its v1 implementation (`cgroupv1.py`:
+  `devices.list` read, `devices.allow` written and read back, the reload's sweep with
+  the journal's actions built after the last write) and v2 one (`cgroupv2.py`: programs
+  read where the container's process is, `program_dir`, and judged, probes where they
+  cannot be, scope bridges, in-place replacement; what it concludes from the programs in
+  `v2programs.py`: verdicts, systemd's denials, a scope that admits every device, a
+  runtime's program that denies what systemd's admit), the choice between them and the
+  durable grant (`cgroups.py`); the records (`view.py`); containers and entitlements,
+  the kubepods cgroups no container is in whose processes hold NVIDIA nodes open, and
+  the grants systemd already keeps (`observe.py`); the pure audit (`reconcile.py`) and
+  its actions (`actions.py`); which scopes still need a durable grant, never one that
+  admits every device already (`durable.py`, pure); each GPU container's present grant
+  for `gpuguard protect` (`protect.py`, pure); the v2 bridge that restores a scope's
+  access in place until its `DeviceAllow=` is applied, and its detach (`bridgeplan.py`,
+  pure; `bridge.py`: the bridges made in a pass, a reload's sweep through one open of
+  each cgroup, the follow-up after a reload); when an in-place v2 repair is held back
+  (several programs, a back-off after a failure: `inplace.py`, pure); the writes
+  (`actuate.py`); a denial of a node the scope already grants judged again once
+  systemd's apply has settled (`settle.py`); a new scope's grant on its own
+  (`newscope.py`) through a bounded queue without duplicates (`scopequeue.py`)
 """
 
 from __future__ import annotations

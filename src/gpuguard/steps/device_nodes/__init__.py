@@ -1,4 +1,10 @@
-"""The device_nodes step: NVIDIA nodes and /dev/char links exist while the driver is up."""
+"""The device_nodes step: NVIDIA nodes and /dev/char links exist while the driver is up.
+
+Modules (docs/architecture.md has the map of the packages):
+
+- the device node step: which nodes and `/dev/char` links to create (`reconcile.py`),
+  creating them (`actuate.py`); new links are a `DEVICE_LINKS_CREATED` event
+"""
 
 from __future__ import annotations
 

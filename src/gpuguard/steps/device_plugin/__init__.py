@@ -13,6 +13,18 @@ Every decision is a journal entry, the declined ones included (plugin-restart-de
 with REASON). The budget lives in this object and in
 ``/var/lib/gpuguard/plugin-restarts.json`` (restarts are recorded BEFORE acting), so a
 daemon restart, or a crash in the middle of one, does not reset it.
+
+Modules (docs/architecture.md has the map of the packages):
+
+- the device plugin step (F3/F4): the pass, restart decisions and their journal entries
+  (`__init__.py`), when a restart may happen, cool-down, budget, back-off (`limits.py`,
+  pure), what it remembers of each plugin across gpuguard restarts (`state.py`); the
+  plugins, the containers with NVIDIA nodes and kubelet's start (`observe.py`); health
+  (`reconcile.py`); a plugin kubelet dropped after it registered, 0 allocatable GPUs
+  (`allocatable.py`, pure) as kubelet's podresources API answers (`podresources.py`, one
+  bounded call through `host/unarygrpc.py`, decoded by hand); restart through the
+  runtime or systemd and verification (`actuate.py`); the optional NVML probe, what the
+  child does in the plugin's cgroups and mount namespace (`nvml_probe.py`)
 """
 
 from __future__ import annotations

@@ -1,7 +1,13 @@
 """The gpu_count step: PCI functions vs GPUs NVML sees vs devices kubelet registered.
 
 Report only: a lost GPU is repaired by its own layer (driver, device plugin, checkpoint),
-this step says which one lost it (reconcile.py)."""
+this step says which one lost it (reconcile.py).
+
+Modules (docs/architecture.md has the map of the packages):
+
+- GPUs on the PCI bus vs NVML vs kubelet's registrations: which layer lost them (report
+  only)
+"""
 
 from __future__ import annotations
 
