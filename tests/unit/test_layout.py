@@ -248,7 +248,7 @@ TYPED_CLI = (
     "engine/oneshot.py",
     "engine/runner.py",
 )
-UNTYPED_BY_NATURE = {"_opt", "daemon_status", "_status_shape_ok", "container_status",
+UNTYPED_BY_NATURE = {"opt", "daemon_status", "_status_shape_ok", "container_status",
                      "_unreadable_row", "_container_row"}  # fmt: skip
 
 

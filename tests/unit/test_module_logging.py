@@ -51,7 +51,7 @@ def test_the_cli_routes_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         level=kw["level"], stream=io.StringIO())))  # fmt: skip
     args = cli.build_parser().parse_args(["check", "--root", str(tmp_path), "--log-level",
                                           "debug"])  # fmt: skip
-    log = cli._log(args)
+    log = cli.log_from(args)
     (tmp_path / "sys/fs/cgroup/devices/kubepods/not-a-pod").mkdir(parents=True)
     discover_containers(Root(tmp_path), CgroupLayout("/sys/fs/cgroup/devices", None))
     assert any("not a pod or QoS directory" in e["msg"] for e in lines(log.stream))

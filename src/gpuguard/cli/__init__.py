@@ -18,18 +18,18 @@ from typing import Callable, Optional, Sequence
 
 from gpuguard import exitcodes, version_line
 from gpuguard.cli.args import (
-    _config,
-    _config_or_fallback,
-    _inventory_path,
-    _log,
-    _nvml_lookup,
-    _opt,
-    _root,
+    config_from,
+    config_or_fallback,
+    inventory_path,
+    log_from,
+    nvml_lookup,
+    opt,
+    root_from,
 )
 from gpuguard.errors import GpuguardError
 from gpuguard.host.echo import cut
 
-__all__ = ["COMMANDS", "_log", "build_parser", "main"]
+__all__ = ["COMMANDS", "build_parser", "log_from", "main"]
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -287,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    cfg = _config(args, _root(args), strict=args.strict)
+    cfg = config_from(args, root_from(args), strict=args.strict)
     for warning in cfg.warnings:
         print(f"gpuguard: warning: {warning}", file=sys.stderr)
     if not args.check:
@@ -307,13 +307,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from gpuguard.host.commands import run
     from gpuguard.host.inventory import load_inventory
 
-    root = _root(args)
-    cfg = _config_or_fallback(args, root)
+    root = root_from(args)
+    cfg = config_or_fallback(args, root)
     from gpuguard.host.inventory import DriverPendingError
 
     driver_wait = ""
     try:
-        inventory = load_inventory(_inventory_path(args, cfg), _nvml_lookup(root, cfg))
+        inventory = load_inventory(inventory_path(args, cfg), nvml_lookup(root, cfg))
     except DriverPendingError as e:  # a GPU Operator node's driver pod not there yet
         inventory, driver_wait = None, e.message
     except GpuguardError:
@@ -339,7 +339,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def cmd_npd(args: argparse.Namespace) -> int:
     from gpuguard.reporting.npd import answer, one_line
 
-    code, message = answer(_root(args), args.condition, max_age=args.max_age)
+    code, message = answer(root_from(args), args.condition, max_age=args.max_age)
     print(one_line(message, args.max_length))
     return code
 
@@ -349,7 +349,7 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     from gpuguard.reporting.metrics_http import print_file, serve
     from gpuguard.reporting.metrics_state import STATE_FILE
 
-    root = _root(args)
+    root = root_from(args)
     path = root.path(STATE_FILE)
     if args.serve:
         return serve(path, args.listen, lambda: read_off_switch(root) is not None)
@@ -395,10 +395,10 @@ def _debug_wanted(args: Optional[argparse.Namespace]) -> bool:
     """--log-level debug, or LogLevel=debug in a configuration that still loads."""
     if args is None:
         return False
-    if _opt(args, "log_level") is not None:
-        return bool(_opt(args, "log_level") == "debug")
+    if opt(args, "log_level") is not None:
+        return bool(opt(args, "log_level") == "debug")
     try:
-        return bool(_config(args, _root(args)).daemon.log_level == "debug")
+        return bool(config_from(args, root_from(args)).daemon.log_level == "debug")
     except Exception:  # the configuration itself may be what failed
         return False
 

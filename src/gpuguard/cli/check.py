@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 from gpuguard import exitcodes
 from gpuguard.cli.args import (
-    _config,
-    _config_or_fallback,
-    _inventory_path,
-    _log,
-    _nvml_lookup,
-    _opt,
-    _root,
+    config_from,
+    config_or_fallback,
+    inventory_path,
+    log_from,
+    nvml_lookup,
+    opt,
+    root_from,
 )
 from gpuguard.errors import GpuguardError
 
@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # loaded where used: a healthy kubelet hook stays fast
 def cmd_check(args: argparse.Namespace) -> int:
     from gpuguard.host.offswitch import read_off_switch
 
-    root = _root(args)
+    root = root_from(args)
     off = read_off_switch(root)  # before the configuration: it works with a broken one
     if off is not None:
         return _disabled(args, root, off)
@@ -58,7 +58,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def _disabled(args: argparse.Namespace, root: Root, off: OffSwitch) -> int:
     """The off switch is set: kubelet's pre-start hook checks nothing and writes nothing
     (no result file either); a person's `gpuguard check` runs as a dry run."""
-    log = _log(args, None, root)
+    log = log_from(args, None, root)
     if args.kubelet_stopped:
         log.event(
             "disabled-skip",
@@ -81,7 +81,7 @@ def _disabled(args: argparse.Namespace, root: Root, off: OffSwitch) -> int:
 def _simulation(args: argparse.Namespace, cfg: Config, inventory: Inventory) -> str:
     from gpuguard.steps.checkpoint.report import simulation
 
-    cli = _opt(args, "inventory") is not None
+    cli = opt(args, "inventory") is not None
     return simulation(inventory.source, cli, cfg.inventory, allow=args.allow_kubelet_restart)
 
 
@@ -91,21 +91,21 @@ def _check(args: argparse.Namespace, root: Root, hook: Optional[HookRun]) -> int
 
     # A dry run changes nothing: it runs even on a broken configuration (without the
     # broken file, which it names); a real check never acts on a partial one.
-    cfg = _config_or_fallback(args, root) if args.dry_run else _config(args, root)
+    cfg = config_or_fallback(args, root) if args.dry_run else config_from(args, root)
     k = cfg.kubelet
     # kubelet's pre-start hook with a healthy, unchanged checkpoint says nothing to the
     # journal: the event log (and its imports) only when something may be said.
     fast = hook is not None and args.only == "checkpoint" and not cfg.warnings
     fast = fast and hook is not None and not hook.unusable
-    log = None if fast else _log(args, cfg, root)
+    log = None if fast else log_from(args, cfg, root)
     if hook is not None:
         hook.start(root.path(k.checkpoint_path))
     try:
-        inventory = load_inventory(_inventory_path(args, cfg), _nvml_lookup(root, cfg))
+        inventory = load_inventory(inventory_path(args, cfg), nvml_lookup(root, cfg))
     except NoDriverError as e:
         if hook is None:
             raise
-        return int(hook.skipped(log or _log(args, cfg, root), e.message))
+        return int(hook.skipped(log or log_from(args, cfg, root), e.message))
     memo_key = None
     if fast and hook is not None:
         # kubelet's pre-start hook: unchanged since the last verified healthy state?
@@ -118,7 +118,7 @@ def _check(args: argparse.Namespace, root: Root, hook: Optional[HookRun]) -> int
                 return _hook_unchanged(args, root, hook, inventory, k.checkpoint_path)
     from gpuguard.steps.checkpoint import CheckpointStep, CheckSettings
 
-    log = log or _log(args, cfg, root)
+    log = log or log_from(args, cfg, root)
     log.facts_as_text = False  # the report below prints them: each fact once
     for why in hook.unusable if hook is not None else ():
         log.warning(f"kubelet pre-start: ignoring {why}")  # one line per unusable file
@@ -126,7 +126,7 @@ def _check(args: argparse.Namespace, root: Root, hook: Optional[HookRun]) -> int
         k,
         dry_run=args.dry_run or cfg.daemon.observe,
         reason=args.reason,
-        bus_address=_opt(args, "bus"),
+        bus_address=opt(args, "bus"),
         policy=args.policy or "",
         may_restart=not args.no_restart,
         kubelet_stopped=args.kubelet_stopped,
@@ -150,7 +150,7 @@ def _check(args: argparse.Namespace, root: Root, hook: Optional[HookRun]) -> int
         from gpuguard.steps.registry import CHECKPOINT
 
         svc = OneShotServices(
-            root, cfg, log, settings.dry_run, _opt(args, "bus") or bus_address_for(root.prefix)
+            root, cfg, log, settings.dry_run, opt(args, "bus") or bus_address_for(root.prefix)
         )
         steps = check_steps({CHECKPOINT: checkpoint})
         results = asyncio.run(run_check_pass(svc, steps, inventory, snapshot))

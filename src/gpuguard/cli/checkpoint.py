@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from gpuguard import exitcodes
-from gpuguard.cli.args import _config, _inventory_path, _nvml_lookup, _root
+from gpuguard.cli.args import config_from, inventory_path, nvml_lookup, root_from
 from gpuguard.host.echo import cut
 
 
@@ -39,8 +39,8 @@ def cmd_checkpoint_inspect(args: argparse.Namespace) -> int:
     from gpuguard.steps.checkpoint.observe import remap_inputs
     from gpuguard.steps.checkpoint.reconcile import analyse
 
-    root = _root(args)
-    cfg = _config(args, root)
+    root = root_from(args)
+    cfg = config_from(args, root)
     doc: dict[str, Any] = {"file": str(args.file)}
     try:
         loaded = load(args.file)
@@ -65,7 +65,7 @@ def cmd_checkpoint_inspect(args: argparse.Namespace) -> int:
         stale=None,
     )
     try:
-        inventory = load_inventory(_inventory_path(args, cfg), _nvml_lookup(root, cfg))
+        inventory = load_inventory(inventory_path(args, cfg), nvml_lookup(root, cfg))
     except NoDriverError as e:
         doc["inventory_error"] = e.message
     else:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from gpuguard.cli.args import _config, _log, _opt, _root
+from gpuguard.cli.args import config_from, log_from, opt, root_from
 from gpuguard.errors import GpuguardError
 
 if TYPE_CHECKING:
@@ -65,25 +65,25 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     from gpuguard.sources import build_sources
     from gpuguard.steps.registry import build_steps
 
-    root = _root(args)
+    root = root_from(args)
     try:
-        cfg = _config(args, root)
+        cfg = config_from(args, root)
     except GpuguardError as e:
         # Exit 2/3 stop the unit (RestartPreventExitStatus=): say why in its status line
         # and in the journal, since `systemctl status` is where an operator looks.
         Notifier().send(f"STATUS=not started: {e.message}")
-        _log(args, None, root).event("config-invalid", e.message, level="error")
+        log_from(args, None, root).event("config-invalid", e.message, level="error")
         raise
-    log = _log(args, cfg, root)
+    log = log_from(args, cfg, root)
     log.repeat_window = REMINDER  # a plan repeated by every pass: once an hour
-    bus = _opt(args, "bus") or bus_address_for(root.prefix)
+    bus = opt(args, "bus") or bus_address_for(root.prefix)
     daemon = Daemon(
         root=root,
         config=cfg,
-        config_path=_opt(args, "config"),
+        config_path=opt(args, "config"),
         log=log,
         notifier=Notifier(),
-        inventory_path=_opt(args, "inventory"),
+        inventory_path=opt(args, "inventory"),
         bus_address=bus,
         steps=build_steps(),  # steps/registry.py: every step, in STEP_ORDER, which says why
         sources=build_sources(root, cfg, log, bus, udev=not args.no_udev),

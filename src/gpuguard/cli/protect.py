@@ -18,7 +18,7 @@ import argparse
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from gpuguard import exitcodes
-from gpuguard.cli.args import _config, _log, _opt, _root
+from gpuguard.cli.args import config_from, log_from, opt, root_from
 from gpuguard.errors import GpuguardError
 
 if TYPE_CHECKING:
@@ -34,11 +34,11 @@ DEFAULT_REASON = "before a systemctl daemon-reload"
 def cmd_protect(args: argparse.Namespace) -> int:
     from gpuguard.host.offswitch import read_off_switch
 
-    root = _root(args)
-    reason = _opt(args, "reason") or DEFAULT_REASON
+    root = root_from(args)
+    reason = opt(args, "reason") or DEFAULT_REASON
     off = read_off_switch(root)
     cfg, broken = _config_or_default(args, root)
-    log = _log(args, cfg, root)
+    log = log_from(args, cfg, root)
     if broken:
         log.warning(f"{broken}; protecting with the default settings")
     if off is not None or not cfg.devices.durable_grants:
@@ -64,7 +64,7 @@ def _config_or_default(args: argparse.Namespace, root: Root) -> tuple[Config, st
     """The configuration; a broken one must not leave the containers unprotected (the
     package reloads either way): the defaults then, and why."""
     try:
-        return _config(args, root), ""
+        return config_from(args, root), ""
     except GpuguardError as e:
         from gpuguard.config import Config
 

@@ -9,7 +9,9 @@ import signal
 import time
 from pathlib import Path
 
-from gpuguard.cli.args import _config, _log, _root
+from gpuguard.cli.args import config_from as _config
+from gpuguard.cli.args import log_from as _log
+from gpuguard.cli.args import root_from as _root
 from gpuguard.host.paths import Root
 from gpuguard.journal.log import EventLog
 from gpuguard.readmit import offstate

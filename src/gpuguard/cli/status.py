@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from gpuguard import exitcodes
-from gpuguard.cli.args import _config_or_fallback, _inventory_path, _nvml_lookup, _root
+from gpuguard.cli.args import config_or_fallback, inventory_path, nvml_lookup, root_from
 
 # `gpuguard status`: what admits a container's devices (ContainerCgroup.mechanism)
 MECHANISM_TEXT = {
@@ -22,10 +22,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     from gpuguard.errors import NoDriverError
     from gpuguard.host.inventory import load_inventory
 
-    root = _root(args)
-    cfg = _config_or_fallback(args, root)
+    root = root_from(args)
+    cfg = config_or_fallback(args, root)
     try:
-        inventory = load_inventory(_inventory_path(args, cfg), _nvml_lookup(root, cfg))
+        inventory = load_inventory(inventory_path(args, cfg), nvml_lookup(root, cfg))
         gpus_from = inventory.describe_source()
     except NoDriverError as e:
         inventory, gpus_from = None, f"unavailable: {e.message}"

@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 from gpuguard import exitcodes
-from gpuguard.cli.args import _log, _root
+from gpuguard.cli.args import log_from, root_from
 from gpuguard.errors import GpuguardError
 from gpuguard.host.echo import cut
 
@@ -64,7 +64,7 @@ def cmd_disable(args: argparse.Namespace) -> int:
     from gpuguard.actuate.offswitch import set_off_switch
     from gpuguard.host.offswitch import OFF_SWITCH, REASON_MAX
 
-    root = _root(args)
+    root = root_from(args)
     given = " ".join(args.reason.split())
     if len(given) > REASON_MAX:  # the switch's reader shows its first REASON_MAX characters
         print(
@@ -84,7 +84,7 @@ def cmd_disable(args: argparse.Namespace) -> int:
             "run as root",
             exit_code=exitcodes.USAGE,
         ) from None
-    log = _log(args, None, root)
+    log = log_from(args, None, root)
     code, out = _systemctl(root, "stop", UNIT)
     stopped = (
         f"{UNIT} stopped"
@@ -110,7 +110,7 @@ def cmd_enable(args: argparse.Namespace) -> int:
     from gpuguard.actuate.offswitch import clear_off_switch
     from gpuguard.host.offswitch import OFF_SWITCH, read_off_switch
 
-    root = _root(args)
+    root = root_from(args)
     _inside_root(root, os.path.dirname(OFF_SWITCH))
     was = read_off_switch(root)
     try:
@@ -134,7 +134,7 @@ def cmd_enable(args: argparse.Namespace) -> int:
         started = f"{UNIT} started" if ok else f"{UNIT} did not start: systemctl status gpuguard"
     if cleared:
         who = cut(_who(), 64)
-        _log(args, None, root).event(
+        log_from(args, None, root).event(
             "gpuguard-enabled",
             f"gpuguard enabled by {who} (it was {was.describe() if was else 'disabled'}); "
             f"{started}",
