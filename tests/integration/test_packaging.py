@@ -40,6 +40,12 @@ LAYOUT = [
     "/usr/lib/gpuguard/vendor/pynvml.py",
     "/usr/share/doc/gpuguard/LICENSE.nvidia-ml-py",
     "/usr/share/doc/gpuguard/hardening.md",
+    "/usr/share/doc/gpuguard/README.md",
+    # what the README links to, beside it (packaging/README.md)
+    "/usr/share/doc/gpuguard/docs/operations.md",
+    "/usr/share/doc/gpuguard/docs/failures.md",
+    "/usr/share/doc/gpuguard/docs/support-matrix.md",
+    "/usr/share/doc/gpuguard/packaging/README.md",
     "/usr/lib/gpuguard/gpuguard.conf",
     "/etc/gpuguard/gpuguard.conf.d",
     "/etc/gpuguard/hooks.d",
@@ -195,6 +201,23 @@ def test_lintian_has_no_errors(pkgs: Dict[str, Path]) -> None:
     errors = [t for t in tags if t.startswith("E: ")]
     assert not errors, "\n".join(tags)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_the_installed_readmes_links_resolve(
+    deb_files: Dict[str, str], rpm_files: Dict[str, str]
+) -> None:
+    """The README installed in /usr/share/doc/gpuguard links docs/*.md and
+    packaging/README.md: on a host each link opens the file beside it. bench/ is left
+    out: benchmarks run from a checkout, where its README is."""
+    readme = (REPO / "README.md").read_text()
+    links = {m.split("#")[0] for m in re.findall(r"\]\(([^)\s]+)\)", readme)}
+    local = sorted(
+        x for x in links if x and not re.match(r"\w+:", x) and not x.startswith("bench/")
+    )
+    assert "docs/operations.md" in local and "packaging/README.md" in local
+    for files in (deb_files, rpm_files):
+        missing = [x for x in local if f"/usr/share/doc/gpuguard/{x}" not in files]
+        assert not missing, f"the installed README links these, not installed: {missing}"
 
 
 def test_rpm_layout(rpm_files: Dict[str, str], pkgs: Dict[str, Path]) -> None:
