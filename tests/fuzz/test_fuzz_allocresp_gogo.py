@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from fuzz.budget import budget
 from gpuguard.checkpoint import allocresp
-from gpuguard.checkpoint.allocresp import AllocRespError, _encode_varint
+from gpuguard.checkpoint.allocresp import AllocRespError
+from gpuguard.host.protowire import varint as _encode_varint
 
 
 class GoError(Exception):

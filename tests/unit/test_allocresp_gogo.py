@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from gpuguard.checkpoint import allocresp
-from gpuguard.checkpoint.allocresp import AllocRespError, _encode_varint, _len_field
+from gpuguard.checkpoint.allocresp import AllocRespError
+from gpuguard.host.protowire import field as _len_field
+from gpuguard.host.protowire import varint as _encode_varint
 
 
 def _field(number: int, payload: bytes) -> bytes:

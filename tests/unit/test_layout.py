@@ -424,3 +424,57 @@ def test_state_files_are_written_only_through_the_state_file_actuator() -> None:
                 if name in WRITE_HELPERS:
                     bad.append(f"{rel}:{node.lineno}: {name}")
     assert not bad, f"write state files with actuate.statefile.write_state: {bad}"
+
+
+# One C library lookup (host/libc.py) and one home for inotify's flags (host/inotify.py).
+LIBC_HOME, INOTIFY_HOME = "host/libc.py", "host/inotify.py"
+
+
+def c_library_loads(source: str) -> list[int]:
+    """Lines of `source` that load the process's C library: CDLL(None)."""
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call)
+        and (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) == "CDLL"
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+        and node.args[0].value is None
+    ]
+
+
+def inotify_flags(source: str) -> list[str]:
+    """Module-level names of `source` assigned an inotify flag (IN_...)."""
+    return [
+        t.id
+        for node in ast.parse(source).body
+        if isinstance(node, ast.Assign)
+        for t in node.targets
+        if isinstance(t, ast.Name) and t.id.startswith("IN_")
+    ]
+
+
+def test_the_c_library_is_looked_up_in_one_module() -> None:
+    bad = {
+        str(p.relative_to(SRC)): lines
+        for p in sorted(SRC.rglob("*.py"))
+        if str(p.relative_to(SRC)) != LIBC_HOME and (lines := c_library_loads(p.read_text()))
+    }
+    assert not bad, f"ctypes.CDLL(None) outside {LIBC_HOME} (use c_library/function): {bad}"
+    assert c_library_loads((SRC / LIBC_HOME).read_text())
+
+
+def test_inotify_flags_are_defined_in_one_module() -> None:
+    bad = {
+        str(p.relative_to(SRC)): names
+        for p in sorted(SRC.rglob("*.py"))
+        if str(p.relative_to(SRC)) != INOTIFY_HOME and (names := inotify_flags(p.read_text()))
+    }
+    assert not bad, f"inotify flags outside {INOTIFY_HOME}: {bad}"
+
+
+@pytest.mark.parametrize(
+    "line", ["x = ctypes.CDLL(None)", "x = CDLL(None, use_errno=True)", "IN_CREATE = 0x100"]
+)
+def test_the_libc_and_inotify_checks_catch_each_form(line: str) -> None:
+    assert c_library_loads(line) or inotify_flags(line)

@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 from gpuguard.checkpoint import Checkpoint, PodDevicesEntry, allocresp, marshal, parse
 from gpuguard.checkpoint.history import Generation, GpuIdentity, History
 from gpuguard.checkpoint.spew import checksum
+from gpuguard.host import protowire
 from gpuguard.host.inventory import Gpu, Inventory
 from gpuguard.steps.checkpoint.reconcile import DEFAULT_RESOURCES, analyse
 from gpuguard.steps.checkpoint.remap import RemapInputs
@@ -171,8 +172,8 @@ def test_an_answer_kubelet_reads_otherwise_is_reported_and_never_rewritten() -> 
     hidden = (
         bytes.fromhex("8a8080808001")
         + bytes([36])
-        + allocresp._len_field(1, b"NVIDIA_VISIBLE_DEVICES")
-        + allocresp._len_field(2, b"GPU-dead-0000-0000")
+        + protowire.field(1, b"NVIDIA_VISIBLE_DEVICES")
+        + protowire.field(2, b"GPU-dead-0000-0000")
     )
     old = generation("a", (0, 1, 2), 500.0)
     inv = now("c")

@@ -33,6 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
+from gpuguard.host.protowire import field
+
 LEN = 2  # the length-delimited wire type
 VARINT = 0
 _MAX_DEPTH_FIELDS = 100_000  # far above any real response (a few dozen fields)
@@ -83,6 +85,8 @@ class _Field:
 
 
 def _varint(data: bytes, i: int) -> Tuple[int, int]:
+    """A varint read as kubelet's gogo decoder reads it, refusing what other decoders
+    read otherwise (the writing side is host/protowire.py's)."""
     value = shift = 0
     for k in range(i, min(len(data), i + 10)):
         b = data[k]
@@ -93,15 +97,6 @@ def _varint(data: bytes, i: int) -> Tuple[int, int]:
             return value & _U64, k + 1  # Go's uint64: the 10th byte's high bits fall off
         shift += 7
     raise AllocRespError("a varint runs past its end or past 10 bytes")
-
-
-def _encode_varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 def _fields(data: bytes) -> List[_Field]:
@@ -147,10 +142,6 @@ def _text(data: bytes, f: _Field) -> str:
     return data[f.body : f.end].decode("utf-8", "surrogateescape")
 
 
-def _len_field(number: int, payload: bytes) -> bytes:
-    return _encode_varint(number << 3 | LEN) + _encode_varint(len(payload)) + payload
-
-
 def _sub(data: bytes, top: int, fix: Optional[Fix], out: List[Text]) -> Optional[bytes]:
     """A Mount, DeviceSpec or CDIDevice: its strings reported (and fixed: the new bytes,
     or None when nothing changed)."""
@@ -172,7 +163,7 @@ def _sub(data: bytes, top: int, fix: Optional[Fix], out: List[Text]) -> Optional
             out.append((where, key, old))
             new = fix(where, key, old) if fix is not None else old
             if new != old:
-                parts.append(_len_field(f.number, new.encode("utf-8", "surrogateescape")))
+                parts.append(field(f.number, new.encode("utf-8", "surrogateescape")))
                 changed = True
                 continue
         elif f.number in scalars and f.wire != scalars[f.number]:
@@ -200,11 +191,11 @@ def _map_entry(data: bytes, where: str, fix: Optional[Fix], out: List[Text]) -> 
     parts = []
     for f in fields:
         if f is value_field:
-            parts.append(_len_field(2, new.encode("utf-8", "surrogateescape")))
+            parts.append(field(2, new.encode("utf-8", "surrogateescape")))
         else:
             parts.append(data[f.start : f.end])
     if value_field is None:  # an entry without a value: its value is ""
-        parts.append(_len_field(2, new.encode("utf-8", "surrogateescape")))
+        parts.append(field(2, new.encode("utf-8", "surrogateescape")))
     return b"".join(parts)
 
 
@@ -222,7 +213,7 @@ def _walk(data: bytes, fix: Optional[Fix]) -> Tuple[List[Text], Optional[bytes]]
             else:
                 new = _sub(body, f.number, fix, texts)
             if new is not None:
-                parts.append(_len_field(f.number, new))
+                parts.append(field(f.number, new))
                 changed = True
                 continue
         parts.append(data[f.start : f.end])
@@ -253,15 +244,15 @@ def encode(
     devices, annotations, CDI devices; map entries as given): for tests and benchmarks."""
 
     def kv(number: int, k: str, v: str) -> bytes:
-        return _len_field(number, _len_field(1, k.encode()) + _len_field(2, v.encode()))
+        return field(number, field(1, k.encode()) + field(2, v.encode()))
 
     out = b"".join(kv(1, k, v) for k, v in envs)
     for container, host, ro in mounts:
-        m = _len_field(1, container.encode()) + _len_field(2, host.encode())
-        out += _len_field(2, m + (b"\x18\x01" if ro else b""))
+        m = field(1, container.encode()) + field(2, host.encode())
+        out += field(2, m + (b"\x18\x01" if ro else b""))
     for container, host, perms in devices:
-        d = _len_field(1, container.encode()) + _len_field(2, host.encode())
-        out += _len_field(3, d + _len_field(3, perms.encode()))
+        d = field(1, container.encode()) + field(2, host.encode())
+        out += field(3, d + field(3, perms.encode()))
     out += b"".join(kv(4, k, v) for k, v in annotations)
-    out += b"".join(_len_field(5, _len_field(1, name.encode())) for name in cdi_devices)
+    out += b"".join(field(5, field(1, name.encode())) for name in cdi_devices)
     return out

@@ -30,10 +30,11 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from gpuguard.devices import cgroupchild
 from gpuguard.devices.cgroupchild import run_in_cgroups
+from gpuguard.host.libc import function
 
 OPEN_FLAGS = os.O_RDWR | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
@@ -117,11 +118,12 @@ _BPF_NR = {"x86_64": 321, "aarch64": 280, "ppc64le": 361, "s390x": 351}
 
 
 @functools.lru_cache(maxsize=1)
-def _libc() -> ctypes.CDLL:
-    """Loaded once: a CDLL per call cost more than the bpf(2) calls themselves."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
-    return libc
+def _syscall() -> Callable[..., int]:
+    """syscall(2), looked up once: a lookup per call cost more than the bpf(2) calls."""
+    fn = function("syscall", restype=ctypes.c_long)
+    if fn is None:
+        raise OSError(errno.ENOSYS, "the C library has no syscall(2)")
+    return fn
 
 
 @functools.lru_cache(maxsize=1)
@@ -142,7 +144,7 @@ def bpf_syscall(cmd: int, attr: ctypes.Array[ctypes.c_char]) -> int:
     if nr is None:
         raise OSError(errno.ENOSYS, f"bpf(2) number unknown on {os.uname().machine}")
     size = _ATTR_LEN if len(attr) == BPF_ATTR_SIZE else ctypes.c_uint(len(attr))
-    ret = int(_libc().syscall(nr, ctypes.c_int(cmd), ctypes.byref(attr), size))
+    ret = int(_syscall()(nr, ctypes.c_int(cmd), ctypes.byref(attr), size))
     if ret < 0:
         e = ctypes.get_errno()
         raise OSError(e, os.strerror(e))

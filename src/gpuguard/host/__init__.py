@@ -12,13 +12,15 @@ Modules (docs/architecture.md has the map of the packages):
   without libsystemd (`notify.py`); one unary gRPC call over a unix socket with HTTP/2
   spoken by hand, kubelet's podresources API for the device plugin step, without
   grpcio's 10-14 MB in the daemon (`unarygrpc.py`); protobuf's varints and
-  length-delimited fields, for that answer and the re-admission bridge's messages
-  (`protowire.py`); the daemon's memory handed back to the kernel after passes, a full
-  collection then `malloc_trim`, and glibc's mmap threshold fixed (`memtrim.py`); the
-  daemon's few worker threads (`workers.py`); the GPU inventory, NVML or a file
-  (`inventory.py`); the calling thread's time on a CPU and waiting for one, the reload
-  fast path's figures (`threadclock.py`); asyncio locks and events made at their first
-  use inside the running loop, so objects built before it work on Python 3.9 (`aio.py`)
+  length-delimited fields, for that answer, the re-admission bridge's messages and a
+  checkpoint entry's AllocResp (`protowire.py`); the C library, looked up once
+  (`libc.py`); inotify's flags, watches and events (`inotify.py`); the daemon's memory
+  handed back to the kernel after passes, a full collection then `malloc_trim`, and
+  glibc's mmap threshold fixed (`memtrim.py`); the daemon's few worker threads
+  (`workers.py`); the GPU inventory, NVML or a file (`inventory.py`); the calling
+  thread's time on a CPU and waiting for one, the reload fast path's figures
+  (`threadclock.py`); asyncio locks and events made at their first use inside the
+  running loop, so objects built before it work on Python 3.9 (`aio.py`)
 - `safeio.py`: the one reader of files others control: non-blocking, no links unless
   asked, regular files only, a cap per kind bounded by the bytes read (sysfs reports
   4096, procfs 0: `read_attr` reads one kernel attribute), in requests that start at 16

@@ -65,7 +65,9 @@ def _no_new_privs_hook() -> Callable[[], None]:
     up here, in the parent (a lookup in the child could wait on the loader's lock)."""
     import ctypes
 
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    from gpuguard.host.libc import c_library
+
+    prctl = c_library().prctl
 
     def hook() -> None:
         if prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:

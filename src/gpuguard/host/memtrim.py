@@ -26,6 +26,8 @@ import gc
 import time
 from typing import Callable, Optional
 
+from gpuguard.host.libc import function
+
 TRIM_INTERVAL = 2.0  # seconds between two trims at most; one costs 1-2 ms (0.1 % CPU)
 WINDOW_RETRY = 1.0  # seconds: a trim due inside a repair window is tried again after
 # glibc serves a block this large or larger from its own mmap, given back when freed. Its
@@ -38,12 +40,7 @@ _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
 def _libc_function(name: str, *argtypes: type) -> Optional[Callable[..., int]]:
     """The C library's `name` returning an int, None where it has none (musl)."""
-    try:
-        fn = getattr(ctypes.CDLL(None), name)
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = list(argtypes), ctypes.c_int
-    return fn  # type: ignore[no-any-return]
+    return function(name, argtypes=argtypes, restype=ctypes.c_int)
 
 
 def fix_mmap_threshold(size: int = MMAP_THRESHOLD) -> bool:

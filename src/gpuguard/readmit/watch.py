@@ -13,14 +13,9 @@ import select
 import time
 from pathlib import Path
 
-from gpuguard.sources.transient import (
-    DIR_MASK,
-    IN_CLOEXEC,
-    IN_IGNORED,
-    IN_NONBLOCK,
-    _events,
-    _libc,
-)
+from gpuguard.host.inotify import DIR_MASK, IN_CLOEXEC, IN_IGNORED, IN_NONBLOCK
+from gpuguard.host.inotify import events as _events
+from gpuguard.host.libc import c_library as _libc
 
 POLL_MISSING = 0.5
 

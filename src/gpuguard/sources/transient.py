@@ -29,13 +29,23 @@ not exist yet, /run/systemd is watched for it.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import errno
 import os
-import struct
 from typing import Callable, Optional
 
 from gpuguard.devices.cgroupnames import scope_of_dropin_dir
+from gpuguard.host import inotify
+from gpuguard.host.inotify import (
+    DIR_MASK,
+    IN_CLOSE_WRITE,
+    IN_DONT_FOLLOW,
+    IN_IGNORED,
+    IN_ISDIR,
+    IN_MOVED_TO,
+    IN_ONLYDIR,
+    IN_Q_OVERFLOW,
+    InotifyError,
+)
 from gpuguard.steps.events import Event, EventKind
 
 Emit = Callable[[Event], None]
@@ -45,28 +55,7 @@ TRANSIENT = "transient"
 # the runtime properties that decide a scope's device access
 WATCHED_FILES = frozenset({"50-DeviceAllow.conf", "50-DevicePolicy.conf"})
 
-IN_CLOSE_WRITE = 0x00000008
-IN_MOVED_TO = 0x00000080
-IN_CREATE = 0x00000100
-IN_Q_OVERFLOW = 0x00004000
-IN_IGNORED = 0x00008000
-IN_ONLYDIR = 0x01000000
-IN_DONT_FOLLOW = 0x02000000  # a link in systemd's directories is never followed
-IN_ISDIR = 0x40000000
-IN_NONBLOCK = os.O_NONBLOCK
-IN_CLOEXEC = os.O_CLOEXEC
-_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then the name, NUL-padded
-
-DIR_MASK = IN_CREATE | IN_MOVED_TO | IN_ONLYDIR | IN_DONT_FOLLOW
 FILE_MASK = IN_CLOSE_WRITE | IN_MOVED_TO | IN_ONLYDIR | IN_DONT_FOLLOW
-
-
-class InotifyError(OSError):
-    pass
-
-
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
 
 
 class TransientWatch:
@@ -85,12 +74,7 @@ class TransientWatch:
         self.top_is_parent = False
 
     def start(self) -> None:
-        libc = _libc()
-        fd = libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
-        if fd < 0:
-            e = ctypes.get_errno()
-            raise InotifyError(e, f"inotify_init1: {os.strerror(e)}")
-        self._libc, self.fd = libc, fd
+        self.fd = inotify.init()
         self._watch_top()
         self.loop.add_reader(self.fd, self._readable)
 
@@ -102,11 +86,7 @@ class TransientWatch:
             self.dirs.clear()
 
     def _add(self, path: str, mask: int) -> int:
-        wd = int(self._libc.inotify_add_watch(self.fd, os.fsencode(path), mask))
-        if wd < 0:
-            e = ctypes.get_errno()
-            raise InotifyError(e, f"inotify_add_watch {path}: {os.strerror(e)}")
-        return wd
+        return inotify.add_watch(self.fd, path, mask)
 
     def _watch_top(self) -> None:
         """The transient directory and each scope's directory in it; /run/systemd
@@ -149,7 +129,7 @@ class TransientWatch:
             data = os.read(self.fd, 64 * 1024)
         except BlockingIOError:
             return
-        for wd, mask, name in _events(data):
+        for wd, mask, name in inotify.events(data):
             if mask & IN_Q_OVERFLOW:  # events lost: a pass looks at every container
                 self.emit(Event(EventKind.SCOPE_DEVICES_SET, "inotify queue overflowed"))
             elif mask & IN_IGNORED:  # the directory went away
@@ -158,7 +138,7 @@ class TransientWatch:
                     self._rewatch()
             elif wd == self.top and self.top_is_parent:
                 if name == TRANSIENT and mask & IN_ISDIR:
-                    self._libc.inotify_rm_watch(self.fd, wd)
+                    inotify.rm_watch(self.fd, wd)
                     self._rewatch()
                     for unit in self.dirs.values():
                         self._set(unit, "DevicePolicy= or DeviceAllow=")
@@ -184,18 +164,6 @@ def _listdir(path: str) -> list[str]:
         return os.listdir(path)
     except OSError:
         return []
-
-
-def _events(data: bytes) -> list[tuple[int, int, str]]:
-    """(watch descriptor, mask, name) of each event in one read."""
-    out, at = [], 0
-    while at + _EVENT.size <= len(data):
-        wd, mask, _cookie, size = _EVENT.unpack_from(data, at)
-        at += _EVENT.size
-        raw = data[at : at + size].split(b"\0", 1)[0]
-        at += size
-        out.append((wd, mask, os.fsdecode(raw)))
-    return out
 
 
 def make_transient_watch(

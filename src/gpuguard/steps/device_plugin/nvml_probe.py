@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from gpuguard.devices import cgroupchild
 from gpuguard.devices.cgroupchild import process_cgroup_dirs, run_in_cgroups
+from gpuguard.host.libc import c_library
 from gpuguard.host.paths import Root
 from gpuguard.host.safeio import proc_bytes, proc_text
 
@@ -258,7 +259,7 @@ def _child_work(
     candidates: Sequence[str],
     hint: str,
 ) -> dict[str, object]:  # pragma: no cover - forked child, already in the plugin's cgroups
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = c_library()
     for dep in _HOST_DEPENDENCIES:
         with contextlib.suppress(OSError):
             ctypes.CDLL(dep)
