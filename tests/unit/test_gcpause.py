@@ -16,6 +16,7 @@ from gpuguard.engine.gcpause import collector_paused, freeze_long_lived, thaw
 from gpuguard.host.notify import Notifier
 from gpuguard.host.paths import Root
 from gpuguard.journal.log import EventLog
+from gpuguard.reporting.status_figures import FastPaths
 from gpuguard.steps.events import Event, EventKind
 
 SEEN: list[bool] = []
@@ -33,8 +34,8 @@ class FastStep:
         if self.fail:
             raise RuntimeError("a bug in a fast path")
 
-    def fast_status(self) -> dict[str, object]:
-        return {}
+    def fast_status(self) -> FastPaths:
+        return FastPaths()
 
 
 def daemon(tmp_path: Path, steps: dict[str, Any]) -> tuple[Daemon, io.StringIO]:

@@ -10,7 +10,7 @@ import io
 import json
 import time
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 import pytest
 
@@ -24,6 +24,7 @@ from gpuguard.host.offswitch import OFF_SWITCH, read_off_switch
 from gpuguard.host.paths import Root
 from gpuguard.journal.log import EventLog
 from gpuguard.reporting.status import read_status
+from gpuguard.reporting.status_figures import FastPaths
 from gpuguard.steps.checkpoint.report import simulation
 from gpuguard.steps.events import Event, EventKind
 from unit.test_check_flow import CHECKPOINT, FIXTURE, INVENTORY, tree
@@ -127,8 +128,8 @@ class Recording:
         self.ran.append("reload fast path")
         return None
 
-    def fast_status(self) -> Mapping[str, object]:
-        return {}
+    def fast_status(self) -> FastPaths:
+        return FastPaths()
 
     def on_new_scope(self, svc: Any, unit: str, gpus: Any, again: Any) -> None:
         self.ran.append("scope fast path")

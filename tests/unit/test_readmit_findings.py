@@ -256,8 +256,9 @@ def test_status_names_each_rejected_pod_and_the_condition_is_a_problem() -> None
     doc = {"steps": steps(readmit={"findings": [f.to_json() for f in found.findings]})}
     status = statusdoc.model(doc)
     summary = summarize(status, "", [])
-    assert summary["verdict"] == "problem"
-    assert [p["pod"] for p in summary["rejected_pods"]] == ["default/gpu-a", "default/gpu-b"]
+    s = summary.to_json()
+    assert s["verdict"] == "problem"
+    assert [p["pod"] for p in s["rejected_pods"]] == ["default/gpu-a", "default/gpu-b"]
     text = "\n".join(render(summary))
     assert f"  rejected: default/gpu-a ({UID_A}) by kubelet at its start: Unexpected" in text
     code, msg = evaluate(BY_NAME["gpu-pods"], status.steps, status.steps["readmit"].ended, 600)

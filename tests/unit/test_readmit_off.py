@@ -97,7 +97,7 @@ def test_status_and_the_npd_condition_are_never_ok_with_the_bridge_off() -> None
     assert code == PROBLEM and msg.startswith("the re-admission bridge is off on kubelet 1.26+")
     from gpuguard.reporting.summary import summarize
 
-    assert summarize(status, "", [])["verdict"] == "problem"
+    assert summarize(status, "", []).to_json()["verdict"] == "problem"
 
 
 def test_no_state_this_boot_for_a_kubelet_that_needs_it_is_not_ok(tmp_path: Path) -> None:

@@ -13,9 +13,15 @@ import pytest
 import statusdoc
 from gpuguard import cli
 from gpuguard.host.statefile import SchemaError
+from gpuguard.reporting.container_row import Access, ContainerRow
 from gpuguard.reporting.summary import render, summarize
 from unit.doctor_support import status_file
 from unit.test_npd import finding, steps
+
+
+def row(access: Access) -> ContainerRow:
+    """A GPU container read now, judged `access`."""
+    return ContainerRow("p", "c" * 64, None, "cgroupfs", "v1", "v1-rule", access)
 
 
 def change(kind: str, age: float, status: str = "done") -> dict[str, object]:
@@ -31,10 +37,11 @@ def test_summary_counts_repairs_of_the_last_hour_only(tmp_path: Path) -> None:
         change("plugin-restarted", 4000),
         change("restart-plugin", 10, status="declined"),
     ]
-    s = summarize(statusdoc.model(doc), "", [])
+    summary = summarize(statusdoc.model(doc), "", [])
+    s = summary.to_json()
     assert s["verdict"] == "ok" and s["repairs_last_hour"] == 3
     assert s["repairs_by_kind"] == {"cgroup-v1-allow": 2, "unit-device-allow": 1}
-    text = "\n".join(render(s))
+    text = "\n".join(render(summary))
     assert "repairs:    3 in the last hour (2 cgroup-v1-allow, 1 unit-device-allow)" in text
     assert text.startswith("node:       OK")
 
@@ -51,12 +58,13 @@ def test_problem_and_unknown_verdicts() -> None:
             "findings": [finding("gpu-count-mismatch")],
         },
     }
-    s = summarize(statusdoc.model(doc), "", [], now=now)
+    summary = summarize(statusdoc.model(doc), "", [], now=now)
+    s = summary.to_json()
     assert s["verdict"] == "problem" and s["problems"] == ["GPUCountMismatch: lost 1"]
-    assert "last pass:  3s ago (pass 7: periodic audit), 1 finding(s)" in render(s)
-    s = summarize(None, "no /run/gpuguard/status.json: gpuguard daemon not running", [])
+    assert "last pass:  3s ago (pass 7: periodic audit), 1 finding(s)" in render(summary)
+    s = summarize(None, "no /run/gpuguard/status.json: gpuguard daemon not running", []).to_json()
     assert s["verdict"] == "unknown" and s["last_pass"] is None
-    s = summarize(None, "no status", [{"access": "denied"}])
+    s = summarize(None, "no status", [row(access="denied")]).to_json()
     assert s["verdict"] == "problem"  # what the table sees now counts without the daemon
 
 
@@ -88,7 +96,8 @@ def test_the_last_reload_repair_is_summarised() -> None:
             "received": {},
         },
     }
-    s = summarize(statusdoc.model(doc), "", [])
+    summary = summarize(statusdoc.model(doc), "", [])
+    s = summary.to_json()
     want = {
         "observe": False,
         "containers": 200,
@@ -100,7 +109,7 @@ def test_the_last_reload_repair_is_summarised() -> None:
     assert (
         "last reload: 200 of 200 known GPU container(s) re-granted on the signal, the last "
         "55.4 ms after it (signal via private-socket)"
-    ) in render(s)
+    ) in render(summary)
     doc["fast_paths"] = {"reload": {"signal": 1.0, "restored": None, "containers": 0, "checked": 3}}
     assert "last reload: none of 3 known GPU container(s) had lost a device" in "\n".join(
         render(summarize(statusdoc.model(doc), "", []))
@@ -116,7 +125,7 @@ def test_the_last_reload_repair_is_summarised() -> None:
     assert "planned, not tried" in text
     del doc["mode"]
     doc["fast_paths"] = {}
-    assert summarize(statusdoc.model(doc), "", [])["last_reload"] is None
+    assert summarize(statusdoc.model(doc), "", []).to_json()["last_reload"] is None
     for broken in ({"reload": "x"}, {"reload": {"signal": "soon"}}, "x"):
         doc["fast_paths"] = broken
         with pytest.raises(SchemaError):  # the loader refuses the file: status unknown

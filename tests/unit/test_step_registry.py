@@ -19,6 +19,7 @@ from gpuguard.engine.passes import PassContext, Services, Work
 from gpuguard.host.notify import Notifier
 from gpuguard.host.paths import Root
 from gpuguard.journal.log import EventLog
+from gpuguard.reporting.status_figures import FastPaths
 from gpuguard.steps import registry
 from gpuguard.steps.events import Event, EventKind
 from gpuguard.steps.registry import STEP_ORDER, StepSpec, UnknownStepError, build_steps
@@ -198,8 +199,8 @@ class FastStep(Recorder):
         self.calls.append(f"reload {signal}")
         return signal + 0.5
 
-    def fast_status(self) -> dict[str, object]:
-        return {"new_scopes": {"calls": len(self.calls)}}
+    def fast_status(self) -> FastPaths:
+        return FastPaths(new_scopes={"calls": len(self.calls)})
 
     def on_new_scope(
         self, svc: Services, unit: str, gpus: Sequence[GpuLike], again: Callable[[str], None]

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from gpuguard import exitcodes
 from gpuguard.cli.args import config_or_fallback, inventory_path, nvml_lookup, root_from
+
+if TYPE_CHECKING:  # imported where used: status loads only what it prints
+    from gpuguard.host.paths import Root
+    from gpuguard.reporting.container_row import ContainerRow
+    from gpuguard.reporting.status import Status
 
 # `gpuguard status`: what admits a container's devices (ContainerCgroup.mechanism)
 MECHANISM_TEXT = {
@@ -35,19 +41,20 @@ def cmd_status(args: argparse.Namespace) -> int:
     from gpuguard.reporting.status import status_json
     from gpuguard.reporting.summary import node_summary, render
 
-    rows = container_status(root, cfg, inventory)
-    names = pod_names(root, (r["container_id"] for r in rows))
-    for r in rows:
-        r["pod"] = str(names[r["container_id"]]) if r["container_id"] in names else ""
+    read = container_status(root, cfg, inventory)
+    names = pod_names(root, (r.container_id for r in read))
+    rows = [
+        replace(r, pod=str(names[r.container_id])) if r.container_id in names else r for r in read
+    ]
     daemon = daemon_status(root)
     summary = node_summary(root, rows)
     off = read_off_switch(root)
     observe = cfg.daemon.observe or (daemon is not None and daemon.mode == "observe")
     if args.json:
-        doc: dict[str, Any] = {
-            "summary": summary,
+        doc = {
+            "summary": summary.to_json(),
             "daemon": status_json(daemon) if daemon is not None else None,
-            "containers": rows,
+            "containers": [r.to_json() for r in rows],
             "off_switch": off.to_json() if off is not None else None,
             "mode": "observe" if observe else "repair",
             "gpus_from": gpus_from,  # NVML's library and where it was found, or a file
@@ -73,22 +80,22 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"GPUs from:  {cut(gpus_from, 300)}")
         print(containers_line(root, rows, daemon))
         for r in rows:
-            what = r["access"] if r["access"] != "denied" else "DENIED " + ", ".join(r["denied"])
-            how = MECHANISM_TEXT.get(r["mechanism"], r["mechanism"])
-            pod = f"{r['pod']} ({r['pod_uid']})" if r["pod"] else r["pod_uid"]
+            what = r.access if r.access != "denied" else "DENIED " + ", ".join(r.denied)
+            how = MECHANISM_TEXT.get(r.mechanism, r.mechanism)
+            pod = f"{r.pod} ({r.pod_uid})" if r.pod else r.pod_uid
             print(
-                f"  pod {pod} {r['container_id'][:12]} {', '.join(r['nodes'])}: {what}"
-                f" ({r['layout']}, {how})"
+                f"  pod {pod} {r.container_id[:12]} {', '.join(r.nodes)}: {what}"
+                f" ({r.layout}, {how})"
             )
-            for p in r["problems"]:
+            for p in r.problems:
                 print(f"    {cut(p, 300)}")
     # 1: a problem now (the daemon's latest results or a container read now); an
     # unknown verdict is printed as UNKNOWN, never as OK, and is not a finding
-    bad = summary["verdict"] == "problem" or any(r["access"] != "ok" or r["missing"] for r in rows)
+    bad = summary.verdict == "problem" or any(r.access != "ok" or r.missing for r in rows)
     return exitcodes.FINDINGS if bad else exitcodes.OK
 
 
-def containers_line(root: Any, rows: list[dict[str, Any]], daemon: Any) -> str:
+def containers_line(root: Root, rows: Sequence[ContainerRow], daemon: Optional[Status]) -> str:
     """How many GPU containers were read now, and what that count leaves out: no NVIDIA
     driver registered (nothing could be judged, which is no "0"), or containers the
     daemon's latest step results name that this read did not list."""
@@ -98,7 +105,7 @@ def containers_line(root: Any, rows: list[dict[str, Any]], daemon: Any) -> str:
     if not rows and nvidia_majors(read_proc_devices(root)).nvidia is None:
         return "containers: not read now (no NVIDIA driver in /proc/devices)"
     line = f"containers: {len(rows)} with GPUs"
-    more = sorted(named_containers(daemon) - {r["container_id"] for r in rows})
+    more = sorted(named_containers(daemon) - {r.container_id for r in rows})
     if more:
         ids = ", ".join(c[:12] for c in more[:4]) + (" ..." if len(more) > 4 else "")
         line += (

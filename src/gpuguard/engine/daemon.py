@@ -18,7 +18,7 @@ import signal
 import time
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
 from gpuguard.config import Config, load_config
 from gpuguard.engine import report
@@ -52,6 +52,10 @@ from gpuguard.steps.registry import (
     check_names,
     woken_by,
 )
+
+if TYPE_CHECKING:  # made on the daemon's loop, imported there
+    from gpuguard.sources.transient import TransientWatch
+    from gpuguard.sources.udev import UdevSource
 
 PASS_STUCK_AFTER = 300.0  # a pass this old stops the watchdog pings: systemd restarts us
 
@@ -112,8 +116,8 @@ class Daemon:
         self.sd_source = sources.systemd if sources is not None else None
         if sources is not None:
             sources.sink.connect(self.on_event, self.coalescer.hold)
-        self.udev: Any = None
-        self.transient: Any = None  # sources/transient.py, once started
+        self.udev: Optional[UdevSource] = None  # sources/udev.py, once started
+        self.transient: Optional[TransientWatch] = None  # sources/transient.py, once started
         self.off_switch = OffSwitchGate(root, log)  # once seen, the daemon stops
 
     @property
@@ -218,7 +222,11 @@ class Daemon:
             thaw()
         return 0
 
-    def _start_udev(self, loop: asyncio.AbstractEventLoop, make: Callable[..., Any]) -> None:
+    def _start_udev(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        make: Callable[[asyncio.AbstractEventLoop], UdevSource],
+    ) -> None:
         try:
             self.udev = make(loop)
             self.udev.start()
@@ -226,7 +234,11 @@ class Daemon:
             self.udev = None
             self.log.warning(f"udev events unavailable ({e}); relying on systemd and the audit")
 
-    def _start_transient(self, loop: asyncio.AbstractEventLoop, make: Callable[..., Any]) -> None:
+    def _start_transient(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        make: Callable[[asyncio.AbstractEventLoop], Optional[TransientWatch]],
+    ) -> None:
         try:
             self.transient = make(loop)
         except OSError as e:  # no inotify (a full table of watches): the audit still runs

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
 from gpuguard.config import Config
 from gpuguard.devices.nodes import nvidia_majors, read_proc_devices
@@ -16,6 +16,7 @@ from gpuguard.host.inventory import Inventory
 from gpuguard.host.paths import Root
 from gpuguard.host.statefile import load
 from gpuguard.journal.log import EventLog
+from gpuguard.reporting.container_row import Access, ContainerRow
 from gpuguard.reporting.status import SPEC as STATUS_SPEC
 from gpuguard.reporting.status import Status
 from gpuguard.steps.registry import CHECK_ORDER, STEPS, build_steps
@@ -94,9 +95,7 @@ async def run_check_pass(
         sd.disconnect()
 
 
-def container_status(
-    root: Root, cfg: Config, inventory: Optional[Inventory]
-) -> list[dict[str, Any]]:
+def container_status(root: Root, cfg: Config, inventory: Optional[Inventory]) -> list[ContainerRow]:
     from gpuguard.steps.container_access.cgroups import Cgroups
     from gpuguard.steps.container_access.observe import AccessObserver
     from gpuguard.steps.container_access.reconcile import audit
@@ -121,50 +120,62 @@ def container_status(
     rows = []
     for c in view.containers:
         if c.container_id in view.broken:  # one bad container costs that container only
-            rows.append(_unreadable_row(c, view.broken[c.container_id]))
+            rows.append(_row(c, "unreadable", problems=(view.broken[c.container_id],)))
             continue
         ent = view.entitlements.get(c.key)
         if ent is None or not ent.is_gpu_container:
             continue
-        denied = [
+        denied = tuple(
             n.path for n in ent.nodes if view.access.get((c.container_id, n.numbers)) is False
-        ]
-        unknown = [
+        )
+        unknown = tuple(
             n.path for n in ent.nodes if view.access.get((c.container_id, n.numbers)) is None
-        ]
-        problems = [f.summary for f in findings if f.fields.get("CONTAINER_ID") == c.container_id]
+        )
+        problems = tuple(
+            f.summary for f in findings if f.fields.get("CONTAINER_ID") == c.container_id
+        )
         rows.append(
-            _container_row(
+            _row(
                 c,
-                nodes=[n.path for n in ent.nodes],
-                missing=[n.path for n in ent.missing],
-                stale=[f"{n.path} {n.numbers}" for n, _ in ent.stale],
+                "denied" if denied else ("unknown" if unknown else "ok"),
+                nodes=tuple(n.path for n in ent.nodes),
+                missing=tuple(n.path for n in ent.missing),
+                stale=tuple(f"{n.path} {n.numbers}" for n, _ in ent.stale),
                 denied=denied,
                 unknown=unknown,
-                access="denied" if denied else ("unknown" if unknown else "ok"),
                 problems=problems,
             )
         )
     return rows
 
 
-def _unreadable_row(c: ContainerCgroup, why: str) -> dict[str, Any]:
-    return _container_row(c, access="unreadable", problems=[why])
-
-
-def _container_row(c: ContainerCgroup, **judged: Any) -> dict[str, Any]:
+def _row(
+    c: ContainerCgroup,
+    access: Access,
+    *,
+    nodes: tuple[str, ...] = (),
+    missing: tuple[str, ...] = (),
+    stale: Optional[tuple[str, ...]] = None,
+    denied: tuple[str, ...] = (),
+    unknown: tuple[str, ...] = (),
+    problems: tuple[str, ...] = (),
+) -> ContainerRow:
     """One container's row: who it is, then what was found (nothing, unless given)."""
-    empty: dict[str, Any] = {"nodes": [], "missing": [], "denied": [], "unknown": []}
-    return {
-        "pod_uid": c.pod_uid,
-        "container_id": c.container_id,
-        "unit": c.unit,
-        "driver": c.driver,
-        "layout": c.layout,
-        "mechanism": c.mechanism,
-        **empty,
-        **judged,
-    }
+    return ContainerRow(
+        pod_uid=c.pod_uid,
+        container_id=c.container_id,
+        unit=c.unit,
+        driver=c.driver,
+        layout=c.layout,
+        mechanism=c.mechanism,
+        access=access,
+        nodes=nodes,
+        missing=missing,
+        stale=stale,
+        denied=denied,
+        unknown=unknown,
+        problems=problems,
+    )
 
 
 def daemon_status(root: Root) -> Optional[Status]:

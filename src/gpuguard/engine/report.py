@@ -79,10 +79,10 @@ def daemon_status(d: Reporting) -> Status:
     """The status file's model as of now."""
     from gpuguard.reporting.npd import judge_conditions
 
-    fast_status: dict[str, object] = {}
+    fast_paths = FastPaths()
     for step in d.steps.values():
         if isinstance(step, ReloadFastPath):
-            fast_status.update(step.fast_status())
+            fast_paths = fast_paths.merged(step.fast_status())
     steps = dict(d.ledger.steps)
     node, conditions = judge_conditions(steps, time.time())
     return Status(
@@ -94,7 +94,7 @@ def daemon_status(d: Reporting) -> Status:
         reload_signal=reload_signal(d.sd_source),
         first_pass=d.first_pass,
         last_pass=d.last_pass,
-        fast_paths=FastPaths.parse(fast_status, "fast_paths"),
+        fast_paths=fast_paths,
         steps=steps,
         recent_changes=d.ledger.recent_changes(),
         node=node,

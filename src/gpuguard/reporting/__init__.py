@@ -17,6 +17,9 @@ Modules (docs/architecture.md has the map of the packages):
   per condition, its mode and the off switch it saw; the reload signal's and fast paths'
   figures in `status_figures.py`): written by the daemon, read by `status`, `npd`, the
   metrics and `doctor` through `read_status`
+- `container_row.py`, `summary.py`: `gpuguard status`'s rows and node summary as frozen
+  dataclasses (`ContainerRow`, `NodeSummary`), JSON only in their `to_json()`; the fast
+  paths hand the daemon a typed `FastPaths` (`status_figures.py`), never a dict
 
 The status file, /run/gpuguard/status.json: the daemon's last passes and each step's
 latest result with what it could not see, its verdict per node condition (`node`,

@@ -5,7 +5,7 @@ through the same typed loader."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 from gpuguard.host.statefile import Obj, SchemaError, number
 
@@ -59,6 +59,27 @@ def _figure(v: Any, where: str) -> Figure:
     return number(v, where)
 
 
+FigureIn = Union[int, float, Sequence[float]]
+
+
+def figures(values: Mapping[str, FigureIn]) -> dict[str, Figure]:
+    """A fast path's figures as the status file's loader reads them back (`_figure`): a
+    count kept an integer, a figure a float, a few (p50, p99) a tuple of floats; so
+    the daemon's own model is the one `gpuguard status` reads from its file."""
+    out: dict[str, Figure] = {}
+    for k, v in values.items():
+        if isinstance(v, (int, float)):
+            count = isinstance(v, int) and not isinstance(v, bool) and abs(v) <= COUNT_MAX
+            out[k] = v if count else float(v)
+        else:
+            out[k] = tuple(float(x) for x in v)
+    return out
+
+
+def _real(v: Optional[float]) -> Optional[float]:
+    return None if v is None else float(v)
+
+
 @dataclass(frozen=True)
 class ReloadFigures:
     """The reload fast path's last repair (container_access durable.ReloadRepair)."""
@@ -71,6 +92,30 @@ class ReloadFigures:
     cpu_ms: Optional[float] = None
     cpu_wait_ms: Optional[float] = None
     restored: Optional[float] = None
+
+    @classmethod
+    def of(
+        cls,
+        signal: float,
+        containers: int,
+        checked: int,
+        first_write: Optional[float] = None,
+        last_write: Optional[float] = None,
+        cpu_ms: Optional[float] = None,
+        cpu_wait_ms: Optional[float] = None,
+        restored: Optional[float] = None,
+    ) -> ReloadFigures:
+        """From the fast path's own figures, as the loader reads them (reals as floats)."""
+        return cls(
+            float(signal),
+            containers,
+            checked,
+            _real(first_write),
+            _real(last_write),
+            _real(cpu_ms),
+            _real(cpu_wait_ms),
+            _real(restored),
+        )
 
     @classmethod
     def parse(cls, v: Any, where: str) -> ReloadFigures:
@@ -119,6 +164,15 @@ class FastPaths:
             new_scopes=o.mapping("new_scopes", _figure, max_items=32, default={}),
             scope_resets=o.mapping("scope_resets", _figure, max_items=32, default={}),
             device_watch=o.mapping("device_watch", _figure, max_items=32, default={}),
+        )
+
+    def merged(self, other: FastPaths) -> FastPaths:
+        """`other`'s figures over these, where it has them (one step has fast paths)."""
+        return FastPaths(
+            reload=other.reload if other.reload is not None else self.reload,
+            new_scopes=other.new_scopes or self.new_scopes,
+            scope_resets=other.scope_resets or self.scope_resets,
+            device_watch=other.device_watch or self.device_watch,
         )
 
     def to_json(self) -> dict[str, Any]:

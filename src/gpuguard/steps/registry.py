@@ -31,6 +31,7 @@ from gpuguard.steps.events import EventKind as E
 if TYPE_CHECKING:
     from gpuguard.devices.nodes import GpuLike
     from gpuguard.engine.passes import PassContext, Services
+    from gpuguard.reporting.status_figures import FastPaths
 
 CONTAINER_ACCESS = "container_access"
 DEVICE_NODES = "device_nodes"
@@ -58,7 +59,7 @@ class ReloadFastPath(Protocol):
 
     def on_reload(self, svc: Services, signal: float) -> Optional[float]: ...
 
-    def fast_status(self) -> Mapping[str, object]: ...
+    def fast_status(self) -> FastPaths: ...
 
 
 @runtime_checkable

@@ -50,7 +50,7 @@ Modules (docs/architecture.md has the map of the packages):
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from gpuguard.steps.container_access.durable import plan_durable
 from gpuguard.steps.container_access.fastpaths import on_reload
@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from gpuguard.actuate.containers import ContainerStopper
     from gpuguard.devices.nodes import GpuLike
     from gpuguard.engine.passes import PassContext, Services
+    from gpuguard.reporting.status_figures import FastPaths
 
 NAME = CONTAINER_ACCESS
 __all__ = ["NAME", "ContainerAccessStep", "plan_durable"]
@@ -104,13 +105,14 @@ class ContainerAccessStep:
         """Each runtime reset repaired since the last call, in seconds (the metrics)."""
         return self.state.resets.take() + self.state.watch.take()
 
-    def fast_status(self) -> Mapping[str, object]:
+    def fast_status(self) -> FastPaths:
         """The fast paths' last figures, for the status file (and bench/)."""
-        out: dict[str, object] = {
-            "new_scopes": self.state.scopes.status(),
-            "scope_resets": self.state.resets.status(),
-            "device_watch": self.state.watch.status(),
-        }
-        if self.state.last_reload is not None:
-            out["reload"] = self.state.last_reload.to_json()
-        return out
+        from gpuguard.reporting.status_figures import FastPaths, figures
+
+        last = self.state.last_reload
+        return FastPaths(
+            reload=last.figures() if last is not None else None,
+            new_scopes=figures(self.state.scopes.status()),
+            scope_resets=figures(self.state.resets.status()),
+            device_watch=figures(self.state.watch.status()),
+        )

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence, Union
 
 from gpuguard.steps.container_access.durable import NAME
 from gpuguard.steps.container_access.newscope import p50_p99
@@ -163,9 +163,9 @@ class DeviceWatch:
         self._fresh.clear()
         return out
 
-    def status(self) -> dict[str, object]:
+    def status(self) -> dict[str, Union[int, list[float]]]:
         """Ticks, changes seen, repairs made, and p50/p99 of tick -> read back (ms)."""
-        out: dict[str, object] = {
+        out: dict[str, Union[int, list[float]]] = {
             "watched": len(self._last),
             "changes": self.changes,
             "repaired": self.repaired,

@@ -13,13 +13,16 @@ layout's read says which they are (`AccessView.unconfined`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import AbstractSet, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, AbstractSet, Mapping, Optional, Sequence
 
 from gpuguard.model import Action
 from gpuguard.steps.container_access.actions import UnitDropInRemove, V2ProgramReplace
 from gpuguard.steps.container_access.reconcile import UnitDeviceAllow
 from gpuguard.steps.container_access.view import AccessView
 from gpuguard.steps.registry import CONTAINER_ACCESS
+
+if TYPE_CHECKING:
+    from gpuguard.reporting.status_figures import ReloadFigures
 
 NAME = CONTAINER_ACCESS
 
@@ -121,6 +124,21 @@ class ReloadRepair:
     cpu_ms: Optional[float] = None
     cpu_wait_ms: Optional[float] = None
     restored: Optional[float] = None  # the last write that was done (not failed)
+
+    def figures(self) -> ReloadFigures:
+        """For the status file (reporting/status_figures.py)."""
+        from gpuguard.reporting.status_figures import ReloadFigures
+
+        return ReloadFigures.of(
+            signal=self.signal,
+            containers=self.containers,
+            checked=self.checked,
+            first_write=self.first_write,
+            last_write=self.last_write,
+            cpu_ms=self.cpu_ms,
+            cpu_wait_ms=self.cpu_wait_ms,
+            restored=self.restored,
+        )
 
     def to_json(self) -> dict[str, object]:
         return {

@@ -23,7 +23,16 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AbstractSet, Awaitable, Callable, Mapping, Optional, Sequence
+from typing import (
+    TYPE_CHECKING,
+    AbstractSet,
+    Awaitable,
+    Callable,
+    Mapping,
+    Optional,
+    Sequence,
+    Union,
+)
 
 from gpuguard.devices.containers import (
     CgroupLayout,
@@ -219,13 +228,13 @@ class NewScopes:
         if self.queue.add(unit):
             self._announced[unit] = time.monotonic()
 
-    def status(self) -> dict[str, object]:
+    def status(self) -> dict[str, Union[int, list[float]]]:
         """Counts, and where a grant's time went (p50, p99 in ms after systemd announced
         the scope): to its first try (the queue), to a ready read, to the grant; and the
         grant's call alone (`call_ms`: sent -> systemd's reply, what a burst of starts
         makes systemd keep it waiting)."""
         q = self.queue
-        out: dict[str, object] = {
+        out: dict[str, Union[int, list[float]]] = {
             "handled": q.handled,
             "granted": self.granted,
             "waiting": len(q.busy()),

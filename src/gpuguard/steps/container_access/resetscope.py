@@ -22,7 +22,16 @@ import asyncio
 import os
 import time
 from collections import deque
-from typing import TYPE_CHECKING, AbstractSet, Awaitable, Callable, Mapping, Optional, Sequence
+from typing import (
+    TYPE_CHECKING,
+    AbstractSet,
+    Awaitable,
+    Callable,
+    Mapping,
+    Optional,
+    Sequence,
+    Union,
+)
 
 from gpuguard.actuate.dropins import DropInError, dropin_path
 from gpuguard.devices.scopepolicy import ScopeDevices, scope_devices
@@ -155,9 +164,9 @@ class ScopeResets:
         self._fresh.clear()
         return out
 
-    def status(self) -> dict[str, object]:
+    def status(self) -> dict[str, Union[int, list[float]]]:
         """Repairs made, and p50/p99 of event -> systemd's reply (ms)."""
-        out: dict[str, object] = {"repaired": self.repaired}
+        out: dict[str, Union[int, list[float]]] = {"repaired": self.repaired}
         figures = p50_p99(self._timings)
         if figures:
             out["repair_ms"] = figures
