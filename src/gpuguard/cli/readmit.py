@@ -20,10 +20,12 @@ def cmd_readmit(args: argparse.Namespace) -> int:
     from gpuguard.host.offswitch import read_off_switch
     from gpuguard.host.statefile import load
     from gpuguard.readmit import Inputs, Readmit
+    from gpuguard.readmit.apipods import reader
     from gpuguard.readmit.observe import (
         CACHE,
         CACHE_FILE,
         kubelet_version,
+        other_sockets,
         present_ids,
         read_cached,
         unit_executable,
@@ -31,6 +33,7 @@ def cmd_readmit(args: argparse.Namespace) -> int:
     from gpuguard.readmit.rejected import Rejection, RejectionWatch
     from gpuguard.readmit.serve import Bridge
     from gpuguard.readmit.state import SPEC, STATE_FILE, ReadmitState, Recorder, RejectedPod
+    from gpuguard.readmit.withdraw import Withdrawal, allocate_refused, read_list
 
     root = _root(args)
     notifier = Notifier()
@@ -99,7 +102,7 @@ def cmd_readmit(args: argparse.Namespace) -> int:
                 level="debug",
             )
 
-        bridge = Bridge(plugins_dir, streamed)
+        bridge = Bridge(plugins_dir, streamed, lambda r, i: allocate_refused(elog, r, i))
     except ImportError:  # a Recommends of the package, not a Depends
         elog.event(
             "readmit-off",
@@ -122,8 +125,18 @@ def cmd_readmit(args: argparse.Namespace) -> int:
     if load(root.path(STATE_FILE), SPEC).absent:  # the daemon then knows the bridge is on
         write(ReadmitState("", 0.0, "waiting", "waiting for kubelet's start"))
     watch = RejectionWatch(kubelet_unit, named, recorder.admitted)
-    readmit = Readmit(root, elog, read_inputs, bridge, watch, recorder)
+    api = reader(root, lambda: readmit.inputs.cfg)
+    withdrawal = Withdrawal(
+        plugins_dir,
+        elog,
+        bridge.withdraw,
+        lambda: other_sockets(plugins_dir),
+        lambda: read_list(plugins_dir),
+    )
+    readmit = Readmit(root, elog, read_inputs, bridge, watch, recorder, api, withdrawal)
     notifier.ready("waiting for kubelet")
     readmit.run(lambda: bool(stopping))
+    withdrawal.cancel()
+    api.stop()
     bridge.stop()
     return 0

@@ -27,7 +27,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from gpuguard.checkpoint.reader import load as load_checkpoint
 from gpuguard.config.schema import Config
@@ -41,6 +41,10 @@ from gpuguard.readmit.rejected import WATCH_SECONDS, RejectionWatch
 from gpuguard.readmit.serve import Bridge, endpoint
 from gpuguard.readmit.state import Recorder
 from gpuguard.readmit.watch import DirWatch
+
+if TYPE_CHECKING:  # the bridge's (cli/readmit.py); the daemon imports this package too
+    from gpuguard.readmit.apipods import NodePods
+    from gpuguard.readmit.withdraw import Withdrawal
 
 POLL = 1.0  # seconds at most between looks for a new kubelet.sock (inotify wakes it)
 REFRESH = 60.0  # configuration and inventory read again this often while idle
@@ -68,6 +72,8 @@ class Readmit:
         bridge: Bridge,
         rejected: Optional[RejectionWatch] = None,
         recorder: Optional[Recorder] = None,
+        api: Optional[NodePods] = None,
+        withdrawal: Optional[Withdrawal] = None,
     ) -> None:
         self.root = root
         self.elog = elog
@@ -78,15 +84,20 @@ class Readmit:
         # what the daemon reads (readmit/state.py); a stand-in that writes nothing
         self.recorder = recorder if recorder is not None else Recorder(lambda _s: None)
         self.plugins_dir = root.path(Path(self.inputs.cfg.kubelet.checkpoint_path).parent)
-        # the decision made ahead, for the checkpoint as it was then (its identity)
-        self.ahead: Optional[tuple[tuple[int, int, int], float, Decision]] = None
+        self.api = api  # the API server's pods of this node (readmit/apipods.py)
+        self.withdrawal = withdrawal  # after the re-admissions (readmit/withdraw.py)
+        # the decision made ahead, for the checkpoint and the API server's answer as
+        # they were then (their identities)
+        self.ahead: Optional[tuple[tuple[int, int, int, float], float, Decision]] = None
 
-    def checkpoint_key(self) -> tuple[int, int, int]:
+    def checkpoint_key(self) -> tuple[int, int, int, float]:
+        """The checkpoint's identity, and that of the API server's latest answer."""
+        at = self.api.view().at if self.api is not None else 0.0
         try:
             st = os.stat(self.root.path(self.inputs.cfg.kubelet.checkpoint_path))
         except OSError:
-            return (0, 0, 0)
-        return st.st_ino, st.st_mtime_ns, st.st_size
+            return (0, 0, 0, at)
+        return st.st_ino, st.st_mtime_ns, st.st_size, at
 
     def prepare(self) -> None:
         """Decide ahead of kubelet's start, so that its start costs a stat and the
@@ -152,7 +163,11 @@ class Readmit:
             return Decision((), f"kubelet's checkpoint not usable: {loaded.problem}")
         entries = loaded.checkpoint.entries or ()
         alive = alive_pods(self.root)
-        return decide(entries, cfg.kubelet.resources, self.inputs.present, alive)
+        api = self.api.view() if self.api is not None else None
+        d = decide(entries, cfg.kubelet.resources, self.inputs.present, alive, api)
+        if self.api is not None and (d.offers or d.left_out):  # read while pods wait
+            self.api.want()
+        return d
 
     def on_kubelet_start(self) -> None:
         t0 = time.monotonic()
@@ -164,14 +179,19 @@ class Readmit:
         )
         if self.rejected is not None:  # the pods kubelet rejects now, named (any mode)
             self.rejected.start(time.time() - 5)
+        if self.withdrawal is not None:  # the previous kubelet's: never sent now
+            self.withdrawal.cancel()
         off = read_off_switch(self.root)
         if off is not None:
             self.elog.event("readmit-skip", f"gpuguard is off ({off.describe()}): no offer")
             rec.decided("off", f"gpuguard is off ({off.describe()})")
             return
         d = self.decided()
+        left = d.left_out_text()
         if not d.offers:
-            self.elog.event("readmit-skip", f"kubelet started: no offer: {d.why}")
+            self.elog.event(
+                "readmit-skip", f"kubelet started: no offer: {d.why}{f' ({left})' if left else ''}"
+            )
             rec.decided("skip", d.why)
             return
         plugins = other_sockets(self.plugins_dir)
@@ -181,12 +201,23 @@ class Readmit:
             rec.decided("skip", why)
             return
         rec.decided("observe" if self.inputs.cfg.daemon.observe else "offered", d.why)
+        if d.unread:
+            self.elog.event(
+                "readmit-api-unread",
+                f"the API server's pods of this node could not be read ({d.unread[:200]}): "
+                "every checkpointed GPU pod is offered, a pod deleted while the node was "
+                "down too, until the bridge withdraws its devices",
+                level="warning",
+                fields={"PROBLEM": d.unread},
+            )
+        registered = []
         for o in d.offers:
             fields = {
                 "RESOURCE": o.resource,
                 "DEVICES": ",".join(o.healthy),
                 "ABSENT": ",".join(o.absent),
                 "PODS": ",".join(o.pods),
+                "LEFT_OUT": ",".join(x.pod_uid for x in o.left_out),
                 "ENDPOINT": endpoint(o.resource),
             }
             what = f"{len(o.healthy)} {o.resource} devices held by {len(o.pods)} pods"
@@ -208,10 +239,12 @@ class Readmit:
                 continue
             ms = (time.monotonic() - t0) * 1000
             rec.registered(o.resource, o.healthy, time.time())
+            registered.append(o)
             self.elog.event(
                 "readmit-offered",
                 f"kubelet started: reported {what} healthy for their re-admission "
-                f"({d.why}; {ms:.0f} ms after kubelet.sock appeared)",
+                f"({d.why}; {ms:.0f} ms after kubelet.sock appeared)"
+                + (f"; left out: {left}" if left else ""),
                 fields={**fields, "LATENCY_MS": f"{ms:.1f}"},
             )
             # A plugin's socket exists before kubelet handles its registration: none now
@@ -230,3 +263,5 @@ class Readmit:
                     level="warning",
                     fields={**fields, "PLUGINS": ",".join(raced)},
                 )
+        if registered and self.withdrawal is not None:
+            self.withdrawal.start(registered, started)
