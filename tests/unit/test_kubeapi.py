@@ -105,6 +105,9 @@ def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             self._seen()
             if srv.delay:
                 time.sleep(srv.delay)
+            if self.path.startswith("/api/v1/nodes/"):
+                found = self.path == f"/api/v1/nodes/{NODE}"
+                return self._answer(200 if found else 404, {"kind": "Node" if found else "Status"})
             if srv.status != 200:
                 return self._answer(srv.status, {"kind": "Status", "message": "pods is forbidden"})
             q = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
@@ -277,3 +280,39 @@ def test_a_kubeconfig_it_cannot_use_is_one_line_with_the_path(text: str, why: st
         parse_kubeconfig(text, "/etc/kubernetes/kubelet.conf")
     assert why in e.value.message and e.value.message.startswith("/etc/kubernetes/kubelet.conf:")
     assert "\n" not in e.value.message
+
+
+def test_the_bridges_reader_standalone_read_and_a_wrong_node_name(
+    api: Server, tmp_path: Path
+) -> None:
+    """readmit/apipods.py's one read: no kubeconfig is a kubelet without an API server;
+    a node name not from the identity must be a Node (a wrong one would list no pod,
+    and every pod would be taken as deleted)."""
+    from gpuguard.config import load_config
+    from gpuguard.host.paths import Root
+    from gpuguard.readmit.apipods import Reader
+    from gpuguard.readmit.plan import READ, STANDALONE, UNREAD
+
+    root = Root(tmp_path)
+    (tmp_path / "etc/gpuguard").mkdir(parents=True)
+    conf = tmp_path / "etc/gpuguard/gpuguard.conf"
+    conf.write_text("")
+    read = Reader(root, lambda: load_config(root))
+    view = read()
+    assert view.source == STANDALONE and "/etc/kubernetes/kubelet.conf" in view.detail
+    (tmp_path / "etc/kubernetes").mkdir()
+    insecure = {"server": api.url, "insecure-skip-tls-verify": True}
+    kubeconfig(tmp_path / "etc/kubernetes/kubelet.conf", insecure, {"token": "t"})
+    api.pods[:] = [pod("uid-a", "a")]
+    view = read()
+    assert (view.source, view.node, [p.uid for p in view.pods]) == (READ, NODE, ["uid-a"])
+    api.user = "system:serviceaccount:x:y"
+    try:
+        conf.write_text("[Kubelet]\nNodeName=not-this-node\n")
+        read = Reader(root, lambda: load_config(root))
+        view = read()
+        assert view.source == UNREAD and "no Node 'not-this-node'" in view.detail
+        conf.write_text(f"[Kubelet]\nNodeName={NODE}\n")
+        assert read().source == READ
+    finally:
+        api.user = f"system:node:{NODE}"

@@ -45,6 +45,7 @@ MAX_ANSWER = 32 << 20  # bytes: a node's pods (110 by default, 250 at most) fit 
 TIMEOUT = 2.0  # seconds for a whole call: connect, TLS, request, answer
 MIRROR = "kubernetes.io/config.mirror"  # a mirror pod's annotation: its static pod's UID
 NODE_USER = "system:node:"
+IDENTITY = "the API server's identity"  # node_name()'s ``how`` when the server said it
 
 
 class KubeApiError(Exception):
@@ -342,6 +343,17 @@ class Client:
             raise KubeApiError("POST selfsubjectreviews: the answer names no user")
         return name
 
+    def node_exists(self, node: str) -> bool:
+        """Whether the API server has a Node ``node`` (a node may read its own).
+        KubeApiError on any answer but the Node or 404."""
+        try:
+            self.call("GET", f"/api/v1/nodes/{urllib.parse.quote(node, safe='')}")
+        except KubeApiError as e:
+            if e.status == 404:
+                return False
+            raise
+        return True
+
     def node_pods(self, node: str) -> tuple[ApiPod, ...]:
         """The pods bound to ``node``, every namespace."""
         query = urllib.parse.urlencode({"fieldSelector": f"spec.nodeName={node}"})
@@ -399,7 +411,7 @@ def node_name(client: Client, configured: Optional[str]) -> tuple[str, str]:
     try:
         user = client.user()
         if user.startswith(NODE_USER) and len(user) > len(NODE_USER):
-            return user[len(NODE_USER) :], "the API server's identity"
+            return user[len(NODE_USER) :], IDENTITY
         why = f"user {cut(user)!r} is not a node's"
     except KubeApiError as e:
         why = str(e)

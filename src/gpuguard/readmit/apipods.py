@@ -23,7 +23,7 @@ from typing import Callable, Optional
 from gpuguard.config.schema import Config
 from gpuguard.errors import GpuguardError
 from gpuguard.host.echo import cut
-from gpuguard.host.kubeapi import Client, KubeApiError, load_kubeconfig, node_name
+from gpuguard.host.kubeapi import IDENTITY, Client, KubeApiError, load_kubeconfig, node_name
 from gpuguard.host.paths import Root
 from gpuguard.readmit.plan import READ, STANDALONE, UNREAD, ApiView
 
@@ -70,7 +70,12 @@ class NodePods:
     def _run(self) -> None:
         while not self.stopping:
             if time.monotonic() < self.wanted_until:
-                v = self.read_once()
+                try:
+                    v = self.read_once()
+                except Exception as e:  # a bug: said, and decided as without an answer
+                    v = ApiView(
+                        UNREAD, detail=cut(f"reading failed: {e!r}", 300), at=time.monotonic()
+                    )
                 with self.lock:
                     if v.source == UNREAD:
                         self.failed = v
@@ -106,15 +111,23 @@ class Reader:
             return ApiView(UNREAD, detail=cut(e.message, 300), at=at)
         try:
             client = Client(cfg)
-            if self.node is None or self.node[0] != kc.kubeconfig:
+            known = self.node if self.node is not None and self.node[0] == kc.kubeconfig else None
+            if known is None:
                 name, how = node_name(client, kc.node_name)
-                self.node = (kc.kubeconfig, name, how)
-            node = self.node[1]
-            pods = client.node_pods(node)
+                # a name not from the identity must be a Node: a wrong one lists no pod,
+                # and every pod would be taken as deleted
+                if how != IDENTITY and not client.node_exists(name):
+                    why = f"no Node {name!r} in the API server (its name from {how})"
+                    return ApiView(
+                        UNREAD, detail=cut(f"{why}: set [Kubelet] NodeName=", 300), at=at
+                    )
+                known = (kc.kubeconfig, name, how)
+            pods = client.node_pods(known[1])
         except (KubeApiError, GpuguardError, OSError, ValueError) as e:  # ssl.SSLError: OSError
             return ApiView(UNREAD, detail=cut(f"{cfg.server}: {e}", 300), at=at)
-        how = f"{len(pods)} pods bound to node {node} ({self.node[2]}) on {cfg.server}"
-        return ApiView(READ, pods, node, cut(how, 300), at)
+        self.node = known  # kept once an answer came with it
+        how = f"{len(pods)} pods bound to node {known[1]} ({known[2]}) on {cfg.server}"
+        return ApiView(READ, pods, known[1], cut(how, 300), at)
 
 
 def reader(root: Root, config: Callable[[], Config]) -> NodePods:

@@ -134,6 +134,9 @@ class Withdrawal:
         self.clock = clock
         self.stop_event: Optional[threading.Event] = None
         self.thread: Optional[threading.Thread] = None
+        # held from the last look to the send, and by cancel(): once cancel() returns,
+        # the previous kubelet's withdrawal never reaches the next registration
+        self.sending = threading.Lock()
 
     def start(self, offers: Sequence[Offer], started: float) -> None:
         """For the offers registered at the kubelet start at Unix time ``started``."""
@@ -146,8 +149,9 @@ class Withdrawal:
         self.thread.start()
 
     def cancel(self) -> None:
-        if self.stop_event is not None:
-            self.stop_event.set()
+        with self.sending:
+            if self.stop_event is not None:
+                self.stop_event.set()
 
     def run(self, offers: tuple[Offer, ...], started: float, stop: threading.Event) -> Outcome:
         before: Optional[tuple[str, ...]] = None
@@ -159,10 +163,13 @@ class Withdrawal:
             if step == HANDED_OVER:
                 return self._handed_over(offers, socks, elapsed)
             if step == WITHDRAW:
-                late = self.sockets()  # the moment of sending
-                if late:
-                    return self._handed_over(offers, late, elapsed)
-                return self._withdrawn(offers, waiting, elapsed)
+                with self.sending:
+                    if stop.is_set():  # another kubelet start: its own decision
+                        return Outcome("", waiting, (), elapsed)
+                    late = self.sockets()  # the moment of sending
+                    if late:
+                        return self._handed_over(offers, late, elapsed)
+                    return self._withdrawn(offers, waiting, elapsed)
             before = waiting
             if stop.wait(POLL):
                 return Outcome("", waiting, (), elapsed)
