@@ -110,11 +110,17 @@ def _bad(path: str, what: str) -> BadInputError:
     )
 
 
+def _items(doc: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    """The mappings of list ``key`` (anything else: none)."""
+    v = doc.get(key)
+    return [i for i in v if isinstance(i, dict)] if isinstance(v, list) else []
+
+
 def _named(doc: dict[str, Any], key: str, name: str) -> Optional[dict[str, Any]]:
     """The ``contexts``/``clusters``/``users`` item called ``name``: its inner mapping."""
     inner = {"contexts": "context", "clusters": "cluster", "users": "user"}[key]
-    for item in doc.get(key) or ():
-        if isinstance(item, dict) and item.get("name") == name:
+    for item in _items(doc, key):
+        if item.get("name") == name:
             found = item.get(inner)
             return found if isinstance(found, dict) else None
     return None
@@ -156,7 +162,7 @@ def parse_kubeconfig(text: str, path: str) -> KubeConfig:
     if not isinstance(doc, dict):
         raise _bad(path, "is not a kubeconfig (no mapping)")
     current = doc.get("current-context")
-    contexts = [c for c in doc.get("contexts") or () if isinstance(c, dict)]
+    contexts = _items(doc, "contexts")
     if not current and len(contexts) == 1:
         current = contexts[0].get("name")
     if not isinstance(current, str) or not current:
@@ -384,9 +390,10 @@ def parse_pods(answer: Any) -> tuple[ApiPod, ...]:
         uid = _s(_get(meta, "uid"), 64)
         if not uid:
             continue
+        refs = _get(meta, "ownerReferences")
         owners = tuple(
             OwnerRef(_s(_get(o, "kind"), 64), _s(_get(o, "name")), _s(_get(o, "uid"), 64))
-            for o in (_get(meta, "ownerReferences") or ())[:16]
+            for o in (refs if isinstance(refs, list) else [])[:16]
             if isinstance(o, dict)
         )
         rows.append(
