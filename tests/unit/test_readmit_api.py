@@ -420,3 +420,35 @@ def test_allocate_is_refused_with_a_reason_and_journaled(grpc_dir: Path) -> None
 
 def allocate_entries() -> list[dict[str, Any]]:
     return journal(lambda elog: wd.allocate_refused(elog, "nvidia.com/gpu", ("GPU-b",)))
+
+
+def test_the_readers_view_fresh_stale_and_failed() -> None:
+    """readmit/apipods.py: the latest good answer while fresh; a failure after it does
+    not hide it; an old one is not used (UNREAD); the first read starts at want()."""
+    import time
+
+    from gpuguard.readmit import apipods
+
+    asked = threading.Event()
+
+    def read_once() -> ApiView:
+        asked.set()
+        return ApiView(READ, API.pods, "gpu-node", "4 pods", time.monotonic())
+
+    r = apipods.NodePods(read_once)
+    assert r.view().source == UNREAD and r.view().detail == "no answer yet"
+    r.want()
+    try:
+        assert asked.wait(30)
+    finally:
+        r.stop()
+        assert r.thread is not None
+        r.thread.join(30)
+    assert r.view().node == "gpu-node"  # the thread's answer
+    r.good = ApiView(READ, at=time.monotonic())
+    r.failed = None
+    assert r.view().source == READ
+    r.good = ApiView(READ, at=time.monotonic() - apipods.STALE - 1)
+    assert r.view().source == UNREAD and "old" in r.view().detail
+    r.failed = ApiView(UNREAD, detail="HTTP 403: pods is forbidden", at=time.monotonic())
+    assert r.view().detail == "HTTP 403: pods is forbidden"
