@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
+from gpuguard.checkpoint.model import PodDevicesEntry
 from gpuguard.checkpoint.reader import load as load_checkpoint
 from gpuguard.config.schema import Config
 from gpuguard.errors import GpuguardError
@@ -86,18 +87,18 @@ class Readmit:
         self.plugins_dir = root.path(Path(self.inputs.cfg.kubelet.checkpoint_path).parent)
         self.api = api  # the API server's pods of this node (readmit/apipods.py)
         self.withdrawal = withdrawal  # after the re-admissions (readmit/withdraw.py)
-        # the decision made ahead, for the checkpoint and the API server's answer as
-        # they were then (their identities)
-        self.ahead: Optional[tuple[tuple[int, int, int, float], float, Decision]] = None
+        # the decision made ahead, for the checkpoint as it was then (its identity)
+        self.ahead: Optional[tuple[tuple[int, int, int], float, Decision]] = None
+        # what that decision was made of: a new answer of the API server is decided
+        # again from them at kubelet's start, with no read (decide is pure)
+        self.made_of: Optional[tuple[tuple[PodDevicesEntry, ...], frozenset[str], object]] = None
 
-    def checkpoint_key(self) -> tuple[int, int, int, float]:
-        """The checkpoint's identity, and that of the API server's latest answer."""
-        at = self.api.view().at if self.api is not None else 0.0
+    def checkpoint_key(self) -> tuple[int, int, int]:
         try:
             st = os.stat(self.root.path(self.inputs.cfg.kubelet.checkpoint_path))
         except OSError:
-            return (0, 0, 0, at)
-        return st.st_ino, st.st_mtime_ns, st.st_size, at
+            return (0, 0, 0)
+        return st.st_ino, st.st_mtime_ns, st.st_size
 
     def prepare(self) -> None:
         """Decide ahead of kubelet's start, so that its start costs a stat and the
@@ -111,9 +112,18 @@ class Readmit:
                 self.bridge.serve(o.resource)
 
     def decided(self) -> Decision:
-        """The decision made ahead when the checkpoint is still the same, else now."""
+        """The decision made ahead when the checkpoint is still the same (made again,
+        from the same checkpoint and processes, for a new answer of the API server),
+        else now."""
         if self.ahead is not None and self.ahead[0] == self.checkpoint_key():
-            return self.ahead[2]
+            if self.api is None or self.made_of is None:
+                return self.ahead[2]
+            entries, alive, key = self.made_of
+            api = self.api.view()
+            if api.key == key:
+                return self.ahead[2]
+            cfg = self.inputs.cfg
+            return decide(entries, cfg.kubelet.resources, self.inputs.present, alive, api)
         return self.decision()
 
     def kubelet_sock(self) -> Optional[tuple[int, int]]:
@@ -165,6 +175,7 @@ class Readmit:
         alive = alive_pods(self.root)
         api = self.api.view() if self.api is not None else None
         d = decide(entries, cfg.kubelet.resources, self.inputs.present, alive, api)
+        self.made_of = (tuple(entries), alive, api.key if api is not None else None)
         if self.api is not None and (d.offers or d.left_out):  # read while pods wait
             self.api.want()
         return d

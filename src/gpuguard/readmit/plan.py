@@ -59,7 +59,12 @@ class ApiView:
     pods: tuple[ApiPod, ...] = ()  # READ: the pods bound to this node
     node: str = ""  # the node's name asked for
     detail: str = ""  # one line: how, or why not
-    at: float = 0.0  # when it was read (time.monotonic()): its identity
+    at: float = 0.0  # when it was read (time.monotonic())
+
+    @property
+    def key(self) -> object:
+        """What a decision depends on: a new read with the same answer is the same."""
+        return (self.source, self.pods, self.node)
 
 
 @dataclass(frozen=True)
