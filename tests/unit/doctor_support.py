@@ -144,4 +144,17 @@ def healthy_node(root: Path) -> Path:
     pci_gpu(root, "0000:12:00.0", klass="0x068000")  # an NVSwitch: not a GPU
     pci_gpu(root, "0000:00:02.0", klass="0x030000", vendor="0x8086")  # another vendor's VGA
     write_checkpoint(root, UUIDS)
+    bridge_state(root, "waiting", "waiting for kubelet's start")
     return root
+
+
+def bridge_state(
+    root: Path, decision: str, detail: str, cause: str = "", kubelet: str = "1.34"
+) -> None:
+    """What gpuguard-readmit.service writes (readmit/state.py), on or off."""
+    from gpuguard.readmit.state import SPEC, STATE_FILE, ReadmitState
+
+    state = ReadmitState("", 0.0, decision, detail, off_cause=cause, kubelet_version=kubelet)
+    p = root / STATE_FILE.lstrip("/")
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_bytes(SPEC.encode(state))

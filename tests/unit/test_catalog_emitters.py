@@ -34,6 +34,7 @@ from gpuguard.steps.checkpoint.actuate import CheckpointActuator
 from gpuguard.steps.checkpoint.reconcile import DeleteCheckpoint, RewriteCheckpoint, sha256
 from gpuguard.steps.device_plugin.podresources import Allocatable
 from gpuguard.steps.device_plugin.reconcile import assess
+from gpuguard.steps.readmit.exposure import judge_exposure
 from gpuguard.steps.readmit.reconcile import ReadmitView, judge
 from unit.test_container_findings import ALL_ALLOWED, OLD_UVM, _audit, _ent
 from unit.test_devices_audit import CTL, GPU0, RUNC_LIST
@@ -77,7 +78,34 @@ def readmit_findings() -> Entries:
     pod = RejectedPod("uid-1", "ml/train-0", "UnexpectedAdmissionError", "Allocate failed", 2.0)
     state = ReadmitState("131:1", 1.0, "observe", "1 of 1", rejected=(pod,))
     view = ReadmitView(state, "", alive=frozenset(), present=frozenset({"uid-1"}))
-    return findings(judge(view, frozenset()).findings)
+    off = ReadmitState("", 0.0, "off", "GPUGUARD_READMIT=off", off_cause="env-off")
+    return findings(judge(view, frozenset()).findings + judge_exposure(off, False, "")[0])
+
+
+def readmit_offers(tmp: Path) -> Entries:
+    """The bridge at a kubelet start: offered (with its evidence and refusals)."""
+    from gpuguard.checkpoint.codec import marshal
+    from gpuguard.checkpoint.model import Checkpoint, PodDevicesEntry
+    from gpuguard.config import load_config
+    from gpuguard.host.paths import Root
+    from gpuguard.readmit import Inputs, Readmit
+    from unit.test_readmit import FakeBridge
+
+    root = tmp / "readmit"
+    plugins = root / "var/lib/kubelet/device-plugins"
+    plugins.mkdir(parents=True)
+    rows = [PodDevicesEntry(u, "main", "nvidia.com/gpu", ((0, (i,)),), b"") for u, i in
+            (("pod-a", "GPU-a"), ("pod-b", "GPU-gone"))]  # fmt: skip
+    (plugins / "kubelet_internal_checkpoint").write_bytes(
+        marshal(Checkpoint("v2", tuple(rows), {}, 0))
+    )
+
+    def emit(log: EventLog) -> None:
+        cfg = load_config(Root(root))
+        inputs = Inputs(cfg, frozenset({"GPU-a"}), "")
+        Readmit(Root(root), log, lambda: inputs, FakeBridge()).on_kubelet_start()  # type: ignore[arg-type]
+
+    return logged(emit)
 
 
 def checkpoint_changes(tmp: Path) -> Entries:
@@ -242,6 +270,7 @@ def entries(tmp_path_factory: pytest.TempPathFactory) -> Entries:
         container_findings()
         + plugin_findings()
         + readmit_findings()
+        + readmit_offers(tmp)
         + checkpoint_changes(tmp)
         + remap_changes(tmp)
         + daemon_pass(tmp)

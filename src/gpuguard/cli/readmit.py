@@ -10,23 +10,52 @@ import time
 from pathlib import Path
 
 from gpuguard.cli.args import _config, _log, _root
+from gpuguard.host.paths import Root
+from gpuguard.journal.log import EventLog
+from gpuguard.readmit import offstate
+
+
+def stay_off(root: Root, elog: EventLog, cause: str, why: str, version: str) -> None:
+    """Journal why the bridge stays off (a warning, with the fix, where the node is
+    exposed: readmit/offstate.py) and write its state file for the daemon and doctor."""
+    from gpuguard.actuate.statefile import write_state
+    from gpuguard.errors import GpuguardError
+    from gpuguard.readmit.state import SPEC, STATE_FILE, ReadmitState
+
+    def write(state: ReadmitState) -> None:
+        write_state(root.path(STATE_FILE), SPEC, state)
+
+    try:
+        offstate.record_off(write, cause, why, version)
+    except (OSError, GpuguardError) as e:
+        elog.event("error", f"cannot write {STATE_FILE}: {e}"[:300], level="warning")
+    if cause == offstate.SWITCH:
+        return  # journaled by the caller: gpuguard itself is off
+    fix = offstate.FIXES.get(cause, "")
+    exposed = fix and offstate.needs_bridge(version) is not False
+    elog.event(
+        "readmit-off",
+        f"the re-admission bridge stays off: {why}"
+        + (f"; GPU pods are exposed at kubelet's next start: {fix}" if exposed else ""),
+        level="warning" if exposed else "info",
+        fields={"CAUSE": cause},
+    )
 
 
 def cmd_readmit(args: argparse.Namespace) -> int:
     from gpuguard.actuate.statefile import write_state
     from gpuguard.errors import GpuguardError
-    from gpuguard.host.inventory import load_inventory
     from gpuguard.host.notify import Notifier
     from gpuguard.host.offswitch import read_off_switch
     from gpuguard.host.statefile import load
     from gpuguard.readmit import Inputs, Readmit
     from gpuguard.readmit.apipods import reader
+    from gpuguard.readmit.node import NodeReader
     from gpuguard.readmit.observe import (
         CACHE,
         CACHE_FILE,
         kubelet_version,
         other_sockets,
-        present_ids,
         read_cached,
         unit_executable,
     )
@@ -41,6 +70,7 @@ def cmd_readmit(args: argparse.Namespace) -> int:
     off = read_off_switch(root)
     if off is not None:
         elog.event("readmit-off", f"gpuguard is off ({off.describe()}): the bridge stays off")
+        stay_off(root, elog, offstate.SWITCH, f"gpuguard is off ({off.describe()})", "")
         notifier.ready("off")
         return 0
     cfg = _config(args, root)
@@ -48,6 +78,7 @@ def cmd_readmit(args: argparse.Namespace) -> int:
     mode = os.environ.get("GPUGUARD_READMIT", "auto")
     found = unit_executable(cfg.systemd.kubelet_units)
     kubelet_unit = found[0] if found else cfg.systemd.kubelet_units[0]
+    version = ""  # kubelet's, as told (for the state file)
     if mode != "on":
         cached = read_cached(root)
         kv = kubelet_version(root, found[1], cached) if found else None
@@ -55,6 +86,7 @@ def cmd_readmit(args: argparse.Namespace) -> int:
             with contextlib.suppress(OSError, GpuguardError):  # asked again next time
                 write_state(root.path(CACHE_FILE), CACHE, kv)
         needed = kv.needs_bridge if kv is not None else None
+        version = kv.version if kv is not None else ""
         if mode == "off" or not needed:
             said = (
                 kv.text if kv is not None else f"no unit of {' '.join(cfg.systemd.kubelet_units)}"
@@ -66,17 +98,26 @@ def cmd_readmit(args: argparse.Namespace) -> int:
                 if needed is False and kv is not None
                 else f"kubelet's version unknown ({said}); GPUGUARD_READMIT=on turns it on"
             )
-            elog.event("readmit-off", f"the re-admission bridge stays off: {why}")
+            cause = (
+                offstate.ENV_OFF
+                if mode == "off"
+                else offstate.OLD_KUBELET
+                if needed is False
+                else offstate.UNKNOWN_VERSION
+            )
+            stay_off(root, elog, cause, why, version)
             notifier.ready("off")
             return 0
 
+    node_reader = NodeReader(root)  # NVML once at most, in a child (readmit/node.py)
+
     def read_inputs() -> Inputs:
         c = _config(args, root)
-        path = Path(c.inventory.file) if c.inventory.file else None
-        try:
-            return Inputs(c, present_ids(load_inventory(path)), "")
-        except GpuguardError as e:
-            return Inputs(c, frozenset(), e.message)
+        sock = root.path(Path(c.kubelet.checkpoint_path).parent / "kubelet.sock")
+        node, problem = node_reader.read(
+            c.inventory.file or "", c.inventory.driver_root or "", os.path.lexists(sock)
+        )
+        return Inputs(c, node, problem)
 
     plugins_dir = root.path(Path(cfg.kubelet.checkpoint_path).parent)
     told: list[str] = []
@@ -103,13 +144,9 @@ def cmd_readmit(args: argparse.Namespace) -> int:
             )
 
         bridge = Bridge(plugins_dir, streamed, lambda r, i: allocate_refused(elog, r, i))
-    except ImportError:  # a Recommends of the package, not a Depends
-        elog.event(
-            "readmit-off",
-            "the re-admission bridge stays off: it needs python3-grpcio, which is not "
-            "installed; install it, then restart gpuguard-readmit.service",
-            level="warning",
-        )
+    except ImportError:  # a Depends of the .deb, a Recommends of the .rpm (EPEL's)
+        why = "it needs python3-grpcio, which is not installed"
+        stay_off(root, elog, offstate.NO_GRPCIO, why, version)
         notifier.ready("off")
         return 0
 

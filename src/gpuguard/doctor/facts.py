@@ -34,6 +34,7 @@ from gpuguard.doctor.operator import (
     read_operator,
     toolkit_config,
 )
+from gpuguard.doctor.readmit import BridgeFacts, read_bridge
 from gpuguard.doctor.textconf import Unreadable, toml_scalars, toml_tables
 from gpuguard.host import safeio
 from gpuguard.host.inventory import Inventory
@@ -108,6 +109,7 @@ class Facts:
     off_switch: Optional[OffSwitch] = None  # host/offswitch.py: gpuguard is off
     observe: bool = False  # Mode=observe (or DryRun=yes)
     operator: Optional[OperatorFacts] = None  # the node's layout (doctor/operator.py)
+    bridge: Optional[BridgeFacts] = None  # the re-admission bridge (doctor/readmit.py)
 
 
 def read_conf(root: Root, path: str, parse: Callable[[str], Mapping[str, str]]) -> ConfFile:
@@ -336,4 +338,5 @@ def gather(
         off_switch=read_off_switch(root),
         observe=observe,
         operator=read_operator(root, inventory, driver_wait, driver_root),
+        bridge=read_bridge(root),
     )

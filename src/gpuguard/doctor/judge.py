@@ -15,6 +15,7 @@ from typing import Optional
 from gpuguard.doctor.facts import ConfFile, Facts
 from gpuguard.doctor.model import BROKEN, EXPOSED, OK, UNKNOWN, Check, Report
 from gpuguard.doctor.operator_judge import check_layout, driver_awaited
+from gpuguard.doctor.readmit import check_bridge
 from gpuguard.engine.passes import STATUS_FILE
 from gpuguard.steps.gpu_count.reconcile import DRIVER_DOWN_NEXT
 from gpuguard.steps.gpu_count.reconcile import judge as judge_counts
@@ -419,6 +420,7 @@ CHECKS = (
     check_daemon,
     check_gpu_count,
     check_layout,
+    lambda f: check_bridge(f.bridge),
 )
 
 

@@ -18,13 +18,20 @@ READMIT_KINDS: dict[str, tuple[str, str]] = {
         "kubelet started with GPU pods whose containers are not running; gpuguard's "
         "re-admission bridge registered the GPU resource and reported healthy exactly the "
         "devices those pods hold that are on this node, so kubelet re-admits the pods on "
-        "their own GPUs without an allocation. " + _WHY,
+        "their own GPUs without an allocation. The devices were judged on @EVIDENCE@ "
+        "(NVML; or, before the driver loads, the PCI bus and gpuguard's GPU history: a "
+        "GPU whose slot still holds an NVIDIA GPU). Waiting pods with a device not offered, "
+        "and why: @REFUSED@ (a MIG device recreated with a new UUID, an empty "
+        "slot). " + _WHY,
     ),
     "readmit-skip": (
         "gpuguard's re-admission bridge offered nothing at this kubelet start",
         "The message says why: no pod of kubelet's checkpoint holds a GPU, every GPU "
         "pod is running (a kubelet restart: kubelet keeps running containers), a device "
-        "plugin was serving already, or gpuguard is off. " + _WHY,
+        "plugin was serving already, none of the held devices is on the node, or gpuguard "
+        "is off. Where the checkpoint was judged, the entry's fields say on what evidence "
+        "and which waiting pods were not offered, and why (a MIG device recreated with a new UUID, "
+        "a slot that is empty or holds another device). " + _WHY,
     ),
     "readmit-observe": (
         "gpuguard (observe-only) would report the checkpoint's GPUs healthy",
@@ -42,7 +49,18 @@ READMIT_KINDS: dict[str, tuple[str, str]] = {
         "checkpointed allocation without a plugin), its version could not be told, "
         "python3-grpcio is not installed, the unit's environment turns it off, or "
         "gpuguard is off. The message says which; gpuguard(8) (readmit) says how to turn "
-        "it on whatever the version (a drop-in of gpuguard-readmit.service).",
+        "it on whatever the version (a drop-in of gpuguard-readmit.service). Where kubelet "
+        "is 1.26+ or its version is unknown it is a warning with the fix: GPU pods are "
+        "exposed at kubelet's next start (the daemon's finding readmit-bridge-off).",
+    ),
+    "readmit-bridge-off": (
+        "gpuguard's re-admission bridge is off where kubelet needs it",
+        "gpuguard-readmit.service stays off (@CAUSE@: @DETAIL@) on a node whose kubelet "
+        "is 1.26 or later, or whose version could not be told: at kubelet's next start "
+        "(after a reboot, every GPU pod) kubelet rejects each GPU pod whose container is "
+        "not running. A finding of the daemon's readmit step, from the bridge's state "
+        "file: the NPD condition GPUPodsRejected, gpuguard status, gpuguard_open_findings. "
+        "Fix: @FIX@. " + _WHY,
     ),
     "readmit-raced": (
         "a device plugin registered at the same moment as gpuguard's re-admission bridge",

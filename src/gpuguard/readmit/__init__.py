@@ -27,7 +27,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 from gpuguard.checkpoint.model import PodDevicesEntry
 from gpuguard.checkpoint.reader import load as load_checkpoint
@@ -38,6 +38,8 @@ from gpuguard.host.paths import Root
 from gpuguard.journal.log import EventLog
 from gpuguard.readmit.observe import alive_pods, other_sockets
 from gpuguard.readmit.plan import Decision, decide
+from gpuguard.readmit.presence import NodeDevices
+from gpuguard.readmit.refusals import refused_field
 from gpuguard.readmit.rejected import WATCH_SECONDS, RejectionWatch
 from gpuguard.readmit.serve import Bridge, endpoint
 from gpuguard.readmit.state import Recorder
@@ -55,10 +57,11 @@ AHEAD = 5.0  # the decision made ahead is made again this often (pods that died)
 @dataclass(frozen=True)
 class Inputs:
     """What is read before kubelet starts, so that a kubelet start costs only the
-    checkpoint's read: the configuration and the device IDs the node has."""
+    checkpoint's read: the configuration and the devices the node has (readmit/node.py;
+    a plain set of IDs in tests)."""
 
     cfg: Config
-    present: frozenset[str]
+    present: Union[NodeDevices, frozenset[str]]
     inventory_problem: str  # "" when the inventory was read
 
 
@@ -198,10 +201,13 @@ class Readmit:
             rec.decided("off", f"gpuguard is off ({off.describe()})")
             return
         d = self.decided()
+        judged = {"EVIDENCE": d.evidence, "REFUSED": refused_field(d.refused)}
         left = d.left_out_text()
         if not d.offers:
             self.elog.event(
-                "readmit-skip", f"kubelet started: no offer: {d.why}{f' ({left})' if left else ''}"
+                "readmit-skip",
+                f"kubelet started: no offer: {d.why}{f' ({left})' if left else ''}",
+                fields=judged,
             )
             rec.decided("skip", d.why)
             return
@@ -230,6 +236,7 @@ class Readmit:
                 "PODS": ",".join(o.pods),
                 "LEFT_OUT": ",".join(x.pod_uid for x in o.left_out),
                 "ENDPOINT": endpoint(o.resource),
+                **judged,
             }
             what = f"{len(o.healthy)} {o.resource} devices held by {len(o.pods)} pods"
             if self.inputs.cfg.daemon.observe:

@@ -1,6 +1,6 @@
 """What the bridge reads from the host: which kubelet runs here and whether it needs
 the bridge, which checkpointed pods still have processes, which device plugin sockets
-exist, which device IDs the node has."""
+exist (the device IDs the node has: readmit/node.py)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from gpuguard.devices.cgrouptree import find_processes
-from gpuguard.devices.kubepods import walk
 from gpuguard.errors import GpuguardError
 from gpuguard.host import commands
-from gpuguard.host.inventory import Inventory
 from gpuguard.host.paths import STATE_DIR, Root
-from gpuguard.host.safeio import UnsafeFileError
 from gpuguard.host.statefile import StateFile, load
+from gpuguard.readmit.alive import alive_pods as own_containers_alive
 
 #: the first kubelet whose device manager rejects a re-admitted pod before a plugin has
 #: reported its devices healthy (devicesToAllocate's "no healthy devices present")
@@ -117,20 +114,10 @@ def read_cached(root: Root) -> Optional[KubeletVersion]:
 
 
 def alive_pods(root: Root) -> frozenset[str]:
-    """Pod UIDs with a process in a container cgroup of the kubepods tree (either
-    cgroup driver, cgroup v1's named systemd hierarchy or v2)."""
-    alive: set[str] = set()
-    for top in CGROUP_TOPS:
-        for found in walk(root.path(top), [], []):
-            if found.pod_uid in alive:
-                continue
-            try:
-                _at, pids = find_processes(found.path)
-            except UnsafeFileError:
-                continue
-            if pids:
-                alive.add(found.pod_uid)
-    return frozenset(alive)
+    """Pod UIDs with a process in one of their own containers, never their sandbox
+    alone (readmit/alive.py), in the kubepods tree (either cgroup driver, cgroup v1's
+    named systemd hierarchy or v2)."""
+    return own_containers_alive(root, CGROUP_TOPS)
 
 
 def other_sockets(plugins_dir: Path) -> tuple[str, ...]:
@@ -148,9 +135,3 @@ def other_sockets(plugins_dir: Path) -> tuple[str, ...]:
             )
     except OSError:
         return ()
-
-
-def present_ids(inv: Inventory) -> frozenset[str]:
-    """The device IDs NVIDIA's plugin gives this node's GPUs: their UUIDs and those of
-    their MIG devices."""
-    return frozenset(g.uuid for g in inv.gpus) | inv.mig_uuids()

@@ -6,7 +6,8 @@ all reported healthy by the registered endpoint is rejected for good
 (``UnexpectedAdmissionError``), a pod whose devices are all healthy keeps its
 checkpointed allocation without an Allocate call. The bridge therefore offers, per
 resource, exactly the device IDs that the checkpoint's pod entries hold AND the node
-has (NVML or the inventory file: gpuguard checked them), never another: no capacity
+has (readmit/presence.py: the driver's view, or PCI + history before the driver
+loads; every ID form of NVIDIA's plugin, readmit/devids.py), never another: no capacity
 beyond the GPUs that exist, nothing kubelet could allocate to a new pod that is not
 already held (a new pod gets its device from the real plugin once it registers).
 
@@ -40,9 +41,11 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence, Union
 
 from gpuguard.checkpoint.model import PodDevicesEntry
+from gpuguard.readmit.presence import NodeDevices
+from gpuguard.readmit.refusals import describe, refusals
 
 if TYPE_CHECKING:
     from gpuguard.host.kubeapi import ApiPod
@@ -91,6 +94,9 @@ class Offer:
 class Decision:
     offers: tuple[Offer, ...]
     why: str  # one line: what was decided and why
+    evidence: str = ""  # what the node's devices were judged on (presence.py)
+    # (pod uid, why) for each waiting pod with a held device not offered
+    refused: tuple[tuple[str, str], ...] = ()
     unread: str = ""  # the API server's pods could not be read: why ("" read or none)
     left_out: tuple[LeftOut, ...] = ()  # pods without a process whose devices are not offered
 
@@ -123,13 +129,15 @@ def left_out(uid: str, api: Optional[ApiView]) -> str:
 def decide(
     entries: Iterable[PodDevicesEntry],
     resources: Sequence[str],
-    present: frozenset[str],
+    present: Union[NodeDevices, frozenset[str]],
     alive: frozenset[str],
     api: Optional[ApiView] = None,
 ) -> Decision:
     """The offers for the checkpoint's ``entries`` of ``resources`` (glob patterns),
-    the device IDs ``present`` on the node, the pod UIDs with processes, and what the
-    API server said of this node's pods (None: not asked, as without one)."""
+    the node's devices ``present`` (a plain set: exactly those IDs), the pod UIDs with
+    processes, and what the API server said of this node's pods (None: not asked, as
+    without one)."""
+    node = present if isinstance(present, NodeDevices) else NodeDevices.of_ids(present)
     held: dict[str, dict[str, set[str]]] = {}  # resource -> pod uid -> ids
     for e in entries:
         if not any(fnmatch.fnmatchcase(e.resource_name, p) for p in resources):
@@ -151,24 +159,33 @@ def decide(
     if not waiting:
         if dropped:
             why = f"no GPU pod without a running process is to run{gone}"
-            return Decision((), why, unread, out_all)
+            return Decision((), why, unread=unread, left_out=out_all)
         return Decision((), f"every GPU pod of the checkpoint ({len(pods)}) is running")
+    mine = {r: {u: ids for u, ids in per.items() if u in kept} for r, per in held.items()}
     offers = []
+    verdicts: dict[str, str] = {}  # device ID -> "" (present) or why not
     for resource in sorted(held):
-        mine = {u: ids for u, ids in held[resource].items() if u in kept}
-        held_ids = {i for ids in mine.values() for i in ids}
+        held_ids = {i for ids in mine[resource].values() for i in ids}
+        for i in held_ids:
+            verdicts.setdefault(i, node.judge(i))
         offers.append(
             Offer(
                 resource,
-                tuple(sorted(held_ids & present)),
-                tuple(sorted(held_ids - present)),
-                tuple(sorted(mine)),
-                tuple((u, tuple(sorted(mine[u] & present))) for u in sorted(mine)),
+                tuple(sorted(i for i in held_ids if not verdicts[i])),
+                tuple(sorted(i for i in held_ids if verdicts[i])),
+                tuple(sorted(mine[resource])),
+                tuple(
+                    (u, tuple(sorted(i for i in ids if not verdicts[i])))
+                    for u, ids in sorted(mine[resource].items())
+                ),
                 tuple(LeftOut(u, why_out[u]) for u in sorted(held[resource]) if u in dropped),
             )
         )
+    refused = refusals(mine, verdicts, {_uid(u) for u in waiting}, _uid)
+    said = describe(refused, node.evidence) + gone
     kept_offers = tuple(o for o in offers if o.healthy)
     if not kept_offers:
-        return Decision((), f"none of the checkpoint's GPUs is on the node{gone}", unread, out_all)
-    why = f"{len(waiting)} of {len(kept)} GPU pods have no running process{gone}"
-    return Decision(kept_offers, why, unread, out_all)
+        why = f"none of the checkpoint's GPUs is on the node{said}"
+        return Decision((), why, node.evidence, refused, unread, out_all)
+    why = f"{len(waiting)} of {len(kept)} GPU pods have no running process{said}"
+    return Decision(kept_offers, why, node.evidence, refused, unread, out_all)

@@ -57,6 +57,9 @@ class ReadmitState:
     first_admission: Optional[float] = None  # kubelet's first SyncLoop ADD (klog time)
     rejected: tuple[RejectedPod, ...] = ()
     watch_until: float = 0.0  # Unix time the bridge stops reading kubelet's journal
+    # decision "off": why, as readmit/offstate.py's causes ("" for any other decision)
+    off_cause: str = ""
+    kubelet_version: str = ""  # "1.34" as the bridge told it ("" when not told)
 
     @property
     def healthy_at(self) -> Optional[float]:
@@ -123,6 +126,8 @@ def _parse(o: Obj) -> ReadmitState:
         o.opt_real("first_admission"),
         o.items("rejected", _rejected, max_items=MAX_REJECTED),
         o.real("watch_until"),
+        o.text("off_cause", max_len=32, default=""),
+        o.text("kubelet_version", max_len=32, default=""),
     )
 
 
@@ -154,6 +159,8 @@ def _render(s: ReadmitState) -> dict[str, Any]:
             for p in s.rejected
         ],
         "watch_until": s.watch_until,
+        "off_cause": s.off_cause,
+        "kubelet_version": s.kubelet_version,
     }
 
 

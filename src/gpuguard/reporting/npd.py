@@ -122,7 +122,7 @@ CONDITIONS: tuple[Condition, ...] = (
         "gpu-pods",
         "GPUPodsRejected",
         (READMIT,),
-        frozenset({"gpu-pod-rejected"}),
+        frozenset({"gpu-pod-rejected", "readmit-bridge-off"}),
         "GPUPodsRejected",
         "GPUPodsAdmitted",
         "no GPU pod kubelet rejected at its start is left unrun",

@@ -1,6 +1,7 @@
 """The readmit step: the GPU pods kubelet rejected at its start, named where a finding
 would be (``gpuguard status``, the metrics, the NPD condition GPUPodsRejected, the
-journal), and the margin the re-admission bridge had on kubelet's first admission.
+journal), the margin the re-admission bridge had on kubelet's first admission, and a
+bridge that is off where kubelet needs it (exposure.py).
 
 Report only: it reads what gpuguard-readmit.service wrote (readmit/state.py). The
 bridge reads kubelet's journal for two minutes after each kubelet start; while it does,
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from gpuguard.journal.conditions import Conditions, log_findings
 from gpuguard.readmit.rejected import WATCH_SECONDS
+from gpuguard.steps.readmit.exposure import cached_version, judge_exposure
 from gpuguard.steps.readmit.observe import observe
 from gpuguard.steps.readmit.reconcile import MARGIN, RECONCILER, judge
 
@@ -39,13 +41,17 @@ class ReadmitStep:
             self.run, self.cleared = s.kubelet_sock, frozenset()
         j = judge(view, self.cleared)
         self.cleared = j.cleared
+        absent = s is None and not view.unreadable
+        cached = await asyncio.to_thread(cached_version, svc.root) if absent else ""
+        off, unknown = judge_exposure(s, absent, cached)
+        ctx.unknown += unknown
         ctx.gauges["readmit_rejected_pods"] = j.rejected
         for resource, seconds in j.margins:
             ctx.gauges[f"{MARGIN}{resource}"] = seconds
         if view.unreadable:
             ctx.unknown.append(view.unreadable)
-        log_findings(svc.log, self.conditions, RECONCILER, j.findings)
-        ctx.findings += j.findings
+        log_findings(svc.log, self.conditions, RECONCILER, j.findings + off)
+        ctx.findings += j.findings + off
         # the bridge's state (written at its start when on) says it reads kubelet's
         # journal after a kubelet start, which this pass may precede
         started = view.kubelet_sock or 0.0
