@@ -316,3 +316,11 @@ def test_the_bridges_reader_standalone_read_and_a_wrong_node_name(
         assert read().source == READ
     finally:
         api.user = f"system:node:{NODE}"
+
+
+def test_a_kubeconfig_others_may_write_is_refused(tmp_path: Path) -> None:
+    kc = tmp_path / "kubelet.conf"
+    kc.write_text("current-context: c\n")
+    kc.chmod(0o666)
+    with pytest.raises(BadInputError, match="others may write it"):
+        load_kubeconfig(kc, "/etc/kubernetes/kubelet.conf")

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from gpuguard.errors import BadInputError
 from gpuguard.host.echo import cut
-from gpuguard.host.safeio import read_bytes, read_text
+from gpuguard.host.safeio import decode_utf8, read_bytes
 from gpuguard.host.structconf import Refusal, yaml_documents
 
 if TYPE_CHECKING:  # ssl and http.client are loaded by the bridge's calls only: the
@@ -205,10 +205,14 @@ def parse_kubeconfig(text: str, path: str) -> KubeConfig:
 
 
 def load_kubeconfig(path: Path, shown: str) -> KubeConfig:
-    """The kubeconfig at ``path`` (``shown`` in messages). BadInputError as the bounded
-    reader gives it (its errno is ENOENT when the file does not exist)."""
-    text = read_text(path, what="kubeconfig", max_bytes=MAX_KUBECONFIG, follow=True)
-    return parse_kubeconfig(text, shown)
+    """The kubeconfig at ``path`` (``shown`` in messages), owned by root (this process's
+    user) and written by no one else. BadInputError as the bounded reader gives it (its
+    errno is ENOENT when the file does not exist)."""
+    data, st = read_bytes(path, what="kubeconfig", max_bytes=MAX_KUBECONFIG, follow=True)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        # it names the server whose word leaves pods out: only its owner's (root's)
+        raise _bad(shown, "is not owned by root, or others may write it; refusing to use it")
+    return parse_kubeconfig(decode_utf8(data, Path(shown), "kubeconfig"), shown)
 
 
 @contextlib.contextmanager
