@@ -84,6 +84,7 @@ def test_withdrawn_once_the_pods_are_back_they_keep_running_and_the_plugin_serve
     (offer,) = node.bridge_offers()
     (gone,) = wait_for(lambda: readmit_events(node, "readmit-withdrawn"), 40, "the withdrawal")
     assert gone["PENDING"] == "" and gone["DEVICES"] == offer["DEVICES"], gone
+    print(f"\nwithdrawal: {gone['MESSAGE']}")  # the figure: seconds after kubelet's start
     assert allocatable(node, short_root) == 0  # nothing the bridge cannot allocate
     node.start_plugin()
     wait_for(lambda: allocatable(node, short_root) == len(node.inventory), 30, "the plugin's GPUs")
