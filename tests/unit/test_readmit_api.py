@@ -452,3 +452,17 @@ def test_the_readers_view_fresh_stale_and_failed() -> None:
     assert r.view().source == UNREAD and "old" in r.view().detail
     r.failed = ApiView(UNREAD, detail="HTTP 403: pods is forbidden", at=time.monotonic())
     assert r.view().detail == "HTTP 403: pods is forbidden"
+
+
+def test_a_withdrawal_cancelled_by_the_next_kubelet_start_sends_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    looks = Looks([HELD], [()])
+    monkeypatch.setattr(wd, "POLL", 0.0)
+    w = wd.Withdrawal(
+        Path("/nonexistent"), EventLog(stream=io.StringIO()), looks.withdraw, looks.sockets,
+        looks.listed, looks.clock,
+    )  # fmt: skip
+    stop = threading.Event()
+    stop.set()  # kubelet started again after the last look
+    assert w.run((OFFER,), 100.0, stop).step == "" and looks.withdrawn == []
