@@ -302,10 +302,14 @@ def test_the_bridges_reader_standalone_read_and_a_wrong_node_name(
     assert view.source == STANDALONE and "/etc/kubernetes/kubelet.conf" in view.detail
     (tmp_path / "etc/kubernetes").mkdir()
     insecure = {"server": api.url, "insecure-skip-tls-verify": True}
-    kubeconfig(tmp_path / "etc/kubernetes/kubelet.conf", insecure, {"token": "t"})
+    # the files it names are read under the root prefix too
+    (tmp_path / "etc/kubernetes/token").write_text("t-under-root\n")
+    user = {"tokenFile": "/etc/kubernetes/token"}
+    kubeconfig(tmp_path / "etc/kubernetes/kubelet.conf", insecure, user)
     api.pods[:] = [pod("uid-a", "a")]
     view = read()
     assert (view.source, view.node, [p.uid for p in view.pods]) == (READ, NODE, ["uid-a"])
+    assert api.seen[-1][2] == "Bearer t-under-root"
     api.user = "system:serviceaccount:x:y"
     try:
         conf.write_text("[Kubelet]\nNodeName=not-this-node\n")

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from gpuguard.errors import BadInputError
 from gpuguard.host.echo import cut
+from gpuguard.host.paths import Root
 from gpuguard.host.safeio import decode_utf8, read_bytes
 from gpuguard.host.structconf import Refusal, yaml_documents
 
@@ -237,12 +238,13 @@ def _pem_path(data: bytes) -> Iterator[str]:
         os.close(fd)
 
 
-def _credential(path: str, what: str) -> bytes:
-    data, _st = read_bytes(Path(path), what=what, max_bytes=MAX_CREDENTIAL, follow=True)
+def _credential(path: str, what: str, root: Optional[Root]) -> bytes:
+    where = root.path(path) if root is not None else Path(path)
+    data, _st = read_bytes(where, what=what, max_bytes=MAX_CREDENTIAL, follow=True)
     return data
 
 
-def tls_context(cfg: KubeConfig) -> ssl.SSLContext:
+def tls_context(cfg: KubeConfig, root: Optional[Root] = None) -> ssl.SSLContext:
     """The TLS context the kubeconfig describes. BadInputError on unreadable files,
     ssl.SSLError on certificates or keys ssl refuses."""
     import ssl
@@ -254,29 +256,31 @@ def tls_context(cfg: KubeConfig) -> ssl.SSLContext:
     elif cfg.ca_data is not None:
         ctx = ssl.create_default_context(cadata=cfg.ca_data)
     elif cfg.ca_file is not None:
-        ca = _credential(cfg.ca_file, "certificate authority").decode("ascii", "replace")
+        ca = _credential(cfg.ca_file, "certificate authority", root).decode("ascii", "replace")
         ctx = ssl.create_default_context(cadata=ca)
     else:
         ctx = ssl.create_default_context()  # the system's authorities
     cert = cfg.cert_data
     if cert is None and cfg.cert_file is not None:
-        cert = _credential(cfg.cert_file, "client certificate")
+        cert = _credential(cfg.cert_file, "client certificate", root)
     key = cfg.key_data
     if key is None and cfg.key_file is not None:
-        key = cert if cfg.key_file == cfg.cert_file else _credential(cfg.key_file, "client key")
+        key = (
+            cert if cfg.key_file == cfg.cert_file else _credential(cfg.key_file, "client key", root)
+        )
     if cert is not None and key is not None:
         with _pem_path(cert) as c, _pem_path(key) as k:
             ctx.load_cert_chain(c, k)
     return ctx
 
 
-def bearer(cfg: KubeConfig) -> str:
+def bearer(cfg: KubeConfig, root: Optional[Root] = None) -> str:
     """The bearer token ("" none): ``token``, else ``tokenFile``'s first line."""
     if cfg.token:
         return cfg.token
     if cfg.token_file is None:
         return ""
-    text = _credential(cfg.token_file, "token").decode("utf-8", "replace")
+    text = _credential(cfg.token_file, "token", root).decode("utf-8", "replace")
     return text.strip().splitlines()[0] if text.strip() else ""
 
 
@@ -284,11 +288,13 @@ class Client:
     """Read-only calls on one API server, each on a new connection, each bounded by
     ``timeout`` for the whole answer and MAX_ANSWER bytes."""
 
-    def __init__(self, cfg: KubeConfig, timeout: float = TIMEOUT) -> None:
+    def __init__(
+        self, cfg: KubeConfig, timeout: float = TIMEOUT, root: Optional[Root] = None
+    ) -> None:
         self.cfg = cfg
         self.timeout = timeout
-        self.ctx = tls_context(cfg)
-        self.token = bearer(cfg)
+        self.ctx = tls_context(cfg, root)  # the files it names, under ``root``'s prefix
+        self.token = bearer(cfg, root)
         parts = urllib.parse.urlsplit(cfg.server)
         self.host = parts.hostname or ""
         self.port = parts.port or 443

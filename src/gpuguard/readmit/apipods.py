@@ -110,7 +110,7 @@ class Reader:
                 return ApiView(STANDALONE, detail=why, at=at)
             return ApiView(UNREAD, detail=cut(e.message, 300), at=at)
         try:
-            client = Client(cfg)
+            client = Client(cfg, root=self.root)
             known = self.node if self.node is not None and self.node[0] == kc.kubeconfig else None
             if known is None:
                 name, how = node_name(client, kc.node_name)
