@@ -65,8 +65,12 @@ static char driver[80];
 
 static void conf_path(char *out, size_t n) {
     Dl_info info;
+    static char real[4096];
     const char *self = "";
     if (dladdr((void *)conf_path, &info) && info.dli_fname) self = info.dli_fname;
+    /* loaded by descriptor (dlopen("/proc/self/fd/N"), as gpuguard does): the file's
+       own directory is where that link leads */
+    if (strncmp(self, "/proc/self/fd/", 14) == 0 && realpath(self, real)) self = real;
     const char *slash = strrchr(self, '/');
     int dir = slash ? (int)(slash - self) : 1;
     snprintf(out, n, "%.*s/fakenvml.conf", dir, slash ? self : ".");

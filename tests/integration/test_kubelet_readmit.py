@@ -146,6 +146,7 @@ def test_observe_mode_registers_nothing(systemd_ns: NsFactory, tmp_path: Path, a
     state = json.loads(node.ns.path(STATE_FILE).read_text())
     assert state["decision"] == "observe" and state["registrations"] == []
     assert state["first_admission"] is not None  # kubelet's first SyncLoop ADD, read back
+    assert state["problem"] == ""  # kubelet's own journal entries were read
     # a rejected pod deleted (its manifest removed: kubelet removes its pod directory) is
     # no longer named; the other one still is
     node.ns.path(f"{MANIFESTS}/{F1_PODS[0]}.json").unlink()

@@ -436,6 +436,7 @@ LogLevel=debug
 [Kubelet]
 Unit=kubelet-custom.service
 CheckpointPath=/srv/kubelet/checkpoint with space
+LogFile=/var/lib/rancher/rke2/agent/logs/kubelet.log
 Policy=report
 Resources=
 BackupDir=/srv/backups

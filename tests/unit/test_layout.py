@@ -318,6 +318,22 @@ READERS: dict[str, tuple[frozenset[str], str]] = {
         frozenset({"os.open", "json.loads"}),
         "the plugin's mount namespace for setns; the child's bounded report on a pipe",
     ),
+    "host/nvmllib.py": (
+        frozenset({"os.open"}),
+        "NVML's library opened (never read) to be loaded through its descriptor, the file checked",
+    ),
+    "host/commands.py": (
+        frozenset({"os.read"}),
+        "run_as_nobody: a child's output on its pipe, bounded (4 KiB)",
+    ),
+    "readmit/observe.py": (
+        frozenset({"os.open"}),
+        "kubelet's executable opened (never read) to be run through its descriptor",
+    ),
+    "steps/device_plugin/podresources.py": (
+        frozenset({"os.open"}),
+        "the socket's directory opened O_PATH, to connect relative to it",
+    ),
     "sources/transient.py": (frozenset({"os.read"}), "its inotify descriptor"),
     "readmit/watch.py": (frozenset({"os.read"}), "its inotify descriptor"),
     "host/threadclock.py": (

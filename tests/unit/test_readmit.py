@@ -278,7 +278,7 @@ def test_the_pods_kubelet_rejected_are_read_from_its_log() -> None:
         'podUID="u2" pod="default/big" reason="OutOfmemory" message="Node didn\'t have '
         'enough resource: memory"\n'
     )
-    (r,) = rejections(log)
+    (r,) = rejections(log, 757)
     assert (r.pod, r.pod_uid, r.reason) == (
         "default/gpu-a-gpunode",
         "5be161ab-85e5-5281-8e74-7c9c806b281d",

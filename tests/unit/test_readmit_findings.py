@@ -16,6 +16,7 @@ import pytest
 from gpuguard.actuate.statefile import write_state
 from gpuguard.host.paths import Root
 from gpuguard.host.statefile import load
+from gpuguard.readmit.klog import Line
 from gpuguard.readmit.rejected import first_admission, klog_unix
 from gpuguard.readmit.state import (
     MAX_REJECTED,
@@ -109,16 +110,25 @@ def test_a_klog_time_in_any_time_zone_is_read_as_unix_time(tz_hours: float) -> N
 
 
 def test_the_first_syncloop_add_is_kubelets_first_admission() -> None:
+    # kubelet's journal entries (MESSAGE, and when journald received each)
     log = (
-        "1764342378.100000 gpunode kubelet[757]: I1128 15:06:18.040000     757 "
-        'server.go:1] "Starting device plugin registration server"\n'
-        "1764342378.130000 gpunode kubelet[757]: I1128 15:06:18.123456     757 "
-        'kubelet.go:2] "SyncLoop ADD" source="file" pods=["default/gpu-a-gpunode"]\n'
-        "1764342378.200000 gpunode kubelet[757]: I1128 15:06:18.190000     757 "
-        'kubelet.go:2] "SyncLoop ADD" source="api" pods=[]\n'
+        Line(
+            'I1128 15:06:18.040000     757 server.go:1] "Starting device plugin registration '
+            'server"',
+            1764342378.1,
+        ),
+        Line(
+            'I1128 15:06:18.123456     757 kubelet.go:2] "SyncLoop ADD" source="file" '
+            'pods=["default/gpu-a-gpunode"]',
+            1764342378.13,
+        ),
+        Line(
+            'I1128 15:06:18.190000     757 kubelet.go:2] "SyncLoop ADD" source="api" pods=[]',
+            1764342378.2,
+        ),
     )
-    assert first_admission(log) == pytest.approx(1764342378.123456)
-    assert first_admission(log.splitlines()[0]) is None
+    assert first_admission(log, 757) == pytest.approx(1764342378.123456)
+    assert first_admission(log[:1], 757) is None
 
 
 # -- the readmit step: named until it runs again or is gone ---------------------------

@@ -15,6 +15,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -133,3 +134,146 @@ def test_an_answer_beyond_the_limit_is_refused(sock: Path) -> None:
     with pytest.raises(g.CallError, match="frame of 5005 bytes"):
         g.call(PATH, str(sock), b"", timeout=1.0, limit=100)
     t.join(3)
+
+
+# -- the answer's headers and a graceful GOAWAY ------------------------------------------
+
+
+def trailers(status: str, message: str = "") -> bytes:
+    block = b"\x40\x0bgrpc-status" + bytes((len(status),)) + status.encode()
+    if message:
+        block += b"\x00\x0cgrpc-message" + bytes((len(message),)) + message.encode()
+    return frame(g.HEADERS, g.END_HEADERS | g.END_STREAM, 1, block)
+
+
+def test_a_goaway_with_no_error_after_the_answer_is_not_a_failure(sock: Path) -> None:
+    answer = (
+        frame(g.HEADERS, g.END_HEADERS, 1, b"\x88")
+        + frame(g.GOAWAY, 0, 0, struct.pack(">II", 1, g.NO_ERROR))  # ours is answered
+        + frame(g.DATA, 0, 1, msg(b"x"))
+        + trailers("0")
+    )
+    got, _seen = call(sock, answer)
+    assert got == b"x"
+
+
+def test_a_goaway_before_our_stream_is_an_error(sock: Path) -> None:
+    answer = frame(g.GOAWAY, 0, 0, struct.pack(">II", 0, g.NO_ERROR) + b"shutting down")
+    with pytest.raises(g.CallError, match=re.escape("went away (HTTP/2 error 0: shutting down)")):
+        call(sock, answer, close=True)
+
+
+def test_a_refusal_says_its_status_and_message_split_over_continuation(sock: Path) -> None:
+    t = trailers("12", "unknown service v1.PodResourcesLister")
+    head, block = t[:9], t[9:]
+    answer = (
+        frame(g.HEADERS, g.END_HEADERS, 1, b"\x88")
+        + frame(g.HEADERS, g.END_STREAM, 1, block[:7])  # the block continues
+        + frame(g.CONTINUATION, g.END_HEADERS, 1, block[7:])
+    )
+    assert head[3] == g.HEADERS
+    with pytest.raises(
+        g.CallError, match=re.escape("code 12 UNIMPLEMENTED: unknown service v1.PodResourcesLister")
+    ):
+        call(sock, answer, close=True)
+
+
+def test_a_message_beside_an_error_status_is_not_taken(sock: Path) -> None:
+    answer = (
+        frame(g.HEADERS, g.END_HEADERS, 1, b"\x88")
+        + frame(g.DATA, 0, 1, msg(b"x"))
+        + trailers("13", "boom%0Anext line")
+    )
+    with pytest.raises(g.CallError, match=re.escape(r"code 13 INTERNAL: boom\nnext line")):
+        call(sock, answer, close=True)
+
+
+# -- a real gRPC server (grpcio): its HPACK (Huffman, dynamic table), its GOAWAY --------
+
+
+@pytest.fixture
+def grpc_server(sock: Path) -> Iterator[tuple[Any, Path, list[Any]]]:
+    """A grpcio server on `sock` whose handlers the test sets (service "t.S")."""
+    grpc = pytest.importorskip("grpc")
+    from concurrent import futures
+
+    handlers: list[Any] = []
+
+    class Generic(grpc.GenericRpcHandler):  # type: ignore[misc]
+        def service(self, details: Any) -> Any:
+            for h in handlers:
+                if details.method == h[0]:
+                    return grpc.unary_unary_rpc_method_handler(h[1])
+            return None
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers((Generic(),))
+    server.add_insecure_port(f"unix://{sock}")
+    server.start()
+    try:
+        yield server, sock, handlers
+    finally:
+        server.stop(0)
+
+
+def test_grpcio_refusals_read_their_status_and_details(
+    grpc_server: tuple[Any, Path, list[Any]],
+) -> None:
+    grpc = pytest.importorskip("grpc")
+    _server, sock, handlers = grpc_server
+
+    def deny(_req: bytes, ctx: Any) -> bytes:
+        ctx.abort(grpc.StatusCode.PERMISSION_DENIED, "pods are not yours: ünïcode\nand a line")
+
+    handlers.append(("/t.S/Deny", deny))
+    with pytest.raises(g.CallError) as e:
+        g.call("/t.S/Deny", str(sock), b"", timeout=5.0, limit=1 << 20)
+    assert str(e.value) == r"code 7 PERMISSION_DENIED: pods are not yours: ünïcode\nand a line"
+    with pytest.raises(g.CallError, match=re.escape("code 12 UNIMPLEMENTED: ")):
+        g.call("/t.S/Nothing", str(sock), b"", timeout=5.0, limit=1 << 20)
+    handlers.append(("/t.S/Echo", lambda req, _ctx: b"answer:" + req))
+    for _ in range(3):  # one connection each: the decoder starts empty every time
+        assert g.call("/t.S/Echo", str(sock), b"q", timeout=5.0, limit=1 << 20) == b"answer:q"
+
+
+def test_grpcio_shutting_down_during_the_call_still_answers_it(
+    grpc_server: tuple[Any, Path, list[Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """server.stop(grace) sends GOAWAY(NO_ERROR) on the open connection, then lets the
+    call in progress finish: the answer comes after the GOAWAY."""
+    server, sock, handlers = grpc_server
+    inside, release, goaway = threading.Event(), threading.Event(), threading.Event()
+    header = g._header
+
+    def seen(h: bytes) -> tuple[int, int, int, int]:
+        out = header(h)
+        if out[1] == g.GOAWAY:
+            goaway.set()
+        return out
+
+    monkeypatch.setattr(g, "_header", seen)
+
+    def slow(_req: bytes, _ctx: Any) -> bytes:
+        inside.set()
+        release.wait(10)
+        return b"late"
+
+    handlers.append(("/t.S/Slow", slow))
+    got: list[Any] = []
+
+    def client() -> None:
+        try:
+            got.append(g.call("/t.S/Slow", str(sock), b"", timeout=10.0, limit=1 << 20))
+        except g.CallError as e:
+            got.append(e)
+
+    t = threading.Thread(target=client)
+    t.start()
+    assert inside.wait(10)
+    stopped = server.stop(10)  # GOAWAY now; the handler still runs
+    received = goaway.wait(10)  # the client has read it before the answer exists
+    release.set()
+    t.join(10)
+    stopped.wait(10)
+    assert received, "grpcio sent no GOAWAY"
+    assert got == [b"late"], got

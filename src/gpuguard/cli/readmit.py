@@ -130,7 +130,9 @@ def cmd_readmit(args: argparse.Namespace) -> int:
                 told.append(str(e))
                 elog.event("error", f"cannot write {STATE_FILE}: {e}"[:300], level="warning")
 
-    recorder = Recorder(write)
+    recorder = Recorder(
+        write, lambda why: elog.event("error", f"not recorded: {why}"[:300], level="warning")
+    )
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     try:
@@ -161,7 +163,20 @@ def cmd_readmit(args: argparse.Namespace) -> int:
 
     if load(root.path(STATE_FILE), SPEC).absent:  # the daemon then knows the bridge is on
         write(ReadmitState("", 0.0, "waiting", "waiting for kubelet's start"))
-    watch = RejectionWatch(kubelet_unit, named, recorder.admitted)
+
+    def unread(why: str) -> None:  # the daemon's verdict on the rejections: unknown
+        recorder.problem(why)
+        elog.event(
+            "readmit-unread",
+            f"kubelet's rejections at this start cannot be read: {why}"[:400],
+            level="warning",
+        )
+
+    def note(level: str, text: str) -> None:
+        kind = "readmit-log-reader" if level == "notice" else "debug"
+        elog.event(kind, text[:400], level=level)
+
+    watch = RejectionWatch(root, kubelet_unit, named, recorder.admitted, unread, note)
     api = reader(root, lambda: readmit.inputs.cfg)
     withdrawal = Withdrawal(
         plugins_dir,

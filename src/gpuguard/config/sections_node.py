@@ -128,6 +128,17 @@ class KubeletConfig:
         "/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint",
         "The kubelet device manager's checkpoint that gpuguard checks and repairs.",
     )
+    log_file: str | None = _key(
+        "LogFile",
+        AbsPath(optional=True),
+        "",
+        "The file kubelet writes its log to, where it logs to a file rather than the "
+        "journal (RKE2: /var/lib/rancher/rke2/agent/logs/kubelet.log; kubelet's "
+        "--log-file): the re-admission bridge reads kubelet's rejections of GPU pods "
+        "there, from its size at each kubelet start, only while it is root's and only "
+        "root may write it. Empty: the journal of the kubelet unit, its main process's "
+        "entries from that process's start.",
+    )
     policy: str = _key(
         "Policy",
         Choice("rewrite", "delete", "report"),

@@ -199,9 +199,11 @@ def load_nvml_inventory(lookup: Optional[nvmllib.NvmlLookup] = None) -> Inventor
             "pynvml (package nvidia-ml-py) is not installed; reinstall gpuguard or pass "
             "--inventory FILE"
         ) from None
-    lib = nvmllib.find_library(lookup)
+    lib, refused = nvmllib.search(lookup)
     if lib is None:
         looked = nvmllib.where_looked(lookup)
+        if refused:  # a library is there, but someone besides root controls it
+            looked += f" (refused: {'; '.join(refused)[:300]})"
         if lookup.operator_node():
             raise DriverPendingError(
                 f"the driver container has not started: no {nvmllib.LIBRARY} in "

@@ -14,10 +14,21 @@ in order, each under ``--root``:
 3. ``[Inventory] DriverRoot=``, the same meaning as the NVIDIA container toolkit's
    ``root`` setting, searched the same way.
 
-A library is loaded only if it is a regular file owned by root and writable by no one
-else (gpuguard runs as root). pynvml keeps one library for the process; loading sets
-its handle (under its lock) before ``nvmlInit``, so every NVML call goes through the
-library found, and another one (a driver upgrade's new file) replaces it.
+A library is loaded only if root alone controls it (gpuguard runs as root): a regular
+file owned by root and writable by no one else, and every directory from the root down
+to it, those its symbolic links lead through and those above the driver root included,
+owned by root and writable by neither group nor others (host/pathtrust.py: a sticky
+directory is not enough). A library refused so is said in the error, with the reason.
+
+It is loaded by file descriptor: opened (``O_NOFOLLOW``, on the resolved path), its
+fstat compared with the file checked (device, inode, owner, mode), then
+``dlopen("/proc/self/fd/N")``: a rename between the check and the load cannot put
+another file in its place. The descriptor stays open as long as the library is
+pynvml's, so its number (the name glibc knows the library by) is never reused for
+another file. pynvml loads ``libnvidia-ml.so.1`` by soname itself, from the loader's
+path only; it keeps one library for the process, so loading sets its handle (under
+its lock) before ``nvmlInit``: every NVML call goes through the library found, and
+another one (a driver upgrade's new file) replaces it.
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from gpuguard.host import safeio
+from gpuguard.host import pathtrust, safeio
 from gpuguard.host.paths import Root
 
 LIBRARY = "libnvidia-ml.so.1"
@@ -44,7 +55,7 @@ LIB_DIRS = (
 )  # fmt: skip
 MAX_CONF_FILES = 64  # ld.so.conf and its includes: a few files on any real system
 MAX_CONF_BYTES = 64 * 1024
-MAX_LINKS = 40  # as the kernel's symlink limit
+MAX_LINKS = pathtrust.MAX_LINKS
 
 HOST, OPERATOR, CONFIGURED = "host", "gpu-operator", "driver-root"
 LAYOUT_TEXT = {
@@ -63,6 +74,8 @@ class NvmlLibrary:
     real: str
     layout: str
     driver_root: str
+    # the file checked: (device, inode); the load refuses any other (0, 0: not known)
+    identity: tuple[int, int] = (0, 0)
 
     def describe(self) -> str:
         where = LAYOUT_TEXT[self.layout]
@@ -94,9 +107,26 @@ class NvmlLookup:
 
 def find_library(lookup: NvmlLookup) -> Optional[NvmlLibrary]:
     """The first trusted libnvidia-ml.so.1 of the lookup's order, or None."""
+    return search(lookup)[0]
+
+
+def search(lookup: NvmlLookup) -> tuple[Optional[NvmlLibrary], tuple[str, ...]]:
+    """(the first trusted libnvidia-ml.so.1 of the lookup's order or None, the reasons
+    libraries found on the way were refused)."""
+    refused: list[str] = []
+    top = lookup.root.path("/")
     for layout, droot in lookup.driver_roots():
-        base = lookup.root.path(droot)
-        if layout != HOST and not base.is_dir():
+        if layout == HOST:
+            base: Optional[Path] = top
+        else:
+            try:
+                found = pathtrust.resolve(top, droot)
+            except pathtrust.Untrusted as e:
+                if lookup.root.path(droot).is_dir():
+                    refused.append(f"driver root {droot}: {e}")
+                continue
+            base = found.real if found is not None and stat.S_ISDIR(found.st.st_mode) else None
+        if base is None:
             continue
         env = os.environ.get("LD_LIBRARY_PATH", "") if layout == HOST else ""
         seen: set[str] = set()
@@ -105,12 +135,33 @@ def find_library(lookup: NvmlLookup) -> Optional[NvmlLibrary]:
                 continue
             seen.add(d)
             shown = os.path.join(d, LIBRARY)
-            real = _resolve(base, shown)
-            if real is not None and _trusted(real):
-                return NvmlLibrary(
-                    shown if droot == "/" else droot + shown, str(real), layout, droot
-                )
-    return None
+            named = shown if droot == "/" else droot + shown
+            try:
+                got = pathtrust.resolve(base, shown)
+            except pathtrust.Untrusted as e:
+                if os.path.lexists(base.joinpath(shown.lstrip("/"))):
+                    refused.append(f"{named}: {e}")
+                continue
+            if got is None:
+                continue
+            why = file_problem(got.st)
+            if why:
+                refused.append(f"{named}: {why}")
+                continue
+            ident = (got.st.st_dev, got.st.st_ino)
+            return NvmlLibrary(named, str(got.real), layout, droot, ident), tuple(refused)
+    return None, tuple(refused)
+
+
+def file_problem(st: os.stat_result) -> str:
+    """Why a library file is not root's alone ("" when it is)."""
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_uid != 0:
+        return f"owned by uid {st.st_uid}"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return "writable by others than root"
+    return ""
 
 
 def where_looked(lookup: NvmlLookup) -> str:
@@ -153,65 +204,47 @@ def _conf_dirs(base: Path) -> Iterator[str]:
                 yield os.path.normpath(line.split()[0])
 
 
-def _resolve(base: Path, path: str) -> Optional[Path]:
-    """`path` inside `base` with its symbolic links followed as a chroot would (an
-    absolute target is the driver root's own, never the host's); None: not there."""
-    parts = [p for p in path.split("/") if p]
-    done: list[str] = []
-    links = 0
-    while parts:
-        part = parts.pop(0)
-        if part in (".", ""):
-            continue
-        if part == "..":
-            if done:
-                done.pop()
-            continue
-        here = base.joinpath(*done, part)
-        try:
-            st = os.lstat(here)
-        except OSError:
-            return None
-        if stat.S_ISLNK(st.st_mode):
-            links += 1
-            if links > MAX_LINKS:
-                return None
-            target = os.readlink(here)
-            if target.startswith("/"):
-                done = []
-            parts = [p for p in target.split("/") if p] + parts
-            continue
-        done.append(part)
-    return base.joinpath(*done)
+# the library pynvml's handle was loaded from (one process, one): its path, identity
+# and the descriptor it was loaded through (kept open: its number names the library)
+_loaded: list[tuple[str, tuple[int, int], int]] = []
 
 
-def _trusted(path: Path) -> bool:
+def open_checked(lib: NvmlLibrary) -> int:
+    """A descriptor of exactly the file the lookup checked; OSError: not it (any more)."""
+    fd = os.open(lib.real, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        st = os.stat(path)
-    except OSError:
-        return False
-    return (
-        stat.S_ISREG(st.st_mode)
-        and st.st_uid == 0
-        and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-    )
-
-
-_loaded: list[str] = []  # the file pynvml's handle was loaded from (one process, one)
+        st = os.fstat(fd)
+        why = file_problem(st)
+        if not why and lib.identity != (0, 0) and (st.st_dev, st.st_ino) != lib.identity:
+            why = "replaced since it was checked"
+        if why:
+            raise OSError(f"{lib.real}: {why}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def load_into(pynvml: Any, lib: NvmlLibrary) -> None:
-    """Make pynvml call `lib`: its handle set under its own lock, its cache of
-    function pointers dropped when the library changes. OSError: not loadable."""
+    """Make pynvml call `lib`, loaded through a descriptor of the file checked: its
+    handle set under pynvml's own lock, its cache of function pointers dropped when
+    the library changes. OSError: not loadable, or not the file checked."""
     import ctypes  # only where NVML is asked
 
     lock = getattr(pynvml, "libLoadLock", None) or contextlib.nullcontext()
     with lock:
-        if _loaded and _loaded[0] == lib.real and pynvml.nvmlLib is not None:
+        if _loaded and _loaded[0][:2] == (lib.real, lib.identity) and pynvml.nvmlLib is not None:
             return
-        handle = ctypes.CDLL(lib.real)
+        fd = open_checked(lib)
+        try:
+            handle = ctypes.CDLL(f"/proc/self/fd/{fd}")
+        except BaseException:
+            os.close(fd)
+            raise
         pynvml.nvmlLib = handle
         cache = getattr(pynvml, "_nvmlGetFunctionPointer_cache", None)
         if cache is not None:  # the bindings cache each function of the library loaded
             cache.clear()
-        _loaded[:] = [lib.real]
+        # the earlier library's descriptor stays open: glibc may keep it loaded under
+        # its /proc/self/fd name, which must never name another file
+        _loaded[:] = [(lib.real, lib.identity, fd)]

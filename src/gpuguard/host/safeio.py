@@ -187,3 +187,48 @@ def proc_bytes(path: Path, *, max_bytes: int = PROC_MAX) -> bytes:
 def proc_text(path: Path, *, max_bytes: int = PROC_MAX) -> str:
     """proc_bytes() as text, bad bytes replaced."""
     return proc_bytes(path, max_bytes=max_bytes).decode("utf-8", errors="replace")
+
+
+def read_range(
+    path: Path,
+    *,
+    what: str,
+    offset: int,
+    max_bytes: int,
+    missing: str = "does not exist — check the path",
+) -> tuple[bytes, os.stat_result]:
+    """At most `max_bytes` of the regular file `path` from byte `offset` (a log another
+    program appends to, read on from where the last read ended), and its stat. The
+    same open as read_bytes(): non-blocking, no link followed, a regular file only;
+    nothing past the bound is read (b"" at or past its end)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        raise _open_error(path, what, e, missing) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeFileError(
+                f"{path}: is not a regular file (mode {stat.filemode(st.st_mode)}); refusing "
+                f"to read it as a {what} — replace it with a regular file or fix the path"
+            )
+        chunks = []
+        left = max(0, min(max_bytes, st.st_size - offset))
+        at = offset
+        while left > 0:
+            try:
+                chunk = os.pread(fd, min(left, READ_CHUNK_MAX), at)
+            except OSError as e:
+                raise UnsafeFileError(
+                    f"{path}: read failed ({e.strerror}) — check the disk and try again",
+                    errno=e.errno or 0,
+                ) from None
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+            at += len(chunk)
+        return b"".join(chunks), st
+    finally:
+        os.close(fd)

@@ -40,7 +40,8 @@ READMIT_KINDS: dict[str, tuple[str, str]] = {
     ),
     "readmit-failed": (
         "gpuguard's re-admission bridge could not register with kubelet",
-        "The registration call on kubelet.sock failed (the message has gRPC's error); "
+        "The registration call on kubelet.sock failed (the message has gRPC's status "
+        "code and kubelet's details); "
         "kubelet may reject GPU pods that were running before it started. " + _WHY,
     ),
     "readmit-off": (
@@ -79,9 +80,31 @@ READMIT_KINDS: dict[str, tuple[str, str]] = {
         "(UnexpectedAdmissionError: no healthy devices present, previously allocated "
         "devices no longer healthy, or none available). A static or bare pod stays "
         "Failed for good; a controller's pod is replaced on any free GPU. gpuguard's "
-        "re-admission bridge reads kubelet's journal for two minutes after each kubelet "
-        "start and names each such pod once: with gpuguard off or observing, a GPU gone "
-        "for good, or a bridge that could not register, these are the pods lost. " + _WHY,
+        "re-admission bridge reads kubelet's own records (its journal entries, or "
+        "[Kubelet] LogFile=) for two minutes after each kubelet start and names once "
+        "each pod the checkpoint held GPUs for at that start: with gpuguard off or "
+        "observing, a GPU gone for good, or a bridge that could not register, these are "
+        "the pods lost. " + _WHY,
+    ),
+    "readmit-unread": (
+        "gpuguard's re-admission bridge cannot read kubelet's rejections at this start",
+        "The bridge reads the rejections only from kubelet's own records: the kubelet "
+        "unit's journal entries of its main process from that process's start "
+        "(journald's _SYSTEMD_UNIT, _PID and _BOOT_ID), or [Kubelet] LogFile= where "
+        "kubelet logs to a file (RKE2), and names only pods the checkpoint held GPUs for "
+        "at kubelet's start. The message says what kept it from reading: the journal or "
+        "the file unreadable (or not root's file that only root may write), journalctl "
+        "failing, no kubelet process in the unit (is [Systemd] KubeletUnits= right?), "
+        "kubelet's checkpoint unreadable. The state file keeps it (problem) and the "
+        "daemon's readmit verdict is unknown for this kubelet run: GPU pods kubelet "
+        "rejected may not be named. " + _WHY,
+    ),
+    "readmit-log-reader": (
+        "gpuguard's re-admission bridge reads kubelet's journal through journalctl",
+        "python3-systemd is not installed, so the bridge runs journalctl -o json, matched "
+        "on the same trusted fields, instead of reading the journal in-process. It works "
+        "the same; install python3-systemd (a dependency of the package) to spare the "
+        "process. Said once per bridge process. " + _WHY,
     ),
     "gpu-pod-rejected": (
         "a GPU pod kubelet rejected at its start has not run since",

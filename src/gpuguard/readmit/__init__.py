@@ -36,6 +36,7 @@ from gpuguard.errors import GpuguardError
 from gpuguard.host.offswitch import read_off_switch
 from gpuguard.host.paths import Root
 from gpuguard.journal.log import EventLog
+from gpuguard.readmit import rpcerror
 from gpuguard.readmit.observe import alive_pods, other_sockets
 from gpuguard.readmit.plan import Decision, decide
 from gpuguard.readmit.presence import NodeDevices
@@ -192,7 +193,7 @@ class Readmit:
             f"{sock[0]}:{sock[1]}" if sock else "", started, time.time() + WATCH_SECONDS + 5
         )
         if self.rejected is not None:  # the pods kubelet rejects now, named (any mode)
-            self.rejected.start(time.time() - 5)
+            self.rejected.start(self.inputs.cfg)  # this kubelet's own records
         if self.withdrawal is not None:  # the previous kubelet's: never sent now
             self.withdrawal.cancel()
         off = read_off_switch(self.root)
@@ -248,11 +249,12 @@ class Readmit:
                 self.bridge.register(o.resource, o.healthy)
             except Exception as e:  # grpc.RpcError, or the socket's directory
                 rec.decided("failed", f"registering {o.resource} failed")
+                why, grpc_fields = rpcerror.describe(e)  # its status and details
                 self.elog.event(
                     "readmit-failed",
-                    f"registering {o.resource} failed: {str(e).splitlines()[0][:200]}",
+                    f"registering {o.resource} failed: {why}",
                     level="warning",
-                    fields=fields,
+                    fields={**fields, **grpc_fields},
                 )
                 continue
             ms = (time.monotonic() - t0) * 1000

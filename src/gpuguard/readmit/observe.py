@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from gpuguard.errors import GpuguardError
-from gpuguard.host import commands
+from gpuguard.host import commands, pathtrust
+from gpuguard.host.echo import cut
 from gpuguard.host.paths import STATE_DIR, Root
 from gpuguard.host.statefile import StateFile, load
 from gpuguard.readmit.alive import alive_pods as own_containers_alive
@@ -84,29 +85,69 @@ def identity(st: os.stat_result) -> str:
     return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
 
 
+VERSION_TIMEOUT = 5.0  # seconds for ``--version``: kubelet answers in tens of ms
+VERSION_BYTES = 4096  # of its output read: the version is its first line
+
+
 def kubelet_version(root: Root, path: str, cached: Optional[KubeletVersion]) -> KubeletVersion:
     """What ``path --version`` says, asked only of a root-owned executable that no one
-    else may write and whose name is kubelet's (or k3s's, RKE2's); ``cached`` when it
-    is the same file as then."""
+    else may write (nor any directory on its way: host/pathtrust.py), with no setuid
+    or setgid bit and no file capability, whose name is kubelet's (or k3s's, RKE2's);
+    ``cached`` when it is the same file as then. It runs as nobody, without new
+    privileges, an empty environment, a timeout and its output bounded
+    (host/commands.py: run_as_nobody), exec'd through a descriptor of the file checked."""
     try:
-        st = os.stat(root.path(path))
-    except OSError as e:
-        return KubeletVersion(path, "", "", f"{path}: {e.strerror}")
+        found = pathtrust.resolve(root.path("/"), path)
+    except pathtrust.Untrusted as e:
+        return KubeletVersion(path, "", "", f"{path}: not asked: {e}"[:200])
+    if found is None:
+        return KubeletVersion(path, "", "", f"{path}: No such file or directory")
+    st = found.st
     ident = identity(st)
     if cached is not None and (cached.path, cached.identity) == (path, ident):
         return cached
     if not KUBELET_NAMES.search(Path(path).name):
         return KubeletVersion(path, ident, "", f"{path}: not kubelet, k3s or rke2")
-    if st.st_uid != 0 or st.st_mode & 0o022 or not stat.S_ISREG(st.st_mode):
-        return KubeletVersion(path, ident, "", f"{path}: not a root-owned file only root writes")
+    why = _executable_problem(st)
+    if why:
+        return KubeletVersion(path, ident, "", f"{path}: {why}")
     try:
-        res = commands.run([str(root.path(path)), "--version"], timeout=5)
-    except GpuguardError as e:
-        return KubeletVersion(path, ident, "", str(e)[:200])
-    line = (res.stdout or res.stderr).strip().splitlines()[:1]
-    text = line[0][:200] if line else ""
+        fd = os.open(found.real, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        return KubeletVersion(path, ident, "", f"{path}: {e.strerror}")
+    try:
+        now = os.fstat(fd)
+        why = "replaced while it was checked" if identity(now) != ident else _caps(fd)
+        if why:
+            return KubeletVersion(path, ident, "", f"{path}: {why}")
+        _rc, out = commands.run_as_nobody(
+            fd, ["--version"], timeout=VERSION_TIMEOUT, max_bytes=VERSION_BYTES
+        )
+    except commands.CommandError as e:
+        return KubeletVersion(path, ident, "", f"{path} --version: {e}"[:200])
+    finally:
+        os.close(fd)
+    line = out.strip().splitlines()[:1]
+    text = cut(line[0], 200) if line else ""
     m = VERSION.search(text)
     return KubeletVersion(path, ident, f"{m[1]}.{m[2]}" if m else "", text)
+
+
+def _executable_problem(st: os.stat_result) -> str:
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+        return "not a root-owned file only root writes"
+    if st.st_mode & (stat.S_ISUID | stat.S_ISGID):
+        return "setuid or setgid: not run"
+    return ""
+
+
+def _caps(fd: int) -> str:
+    """Why not, when the file carries capabilities (security.capability)."""
+    try:
+        os.getxattr(fd, "security.capability")
+    except OSError:
+        return ""  # none (ENODATA), or no xattrs on this filesystem
+    return "has file capabilities: not run"
 
 
 def read_cached(root: Root) -> Optional[KubeletVersion]:

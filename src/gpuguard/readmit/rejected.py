@@ -1,113 +1,212 @@
 """The GPU pods kubelet rejected at its start, named: kubelet 1.26+ logs each pod it
 refuses to admit (``"Pod admission denied" podUID=... pod="NS/NAME"
 reason="UnexpectedAdmissionError" message="Allocate failed due to ..."``); for two
-minutes after each kubelet start the bridge reads kubelet's unit journal for them and
-journals each GPU pod rejected by the device manager once (``readmit-rejected``, with
-POD, POD_UID, REASON), whether or not it offered anything: with gpuguard off, in
-observe mode, or when a GPU is gone for good, these are the pods lost. It also finds
-kubelet's first admission (its first ``"SyncLoop ADD"``), for the margin between the
-bridge's devices healthy and that moment (readmit/state.py).
+minutes after each kubelet start the bridge reads that kubelet's own log records
+(readmit/kubeletlog.py: the journal matched on journald's trusted fields, or
+``[Kubelet] LogFile=``; readmit/klog.py: a record is a whole line that starts with
+klog's header and kubelet's PID, or a JSON record, never a line inside a logged value)
+and journals each GPU pod rejected by the device manager once (``readmit-rejected``,
+with POD, POD_UID, REASON), whether or not it offered anything: with gpuguard off, in
+observe mode, or when a GPU is gone for good, these are the pods lost. Only the pods
+the checkpoint held GPUs for at kubelet's start are its re-admission's rejections: a
+rejection of another pod (a new pod kubelet judged later) is journaled at debug
+level and named nowhere. It also finds kubelet's first admission (its first
+``"SyncLoop ADD"``), for the margin between the bridge's devices healthy and that
+moment (readmit/state.py).
+
+What kept it from reading (the journal or the file unreadable, journalctl failing,
+no kubelet process in the unit, the checkpoint unreadable) is said: journaled once
+per kubelet start (``readmit-unread``) and kept in the state file's ``problem``, so
+that the daemon's verdict on the rejections is unknown, never OK.
 """
 
 from __future__ import annotations
 
-import re
+import errno
+import fnmatch
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from gpuguard.checkpoint.reader import load as load_checkpoint
+from gpuguard.config.schema import Config
 from gpuguard.errors import GpuguardError
-from gpuguard.host import commands
+from gpuguard.host.echo import cut
+from gpuguard.host.paths import Root
+from gpuguard.readmit import kubeletlog
+from gpuguard.readmit.klog import Line, Rejection, Scan, klog_unix, scan, uid_key
+from gpuguard.readmit.kubeletlog import (
+    Journalctl,
+    JournalReader,
+    KubeletRun,
+    LogFile,
+    LogUnreadable,
+    Position,
+    Source,
+    kubelet_run,
+    position,
+)
 
-DENIED = re.compile(
-    r'"Pod admission denied" podUID="([^"]*)" pod="([^"]*)" reason="([^"]*)" '
-    r'message="((?:[^"\\]|\\.)*)"'
-)
-# short-unix output: "1764342378.123456 host kubelet[12]: I1128 15:06:18.123456 ..."
-ADD_LINE = re.compile(
-    r"^(\d+\.\d+) \S+ [^:]*: [IWE]\d{4} (\d\d):(\d\d):(\d\d\.\d+) .*SyncLoop ADD", re.M
-)
+__all__ = [
+    "EVERY",
+    "WATCH_SECONDS",
+    "Rejection",
+    "RejectionWatch",
+    "first_admission",
+    "held_pods",
+    "klog_unix",
+    "rejections",
+]
+
 WATCH_SECONDS = 120.0
 EVERY = 2.0
 
 
+def rejections(log: str, pid: int, held: Optional[frozenset[str]] = None) -> list[Rejection]:
+    """The device manager's rejections in kubelet's log text, one record per line
+    (pure): reason UnexpectedAdmissionError with an ``Allocate failed`` message, from
+    the kubelet whose PID is ``pid``; of the pods ``held`` when given."""
+    lines = tuple(Line(t, 0.0) for t in log.splitlines())
+    _s, found = scan(Scan(), lines, pid, frozenset() if held is None else held)
+    return list(found.rejected if held is not None else (*found.rejected, *found.elsewhere))
+
+
+def first_admission(lines: tuple[Line, ...], pid: int) -> Optional[float]:
+    """kubelet's first admission in its lines (pure): its first SyncLoop ADD."""
+    _s, found = scan(Scan(), lines, pid, frozenset())
+    return found.admitted
+
+
+def held_pods(root: Root, cfg: Config) -> tuple[Optional[frozenset[str]], str]:
+    """The UIDs (uid_key()'d) of the pods the checkpoint holds devices of a managed
+    resource for, now; (None, why) when it cannot be read (no checkpoint: none)."""
+    try:
+        loaded = load_checkpoint(root.path(cfg.kubelet.checkpoint_path))
+    except GpuguardError as e:
+        if getattr(e, "errno", 0) in (errno.ENOENT, errno.ENOTDIR):
+            return frozenset(), ""
+        return None, f"kubelet's checkpoint: {cut(e.message, 200)}"
+    held = {
+        uid_key(e.pod_uid)
+        for e in loaded.checkpoint.entries or ()
+        if e.all_device_ids()
+        and any(fnmatch.fnmatchcase(e.resource_name, p) for p in cfg.kubelet.resources)
+    }
+    return frozenset(held), ""
+
+
 @dataclass(frozen=True)
-class Rejection:
-    pod_uid: str
-    pod: str  # namespace/name
-    reason: str
-    message: str
+class Watching:
+    """One kubelet start's watch: its generation, and its log file's position then."""
 
-
-def rejections(log: str) -> list[Rejection]:
-    """The device manager's rejections in kubelet's log text (pure): reason
-    UnexpectedAdmissionError with an ``Allocate failed`` message."""
-    out = []
-    for uid, pod, reason, message in DENIED.findall(log):
-        if reason == "UnexpectedAdmissionError" and "Allocate failed" in message:
-            out.append(Rejection(uid, pod, reason, message.replace('\\"', '"')[:300]))
-    return out
-
-
-def klog_unix(received: float, hours: int, minutes: int, seconds: float) -> float:
-    """The Unix time of a klog line's clock time (kubelet's local time, no date), from
-    when journald received it (UTC, a little later): the time zone is a whole number
-    of quarter hours, the delay far less than 7 minutes."""
-    day = received - received % 86400
-    t = day + (hours * 60 + minutes) * 60 + seconds
-    return t - round((t - received) / 900) * 900
-
-
-def first_admission(log: str) -> Optional[float]:
-    """kubelet's first admission in short-unix journal text: its first SyncLoop ADD."""
-    m = ADD_LINE.search(log)
-    if m is None:
-        return None
-    return klog_unix(float(m[1]), int(m[2]), int(m[3]), float(m[4]))
+    generation: int
+    cfg: Config
+    file_at: Optional[Position]
 
 
 class RejectionWatch:
-    """Reads kubelet's journal after one kubelet start; a newer start supersedes it.
-    ``admitted`` gets kubelet's first admission (Unix time) once found."""
+    """Reads kubelet's log after one kubelet start; a newer start supersedes it.
+    ``admitted`` gets kubelet's first admission (Unix time) once found; ``problem``
+    what kept it from reading; ``note(level, text)`` the rest worth journaling."""
 
     def __init__(
         self,
+        root: Root,
         unit: str,
         say: Callable[[Rejection], None],
         admitted: Callable[[float], None] = lambda _at: None,
+        problem: Callable[[str], None] = lambda _why: None,
+        note: Callable[[str, str], None] = lambda _level, _text: None,
+        runs: Callable[[Root, str, bool], KubeletRun] = kubelet_run,
+        every: float = EVERY,
     ) -> None:
+        self.root = root
         self.unit = unit
         self.say = say
         self.admitted = admitted
+        self.problem = problem
+        self.note = note
+        self.runs = runs
+        self.every = every
         self.generation = 0
+        self.told_fallback = False
 
-    def start(self, since: float) -> None:
+    def start(self, cfg: Config) -> None:
+        threading.Thread(target=self.follow, args=(self.begin(cfg),), daemon=True).start()
+
+    def begin(self, cfg: Config) -> Watching:
+        """At kubelet's start (kubelet.sock just made): a log file's position now."""
         self.generation += 1
-        gen = self.generation
-        threading.Thread(target=self._run, args=(gen, since), daemon=True).start()
+        f = cfg.kubelet.log_file
+        return Watching(self.generation, cfg, position(self.root.path(f)) if f else None)
 
-    def _run(self, gen: int, since: float) -> None:
-        seen: set[str] = set()
-        admitted = False
+    def open(self, w: Watching, run: KubeletRun) -> Source:
+        if w.file_at is not None and w.cfg.kubelet.log_file:
+            path = self.root.path(w.cfg.kubelet.log_file)
+            return LogFile(path, w.file_at, check_owner=self.root.is_host)
+        if kubeletlog.have_reader():
+            return JournalReader(run)
+        if not self.told_fallback:
+            self.told_fallback = True
+            self.note(
+                "notice",
+                "python3-systemd is not installed: kubelet's journal is read through "
+                "journalctl -o json (install python3-systemd to read it in-process)",
+            )
+        return Journalctl(run)
+
+    def follow(self, w: Watching, rounds: Optional[int] = None) -> None:
+        """Read until WATCH_SECONDS after the start, a newer start, or ``rounds``
+        reads (tests)."""
+        said: set[str] = set()
+
+        def tell(why: str) -> None:
+            if why not in said and w.generation == self.generation:
+                said.add(why)
+                self.problem(why)
+
+        # now: kubelet drops a rejected pod's entries at its next allocation
+        held, why = held_pods(self.root, w.cfg)
+        if held is None:
+            tell(f"{why}: no rejection is named at this start")
         deadline = time.monotonic() + WATCH_SECONDS
-        while gen == self.generation and time.monotonic() < deadline:
-            time.sleep(EVERY)
-            argv = ["journalctl", "--no-pager", "-o", "short-unix", "-u", self.unit]
-            argv += [f"--since=@{since:.0f}"]
-            grep = "Pod admission denied" if admitted else "Pod admission denied|SyncLoop ADD"
-            try:
-                res = commands.run([*argv, f"--grep={grep}"], timeout=10)
-            except GpuguardError:
-                continue
-            if gen != self.generation:
-                return
-            if not admitted:
-                at = first_admission(res.stdout)
-                if at is not None and at >= since:
-                    admitted = True
-                    self.admitted(at)
-            for r in rejections(res.stdout):
-                if r.pod_uid not in seen:
-                    seen.add(r.pod_uid)
+        time.sleep(self.every)  # the bridge's registration first: nothing to read yet
+        run = self.runs(self.root, self.unit, w.file_at is not None)
+        if run.pid == 0:
+            tell(f"kubelet's records cannot be told from others: {run.why}")
+            return
+        try:
+            source = self.open(w, run)
+        except LogUnreadable as e:
+            tell(e.message)
+            return
+        state = Scan()
+        done = 0
+        try:
+            while w.generation == self.generation and time.monotonic() < deadline:
+                if rounds is not None and done >= rounds:
+                    return
+                if done:
+                    time.sleep(self.every)
+                done += 1
+                try:
+                    lines = source.read()
+                except LogUnreadable as e:
+                    tell(e.message)
+                    continue
+                if w.generation != self.generation:
+                    return
+                state, found = scan(state, lines, run.pid, held or frozenset())
+                if found.admitted is not None:
+                    self.admitted(found.admitted)
+                for r in found.rejected:
                     self.say(r)
+                for r in found.elsewhere:
+                    self.note(
+                        "debug",
+                        f"kubelet rejected pod {r.pod} ({r.pod_uid}), which held no GPU in "
+                        f"its checkpoint at kubelet's start: not a re-admission: {r.message}",
+                    )
+        finally:
+            source.close()

@@ -17,16 +17,29 @@ list (that kubelet judges every pod again and names again the ones it rejects).
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
-from gpuguard.host.statefile import Obj, StateFile
+from gpuguard.host.statefile import TIME_MAX, Obj, StateFile
 
 # Its own runtime directory (RuntimeDirectory= of gpuguard-readmit.service, preserved):
 # gpuguard.service's /run/gpuguard goes away whenever the daemon stops.
 STATE_FILE = "/run/gpuguard-readmit/state.json"
 MAX_REJECTED = 256  # newest kept: far above the GPU pods of a node
 MAX_RACED = 32
+# Every bound the reader (_parse) enforces, which the Recorder applies to what it is
+# given: nothing it accepts can make a later write (or the daemon's read) fail.
+SOCK_MAX = 64  # kubelet_sock
+DECISION_MAX = 16
+DETAIL_MAX = 400  # detail, problem
+RESOURCE_MAX = 256  # a resource name, a device ID, a raced socket's name
+MAX_REGISTRATIONS = 64
+MAX_DEVICES = 4096
+POD_UID_MAX = 64
+POD_MAX = 320  # namespace/name: 63 + 1 + 253 at most in Kubernetes
+REASON_MAX = 64
+MESSAGE_MAX = 400
 
 
 @dataclass(frozen=True)
@@ -60,6 +73,9 @@ class ReadmitState:
     # decision "off": why, as readmit/offstate.py's causes ("" for any other decision)
     off_cause: str = ""
     kubelet_version: str = ""  # "1.34" as the bridge told it ("" when not told)
+    # what kept the bridge from reading kubelet's rejections at this start ("" none):
+    # the daemon's verdict on them is then unknown, never OK
+    problem: str = ""
 
     @property
     def healthy_at(self) -> Optional[float]:
@@ -97,9 +113,9 @@ class ReadmitState:
 def _registration(v: Any, where: str) -> Registration:
     o = Obj(v, where)
     return Registration(
-        o.text("resource", max_len=256),
+        o.text("resource", max_len=RESOURCE_MAX),
         o.real("registered_at"),
-        o.texts("devices", max_items=4096, max_len=256),
+        o.texts("devices", max_items=MAX_DEVICES, max_len=RESOURCE_MAX),
         o.opt_real("healthy_at"),
     )
 
@@ -107,27 +123,28 @@ def _registration(v: Any, where: str) -> Registration:
 def _rejected(v: Any, where: str) -> RejectedPod:
     o = Obj(v, where)
     return RejectedPod(
-        o.text("pod_uid", max_len=64),
-        o.text("pod", max_len=320),
-        o.text("reason", max_len=64),
-        o.text("message", max_len=400),
+        o.text("pod_uid", max_len=POD_UID_MAX),
+        o.text("pod", max_len=POD_MAX),
+        o.text("reason", max_len=REASON_MAX),
+        o.text("message", max_len=MESSAGE_MAX),
         o.real("seen_at"),
     )
 
 
 def _parse(o: Obj) -> ReadmitState:
     return ReadmitState(
-        o.text("kubelet_sock", max_len=64),
+        o.text("kubelet_sock", max_len=SOCK_MAX),
         o.real("kubelet_started"),
-        o.text("decision", max_len=16),
-        o.text("detail", max_len=400),
-        o.items("registrations", _registration, max_items=64),
-        o.texts("raced", max_items=MAX_RACED, max_len=256),
+        o.text("decision", max_len=DECISION_MAX),
+        o.text("detail", max_len=DETAIL_MAX),
+        o.items("registrations", _registration, max_items=MAX_REGISTRATIONS),
+        o.texts("raced", max_items=MAX_RACED, max_len=RESOURCE_MAX),
         o.opt_real("first_admission"),
         o.items("rejected", _rejected, max_items=MAX_REJECTED),
         o.real("watch_until"),
         o.text("off_cause", max_len=32, default=""),
         o.text("kubelet_version", max_len=32, default=""),
+        o.text("problem", max_len=DETAIL_MAX, default=""),  # absent before it existed
     )
 
 
@@ -161,6 +178,7 @@ def _render(s: ReadmitState) -> dict[str, Any]:
         "watch_until": s.watch_until,
         "off_cause": s.off_cause,
         "kubelet_version": s.kubelet_version,
+        "problem": s.problem,
     }
 
 
@@ -175,14 +193,53 @@ SPEC: StateFile[ReadmitState] = StateFile(
 )
 
 
+def _t(text: str, limit: int) -> str:
+    """``text`` within the reader's bound for its field (a lone surrogate, which no
+    UTF-8 can carry, replaced): what the Recorder stores, the reader reads back."""
+    if len(text) > limit:
+        text = text[:limit]
+    if not text.isascii():
+        text = text.encode("utf-8", "replace").decode("utf-8")[:limit]
+    return text
+
+
+def _time(at: Optional[float]) -> Optional[float]:
+    """A time the reader accepts (finite, 0 to TIME_MAX), else None."""
+    if at is None or not math.isfinite(at) or not 0.0 <= at <= TIME_MAX:
+        return None
+    return float(at)
+
+
+def bounded_pod(pod: RejectedPod) -> RejectedPod:
+    """``pod`` with every field within what the state file's reader accepts."""
+    return RejectedPod(
+        _t(pod.pod_uid, POD_UID_MAX),
+        _t(pod.pod, POD_MAX),
+        _t(pod.reason, REASON_MAX),
+        _t(pod.message, MESSAGE_MAX),
+        _time(pod.seen_at) or 0.0,
+    )
+
+
 class Recorder:
     """The bridge's state for the current kubelet start, written through ``write``
-    after each change (from the main loop, gRPC's and the journal reader's threads)."""
+    after each change (from the main loop, gRPC's and the journal reader's threads).
 
-    def __init__(self, write: Callable[[ReadmitState], None]) -> None:
+    Whatever it is given is cut to the bounds the state file's reader enforces (and a
+    change its reader would still refuse is not taken, ``refused`` says why), so no
+    input, a forged 10,000-character pod name included, can make a later write or the
+    daemon's read fail: every later rejection and raced socket still reaches the
+    daemon."""
+
+    def __init__(
+        self,
+        write: Callable[[ReadmitState], None],
+        refused: Callable[[str], None] = lambda _w: None,
+    ) -> None:
         import threading
 
         self.write = write
+        self.refused = refused
         self.lock = threading.Lock()
         self.state: Optional[ReadmitState] = None
         # kubelet may open ListAndWatch before the registration call returns here
@@ -192,38 +249,64 @@ class Recorder:
         with self.lock:
             if self.state is None:
                 return
-            self.state = how(self.state)
-            state = self.state
+            new = how(self.state)
+            _data, why = SPEC.refuses(new)
+            if why:  # kept as it was: every later change still writes
+                with contextlib.suppress(Exception):
+                    self.refused(why)
+                return
+            self.state = new
             with contextlib.suppress(Exception):  # the bridge's work never waits on its report
-                self.write(state)
+                self.write(new)
 
     def kubelet_started(self, sock: str, at: float, watch_until: float) -> None:
         with self.lock:
-            self.state = ReadmitState(sock, at, "skip", "deciding", watch_until=watch_until)
+            self.state = ReadmitState(
+                _t(sock, SOCK_MAX),
+                _time(at) or 0.0,
+                "skip",
+                "deciding",
+                watch_until=_time(watch_until) or 0.0,
+            )
             self.early.clear()
         self._change(lambda s: s)
 
     def decided(self, decision: str, detail: str) -> None:
-        self._change(lambda s: replace(s, decision=decision, detail=detail[:400]))
+        self._change(
+            lambda s: replace(s, decision=_t(decision, DECISION_MAX), detail=_t(detail, DETAIL_MAX))
+        )
 
     def registered(self, resource: str, devices: tuple[str, ...], at: float) -> None:
+        resource = _t(resource, RESOURCE_MAX)
         with self.lock:
             early = self.early.pop(resource, None)
-        reg = Registration(resource, at, devices[:4096], early)
+        ids = tuple(_t(d, RESOURCE_MAX) for d in devices[:MAX_DEVICES])
+        reg = Registration(resource, _time(at) or 0.0, ids, early)
         self._change(
             lambda s: replace(
                 s,
-                registrations=(*(r for r in s.registrations if r.resource != resource), reg),
+                registrations=(
+                    *(r for r in s.registrations if r.resource != resource),
+                    reg,
+                )[-MAX_REGISTRATIONS:],
             )
         )
 
     def healthy(self, resource: str, at: float) -> None:
+        resource = _t(resource, RESOURCE_MAX)
+        when = _time(at)
+        if when is None:
+            return
+
         def how(s: ReadmitState) -> ReadmitState:
             if not any(r.resource == resource for r in s.registrations):
-                self.early.setdefault(resource, at)
+                if len(self.early) < MAX_REGISTRATIONS:
+                    self.early.setdefault(resource, when)
                 return s
             regs = tuple(
-                replace(r, healthy_at=at) if r.resource == resource and r.healthy_at is None else r
+                replace(r, healthy_at=when)
+                if r.resource == resource and r.healthy_at is None
+                else r
                 for r in s.registrations
             )
             return replace(s, registrations=regs)
@@ -231,16 +314,31 @@ class Recorder:
         self._change(how)
 
     def raced(self, sockets: tuple[str, ...]) -> None:
-        self._change(
-            lambda s: replace(s, raced=tuple(sorted(set(s.raced) | set(sockets)))[:MAX_RACED])
-        )
+        names = {_t(n, RESOURCE_MAX) for n in sockets[:MAX_RACED]}
+        self._change(lambda s: replace(s, raced=tuple(sorted(set(s.raced) | names))[:MAX_RACED]))
 
     def admitted(self, at: float) -> None:
-        self._change(lambda s: replace(s, first_admission=at))
+        when = _time(at)
+        if when is not None:
+            self._change(lambda s: replace(s, first_admission=when))
 
     def rejected(self, pod: RejectedPod) -> None:
+        pod = bounded_pod(pod)
+
         def how(s: ReadmitState) -> ReadmitState:
             kept = tuple(p for p in s.rejected if p.pod_uid != pod.pod_uid)
             return replace(s, rejected=(*kept, pod)[-MAX_REJECTED:])
+
+        self._change(how)
+
+    def problem(self, why: str) -> None:
+        """Something kept the bridge from reading kubelet's rejections at this start
+        (each said once; the newest first, within the field's bound)."""
+
+        def how(s: ReadmitState) -> ReadmitState:
+            if why in s.problem:
+                return s
+            joined = f"{why}; {s.problem}" if s.problem else why
+            return replace(s, problem=_t(joined, DETAIL_MAX))
 
         self._change(how)

@@ -69,10 +69,13 @@ def decode_list(data: bytes) -> dict[str, frozenset[str]]:
 
 
 def read_list(plugins_dir: Path) -> Optional[dict[str, frozenset[str]]]:
-    """kubelet's answer, or None when it cannot be asked (no socket, no answer)."""
+    """kubelet's answer, or None when it cannot be asked (no socket, no answer, a
+    server not running as root: the withdrawal then waits for its deadline)."""
     path = plugins_dir.parent / SOCKET
     try:
-        data = unarygrpc.call(LIST, str(path), b"", timeout=TIMEOUT, limit=MAX_ANSWER)
+        data = unarygrpc.call(  # kubelet's: its server runs as root
+            LIST, str(path), b"", timeout=TIMEOUT, limit=MAX_ANSWER, peer_uid=0
+        )
         return decode_list(data)
     except (unarygrpc.CallError, OSError, ValueError):
         return None

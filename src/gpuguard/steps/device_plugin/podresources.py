@@ -15,6 +15,16 @@ with host/protowire.py, the bridge's encoder (readmit/wire.py): no generated cod
 python3-protobuf. Field numbers are those of k8s.io/kubelet/pkg/apis/podresources/v1
 api.proto: AllocatableResourcesResponse{devices = 1: ContainerDevices{resource_name =
 1, device_ids = 2, topology = 3}, cpu_ids = 2, memory = 3}.
+
+The answer drives plugin restarts, so only kubelet's may count: the socket is never
+reached through a symbolic link, it must be a socket owned by root in directories
+only root may change (host/pathtrust.py: from the root down, the links on the way
+resolved and checked), and after connect its server must run as root (SO_PEERCRED):
+a pod with a read-write hostPath on ``pod-resources`` cannot put its own socket or
+server there. Otherwise the check is unchecked, with the reason. The socket is
+connected through its directory, opened ``O_PATH`` after the check
+(``/proc/self/fd/N/kubelet.sock``): the directory cannot be swapped meanwhile, and
+no root prefix makes the path too long for ``sun_path``.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ import stat
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from gpuguard.host import unarygrpc
+from gpuguard.host import pathtrust, unarygrpc
 from gpuguard.host.paths import Root
 from gpuguard.host.protowire import fields
 
@@ -64,21 +74,43 @@ def decode_allocatable(data: bytes) -> dict[str, int]:
 def read_allocatable(root: Root, socket_dir: str, timeout: float = TIMEOUT) -> Allocatable:
     """kubelet's answer, or an unchecked Allocatable saying why there is none."""
     shown = posixpath.join(kubelet_dir(socket_dir), SOCKET)
-    path = root.path(shown)
     try:
-        st = os.stat(path)
-    except OSError as e:
-        why = f"{shown}: {e.strerror} (kubelet before 1.21, or not running)"
+        found = pathtrust.resolve(root.path("/"), shown, follow_last=False)
+    except pathtrust.Untrusted as e:
+        return Allocatable(shown, unchecked=f"not kubelet's socket: {e}")
+    if found is None:
+        why = f"{shown}: No such file or directory (kubelet before 1.21, or not running)"
         return Allocatable(shown, unchecked=why)
-    if not stat.S_ISSOCK(st.st_mode):
+    if not stat.S_ISSOCK(found.st.st_mode):
         return Allocatable(shown, unchecked=f"{shown} is not a socket")
+    if found.st.st_uid != 0:
+        why = f"not kubelet's socket: {shown} is owned by uid {found.st.st_uid}, not root"
+        return Allocatable(shown, unchecked=why)
+    try:  # connected relative to its directory, held open: no path too long, no race
+        dfd = os.open(found.real.parent, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        return Allocatable(shown, unchecked=f"{shown}: {e.strerror}")
     try:
-        data = unarygrpc.call(METHOD, str(path), b"", timeout=timeout, limit=MAX_ANSWER)
+        again = os.stat(found.real.name, dir_fd=dfd, follow_symlinks=False)
+        if (again.st_dev, again.st_ino) != (found.st.st_dev, found.st.st_ino):
+            return Allocatable(shown, unchecked=f"{shown}: replaced while it was checked")
+        data = unarygrpc.call(
+            METHOD,
+            f"/proc/self/fd/{dfd}/{found.real.name}",
+            b"",
+            timeout=timeout,
+            limit=MAX_ANSWER,
+            peer_uid=0,
+        )
+    except unarygrpc.PeerError as e:
+        return Allocatable(shown, unchecked=f"not kubelet's socket: {shown}: {e}")
     except unarygrpc.CallError as e:
         why = f"{e} (kubelet before 1.21, or its KubeletPodResourcesGetAllocatable gate off?)"
         return Allocatable(shown, unchecked=f"kubelet's GetAllocatableResources: {why}")
     except OSError as e:
         return Allocatable(shown, unchecked=f"{shown}: {e.strerror or e}")
+    finally:
+        os.close(dfd)
     try:
         return Allocatable(shown, decode_allocatable(data))
     except ValueError as e:

@@ -50,6 +50,8 @@ class ReadmitStep:
             ctx.gauges[f"{MARGIN}{resource}"] = seconds
         if view.unreadable:
             ctx.unknown.append(view.unreadable)
+        if j.blind:
+            ctx.unknown.append(j.blind)
         log_findings(svc.log, self.conditions, RECONCILER, j.findings + off)
         ctx.findings += j.findings + off
         # the bridge's state (written at its start when on) says it reads kubelet's

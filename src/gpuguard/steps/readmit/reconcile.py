@@ -38,6 +38,9 @@ class Judgement:
     rejected: int  # pods still rejected
     # per resource, seconds from the bridge's devices healthy to kubelet's first admission
     margins: tuple[tuple[str, float], ...]
+    # what kept the bridge from reading kubelet's rejections at this start ("" none):
+    # the step's verdict is then unknown, never OK
+    blind: str = ""
 
 
 def judge(view: ReadmitView, cleared: frozenset[str]) -> Judgement:
@@ -70,4 +73,9 @@ def judge(view: ReadmitView, cleared: frozenset[str]) -> Judgement:
                 "error",
             )
         )
-    return Judgement(tuple(findings), frozenset(now_cleared), len(findings), s.margins())
+    blind = (
+        f"the re-admission bridge could not read kubelet's rejections at its start: {s.problem}"
+        if s.problem
+        else ""
+    )
+    return Judgement(tuple(findings), frozenset(now_cleared), len(findings), s.margins(), blind)
