@@ -13,11 +13,7 @@ the withdrawal is sent once.
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -44,28 +40,14 @@ pytestmark = pytest.mark.root
 RESOURCE = "nvidia.com/gpu"
 
 
-@pytest.fixture
-def short_root() -> Iterator[Path]:
-    """A short directory linking to the node's ``var/lib/kubelet`` (AF_UNIX: 108 bytes)."""
-    d = Path(tempfile.mkdtemp(prefix="gg-", dir="/tmp"))
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d)  # the link itself
-
-
-def allocatable(node: GpuNode, short: Path) -> int:
-    link = short / "var/lib/kubelet"
-    if not link.is_symlink():
-        link.parent.mkdir(parents=True, exist_ok=True)
-        os.symlink(node.ns.path("/var/lib/kubelet"), link)
-    got = read_allocatable(Root(short), DEVICE_PLUGINS_DIR, timeout=2.0)
+def allocatable(node: GpuNode) -> int:
+    got = read_allocatable(Root(node.ns.root), DEVICE_PLUGINS_DIR, timeout=2.0)
     assert not got.unchecked, got
     return got.counts.get(RESOURCE, 0)
 
 
 def test_withdrawn_once_the_pods_are_back_they_keep_running_and_the_plugin_serves(
-    systemd_ns: NsFactory, tmp_path: Path, api: Path, short_root: Path
+    systemd_ns: NsFactory, tmp_path: Path, api: Path
 ) -> None:
     node = boot(systemd_ns, tmp_path, api, gpuguard=True, kubelet="1.34")
     slots = two_gpu_pods(node)
@@ -85,9 +67,9 @@ def test_withdrawn_once_the_pods_are_back_they_keep_running_and_the_plugin_serve
     (gone,) = wait_for(lambda: readmit_events(node, "readmit-withdrawn"), 40, "the withdrawal")
     assert gone["PENDING"] == "" and gone["DEVICES"] == offer["DEVICES"], gone
     print(f"\nwithdrawal: {gone['MESSAGE']}")  # the figure: seconds after kubelet's start
-    assert allocatable(node, short_root) == 0  # nothing the bridge cannot allocate
+    assert allocatable(node) == 0  # nothing the bridge cannot allocate
     node.start_plugin()
-    wait_for(lambda: allocatable(node, short_root) == len(node.inventory), 30, "the plugin's GPUs")
+    wait_for(lambda: allocatable(node) == len(node.inventory), 30, "the plugin's GPUs")
     assert {n: node.running(n).id for n in F1_PODS} == before  # the same containers
     node.write_pod(gpu_pod("gpu-c"))
     node.wait_pods(lambda p: "gpu-c" in p and p["gpu-c"].running, 60, "gpu-c running")
