@@ -39,6 +39,7 @@ from gpuguard.steps.readmit.reconcile import ReadmitView, judge
 from unit.test_container_findings import ALL_ALLOWED, OLD_UVM, _audit, _ent
 from unit.test_devices_audit import CTL, GPU0, RUNC_LIST
 from unit.test_plugins_nvml import GPU, NO_NS, UNKNOWN, observation, plugin
+from unit.test_readmit_api import allocate_entries, readmit_api_entries, withdrawal_entries
 
 Entries = list[dict[str, Any]]
 
@@ -281,6 +282,9 @@ def entries(tmp_path_factory: pytest.TempPathFactory) -> Entries:
         + gpu_count()
         + inplace_held_back()
         + untrusted_kubelet()
+        + readmit_api_entries(tmp / "readmit")
+        + withdrawal_entries()
+        + allocate_entries()
     )
 
 

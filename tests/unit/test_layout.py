@@ -298,6 +298,10 @@ READERS: dict[str, tuple[frozenset[str], str]] = {
     "host/statefile.py": (frozenset({"json.loads"}), "the state files' loader"),
     "checkpoint/codec.py": (frozenset({"json.loads"}), "kubelet's format, from safeio bytes"),
     "host/inventory.py": (frozenset({"json.loads"}), "the inventory file, from safeio bytes"),
+    "host/kubeapi.py": (
+        frozenset({"json.loads"}),
+        "the API server's answer, bounded by its size (files through safeio)",
+    ),
     "actuate/files.py": (frozenset({"os.open"}), "atomic writes: directories, temp files"),
     "actuate/safewrite.py": (frozenset({"os.open"}), "control files, device nodes' handles"),
     "actuate/bpf.py": (

@@ -49,17 +49,20 @@ def cmd_readmit(args: argparse.Namespace) -> int:
     from gpuguard.host.offswitch import read_off_switch
     from gpuguard.host.statefile import load
     from gpuguard.readmit import Inputs, Readmit
+    from gpuguard.readmit.apipods import reader
     from gpuguard.readmit.node import NodeReader
     from gpuguard.readmit.observe import (
         CACHE,
         CACHE_FILE,
         kubelet_version,
+        other_sockets,
         read_cached,
         unit_executable,
     )
     from gpuguard.readmit.rejected import Rejection, RejectionWatch
     from gpuguard.readmit.serve import Bridge
     from gpuguard.readmit.state import SPEC, STATE_FILE, ReadmitState, Recorder, RejectedPod
+    from gpuguard.readmit.withdraw import Withdrawal, allocate_refused, read_list
 
     root = _root(args)
     notifier = Notifier()
@@ -142,7 +145,7 @@ def cmd_readmit(args: argparse.Namespace) -> int:
                 level="debug",
             )
 
-        bridge = Bridge(plugins_dir, streamed)
+        bridge = Bridge(plugins_dir, streamed, lambda r, i: allocate_refused(elog, r, i))
     except ImportError:  # a Depends of the .deb, a Recommends of the .rpm (EPEL's)
         why = "it needs python3-grpcio, which is not installed"
         stay_off(root, elog, offstate.NO_GRPCIO, why, version)
@@ -174,8 +177,18 @@ def cmd_readmit(args: argparse.Namespace) -> int:
         elog.event(kind, text[:400], level=level)
 
     watch = RejectionWatch(root, kubelet_unit, named, recorder.admitted, unread, note)
-    readmit = Readmit(root, elog, read_inputs, bridge, watch, recorder)
+    api = reader(root, lambda: readmit.inputs.cfg)
+    withdrawal = Withdrawal(
+        plugins_dir,
+        elog,
+        bridge.withdraw,
+        lambda: other_sockets(plugins_dir),
+        lambda: read_list(plugins_dir),
+    )
+    readmit = Readmit(root, elog, read_inputs, bridge, watch, recorder, api, withdrawal)
     notifier.ready("waiting for kubelet")
     readmit.run(lambda: bool(stopping))
+    withdrawal.cancel()
+    api.stop()
     bridge.stop()
     return 0

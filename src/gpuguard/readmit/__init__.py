@@ -38,8 +38,9 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
+from gpuguard.checkpoint.model import PodDevicesEntry
 from gpuguard.checkpoint.reader import load as load_checkpoint
 from gpuguard.config.schema import Config
 from gpuguard.errors import GpuguardError
@@ -55,6 +56,10 @@ from gpuguard.readmit.rejected import WATCH_SECONDS, RejectionWatch
 from gpuguard.readmit.serve import Bridge, endpoint
 from gpuguard.readmit.state import Recorder
 from gpuguard.readmit.watch import DirWatch
+
+if TYPE_CHECKING:  # the bridge's (cli/readmit.py); the daemon imports this package too
+    from gpuguard.readmit.apipods import NodePods
+    from gpuguard.readmit.withdraw import Withdrawal
 
 POLL = 1.0  # seconds at most between looks for a new kubelet.sock (inotify wakes it)
 REFRESH = 60.0  # configuration and inventory read again this often while idle
@@ -83,6 +88,8 @@ class Readmit:
         bridge: Bridge,
         rejected: Optional[RejectionWatch] = None,
         recorder: Optional[Recorder] = None,
+        api: Optional[NodePods] = None,
+        withdrawal: Optional[Withdrawal] = None,
     ) -> None:
         self.root = root
         self.elog = elog
@@ -93,8 +100,13 @@ class Readmit:
         # what the daemon reads (readmit/state.py); a stand-in that writes nothing
         self.recorder = recorder if recorder is not None else Recorder(lambda _s: None)
         self.plugins_dir = root.path(Path(self.inputs.cfg.kubelet.checkpoint_path).parent)
+        self.api = api  # the API server's pods of this node (readmit/apipods.py)
+        self.withdrawal = withdrawal  # after the re-admissions (readmit/withdraw.py)
         # the decision made ahead, for the checkpoint as it was then (its identity)
         self.ahead: Optional[tuple[tuple[int, int, int], float, Decision]] = None
+        # what that decision was made of: a new answer of the API server is decided
+        # again from them at kubelet's start, with no read (decide is pure)
+        self.made_of: Optional[tuple[tuple[PodDevicesEntry, ...], frozenset[str], object]] = None
 
     def checkpoint_key(self) -> tuple[int, int, int]:
         try:
@@ -115,9 +127,18 @@ class Readmit:
                 self.bridge.serve(o.resource)
 
     def decided(self) -> Decision:
-        """The decision made ahead when the checkpoint is still the same, else now."""
+        """The decision made ahead when the checkpoint is still the same (made again,
+        from the same checkpoint and processes, for a new answer of the API server),
+        else now."""
         if self.ahead is not None and self.ahead[0] == self.checkpoint_key():
-            return self.ahead[2]
+            if self.api is None or self.made_of is None:
+                return self.ahead[2]
+            entries, alive, key = self.made_of
+            api = self.api.view()
+            if api.key == key:
+                return self.ahead[2]
+            cfg = self.inputs.cfg
+            return decide(entries, cfg.kubelet.resources, self.inputs.present, alive, api)
         return self.decision()
 
     def kubelet_sock(self) -> Optional[tuple[int, int]]:
@@ -167,7 +188,12 @@ class Readmit:
             return Decision((), f"kubelet's checkpoint not usable: {loaded.problem}")
         entries = loaded.checkpoint.entries or ()
         alive = alive_pods(self.root)
-        return decide(entries, cfg.kubelet.resources, self.inputs.present, alive)
+        api = self.api.view() if self.api is not None else None
+        d = decide(entries, cfg.kubelet.resources, self.inputs.present, alive, api)
+        self.made_of = (tuple(entries), alive, api.key if api is not None else None)
+        if self.api is not None and (d.offers or d.left_out):  # read while pods wait
+            self.api.want()
+        return d
 
     def on_kubelet_start(self) -> None:
         t0 = time.monotonic()
@@ -179,6 +205,8 @@ class Readmit:
         )
         if self.rejected is not None:  # the pods kubelet rejects now, named (any mode)
             self.rejected.start(self.inputs.cfg)  # this kubelet's own records
+        if self.withdrawal is not None:  # the previous kubelet's: never sent now
+            self.withdrawal.cancel()
         off = read_off_switch(self.root)
         if off is not None:
             self.elog.event("readmit-skip", f"gpuguard is off ({off.describe()}): no offer")
@@ -186,8 +214,13 @@ class Readmit:
             return
         d = self.decided()
         judged = {"EVIDENCE": d.evidence, "REFUSED": refused_field(d.refused)}
+        left = d.left_out_text()
         if not d.offers:
-            self.elog.event("readmit-skip", f"kubelet started: no offer: {d.why}", fields=judged)
+            self.elog.event(
+                "readmit-skip",
+                f"kubelet started: no offer: {d.why}{f' ({left})' if left else ''}",
+                fields=judged,
+            )
             rec.decided("skip", d.why)
             return
         plugins = other_sockets(self.plugins_dir)
@@ -197,12 +230,23 @@ class Readmit:
             rec.decided("skip", why)
             return
         rec.decided("observe" if self.inputs.cfg.daemon.observe else "offered", d.why)
+        if d.unread:
+            self.elog.event(
+                "readmit-api-unread",
+                f"the API server's pods of this node could not be read ({d.unread[:200]}): "
+                "every checkpointed GPU pod is offered, a pod deleted while the node was "
+                "down too, until the bridge withdraws its devices",
+                level="warning",
+                fields={"PROBLEM": d.unread},
+            )
+        registered = []
         for o in d.offers:
             fields = {
                 "RESOURCE": o.resource,
                 "DEVICES": ",".join(o.healthy),
                 "ABSENT": ",".join(o.absent),
                 "PODS": ",".join(o.pods),
+                "LEFT_OUT": ",".join(x.pod_uid for x in o.left_out),
                 "ENDPOINT": endpoint(o.resource),
                 **judged,
             }
@@ -226,10 +270,12 @@ class Readmit:
                 continue
             ms = (time.monotonic() - t0) * 1000
             rec.registered(o.resource, o.healthy, time.time())
+            registered.append(o)
             self.elog.event(
                 "readmit-offered",
                 f"kubelet started: reported {what} healthy for their re-admission "
-                f"({d.why}; {ms:.0f} ms after kubelet.sock appeared)",
+                f"({d.why}; {ms:.0f} ms after kubelet.sock appeared)"
+                + (f"; left out: {left}" if left else ""),
                 fields={**fields, "LATENCY_MS": f"{ms:.1f}"},
             )
             # A plugin's socket exists before kubelet handles its registration: none now
@@ -248,3 +294,5 @@ class Readmit:
                     level="warning",
                     fields={**fields, "PLUGINS": ",".join(raced)},
                 )
+        if registered and self.withdrawal is not None:
+            self.withdrawal.start(registered, started)
