@@ -79,6 +79,12 @@ def readmit_findings() -> Entries:
     return findings(judge(view, frozenset()).findings)
 
 
+def bridge_ended() -> Entries:
+    from gpuguard.readmit.ended import say_ended
+
+    return logged(lambda log: [say_ended(log, ("nvidia.com/gpu",), h) for h in ("stop", "gone")])
+
+
 def checkpoint_changes(tmp: Path) -> Entries:
     def emit(log: EventLog) -> None:
         act = CheckpointActuator(tmp / "backups", 5, log)
@@ -241,6 +247,7 @@ def entries(tmp_path_factory: pytest.TempPathFactory) -> Entries:
         container_findings()
         + plugin_findings()
         + readmit_findings()
+        + bridge_ended()
         + checkpoint_changes(tmp)
         + remap_changes(tmp)
         + daemon_pass(tmp)

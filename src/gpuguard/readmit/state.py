@@ -57,6 +57,14 @@ class ReadmitState:
     first_admission: Optional[float] = None  # kubelet's first SyncLoop ADD (klog time)
     rejected: tuple[RejectedPod, ...] = ()
     watch_until: float = 0.0  # Unix time the bridge stops reading kubelet's journal
+    # the bridge process that registered in this kubelet run (its pid and start, Unix
+    # time): once it is gone its streams have ended (readmit/ended.py)
+    pid: int = 0
+    pid_start: float = 0.0
+    # when the streams of this kubelet run's registrations ended (that process stopped,
+    # or a later one found it gone): kubelet then dropped the plugin that replaced them
+    streams_ended: Optional[float] = None
+    config_error: str = ""  # the configuration the bridge could not read, one line
 
     @property
     def healthy_at(self) -> Optional[float]:
@@ -123,6 +131,10 @@ def _parse(o: Obj) -> ReadmitState:
         o.opt_real("first_admission"),
         o.items("rejected", _rejected, max_items=MAX_REJECTED),
         o.real("watch_until"),
+        o.integer("pid", hi=2**22, default=0),
+        o.real("pid_start", default=0.0),
+        o.opt_real("streams_ended"),
+        o.text("config_error", max_len=400, default=""),
     )
 
 
@@ -154,6 +166,10 @@ def _render(s: ReadmitState) -> dict[str, Any]:
             for p in s.rejected
         ],
         "watch_until": s.watch_until,
+        "pid": s.pid,
+        "pid_start": s.pid_start,
+        "streams_ended": s.streams_ended,
+        "config_error": s.config_error,
     }
 
 
@@ -172,10 +188,13 @@ class Recorder:
     """The bridge's state for the current kubelet start, written through ``write``
     after each change (from the main loop, gRPC's and the journal reader's threads)."""
 
-    def __init__(self, write: Callable[[ReadmitState], None]) -> None:
+    def __init__(
+        self, write: Callable[[ReadmitState], None], me: tuple[int, float] = (0, 0.0)
+    ) -> None:
         import threading
 
         self.write = write
+        self.me = me  # this process: its pid and start (Unix time)
         self.lock = threading.Lock()
         self.state: Optional[ReadmitState] = None
         # kubelet may open ListAndWatch before the registration call returns here
@@ -192,23 +211,61 @@ class Recorder:
 
     def kubelet_started(self, sock: str, at: float, watch_until: float) -> None:
         with self.lock:
-            self.state = ReadmitState(sock, at, "skip", "deciding", watch_until=watch_until)
+            error = self.state.config_error if self.state is not None else ""
+            self.state = ReadmitState(
+                sock,
+                at,
+                "skip",
+                "deciding",
+                watch_until=watch_until,
+                pid=self.me[0],
+                pid_start=self.me[1],
+                config_error=error,
+            )
             self.early.clear()
         self._change(lambda s: s)
 
-    def decided(self, decision: str, detail: str) -> None:
-        self._change(lambda s: replace(s, decision=decision, detail=detail[:400]))
+    def resume(self, state: ReadmitState) -> None:
+        """Go on with the state an earlier process wrote (a restart of the bridge)."""
+        with self.lock:
+            self.state = state
 
-    def registered(self, resource: str, devices: tuple[str, ...], at: float) -> None:
+    def current(self) -> Optional[ReadmitState]:
+        with self.lock:
+            return self.state
+
+    def streams_ended(self, at: float) -> None:
+        self._change(lambda s: s if s.streams_ended is not None else replace(s, streams_ended=at))
+
+    def config_error(self, error: str) -> None:
+        self._change(lambda s: replace(s, config_error=error[:400]))
+
+    def decided(self, decision: str, detail: str, run: Optional[str] = None) -> None:
+        self._change(
+            lambda s: (
+                s
+                if run is not None and s.kubelet_sock != run
+                else replace(s, decision=decision, detail=detail[:400])
+            )
+        )
+
+    def registered(
+        self, resource: str, devices: tuple[str, ...], at: float, run: Optional[str] = None
+    ) -> None:
+        """``run``: the kubelet start (kubelet_sock) it was made for; a registration
+        that returns after kubelet's next start is not this run's."""
         with self.lock:
             early = self.early.pop(resource, None)
         reg = Registration(resource, at, devices[:4096], early)
-        self._change(
-            lambda s: replace(
-                s,
-                registrations=(*(r for r in s.registrations if r.resource != resource), reg),
+
+        def how(s: ReadmitState) -> ReadmitState:
+            if run is not None and s.kubelet_sock != run:
+                return s
+            return replace(
+                s, registrations=(*(r for r in s.registrations if r.resource != resource), reg)
             )
-        )
+
+        self._change(how)
 
     def healthy(self, resource: str, at: float) -> None:
         def how(s: ReadmitState) -> ReadmitState:
