@@ -80,6 +80,7 @@ class Node:
         self.conf.write_text("")
         self.present = frozenset(f"GPU-{i}" for i in range(len(resources)))
         self.bridge = bridge
+        self.kubelet_up = True
         self.new_process()
 
     def new_process(self) -> None:
@@ -95,6 +96,7 @@ class Node:
             None,
             self.recorder,
         )
+        self.readmit.kubelet_listens = lambda: self.kubelet_up  # kubelet.sock: a plain file
 
     def inputs(self) -> Inputs:
         return Inputs(load_config(self.root), self.present, "")
@@ -303,8 +305,41 @@ def test_a_new_process_finds_an_earlier_one_s_registration_gone(tmp_path: Path) 
     node.readmit.resume(prior)
     (said,) = [f for k, _m, f in node.log.said if k == "readmit-streams-ended"]
     assert said["HOW"] == "gone" and node.states[-1].streams_ended is not None
+    # kubelet stopped (its socket left): no stream of the bridge's is kept
+    node.new_process()
+    node.kubelet_up = False
+    node.readmit.resume(prior)
+    assert "readmit-streams-ended" not in node.log.kinds()
+    node.kubelet_up = True
     # kubelet restarted meanwhile (a new kubelet.sock): nothing of this run ended
     node.kubelet_starts()
     node.new_process()
     node.readmit.resume(prior)
     assert "readmit-streams-ended" not in node.log.kinds() and node.states == []
+
+
+def test_kubelet_listens_only_while_it_serves_its_socket() -> None:
+    import socket
+    import tempfile
+
+    from gpuguard.readmit.ended import kubelet_listens
+
+    d = Path(tempfile.mkdtemp(prefix="gg-", dir="/tmp"))
+    deep = d / ("x" * 100)  # past AF_UNIX's 108 bytes
+    deep.mkdir()
+    try:
+        assert not kubelet_listens(deep)  # no socket
+        s = socket.socket(socket.AF_UNIX)
+        fd = os.open(deep, os.O_PATH)
+        s.bind(f"/proc/self/fd/{fd}/kubelet.sock")
+        os.close(fd)
+        assert not kubelet_listens(deep)  # there, nobody listening: a stopped kubelet's
+        s.listen(1)
+        assert kubelet_listens(deep)
+        s.close()
+        assert not kubelet_listens(deep)
+    finally:
+        for p in deep.iterdir():
+            p.unlink()
+        deep.rmdir()
+        d.rmdir()

@@ -44,7 +44,7 @@ from gpuguard.host.offswitch import read_off_switch
 from gpuguard.host.paths import Root
 from gpuguard.journal.log import EventLog
 from gpuguard.readmit.contained import Contained
-from gpuguard.readmit.ended import registered_in, say_ended
+from gpuguard.readmit.ended import kubelet_listens, registered_in, say_ended
 from gpuguard.readmit.observe import alive_pods, other_sockets
 from gpuguard.readmit.plan import Decision, Offer, decide
 from gpuguard.readmit.rejected import WATCH_SECONDS, RejectionWatch
@@ -91,6 +91,8 @@ class Readmit:
         # the decision made ahead, for the checkpoint as it was then (its identity)
         self.ahead: Optional[tuple[tuple[int, int, int], float, Decision]] = None
         self.contained = Contained(elog)
+        # whether kubelet serves kubelet.sock now (tests: a stand-in)
+        self.kubelet_listens: Callable[[], bool] = lambda: kubelet_listens(self.plugins_dir)
         self.handlers: list[threading.Thread] = []  # kubelet starts being handled
 
     def checkpoint_key(self) -> tuple[int, int, int]:
@@ -138,7 +140,7 @@ class Readmit:
             return
         self.recorder.resume(prior)
         resources = registered_in(prior, self.run_id())
-        if resources:
+        if resources and self.kubelet_listens():
             self.recorder.streams_ended(time.time())
             say_ended(self.elog, resources, "gone")
 
@@ -146,7 +148,7 @@ class Readmit:
         """At SIGTERM, before the servers stop: said and written first, so that the
         daemon, woken by this process's end, finds the time."""
         resources = registered_in(self.recorder.current(), self.run_id())
-        if resources:
+        if resources and self.kubelet_listens():
             self.recorder.streams_ended(time.time())
             say_ended(self.elog, resources, "stop")
 

@@ -14,12 +14,34 @@ restarts at once the plugin kubelet dropped (allocatable.py).
 
 from __future__ import annotations
 
+import os
+import socket
+from pathlib import Path
 from typing import Optional
 
 from gpuguard.journal.log import EventLog
 from gpuguard.readmit.state import ReadmitState
 
 K_STREAMS_ENDED = "readmit-streams-ended"
+
+
+def kubelet_listens(plugins_dir: Path) -> bool:
+    """Whether a kubelet serves kubelet.sock now (a connect succeeds): a socket left by
+    a kubelet that stopped refuses it, and then no stream of the bridge's is kept. Through
+    the directory's descriptor: its path may be past AF_UNIX's 108 bytes."""
+    try:
+        fd = os.open(plugins_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(1.0)
+            s.connect(f"/proc/self/fd/{fd}/kubelet.sock")
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def registered_in(state: Optional[ReadmitState], run: str) -> tuple[str, ...]:
