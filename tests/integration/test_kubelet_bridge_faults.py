@@ -182,6 +182,9 @@ def test_every_fault_of_the_bridge_ends_with_the_gpus_allocatable(
     assert "Mode" in error["MESSAGE"] and "keeps the last good one" in error["MESSAGE"]
     state = ns.path(STATE_FILE).read_text()
     assert "Mode" in state, state  # config_error, for the daemon and the operator
+    # The double tells kubelet's restart by kubelet.sock's inode, which the new socket
+    # may reuse; NVIDIA's plugin watches its creation. Started again, as its pod would be.
+    ns.systemctl("restart", PLUGIN)
     node.wait_registered()
     f.healthy("config")
     assert ns.unit_property(READMIT, "MainPID") == bridge_pid, "the bridge never exited"
