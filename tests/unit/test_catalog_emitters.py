@@ -108,6 +108,12 @@ def readmit_offers(tmp: Path) -> Entries:
     return logged(emit)
 
 
+def bridge_ended() -> Entries:
+    from gpuguard.readmit.ended import say_ended
+
+    return logged(lambda log: [say_ended(log, ("nvidia.com/gpu",), h) for h in ("stop", "gone")])
+
+
 def checkpoint_changes(tmp: Path) -> Entries:
     def emit(log: EventLog) -> None:
         act = CheckpointActuator(tmp / "backups", 5, log)
@@ -271,6 +277,7 @@ def entries(tmp_path_factory: pytest.TempPathFactory) -> Entries:
         + plugin_findings()
         + readmit_findings()
         + readmit_offers(tmp)
+        + bridge_ended()
         + checkpoint_changes(tmp)
         + remap_changes(tmp)
         + daemon_pass(tmp)

@@ -336,6 +336,11 @@ READERS: dict[str, tuple[frozenset[str], str]] = {
     ),
     "sources/transient.py": (frozenset({"os.read"}), "its inotify descriptor"),
     "readmit/watch.py": (frozenset({"os.read"}), "its inotify descriptor"),
+    "readmit/ended.py": (
+        frozenset({"os.open"}),
+        "an O_PATH descriptor of kubelet's device-plugins directory, to connect to "
+        "kubelet.sock through it (nothing is read)",
+    ),
     "host/threadclock.py": (
         frozenset({"open"}),
         "the calling thread's own schedstat, on the reload fast path (a kernel file of "

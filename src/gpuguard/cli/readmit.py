@@ -130,8 +130,13 @@ def cmd_readmit(args: argparse.Namespace) -> int:
                 told.append(str(e))
                 elog.event("error", f"cannot write {STATE_FILE}: {e}"[:300], level="warning")
 
+    from gpuguard.devices.processes import process_start
+
+    me = os.getpid()
     recorder = Recorder(
-        write, lambda why: elog.event("error", f"not recorded: {why}"[:300], level="warning")
+        write,
+        refused=lambda why: elog.event("error", f"not recorded: {why}"[:300], level="warning"),
+        me=(me, process_start(root, me) or 0.0),
     )
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
@@ -161,7 +166,8 @@ def cmd_readmit(args: argparse.Namespace) -> int:
             fields={"POD": r.pod, "POD_UID": r.pod_uid, "REASON": r.reason},
         )
 
-    if load(root.path(STATE_FILE), SPEC).absent:  # the daemon then knows the bridge is on
+    prior = load(root.path(STATE_FILE), SPEC)
+    if prior.absent:  # the daemon then knows the bridge is on
         write(ReadmitState("", 0.0, "waiting", "waiting for kubelet's start"))
 
     def unread(why: str) -> None:  # the daemon's verdict on the rejections: unknown
@@ -186,9 +192,12 @@ def cmd_readmit(args: argparse.Namespace) -> int:
         lambda: read_list(plugins_dir),
     )
     readmit = Readmit(root, elog, read_inputs, bridge, watch, recorder, api, withdrawal)
+    # an earlier process's registration in the kubelet run that goes on: its streams ended
+    readmit.resume(prior.value)
     notifier.ready("waiting for kubelet")
     readmit.run(lambda: bool(stopping))
     withdrawal.cancel()
     api.stop()
+    readmit.stopping()  # said and written before the streams end
     bridge.stop()
     return 0

@@ -63,6 +63,30 @@ READMIT_KINDS: dict[str, tuple[str, str]] = {
         "file: the NPD condition GPUPodsRejected, gpuguard status, gpuguard_open_findings. "
         "Fix: @FIX@. " + _WHY,
     ),
+    "readmit-streams-ended": (
+        "gpuguard's re-admission bridge ended while kubelet runs",
+        "The bridge's process stopped (a stop or restart of gpuguard-readmit.service: "
+        "@HOW@ is stop) or an earlier one ended (killed, crashed, OOM: gone) after it "
+        "registered @RESOURCES@ in this kubelet run. kubelet keeps the "
+        "stream of the bridge's endpoint after the real plugin replaced it; when that "
+        "stream ends, kubelet disconnects the real plugin and marks every device "
+        "unhealthy: new GPU pods are rejected until the plugin registers again. "
+        "gpuguard's daemon restarts the plugin at once (plugin-not-allocatable, then "
+        "plugin-restarted), within MaxRestartsPerHour=. Avoid stopping the bridge while "
+        "kubelet runs: its new version loads at the next boot. " + _WHY,
+    ),
+    "readmit-config-error": (
+        "gpuguard's re-admission bridge cannot read its configuration again",
+        "The bridge reads gpuguard's configuration again every minute and at each "
+        "kubelet start; it could not (the message names the file and the error), so it "
+        "keeps the last configuration it read and goes on: it never exits while kubelet "
+        "holds its streams. Said once per distinct error and in its state file. Fix the "
+        "file (`gpuguard config --check`); readmit-config-ok follows.",
+    ),
+    "readmit-config-ok": (
+        "gpuguard's re-admission bridge reads its configuration again",
+        "After readmit-config-error the configuration reads again and is in use.",
+    ),
     "readmit-raced": (
         "a device plugin registered at the same moment as gpuguard's re-admission bridge",
         "kubelet handles the registration that comes last as the resource's endpoint. "

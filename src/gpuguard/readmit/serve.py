@@ -66,6 +66,7 @@ class Bridge:
         self.servers: dict[str, Any] = {}
         self.streams = 0  # open ListAndWatch streams
         self.lock = threading.Lock()
+        self.serving = threading.Lock()  # the loop and the registrations' threads
 
     def _list_and_watch(self, resource: str) -> Callable[[bytes, Any], Iterator[bytes]]:
         def handler(_request: bytes, context: Any) -> Iterator[bytes]:
@@ -127,8 +128,11 @@ class Bridge:
 
     def serve(self, resource: str) -> None:
         """The endpoint of ``resource``, listening (made once)."""
-        if resource in self.servers:
-            return
+        with self.serving:
+            if resource not in self.servers:
+                self._serve(resource)
+
+    def _serve(self, resource: str) -> None:
         from concurrent import futures
 
         grpc = self.grpc
