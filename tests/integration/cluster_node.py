@@ -10,12 +10,13 @@ back after a reboot by removing the mark (:meth:`ApiNode.reboot`'s ``plugin_afte
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from integration.harness.cluster import (
     CONTAINERD_CNI,
@@ -26,7 +27,7 @@ from integration.harness.cluster import (
 )
 from integration.harness.kubelet import NODE
 from integration.harness.pods import PLUGIN_SCRIPT, VENV_PYTHON, busybox_pod, plugin_pod
-from integration.kubelet_node import READMIT, GpuNode, NsFactory, boot
+from integration.kubelet_node import READMIT, GpuNode, NsFactory, boot, gpus_after
 
 GATE = "/run/gg-plugin-gate"
 GATE_FILE = f"{GATE}/toolkit-ready"
@@ -266,3 +267,36 @@ def boot_api(
 
 def failed(pods: Sequence[ApiPod]) -> List[ApiPod]:
     return [p for p in pods if p.phase == "Failed"]
+
+
+def deleted_pod_scenario(n: ApiNode) -> Tuple[ApiPod, List[ApiPod]]:
+    """Two Deployment pods on the node's two GPUs; one deleted (forced, as fleets'
+    controllers do) while the node is down and its replacement bound to the node; the
+    plugin's pod 30 s late. The pod kept, and the Deployment's pods once it has two
+    Running again (or 60 s after the plugin registered)."""
+    n.run(deployment("gpu-web", replicas=2), workloads=())
+    n.cluster.wait_pods(
+        lambda ps: sum(p.running for p in n.of("gpu-web", ps)) == 2, 90, "two gpu-web pods"
+    )
+    (victim, kept) = n.of("gpu-web")
+
+    def delete() -> None:
+        n.cluster.kubectl(
+            "delete", "pod", victim.name, "--grace-period=0", "--force", "--wait=false"
+        )
+        n.cluster.wait_pods(
+            lambda ps: any(
+                p.uid not in (victim.uid, kept.uid) and p.node == NODE for p in n.of("gpu-web", ps)
+            ),
+            60,
+            "the replacement bound to the node",
+        )
+
+    n.reboot(gpus_after(n.node, "none", ""), plugin_after=30, while_down=delete)
+    n.join_gate()
+    n.node.wait_registered(timeout=60)
+    with contextlib.suppress(AssertionError):  # the failed ones are counted
+        n.cluster.wait_pods(
+            lambda ps: sum(p.running for p in n.of("gpu-web", ps)) == 2, 60, "two gpu-web pods"
+        )
+    return kept, n.of("gpu-web")

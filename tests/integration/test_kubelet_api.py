@@ -21,24 +21,22 @@ pod kubelet rejected would still show: Failed, counted, and a second pod made.
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
-from typing import List, Tuple
+from typing import List
 
 import pytest
 
 from integration.cluster_node import (
     WORKLOADS,
-    ApiNode,
     bare_pod,
     boot_api,
+    deleted_pod_scenario,
     deployment,
     failed,
     job,
 )
 from integration.harness import systemd_ns as systemd_ns
 from integration.harness.cluster import ApiPod, show_api
-from integration.harness.kubelet import NODE
 from integration.kubelet_node import NsFactory, gpus_after
 from integration.kubelet_node import api as api
 
@@ -79,39 +77,6 @@ def test_api_pods_back_on_their_slots_after_reboot(
     )
     status = jobs[0]["status"]
     assert status.get("failed", 0) == 0 and status.get("active") == 1, status
-
-
-def deleted_pod_scenario(n: ApiNode) -> Tuple[ApiPod, List[ApiPod]]:
-    """Two Deployment pods on the node's two GPUs; one deleted (forced, as fleets'
-    controllers do) while the node is down and its replacement bound to the node; the
-    plugin's pod 30 s late. The pod kept, and the Deployment's pods once it has two
-    Running again (or 60 s after the plugin registered)."""
-    n.run(deployment("gpu-web", replicas=2), workloads=())
-    n.cluster.wait_pods(
-        lambda ps: sum(p.running for p in n.of("gpu-web", ps)) == 2, 90, "two gpu-web pods"
-    )
-    (victim, kept) = n.of("gpu-web")
-
-    def delete() -> None:
-        n.cluster.kubectl(
-            "delete", "pod", victim.name, "--grace-period=0", "--force", "--wait=false"
-        )
-        n.cluster.wait_pods(
-            lambda ps: any(
-                p.uid not in (victim.uid, kept.uid) and p.node == NODE for p in n.of("gpu-web", ps)
-            ),
-            60,
-            "the replacement bound to the node",
-        )
-
-    n.reboot(gpus_after(n.node, "none", ""), plugin_after=30, while_down=delete)
-    n.join_gate()
-    n.node.wait_registered(timeout=60)
-    with contextlib.suppress(AssertionError):  # the failed ones are counted
-        n.cluster.wait_pods(
-            lambda ps: sum(p.running for p in n.of("gpu-web", ps)) == 2, 60, "two gpu-web pods"
-        )
-    return kept, n.of("gpu-web")
 
 
 @pytest.mark.xfail(
