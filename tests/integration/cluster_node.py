@@ -27,7 +27,8 @@ from integration.harness.cluster import (
 )
 from integration.harness.kubelet import NODE
 from integration.harness.pods import PLUGIN_SCRIPT, VENV_PYTHON, busybox_pod, plugin_pod
-from integration.kubelet_node import READMIT, GpuNode, NsFactory, boot, gpus_after
+from integration.kubelet_node import READMIT, GpuNode, boot, gpus_after
+from integration.kubelet_sites import NsFactory
 
 GATE = "/run/gg-plugin-gate"
 GATE_FILE = f"{GATE}/toolkit-ready"

@@ -37,8 +37,9 @@ from integration.cluster_node import (
 )
 from integration.harness import systemd_ns as systemd_ns
 from integration.harness.cluster import ApiPod, show_api
-from integration.kubelet_node import NsFactory, gpus_after
 from integration.kubelet_node import api as api
+from integration.kubelet_node import gpus_after
+from integration.kubelet_sites import NsFactory
 
 pytestmark = pytest.mark.root
 

@@ -36,11 +36,12 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TypeVar
 
 from .kubelet_versions import CACHE, _sha256, unpack_xz
 from .sysns import REPO, SystemdNamespace
 
+T = TypeVar("T")
 SHARED = REPO.parent / "shared" / "cluster"
 DIR = Path(os.environ.get("GPUGUARD_CLUSTER_DIR", SHARED))
 RELEASE = "1.34.9"
@@ -352,7 +353,9 @@ class Cluster:
     def allocatable(self, name: str, resource: str = "nvidia.com/gpu") -> int:
         return int(self.node(name).get("status", {}).get("allocatable", {}).get(resource, 0))
 
-    def wait_pods(self, cond: Any, timeout: float, what: str) -> List[ApiPod]:
+    def wait_pods(
+        self, cond: Callable[[List[ApiPod]], bool], timeout: float, what: str
+    ) -> List[ApiPod]:
         """Poll the API's pods until ``cond(pods)`` holds."""
         deadline = time.monotonic() + timeout
         pods: List[ApiPod] = []
@@ -364,7 +367,7 @@ class Cluster:
         raise AssertionError(f"timed out after {timeout}s waiting for {what}: {show_api(pods)}")
 
     @staticmethod
-    def wait(cond: Any, timeout: float, what: str) -> Any:
+    def wait(cond: Callable[[], T], timeout: float, what: str) -> T:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             got = cond()
