@@ -1,4 +1,4 @@
-"""A real kubelet (1.20.2 or 1.34.9) in a private systemd namespace, on cgroup v1 (hybrid).
+"""A real kubelet (1.20.2, 1.34.9, 1.36.2) in a private systemd namespace, on cgroup v1 (hybrid).
 
 1.20's binary is built from Debian 12's own source package and cached by
 ``scripts/build-kubelet`` (``scripts/bootstrap --full`` runs it; :func:`kubelet_binary`
