@@ -274,8 +274,10 @@ def failed(pods: Sequence[ApiPod]) -> List[ApiPod]:
 def deleted_pod_scenario(n: ApiNode) -> Tuple[ApiPod, List[ApiPod]]:
     """Two Deployment pods on the node's two GPUs; one deleted (forced, as fleets'
     controllers do) while the node is down and its replacement bound to the node; the
-    plugin's pod 30 s late. The pod kept, and the Deployment's pods once it has two
-    Running again (or 60 s after the plugin registered)."""
+    plugin's pod 30 s late. (Deleted with a grace period, the pod stays Terminating on
+    the node, holding its GPU for the scheduler, until kubelet confirms; its
+    replacement waits Pending meanwhile: measured.) The pod kept, and the Deployment's
+    pods once it has two Running again (or 60 s after the plugin registered)."""
     n.run(deployment("gpu-web", replicas=2), workloads=())
     n.cluster.wait_pods(
         lambda ps: sum(p.running for p in n.of("gpu-web", ps)) == 2, 90, "two gpu-web pods"
