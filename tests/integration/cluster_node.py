@@ -252,6 +252,8 @@ def boot_api(
         plugin=False,
         kubelet=kubelet,
         flags=[f"--kubeconfig={cp.node_kubeconfig}"],
+        # the bridge asks the API server with kubelet's own identity (host/kubeapi.py)
+        config=f"[Kubelet]\nKubeconfig={cp.node_kubeconfig}\n",
         extra_units=cp.units(),
         extra_ro=cp.ro_binds(),
         containerd_extra=CONTAINERD_CNI,

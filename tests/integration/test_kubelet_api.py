@@ -80,11 +80,6 @@ def test_api_pods_back_on_their_slots_after_reboot(
     assert status.get("failed", 0) == 0 and status.get("active") == 1, status
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the bridge offers a deleted pod's device and serves no Allocate: pods fail "
-    "with Unimplemented until it asks the API server which checkpointed pods exist",
-)
 def test_deleted_pod_no_pod_failed_by_the_bridge(
     systemd_ns: NsFactory, tmp_path: Path, api: Path
 ) -> None:

@@ -151,7 +151,7 @@ def cmd_readmit(args: argparse.Namespace) -> int:
             )
 
         bridge = Bridge(plugins_dir, streamed, lambda r, i: allocate_refused(elog, r, i))
-    except ImportError:  # a Depends of the .deb, a Recommends of the .rpm (EPEL's)
+    except ImportError:  # a Recommends of both packages (docs/checkpoint.md says why)
         why = "it needs python3-grpcio, which is not installed"
         stay_off(root, elog, offstate.NO_GRPCIO, why, version)
         notifier.ready("off")
