@@ -194,7 +194,8 @@ class GpuNode(KubeletNode):
         NVIDIA's plugin does as a host service ordered after kubelet, or later as a
         DaemonSet's pod); ``fast``, as a unit right after kubelet's, already waiting
         for kubelet.sock (it registers 20-60 ms after the registration server: racing
-        kubelet's re-admission); ``pod``, as the static pod it already is."""
+        kubelet's re-admission); ``pod``, as the static pod it already is; ``none``: not
+        started (the test starts it)."""
         self.stop_kubelet()
         self.ns.systemctl("stop", PLUGIN)
         if self.gpuguard:
@@ -214,7 +215,7 @@ class GpuNode(KubeletNode):
         self.wait_pods(lambda p: all(n in p and p[n].phase for n in names), 60, "re-admission")
         if plugin == "late":
             self.start_plugin()
-        else:
+        elif plugin != "none":
             self.wait_registered()
         return t0
 
@@ -244,19 +245,30 @@ def boot_on(
     uvm: bool = True,
     plugin: bool = True,
     kubelet: str = "1.20",
+    extra_units: Optional[Mapping[str, str]] = None,
+    extra_ro: Optional[Mapping[str, Path]] = None,
+    containerd_extra: str = "",
+    before_kubelet: Optional[Callable[[SystemdNamespace], None]] = None,
 ) -> GpuNode:
     """A booted node on ``site`` (integration/kubelet_sites.py) with containerd and
     kubelet running (and gpuguard's daemon before kubelet, when ``gpuguard``); the
     plugin double started as a service if ``plugin``. The node's ``versions`` say what
     it runs; a site that runs another stack than it stands for fails here. ``kubelet``:
-    its version, "1.20" or "1.34" (harness/kubelet_versions.py)."""
+    its version, "1.20", "1.34" or "1.36" (harness/kubelet_versions.py). A node with
+    an API server (integration/cluster_node.py) adds its units (``extra_units``), their
+    files (``extra_ro``), containerd's CNI section (``containerd_extra``), and starts
+    them before kubelet's first start (``before_kubelet``)."""
     require_systemd_ns()
     from conftest import require_tool
 
     require_tool(*REQUIRED_TOOLS)
     k = kubelet_of(kubelet)
     binds, ro = prepare(tmp / "kubelet", api)
+    if containerd_extra:
+        with (tmp / "kubelet" / "containerd.toml").open("a") as f:
+            f.write(containerd_extra)
     ro[str(k.binary.parent)] = k.binary.parent
+    ro |= extra_ro or {}
     devices = fake_proc_devices(tmp / "devices", uvm=uvm)
     ro |= {"/run/fake/devices": devices, "/proc/devices": devices}
     units = {
@@ -264,6 +276,7 @@ def boot_on(
         "kubelet.service": kubelet_unit(k, tmp / "kubelet", flags),
         PLUGIN: site.plugin_unit(),
         **(readmit_units() if gpuguard and site.name == "host" else {}),
+        **(extra_units or {}),
     }
     ns = site.start(tmp, units=units, binds=binds, ro_binds=ro, gpuguard=gpuguard)
     node = GpuNode(ns, devices, gpuguard=gpuguard, k=k)
@@ -275,6 +288,8 @@ def boot_on(
     if gpuguard:
         site.install_gpuguard(ns, CONFIG + config)
     node.start_runtime()
+    if before_kubelet is not None:
+        before_kubelet(ns)
     if gpuguard:
         node.start_gpuguard()
     node.start_kubelet()

@@ -33,6 +33,9 @@ LAYOUT = [
     "/usr/libexec/gpuguard/npd-condition",
     "/usr/share/gpuguard/node-problem-detector/gpuguard-monitor.json",
     "/usr/share/gpuguard/prometheus/gpuguard.rules.yml",
+    # needrestart never restarts the re-admission bridge (a link: no conffile)
+    "/usr/share/gpuguard/needrestart/gpuguard.conf",
+    "/etc/needrestart/conf.d/gpuguard.conf",
     "/usr/lib/systemd/system/gpuguard-metrics.socket",
     "/usr/lib/systemd/system/gpuguard-metrics.service",
     "/usr/lib/udev/rules.d/71-gpuguard.rules",
@@ -82,7 +85,7 @@ def deb_files(pkgs: Dict[str, Path]) -> Dict[str, str]:
 def rpm_files(pkgs: Dict[str, Path]) -> Dict[str, str]:
     out = {}
     for line in sh("rpm", "-qlpv", str(pkgs["rpm"])).splitlines():
-        out[line.split()[-1]] = line
+        out[line.split(" -> ")[0].split()[-1]] = line  # a link: its own path
     return out
 
 
@@ -126,6 +129,10 @@ def test_deb_layout(deb_files: Dict[str, str]) -> None:
         if p.startswith(("/lib/", "/usr/local")) or "__pycache__" in p or "/tests/" in p
     ]
     assert not bad, bad
+    link = deb_files["/etc/needrestart/conf.d/gpuguard.conf"]
+    assert link.startswith("lrwxrwxrwx") and link.endswith(
+        "-> /usr/share/gpuguard/needrestart/gpuguard.conf"
+    ), link
 
 
 def test_deb_control(pkgs: Dict[str, Path]) -> None:
@@ -233,6 +240,8 @@ def test_rpm_layout(rpm_files: Dict[str, str], pkgs: Dict[str, Path]) -> None:
     # No %config file: the defaults are in /usr/lib, /etc/gpuguard is the operator's.
     assert [p for p in sh("rpm", "-qcp", str(pkgs["rpm"])).split() if p.startswith("/")] == []
     assert not any(p.startswith("/etc/gpuguard/") and p.endswith(".conf") for p in rpm_files)
+    link = rpm_files["/etc/needrestart/conf.d/gpuguard.conf"]
+    assert link.startswith("lrwxrwxrwx") and "-> /usr/share/gpuguard/needrestart/" in link, link
 
 
 def test_rpm_requires_and_scripts(pkgs: Dict[str, Path]) -> None:

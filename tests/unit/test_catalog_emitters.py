@@ -39,6 +39,7 @@ from gpuguard.steps.readmit.reconcile import ReadmitView, judge
 from unit.test_container_findings import ALL_ALLOWED, OLD_UVM, _audit, _ent
 from unit.test_devices_audit import CTL, GPU0, RUNC_LIST
 from unit.test_plugins_nvml import GPU, NO_NS, UNKNOWN, observation, plugin
+from unit.test_readmit_api import allocate_entries, readmit_api_entries, withdrawal_entries
 
 Entries = list[dict[str, Any]]
 
@@ -105,6 +106,12 @@ def readmit_offers(tmp: Path) -> Entries:
         Readmit(Root(root), log, lambda: inputs, FakeBridge()).on_kubelet_start()  # type: ignore[arg-type]
 
     return logged(emit)
+
+
+def bridge_ended() -> Entries:
+    from gpuguard.readmit.ended import say_ended
+
+    return logged(lambda log: [say_ended(log, ("nvidia.com/gpu",), h) for h in ("stop", "gone")])
 
 
 def checkpoint_changes(tmp: Path) -> Entries:
@@ -270,6 +277,7 @@ def entries(tmp_path_factory: pytest.TempPathFactory) -> Entries:
         + plugin_findings()
         + readmit_findings()
         + readmit_offers(tmp)
+        + bridge_ended()
         + checkpoint_changes(tmp)
         + remap_changes(tmp)
         + daemon_pass(tmp)
@@ -281,6 +289,9 @@ def entries(tmp_path_factory: pytest.TempPathFactory) -> Entries:
         + gpu_count()
         + inplace_held_back()
         + untrusted_kubelet()
+        + readmit_api_entries(tmp / "readmit")
+        + withdrawal_entries()
+        + allocate_entries()
     )
 
 

@@ -442,6 +442,8 @@ Resources=
 BackupDir=/srv/backups
 BackupKeep=3
 RestartKubelet=no
+Kubeconfig=/var/lib/rancher/k3s/agent/kubelet.kubeconfig
+NodeName=gpu-node-7
 RestartPolicy=never
 [Systemd]
 RuntimeUnits=containerd.service

@@ -297,6 +297,10 @@ READERS: dict[str, tuple[frozenset[str], str]] = {
     "host/statefile.py": (frozenset({"json.loads"}), "the state files' loader"),
     "checkpoint/codec.py": (frozenset({"json.loads"}), "kubelet's format, from safeio bytes"),
     "host/inventory.py": (frozenset({"json.loads"}), "the inventory file, from safeio bytes"),
+    "host/kubeapi.py": (
+        frozenset({"json.loads"}),
+        "the API server's answer, bounded by its size (files through safeio)",
+    ),
     "actuate/files.py": (frozenset({"os.open"}), "atomic writes: directories, temp files"),
     "actuate/safewrite.py": (frozenset({"os.open"}), "control files, device nodes' handles"),
     "actuate/bpf.py": (
@@ -331,6 +335,11 @@ READERS: dict[str, tuple[frozenset[str], str]] = {
     ),
     "sources/transient.py": (frozenset({"os.read"}), "its inotify descriptor"),
     "readmit/watch.py": (frozenset({"os.read"}), "its inotify descriptor"),
+    "readmit/ended.py": (
+        frozenset({"os.open"}),
+        "an O_PATH descriptor of kubelet's device-plugins directory, to connect to "
+        "kubelet.sock through it (nothing is read)",
+    ),
     "host/threadclock.py": (
         frozenset({"open"}),
         "the calling thread's own schedstat, on the reload fast path (a kernel file of "

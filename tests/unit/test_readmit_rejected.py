@@ -169,7 +169,7 @@ def test_a_10000_character_pod_name_then_a_real_rejection_and_a_raced_socket_rea
     def write(s: ReadmitState) -> None:
         write_state(root.path(STATE_FILE), SPEC, s)
 
-    rec = Recorder(write, refused.append)
+    rec = Recorder(write, refused=refused.append)
     rec.kubelet_started("131:1764342378000000000", 1764342378.0, 1764342503.0)
     rec.rejected(RejectedPod("u" * 500, "prod/" + "v" * 10_000, "R" * 100, "m" * 5000, 1.0))
     rec.rejected(RejectedPod(VICTIM, "default/gpu-a", "UnexpectedAdmissionError", "Allocate", 2.0))
@@ -189,7 +189,7 @@ def test_a_change_its_reader_would_refuse_is_not_taken(tmp_path: Path) -> None:
     written."""
     root = Root(tmp_path)
     refused: List[str] = []
-    rec = Recorder(lambda s: write_state(root.path(STATE_FILE), SPEC, s), refused.append)
+    rec = Recorder(lambda s: write_state(root.path(STATE_FILE), SPEC, s), refused=refused.append)
     rec.kubelet_started("1:2", 1.0, 2.0)
     many = tuple(f"{i:0256d}" for i in range(4096))
     for n in range(8):

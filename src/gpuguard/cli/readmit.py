@@ -51,17 +51,20 @@ def cmd_readmit(args: argparse.Namespace) -> int:
     from gpuguard.host.offswitch import read_off_switch
     from gpuguard.host.statefile import load
     from gpuguard.readmit import Inputs, Readmit
+    from gpuguard.readmit.apipods import reader
     from gpuguard.readmit.node import NodeReader
     from gpuguard.readmit.observe import (
         CACHE,
         CACHE_FILE,
         kubelet_version,
+        other_sockets,
         read_cached,
         unit_executable,
     )
     from gpuguard.readmit.rejected import Rejection, RejectionWatch
     from gpuguard.readmit.serve import Bridge
     from gpuguard.readmit.state import SPEC, STATE_FILE, ReadmitState, Recorder, RejectedPod
+    from gpuguard.readmit.withdraw import Withdrawal, allocate_refused, read_list
 
     root = _root(args)
     notifier = Notifier()
@@ -129,8 +132,13 @@ def cmd_readmit(args: argparse.Namespace) -> int:
                 told.append(str(e))
                 elog.event("error", f"cannot write {STATE_FILE}: {e}"[:300], level="warning")
 
+    from gpuguard.devices.processes import process_start
+
+    me = os.getpid()
     recorder = Recorder(
-        write, lambda why: elog.event("error", f"not recorded: {why}"[:300], level="warning")
+        write,
+        refused=lambda why: elog.event("error", f"not recorded: {why}"[:300], level="warning"),
+        me=(me, process_start(root, me) or 0.0),
     )
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
@@ -144,8 +152,8 @@ def cmd_readmit(args: argparse.Namespace) -> int:
                 level="debug",
             )
 
-        bridge = Bridge(plugins_dir, streamed)
-    except ImportError:  # a Depends of the .deb, a Recommends of the .rpm (EPEL's)
+        bridge = Bridge(plugins_dir, streamed, lambda r, i: allocate_refused(elog, r, i))
+    except ImportError:  # a Recommends of both packages (docs/checkpoint.md says why)
         why = "it needs python3-grpcio, which is not installed"
         stay_off(root, elog, offstate.NO_GRPCIO, why, version)
         notifier.ready("off")
@@ -160,7 +168,8 @@ def cmd_readmit(args: argparse.Namespace) -> int:
             fields={"POD": r.pod, "POD_UID": r.pod_uid, "REASON": r.reason},
         )
 
-    if load(root.path(STATE_FILE), SPEC).absent:  # the daemon then knows the bridge is on
+    prior = load(root.path(STATE_FILE), SPEC)
+    if prior.absent:  # the daemon then knows the bridge is on
         write(ReadmitState("", 0.0, "waiting", "waiting for kubelet's start"))
 
     def unread(why: str) -> None:  # the daemon's verdict on the rejections: unknown
@@ -176,8 +185,21 @@ def cmd_readmit(args: argparse.Namespace) -> int:
         elog.event(kind, text[:400], level=level)
 
     watch = RejectionWatch(root, kubelet_unit, named, recorder.admitted, unread, note)
-    readmit = Readmit(root, elog, read_inputs, bridge, watch, recorder)
+    api = reader(root, lambda: readmit.inputs.cfg)
+    withdrawal = Withdrawal(
+        plugins_dir,
+        elog,
+        bridge.withdraw,
+        lambda: other_sockets(plugins_dir),
+        lambda: read_list(plugins_dir),
+    )
+    readmit = Readmit(root, elog, read_inputs, bridge, watch, recorder, api, withdrawal)
+    # an earlier process's registration in the kubelet run that goes on: its streams ended
+    readmit.resume(prior.value)
     notifier.ready("waiting for kubelet")
     readmit.run(lambda: bool(stopping))
+    withdrawal.cancel()
+    api.stop()
+    readmit.stopping()  # said and written before the streams end
     bridge.stop()
     return 0

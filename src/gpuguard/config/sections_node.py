@@ -14,6 +14,7 @@ from gpuguard.config.types import (
     Bool,
     Choice,
     Int,
+    NodeName,
     ResourcePattern,
     ServiceUnit,
     SpaceList,
@@ -188,6 +189,32 @@ class KubeletConfig:
         "same, but never a k3s or RKE2 unit. never: a running kubelet is never restarted "
         "or stopped, by the daemon or `gpuguard check`; kubelet's next start repairs "
         "the file.",
+    )
+    kubeconfig: str | None = _key(
+        "Kubeconfig",
+        AbsPath(optional=True),
+        "/etc/kubernetes/kubelet.conf",
+        "kubelet's kubeconfig, with which the re-admission bridge (gpuguard-readmit) "
+        "reads, at a node's boot, the pods the API server has bound to this node "
+        "(read only: one list every 5 s, 2 s at most each, only while a GPU pod of "
+        "kubelet's checkpoint has no process): the GPU of a pod deleted while the node "
+        "was down is then never offered. Its server, certificate authority (or "
+        "insecure-skip-tls-verify), client certificate and key or token are those of "
+        "its current context; it must be owned by root and written by no one else. A "
+        "file "
+        "that does not exist, or empty: a kubelet without an API server (standalone, "
+        "static pods only). k3s and RKE2: "
+        "/var/lib/rancher/k3s/agent/kubelet.kubeconfig, "
+        "/var/lib/rancher/rke2/agent/kubelet.kubeconfig.",
+    )
+    node_name: str | None = _key(
+        "NodeName",
+        NodeName(),
+        "",
+        "This node's name in the API server, for the re-admission bridge's list of its "
+        "pods. Empty: the user the API server says the kubeconfig's credentials are "
+        "(system:node:NAME, API servers 1.28 and later), else the host name in "
+        "lowercase, as kubelet without --hostname-override.",
     )
 
 

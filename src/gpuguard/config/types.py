@@ -282,6 +282,29 @@ class CriEndpoint(ValueType):
         raise ValueError("not a CRI endpoint; write it like unix:///run/containerd/containerd.sock")
 
 
+_DNS_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*")
+
+
+class NodeName(ValueType):
+    """A Kubernetes Node's name (a DNS subdomain: lowercase); empty means None."""
+
+    empty_resets = False
+    describe = "Kubernetes node name, or empty"
+
+    def parse(self, text: str) -> str | None:
+        if not text:
+            return None
+        if len(text) <= 253 and _DNS_NAME.fullmatch(text):
+            return text
+        raise ValueError(
+            f"{clip(text)} is not a Kubernetes node name; write it as `kubectl get nodes` "
+            "shows it (lowercase letters, digits, '-' and '.')"
+        )
+
+    def format(self, value: Any) -> str:
+        return "" if value is None else str(value)
+
+
 class SpaceList(ValueType):
     """Space-separated items; empty means an empty list (systemd: `Key=` clears a list)."""
 

@@ -63,6 +63,30 @@ READMIT_KINDS: dict[str, tuple[str, str]] = {
         "file: the NPD condition GPUPodsRejected, gpuguard status, gpuguard_open_findings. "
         "Fix: @FIX@. " + _WHY,
     ),
+    "readmit-streams-ended": (
+        "gpuguard's re-admission bridge ended while kubelet runs",
+        "The bridge's process stopped (a stop or restart of gpuguard-readmit.service: "
+        "@HOW@ is stop) or an earlier one ended (killed, crashed, OOM: gone) after it "
+        "registered @RESOURCES@ in this kubelet run. kubelet keeps the "
+        "stream of the bridge's endpoint after the real plugin replaced it; when that "
+        "stream ends, kubelet disconnects the real plugin and marks every device "
+        "unhealthy: new GPU pods are rejected until the plugin registers again. "
+        "gpuguard's daemon restarts the plugin at once (plugin-not-allocatable, then "
+        "plugin-restarted), within MaxRestartsPerHour=. Avoid stopping the bridge while "
+        "kubelet runs: its new version loads at the next boot. " + _WHY,
+    ),
+    "readmit-config-error": (
+        "gpuguard's re-admission bridge cannot read its configuration again",
+        "The bridge reads gpuguard's configuration again every minute and at each "
+        "kubelet start; it could not (the message names the file and the error), so it "
+        "keeps the last configuration it read and goes on: it never exits while kubelet "
+        "holds its streams. Said once per distinct error and in its state file. Fix the "
+        "file (`gpuguard config --check`); readmit-config-ok follows.",
+    ),
+    "readmit-config-ok": (
+        "gpuguard's re-admission bridge reads its configuration again",
+        "After readmit-config-error the configuration reads again and is in use.",
+    ),
     "readmit-raced": (
         "a device plugin registered at the same moment as gpuguard's re-admission bridge",
         "kubelet handles the registration that comes last as the resource's endpoint. "
@@ -120,5 +144,48 @@ READMIT_KINDS: dict[str, tuple[str, str]] = {
         "kubelet asked gpuguard's re-admission bridge for its devices",
         "kubelet opened the bridge's ListAndWatch stream after its registration; the "
         "bridge answered once and keeps the stream open for kubelet's whole run. " + _WHY,
+    ),
+    "readmit-api-unread": (
+        "gpuguard's re-admission bridge could not read this node's pods from the API server",
+        "The bridge reads the pods the API server has bound to this node ([Kubelet] "
+        "Kubeconfig=, kubelet's credentials) so that it never offers the GPU of a pod "
+        "deleted while the node was down. It could not (@PROBLEM@: the server not "
+        "reachable at boot, the credentials refused, the kubeconfig unreadable), so it "
+        "offered every checkpointed GPU pod's devices, as for a kubelet without an API "
+        "server: withholding them would make kubelet reject every static and bare GPU "
+        "pod for good. A deleted pod's GPU may then be free to kubelet until the bridge "
+        "withdraws its devices (readmit-withdrawn, 30 s after kubelet's start at most); "
+        "a new pod placed on it meanwhile fails admission. " + _WHY,
+    ),
+    "readmit-withdrawn": (
+        "gpuguard's re-admission bridge reported its devices unhealthy",
+        "Once the pods it offered for were re-admitted (kubelet's podresources List "
+        "shows their devices), or 30 s after kubelet's start, the bridge sent its one "
+        "last ListAndWatch answer: the @RESOURCE@ devices it had reported healthy "
+        "(@DEVICES@), now unhealthy, so that the Node's allocatable counts no device the "
+        "bridge cannot allocate (it allocates none) and the scheduler places no new pod "
+        "on it. kubelet keeps the re-admitted pods running; allocatable is 0 until the "
+        "device plugin registers and reports the node's GPUs. Pods not re-admitted by "
+        "then (@PENDING@) are rejected as without the bridge. It is sent only while no "
+        "device plugin socket exists: after a plugin registered, kubelet would apply it "
+        "to the plugin's devices. " + _WHY,
+    ),
+    "readmit-handed-over": (
+        "a device plugin took over from gpuguard's re-admission bridge",
+        "A device plugin's socket (@PLUGINS@) appeared in kubelet's device-plugins "
+        "directory: the plugin has registered or is about to, and serves @RESOURCES@ and "
+        "every new pod from now on. The bridge sends nothing more on its stream in this "
+        "kubelet run (kubelet would apply it to the plugin's devices) and keeps the "
+        "stream open. " + _WHY,
+    ),
+    "readmit-allocate": (
+        "kubelet asked gpuguard's re-admission bridge to allocate a device",
+        "A new pod needed @RESOURCE@ while the bridge was the registered endpoint and "
+        "kubelet chose devices (@DEVICES@) the bridge had reported healthy; the bridge "
+        "allocates no device and answered FAILED_PRECONDITION, so kubelet failed the "
+        "pod's admission (a controller makes another). This should not happen: the "
+        "bridge reports only devices held by pods it expects back and withdraws them once "
+        "those are re-admitted. The pod the device was held for may be gone (deleted "
+        "while the API server could not be read: readmit-api-unread). " + _WHY,
     ),
 }

@@ -20,6 +20,13 @@ later; cached by the executable's identity (/var/lib/gpuguard/kubelet-version.js
 The off switch and Mode=observe are read at each kubelet start: off, it does
 nothing; observe, it journals what it would offer and registers nothing.
 
+It never exits while kubelet holds its streams: a configuration that cannot be read
+again, and any other error of the loop, are contained (readmit/contained.py). Each
+kubelet start is handled in a thread of its own, each resource's registration in
+another, each with its own channel and deadline: a slow or failing one delays no
+other, and the loop keeps watching kubelet.sock meanwhile. Its own end while kubelet
+runs is said, and written for the daemon (readmit/ended.py).
+
 Modules (docs/architecture.md has the map of the packages):
 
 - the re-admission bridge for kubelet 1.26+ (`gpuguard readmit`,
@@ -35,11 +42,13 @@ Modules (docs/architecture.md has the map of the packages):
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
+from gpuguard.checkpoint.model import PodDevicesEntry
 from gpuguard.checkpoint.reader import load as load_checkpoint
 from gpuguard.config.schema import Config
 from gpuguard.errors import GpuguardError
@@ -47,14 +56,20 @@ from gpuguard.host.offswitch import read_off_switch
 from gpuguard.host.paths import Root
 from gpuguard.journal.log import EventLog
 from gpuguard.readmit import rpcerror
+from gpuguard.readmit.contained import Contained
+from gpuguard.readmit.ended import kubelet_listens, registered_in, say_ended
 from gpuguard.readmit.observe import alive_pods, other_sockets
-from gpuguard.readmit.plan import Decision, decide
+from gpuguard.readmit.plan import Decision, Offer, decide
 from gpuguard.readmit.presence import NodeDevices
 from gpuguard.readmit.refusals import refused_field
 from gpuguard.readmit.rejected import WATCH_SECONDS, RejectionWatch
 from gpuguard.readmit.serve import Bridge, endpoint
-from gpuguard.readmit.state import Recorder
+from gpuguard.readmit.state import ReadmitState, Recorder
 from gpuguard.readmit.watch import DirWatch
+
+if TYPE_CHECKING:  # the bridge's (cli/readmit.py); the daemon imports this package too
+    from gpuguard.readmit.apipods import NodePods
+    from gpuguard.readmit.withdraw import Withdrawal
 
 POLL = 1.0  # seconds at most between looks for a new kubelet.sock (inotify wakes it)
 REFRESH = 60.0  # configuration and inventory read again this often while idle
@@ -83,6 +98,8 @@ class Readmit:
         bridge: Bridge,
         rejected: Optional[RejectionWatch] = None,
         recorder: Optional[Recorder] = None,
+        api: Optional[NodePods] = None,
+        withdrawal: Optional[Withdrawal] = None,
     ) -> None:
         self.root = root
         self.elog = elog
@@ -93,8 +110,17 @@ class Readmit:
         # what the daemon reads (readmit/state.py); a stand-in that writes nothing
         self.recorder = recorder if recorder is not None else Recorder(lambda _s: None)
         self.plugins_dir = root.path(Path(self.inputs.cfg.kubelet.checkpoint_path).parent)
+        self.api = api  # the API server's pods of this node (readmit/apipods.py)
+        self.withdrawal = withdrawal  # after the re-admissions (readmit/withdraw.py)
         # the decision made ahead, for the checkpoint as it was then (its identity)
         self.ahead: Optional[tuple[tuple[int, int, int], float, Decision]] = None
+        # what that decision was made of: a new answer of the API server is decided
+        # again from them at kubelet's start, with no read (decide is pure)
+        self.made_of: Optional[tuple[tuple[PodDevicesEntry, ...], frozenset[str], object]] = None
+        self.contained = Contained(elog)
+        # whether kubelet serves kubelet.sock now (tests: a stand-in)
+        self.kubelet_listens: Callable[[], bool] = lambda: kubelet_listens(self.plugins_dir)
+        self.handlers: list[threading.Thread] = []  # kubelet starts being handled
 
     def checkpoint_key(self) -> tuple[int, int, int]:
         try:
@@ -115,9 +141,18 @@ class Readmit:
                 self.bridge.serve(o.resource)
 
     def decided(self) -> Decision:
-        """The decision made ahead when the checkpoint is still the same, else now."""
+        """The decision made ahead when the checkpoint is still the same (made again,
+        from the same checkpoint and processes, for a new answer of the API server),
+        else now."""
         if self.ahead is not None and self.ahead[0] == self.checkpoint_key():
-            return self.ahead[2]
+            if self.api is None or self.made_of is None:
+                return self.ahead[2]
+            entries, alive, key = self.made_of
+            api = self.api.view()
+            if api.key == key:
+                return self.ahead[2]
+            cfg = self.inputs.cfg
+            return decide(entries, cfg.kubelet.resources, self.inputs.present, alive, api)
         return self.decision()
 
     def kubelet_sock(self) -> Optional[tuple[int, int]]:
@@ -129,6 +164,42 @@ class Readmit:
             return None
         return st.st_ino, st.st_ctime_ns
 
+    def run_id(self) -> str:
+        """The kubelet run now, as the state file names it ("" when none)."""
+        sock = self.kubelet_sock()
+        return f"{sock[0]}:{sock[1]}" if sock else ""
+
+    def resume(self, prior: Optional[ReadmitState]) -> None:
+        """At this process's start: go on with the state an earlier process wrote; if it
+        registered in the kubelet run that still goes on, its streams have ended."""
+        if prior is None:
+            return
+        self.recorder.resume(prior)
+        resources = registered_in(prior, self.run_id())
+        if resources and self.kubelet_listens():
+            self.recorder.streams_ended(time.time())
+            say_ended(self.elog, resources, "gone")
+
+    def stopping(self) -> None:
+        """At SIGTERM, before the servers stop: said and written first, so that the
+        daemon, woken by this process's end, finds the time."""
+        resources = registered_in(self.recorder.current(), self.run_id())
+        if resources and self.kubelet_listens():
+            self.recorder.streams_ended(time.time())
+            say_ended(self.elog, resources, "stop")
+
+    def refresh(self) -> None:
+        """The configuration and inventory read again; on an error the last good ones
+        stay, said once per distinct error and written to the state file."""
+        try:
+            inputs = self.read_inputs()
+        except Exception as e:  # never exit: the streams kubelet holds would end
+            self.recorder.config_error(self.contained.config_failed(e))
+            return
+        self.inputs = inputs
+        if self.contained.config_read():
+            self.recorder.config_error("")
+
     def run(self, stop: Callable[[], bool]) -> None:
         """Until ``stop()``: a kubelet.sock already there at the start is a kubelet
         that has re-admitted its pods already, never registered with."""
@@ -136,26 +207,44 @@ class Readmit:
         refreshed = time.monotonic()
         watch = DirWatch(self.plugins_dir)
         while not stop():
-            watch.wait(POLL)
-            sock = self.kubelet_sock()
-            if sock is None or sock == seen:
-                try:
-                    self.prepare()
-                except Exception as e:  # decided again at kubelet's start
-                    self.ahead = None
-                    self.elog.event("debug", f"deciding ahead failed: {e!r}"[:300], level="debug")
-                sock = self.kubelet_sock()  # kubelet may have started meanwhile
-            if sock is not None and sock != seen:
-                seen = sock
-                try:
-                    self.on_kubelet_start()
-                except Exception as e:  # never exit: the streams kubelet holds would end
-                    self.elog.event("error", f"kubelet start not handled: {e!r}"[:300])
-                refreshed = 0.0
-            if time.monotonic() - refreshed > REFRESH:
-                self.inputs = self.read_inputs()
-                refreshed = time.monotonic()
+            try:
+                watch.wait(POLL)
+                sock = self.kubelet_sock()
+                if sock is None or sock == seen:
+                    try:
+                        self.prepare()
+                    except Exception as e:  # decided again at kubelet's start
+                        self.ahead = None
+                        self.elog.event(
+                            "debug", f"deciding ahead failed: {e!r}"[:300], level="debug"
+                        )
+                    sock = self.kubelet_sock()  # kubelet may have started meanwhile
+                if sock is not None and sock != seen:
+                    seen = sock
+                    self.handle_kubelet_start()
+                    refreshed = 0.0
+                if time.monotonic() - refreshed > REFRESH:
+                    refreshed = time.monotonic()
+                    self.refresh()
+            except Exception as e:  # never exit: the streams kubelet holds would end
+                self.contained.loop_failed("its loop", e)
+                time.sleep(POLL)  # never a busy loop
         watch.close()
+
+    def handle_kubelet_start(self) -> None:
+        """on_kubelet_start in a thread of its own: the loop keeps watching kubelet.sock
+        (a slow registration never hides kubelet's next start)."""
+
+        def handle() -> None:
+            try:
+                self.on_kubelet_start()
+            except Exception as e:  # never exit: the streams kubelet holds would end
+                self.contained.loop_failed("kubelet start not handled", e)
+
+        self.handlers = [t for t in self.handlers if t.is_alive()]
+        t = threading.Thread(target=handle, name="readmit-kubelet-start", daemon=True)
+        self.handlers.append(t)
+        t.start()
 
     def decision(self) -> Decision:
         cfg = self.inputs.cfg
@@ -167,18 +256,27 @@ class Readmit:
             return Decision((), f"kubelet's checkpoint not usable: {loaded.problem}")
         entries = loaded.checkpoint.entries or ()
         alive = alive_pods(self.root)
-        return decide(entries, cfg.kubelet.resources, self.inputs.present, alive)
+        api = self.api.view() if self.api is not None else None
+        d = decide(entries, cfg.kubelet.resources, self.inputs.present, alive, api)
+        self.made_of = (tuple(entries), alive, api.key if api is not None else None)
+        if self.api is not None and (d.offers or d.left_out):  # read while pods wait
+            self.api.want()
+        return d
 
     def on_kubelet_start(self) -> None:
+        """One kubelet start: the decision, then every offer's registration in parallel,
+        each in its own thread with its own channel and deadline; returns when all
+        have returned."""
         t0 = time.monotonic()
         sock = self.kubelet_sock()
         started = sock[1] / 1e9 if sock is not None else time.time()
         rec = self.recorder
-        rec.kubelet_started(
-            f"{sock[0]}:{sock[1]}" if sock else "", started, time.time() + WATCH_SECONDS + 5
-        )
+        run = f"{sock[0]}:{sock[1]}" if sock else ""
+        rec.kubelet_started(run, started, time.time() + WATCH_SECONDS + 5)
         if self.rejected is not None:  # the pods kubelet rejects now, named (any mode)
             self.rejected.start(self.inputs.cfg)  # this kubelet's own records
+        if self.withdrawal is not None:  # the previous kubelet's: never sent now
+            self.withdrawal.cancel()
         off = read_off_switch(self.root)
         if off is not None:
             self.elog.event("readmit-skip", f"gpuguard is off ({off.describe()}): no offer")
@@ -186,8 +284,13 @@ class Readmit:
             return
         d = self.decided()
         judged = {"EVIDENCE": d.evidence, "REFUSED": refused_field(d.refused)}
+        left = d.left_out_text()
         if not d.offers:
-            self.elog.event("readmit-skip", f"kubelet started: no offer: {d.why}", fields=judged)
+            self.elog.event(
+                "readmit-skip",
+                f"kubelet started: no offer: {d.why}{f' ({left})' if left else ''}",
+                fields=judged,
+            )
             rec.decided("skip", d.why)
             return
         plugins = other_sockets(self.plugins_dir)
@@ -197,12 +300,24 @@ class Readmit:
             rec.decided("skip", why)
             return
         rec.decided("observe" if self.inputs.cfg.daemon.observe else "offered", d.why)
+        if d.unread:
+            self.elog.event(
+                "readmit-api-unread",
+                f"the API server's pods of this node could not be read ({d.unread[:200]}): "
+                "every checkpointed GPU pod is offered, a pod deleted while the node was "
+                "down too, until the bridge withdraws its devices",
+                level="warning",
+                fields={"PROBLEM": d.unread},
+            )
+        threads: list[threading.Thread] = []
+        registered: list[Offer] = []  # appended by the threads (list.append is atomic)
         for o in d.offers:
             fields = {
                 "RESOURCE": o.resource,
                 "DEVICES": ",".join(o.healthy),
                 "ABSENT": ",".join(o.absent),
                 "PODS": ",".join(o.pods),
+                "LEFT_OUT": ",".join(x.pod_uid for x in o.left_out),
                 "ENDPOINT": endpoint(o.resource),
                 **judged,
             }
@@ -212,39 +327,82 @@ class Readmit:
                     "readmit-observe", f"observe-only: would report {what} healthy", fields=fields
                 )
                 continue
-            try:
-                self.bridge.register(o.resource, o.healthy)
-            except Exception as e:  # grpc.RpcError, or the socket's directory
-                rec.decided("failed", f"registering {o.resource} failed")
-                why, grpc_fields = rpcerror.describe(e)  # its status and details
-                self.elog.event(
-                    "readmit-failed",
-                    f"registering {o.resource} failed: {why}",
-                    level="warning",
-                    fields={**fields, **grpc_fields},
-                )
-                continue
-            ms = (time.monotonic() - t0) * 1000
-            rec.registered(o.resource, o.healthy, time.time())
-            self.elog.event(
-                "readmit-offered",
-                f"kubelet started: reported {what} healthy for their re-admission "
-                f"({d.why}; {ms:.0f} ms after kubelet.sock appeared)",
-                fields={**fields, "LATENCY_MS": f"{ms:.1f}"},
+            t = threading.Thread(
+                target=self.register,
+                args=(o, d, fields, what, t0, run, left, registered),
+                name=f"readmit-register-{o.resource}"[:60],
+                daemon=True,
             )
-            # A plugin's socket exists before kubelet handles its registration: none now
-            # means the plugin registers after the bridge and replaces it. One now may
-            # have registered first, and been replaced by the bridge (the race its
-            # start-up waits to avoid): then new pods find only the held devices.
-            raced = other_sockets(self.plugins_dir)
-            if raced:
-                rec.raced(raced)
-                self.elog.event(
-                    "readmit-raced",
-                    f"a device plugin ({', '.join(raced)[:200]}) registered at the same "
-                    f"moment as the bridge's {o.resource}: if it registered first, kubelet "
-                    "now offers new pods only the held devices until the plugin registers "
-                    "again (restart it)",
-                    level="warning",
-                    fields={**fields, "PLUGINS": ",".join(raced)},
-                )
+            threads.append(t)
+            t.start()
+        for t in threads:
+            t.join()
+        if registered and self.withdrawal is not None:
+            self.withdrawal.start(registered, started)
+
+    def register(
+        self,
+        o: Offer,
+        d: Decision,
+        fields: dict[str, str],
+        what: str,
+        t0: float,
+        run: str,
+        left: str,
+        registered: list[Offer],
+    ) -> None:
+        """One resource's registration (its own thread, channel and deadline)."""
+        try:
+            self.bridge.register(o.resource, o.healthy)
+        except Exception as e:  # grpc.RpcError, or the socket's directory
+            self.recorder.decided("failed", f"registering {o.resource} failed", run=run)
+            why, grpc_fields = rpcerror.describe(e)  # its status and details
+            self.elog.event(
+                "readmit-failed",
+                f"registering {o.resource} failed: {why}",
+                level="warning",
+                fields={**fields, **grpc_fields},
+            )
+            return
+        try:
+            self.registered(o, d, fields, what, t0, run, left)
+            registered.append(o)
+        except Exception as e:  # never exit: the streams kubelet holds would end
+            self.contained.loop_failed(f"after registering {o.resource}", e)
+
+    def registered(
+        self,
+        o: Offer,
+        d: Decision,
+        fields: dict[str, str],
+        what: str,
+        t0: float,
+        run: str,
+        left: str,
+    ) -> None:
+        rec = self.recorder
+        ms = (time.monotonic() - t0) * 1000
+        rec.registered(o.resource, o.healthy, time.time(), run=run)
+        self.elog.event(
+            "readmit-offered",
+            f"kubelet started: reported {what} healthy for their re-admission "
+            f"({d.why}; {ms:.0f} ms after kubelet.sock appeared)"
+            + (f"; left out: {left}" if left else ""),
+            fields={**fields, "LATENCY_MS": f"{ms:.1f}"},
+        )
+        # A plugin's socket exists before kubelet handles its registration: none now
+        # means the plugin registers after the bridge and replaces it. One now may
+        # have registered first, and been replaced by the bridge (the race its
+        # start-up waits to avoid): then new pods find only the held devices.
+        raced = other_sockets(self.plugins_dir)
+        if raced:
+            rec.raced(raced)
+            self.elog.event(
+                "readmit-raced",
+                f"a device plugin ({', '.join(raced)[:200]}) registered at the same "
+                f"moment as the bridge's {o.resource}: if it registered first, kubelet "
+                "now offers new pods only the held devices until the plugin registers "
+                "again (restart it)",
+                level="warning",
+                fields={**fields, "PLUGINS": ",".join(raced)},
+            )

@@ -6,12 +6,19 @@ sockets of the directory when it starts, not those of subdirectories, so the ser
 are made once, before kubelet starts, and registering costs one call. Messages are
 encoded by readmit/wire.py (no generated code, no python3-protobuf).
 
-Each ListAndWatch answers once, with the devices offered for that registration, and
-then keeps the stream open until kubelet closes it: when the real plugin registers
+Each ListAndWatch answers with the devices offered for that registration, healthy,
+and then keeps the stream open until kubelet closes it: when the real plugin registers
 later, kubelet replaces the bridge's endpoint without closing its stream, and if that
 stream then ended, kubelet would look the resource's client up by name and disconnect
-the real plugin. Allocate, GetPreferredAllocation and PreStartContainer are not
-served (UNIMPLEMENTED): the bridge never allocates anything.
+the real plugin. For the same reason an update sent on it later would be applied to
+the resource by name, over the real plugin's devices: the one later message, the
+withdrawal (every device Unhealthy, :meth:`Bridge.withdraw`), is sent only while no
+plugin socket exists (readmit/withdraw.py decides), and the stream stays open after
+it. Allocate is answered FAILED_PRECONDITION (the bridge allocates no device; kubelet
+asks only for a new pod, whose device comes from healthy devices no pod holds, which
+the bridge never reports) and journaled through ``on_allocate``;
+GetPreferredAllocation and PreStartContainer are not served (UNIMPLEMENTED): the
+registration's options say kubelet never calls them.
 """
 
 from __future__ import annotations
@@ -19,11 +26,14 @@ from __future__ import annotations
 import re
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 from gpuguard.readmit import wire
 
 SUBDIR = "gpuguard"
+NO_ALLOCATE = (
+    "gpuguard's re-admission bridge allocates no device: the device plugin has not registered yet"
+)
 
 
 def _same(b: bytes) -> bytes:
@@ -38,38 +48,91 @@ def endpoint(resource: str) -> str:
 class Bridge:
     """The endpoints, made on demand, and the registration."""
 
-    def __init__(self, plugins_dir: Path, on_stream: Callable[[str, int], None]) -> None:
+    def __init__(
+        self,
+        plugins_dir: Path,
+        on_stream: Callable[[str, int], None],
+        on_allocate: Optional[Callable[[str, tuple[str, ...]], None]] = None,
+    ) -> None:
         import grpc  # type: ignore[import-untyped]  # ~40 ms: loaded before kubelet starts
 
         self.grpc: Any = grpc
         self.dir = plugins_dir
         self.on_stream = on_stream  # (resource, devices sent): for the journal
+        self.on_allocate = on_allocate  # (resource, device IDs asked): for the journal
         self.offers: dict[str, tuple[str, ...]] = {}
+        self.withdrawn: set[str] = set()  # resources whose devices are now Unhealthy
+        self.wakers: dict[str, set[threading.Event]] = {}  # resource -> open streams
         self.servers: dict[str, Any] = {}
         self.streams = 0  # open ListAndWatch streams
         self.lock = threading.Lock()
+        self.serving = threading.Lock()  # the loop and the registrations' threads
 
     def _list_and_watch(self, resource: str) -> Callable[[bytes, Any], Iterator[bytes]]:
         def handler(_request: bytes, context: Any) -> Iterator[bytes]:
             ids = self.offers.get(resource, ())
             closed = threading.Event()
-            context.add_callback(closed.set)
+            wake = threading.Event()
+
+            def ended() -> None:
+                closed.set()
+                wake.set()
+
+            context.add_callback(ended)
             with self.lock:
                 self.streams += 1
+                self.wakers.setdefault(resource, set()).add(wake)
+                withdrawn = resource in self.withdrawn
             try:
-                yield wire.list_and_watch_response(ids)
-                self.on_stream(resource, len(ids))
-                closed.wait()  # kubelet's whole run: never end it ourselves
+                health = wire.UNHEALTHY if withdrawn else wire.HEALTHY
+                yield wire.list_and_watch_response(ids, health)
+                self.on_stream(resource, 0 if withdrawn else len(ids))
+                while not closed.is_set():  # kubelet's whole run: never end it ourselves
+                    wake.wait()
+                    wake.clear()
+                    with self.lock:
+                        now = resource in self.withdrawn
+                    if now and not withdrawn and not closed.is_set():
+                        withdrawn = True
+                        yield wire.list_and_watch_response(ids, wire.UNHEALTHY)
             finally:
                 with self.lock:
                     self.streams -= 1
+                    self.wakers.get(resource, set()).discard(wake)
 
         return handler
 
+    def _allocate(self, resource: str) -> Callable[[bytes, Any], bytes]:
+        def handler(request: bytes, context: Any) -> bytes:
+            if self.on_allocate is not None:
+                try:
+                    ids = wire.allocate_request_ids(request)
+                except ValueError:
+                    ids = ()
+                self.on_allocate(resource, ids)
+            context.abort(self.grpc.StatusCode.FAILED_PRECONDITION, NO_ALLOCATE)
+            return b""  # not reached: abort raises
+
+        return handler
+
+    def withdraw(self, resource: str) -> int:
+        """Report every device of ``resource``'s offer Unhealthy, once, on its open
+        streams (and on any opened later in this registration); how many were open.
+        The caller makes sure no device plugin has registered (readmit/withdraw.py)."""
+        with self.lock:
+            self.withdrawn.add(resource)
+            wakers = tuple(self.wakers.get(resource, ()))
+        for w in wakers:
+            w.set()
+        return len(wakers)
+
     def serve(self, resource: str) -> None:
         """The endpoint of ``resource``, listening (made once)."""
-        if resource in self.servers:
-            return
+        with self.serving:
+            if resource not in self.servers:
+                self._serve(resource)
+
+    def _serve(self, resource: str) -> None:
         from concurrent import futures
 
         grpc = self.grpc
@@ -84,6 +147,11 @@ class Bridge:
             ),
             "ListAndWatch": grpc.unary_stream_rpc_method_handler(
                 self._list_and_watch(resource),
+                request_deserializer=_same,
+                response_serializer=_same,
+            ),
+            "Allocate": grpc.unary_unary_rpc_method_handler(
+                self._allocate(resource),
                 request_deserializer=_same,
                 response_serializer=_same,
             ),
@@ -102,7 +170,9 @@ class Bridge:
         """Offer ``ids`` for ``resource`` and register its endpoint with kubelet.
         Raises grpc.RpcError when kubelet refuses or does not answer."""
         self.serve(resource)
-        self.offers[resource] = ids
+        with self.lock:
+            self.offers[resource] = ids
+            self.withdrawn.discard(resource)  # a new registration: healthy again
         grpc = self.grpc
         with grpc.insecure_channel(f"unix://{self.dir / 'kubelet.sock'}") as channel:
             call = channel.unary_unary(

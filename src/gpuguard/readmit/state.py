@@ -76,6 +76,14 @@ class ReadmitState:
     # what kept the bridge from reading kubelet's rejections at this start ("" none):
     # the daemon's verdict on them is then unknown, never OK
     problem: str = ""
+    # the bridge process that registered in this kubelet run (its pid and start, Unix
+    # time): once it is gone its streams have ended (readmit/ended.py)
+    pid: int = 0
+    pid_start: float = 0.0
+    # when the streams of this kubelet run's registrations ended (that process stopped,
+    # or a later one found it gone): kubelet then dropped the plugin that replaced them
+    streams_ended: Optional[float] = None
+    config_error: str = ""  # the configuration the bridge could not read, one line
 
     @property
     def healthy_at(self) -> Optional[float]:
@@ -145,6 +153,10 @@ def _parse(o: Obj) -> ReadmitState:
         o.text("off_cause", max_len=32, default=""),
         o.text("kubelet_version", max_len=32, default=""),
         o.text("problem", max_len=DETAIL_MAX, default=""),  # absent before it existed
+        o.integer("pid", hi=2**22, default=0),
+        o.real("pid_start", default=0.0),
+        o.opt_real("streams_ended"),
+        o.text("config_error", max_len=DETAIL_MAX, default=""),
     )
 
 
@@ -179,6 +191,10 @@ def _render(s: ReadmitState) -> dict[str, Any]:
         "off_cause": s.off_cause,
         "kubelet_version": s.kubelet_version,
         "problem": s.problem,
+        "pid": s.pid,
+        "pid_start": s.pid_start,
+        "streams_ended": s.streams_ended,
+        "config_error": s.config_error,
     }
 
 
@@ -234,12 +250,15 @@ class Recorder:
     def __init__(
         self,
         write: Callable[[ReadmitState], None],
+        *,
         refused: Callable[[str], None] = lambda _w: None,
+        me: tuple[int, float] = (0, 0.0),
     ) -> None:
         import threading
 
         self.write = write
         self.refused = refused
+        self.me = me  # this process: its pid and start (Unix time)
         self.lock = threading.Lock()
         self.state: Optional[ReadmitState] = None
         # kubelet may open ListAndWatch before the registration call returns here
@@ -261,36 +280,73 @@ class Recorder:
 
     def kubelet_started(self, sock: str, at: float, watch_until: float) -> None:
         with self.lock:
+            error = self.state.config_error if self.state is not None else ""
             self.state = ReadmitState(
                 _t(sock, SOCK_MAX),
                 _time(at) or 0.0,
                 "skip",
                 "deciding",
                 watch_until=_time(watch_until) or 0.0,
+                pid=self.me[0],
+                pid_start=_time(self.me[1]) or 0.0,
+                config_error=error,
             )
             self.early.clear()
         self._change(lambda s: s)
 
-    def decided(self, decision: str, detail: str) -> None:
+    def resume(self, state: ReadmitState) -> None:
+        """Go on with the state an earlier process wrote (a restart of the bridge)."""
+        with self.lock:
+            self.state = state
+
+    def current(self) -> Optional[ReadmitState]:
+        with self.lock:
+            return self.state
+
+    def streams_ended(self, at: float) -> None:
+        when = _time(at)
         self._change(
-            lambda s: replace(s, decision=_t(decision, DECISION_MAX), detail=_t(detail, DETAIL_MAX))
+            lambda s: (
+                s if s.streams_ended is not None or when is None else replace(s, streams_ended=when)
+            )
         )
 
-    def registered(self, resource: str, devices: tuple[str, ...], at: float) -> None:
+    def config_error(self, error: str) -> None:
+        self._change(lambda s: replace(s, config_error=_t(error, DETAIL_MAX)))
+
+    def decided(self, decision: str, detail: str, run: Optional[str] = None) -> None:
+        """``run``: the kubelet start (kubelet_sock) it was made for, as registered's."""
+        self._change(
+            lambda s: (
+                s
+                if run is not None and s.kubelet_sock != run
+                else replace(s, decision=_t(decision, DECISION_MAX), detail=_t(detail, DETAIL_MAX))
+            )
+        )
+
+    def registered(
+        self, resource: str, devices: tuple[str, ...], at: float, run: Optional[str] = None
+    ) -> None:
+        """``run``: the kubelet start (kubelet_sock) it was made for; a registration
+        that returns after kubelet's next start is not this run's."""
         resource = _t(resource, RESOURCE_MAX)
         with self.lock:
             early = self.early.pop(resource, None)
         ids = tuple(_t(d, RESOURCE_MAX) for d in devices[:MAX_DEVICES])
         reg = Registration(resource, _time(at) or 0.0, ids, early)
-        self._change(
-            lambda s: replace(
+
+        def how(s: ReadmitState) -> ReadmitState:
+            if run is not None and s.kubelet_sock != run:
+                return s
+            return replace(
                 s,
                 registrations=(
                     *(r for r in s.registrations if r.resource != resource),
                     reg,
                 )[-MAX_REGISTRATIONS:],
             )
-        )
+
+        self._change(how)
 
     def healthy(self, resource: str, at: float) -> None:
         resource = _t(resource, RESOURCE_MAX)

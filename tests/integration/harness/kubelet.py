@@ -1,4 +1,4 @@
-"""A real kubelet (1.20.2 or 1.34.9) in a private systemd namespace, on cgroup v1 (hybrid).
+"""A real kubelet (1.20.2, 1.34.9, 1.36.2) in a private systemd namespace, on cgroup v1 (hybrid).
 
 1.20's binary is built from Debian 12's own source package and cached by
 ``scripts/build-kubelet`` (``scripts/bootstrap --full`` runs it; :func:`kubelet_binary`
@@ -170,7 +170,7 @@ def kubelet_binary() -> Path:
 
 
 def kubelet_of(version: str) -> Kubelet:
-    """The kubelet of ``version`` ("1.20" or "1.34"); skip, or fail under CI, without it."""
+    """The kubelet of ``version`` ("1.20", "1.34", "1.36"); skip, or fail under CI, without it."""
     if version == "1.20":
         return kubelet(version, {"path": kubelet_binary()})
     return kubelet(version, {})
@@ -257,7 +257,10 @@ class KubeletNode:
         tasks = self.tasks()
         out = []
         for cid in self.ctr("containers", "ls", "-q").split():
-            info = json.loads(self.ctr("containers", "info", cid))
+            text = self.ctr("containers", "info", cid, check=False)
+            if not text:  # removed since the listing (kubelet's garbage collection)
+                continue
+            info = json.loads(text)
             labels = info.get("Labels") or {}
             if labels.get("io.cri-containerd.kind") != "container":
                 continue

@@ -45,6 +45,7 @@ from gpuguard.journal.conditions import Conditions, log_findings
 from gpuguard.model import Finding, Outcome
 from gpuguard.steps.device_plugin.actuate import PluginRestarter, check_new_plugin, verify
 from gpuguard.steps.device_plugin.allocatable import allocatable_judged
+from gpuguard.steps.device_plugin.bridge_end import SETTLE, read_bridge_end
 from gpuguard.steps.device_plugin.limits import HOUR, why_not
 from gpuguard.steps.device_plugin.observe import (
     PluginObservation,
@@ -113,6 +114,8 @@ class DevicePluginStep:
         # [Systemd] KubeletUnits= (set each pass): only a trusted kubelet's start counts
         self.kubelet_units: tuple[str, ...] = ()
         self.read_allocatable = read_allocatable  # kubelet's podresources API (tests: a stub)
+        # (the bridge's registration time, the first pass that found its process gone)
+        self.bridge_gone: Optional[tuple[float, float]] = None
 
     # -- persisted state -----------------------------------------------------------
 
@@ -171,7 +174,20 @@ class DevicePluginStep:
             containers=container_devs(root, snapshot.containers(self.cgroup_root)),
             remembered=remembered,
             bridge_registered=bridge_registered(root, started),
+            bridge_ended=self.bridge_ended(root, started, now),
         )
+
+    def bridge_ended(self, root: Root, started: Optional[float], now: float) -> Optional[float]:
+        """When the bridge's streams of this kubelet run ended (bridge_end.py): the time
+        it wrote, else the first pass that found the registering process gone."""
+        end = read_bridge_end(root, started)
+        if end is None:
+            return None
+        if end.ended is not None:
+            return end.ended
+        if self.bridge_gone is None or self.bridge_gone[0] != end.registered_at:
+            self.bridge_gone = (end.registered_at, now)
+        return self.bridge_gone[1]
 
     def probe_nvml(self, root: Root, obs: PluginObservation) -> dict[str, NvmlResult]:
         """NVML in each served plugin's context, by identity (one probe per process)."""
@@ -208,6 +224,10 @@ class DevicePluginStep:
         obs = await self._with_allocatable(root, cfg, ctx, obs)
         nvml = await asyncio.to_thread(self.probe_nvml, root, obs) if cfg.nvml_probe else {}
         result = assess(obs, registration_grace=cfg.registration_grace, nvml=nvml)
+        ended = obs.bridge_ended
+        if ended is not None and obs.now < ended + SETTLE:
+            # kubelet may not have marked the dropped plugin's devices yet: look again
+            ctx.recheck(ended + SETTLE - obs.now + 0.2, "the re-admission bridge's streams ended")
         k = obs.kubelet_started
         if k is not None and obs.now < k + cfg.registration_grace:
             # F4 can only be judged once the grace period is over: ask for that pass.

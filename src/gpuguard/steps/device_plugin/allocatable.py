@@ -18,6 +18,14 @@ kubelet counts only healthy devices, so a plugin that reports every GPU unhealth
 the same; NVIDIA's plugin keeps a device it marked unhealthy so until it restarts
 (NVIDIA/k8s-device-plugin#234), so the restart (at most MaxRestartsPerHour) is the
 remedy there too.
+When the bridge's streams ended in this kubelet run (bridge_end.py: the bridge's
+process ended after it registered) the rule does not wait: not for RegistrationGrace
+since kubelet's start, nor for the plugin's socket to be older than it. A plugin
+whose socket was made before that end had registered and is the one kubelet dropped
+then: it is restarted at once, within MaxRestartsPerHour (the cool-down from its start
+does not apply: it is not starting, it was dropped). It happens once per kubelet run:
+a new bridge process never registers with a kubelet already running, and the
+restarted plugin's socket is newer than that end.
 Where kubelet cannot be asked (before 1.21, no socket, the call not served, no answer)
 that is said, as an info finding that is never "OK", and the socket-time rule alone
 judges registration.
@@ -34,11 +42,21 @@ K_NOT_ALLOCATABLE = "plugin-not-allocatable"
 K_ALLOCATABLE_UNCHECKED = "plugin-allocatable-unchecked"
 
 
+def dropped_at_bridge_end(obs: PluginObservation, p: PluginInfo) -> bool:
+    """Whether ``p`` registered before the bridge's streams ended in this kubelet run
+    (kubelet dropped it then, if its devices are not allocatable)."""
+    ended = obs.bridge_ended
+    return ended is not None and p.process is not None and p.socket_ctime < ended
+
+
 def allocatable_judged(obs: PluginObservation, grace: float) -> bool:
     """Whether the rule has anything to judge (the step asks kubelet only then):
-    kubelet up for RegistrationGrace, GPUs on the node, a GPU plugin serving."""
+    kubelet up for RegistrationGrace (or the bridge's streams ended), GPUs on the
+    node, a GPU plugin serving."""
     k = obs.kubelet_started
-    if k is None or obs.now < k + grace or obs.gpus <= 0:
+    if k is None or obs.gpus <= 0:
+        return False
+    if obs.now < k + grace and obs.bridge_ended is None:
         return False
     return any(p.process is not None and p.resource for p in obs.plugins)
 
@@ -67,9 +85,14 @@ def not_allocatable(
     findings: list[Finding] = []
     restart: list[tuple[PluginInfo, str]] = []
     for p in served:
-        if p.process is None or p.socket_ctime < k or obs.now < p.socket_ctime + grace:
-            continue  # the socket-time rule says it, or it is registering now
+        dropped = dropped_at_bridge_end(obs, p)
+        if p.process is None or p.socket_ctime < k:
+            continue  # the socket-time rule says it
+        if obs.now < p.socket_ctime + grace and not dropped:
+            continue  # it is registering now
         why = f"kubelet reports 0 allocatable {p.resource} of the node's {obs.gpus} GPUs"
+        if dropped:
+            why += " since the re-admission bridge's streams ended"
         fields = {
             "PLUGIN": p.identity,
             "PLUGIN_SOCKET": p.socket,
@@ -83,6 +106,8 @@ def not_allocatable(
             fields["CONTAINER_ID"] = p.process.container_id
         if p.process.unit:
             fields["UNIT"] = p.process.unit
+        if dropped:
+            fields["BRIDGE_ENDED"] = f"{obs.bridge_ended:.3f}"
         findings.append(
             Finding(
                 K_NOT_ALLOCATABLE,

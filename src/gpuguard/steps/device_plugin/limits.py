@@ -3,10 +3,11 @@ loop impossible, as one pure judgement (no clock, no file: the step passes both 
 
 In order: ``Restart=no`` or ``MaxRestartsPerHour=0`` (report only); an earlier restart
 still being verified; the cool-down from the plugin's START (a plugin younger than
-``CoolDown`` is still starting, or was just restarted); at most ``MaxRestartsPerHour``
-restarts per plugin identity (its resource, or its socket name: container ids and pids
-change with every restart) in any hour; exponential back-off after failed
-attempts (``backoff_base`` * 2^(failures-1), capped at ``backoff_max``).
+``CoolDown`` is still starting, or was just restarted; not for a plugin kubelet
+dropped when the re-admission bridge's streams ended, which had registered); at
+most ``MaxRestartsPerHour`` restarts per plugin identity (its resource, or its socket
+name: container ids and pids change with every restart) in any hour; exponential
+back-off after failed attempts (``backoff_base`` * 2^(failures-1), capped at ``backoff_max``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def why_not(
     if st.pending_deadline:
         return "pending", "an earlier restart is still being verified"
     age = now - a.process.start
-    if age < cfg.cool_down:
+    if age < cfg.cool_down and not a.prompt:
         return (
             "cool-down",
             f"it started {age:.0f}s ago, less than CoolDown={cfg.cool_down:.0f}s: "

@@ -45,6 +45,9 @@ class PluginObservation:
     # when gpuguard's re-admission bridge registered in this kubelet run (readmit/state.py):
     # a plugin socket older than that may have been replaced by it (F4)
     bridge_registered: Optional[float] = None
+    # when the bridge's streams of this kubelet run ended (bridge_end.py): kubelet then
+    # dropped the plugin that replaced them
+    bridge_ended: Optional[float] = None
 
 
 def _ctime(p: Path) -> Optional[float]:

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Mapping, Optional
 from gpuguard.devices.plugins import UVM_PATH, NodeInfo, PluginInfo
 from gpuguard.devices.processes import ProcessInfo
 from gpuguard.model import Action, Finding
-from gpuguard.steps.device_plugin.allocatable import not_allocatable
+from gpuguard.steps.device_plugin.allocatable import dropped_at_bridge_end, not_allocatable
 from gpuguard.steps.device_plugin.observe import PluginObservation
 from gpuguard.steps.registry import DEVICE_PLUGIN
 
@@ -80,6 +80,9 @@ class RestartPlugin(Action):
     process: ProcessInfo
     cause: str  # CAUSE_STALE | CAUSE_UNREGISTERED | CAUSE_NVML | CAUSE_NOT_ALLOCATABLE
     missing: tuple[str, ...] = ()
+    # kubelet dropped it when the bridge's streams ended: it is not starting, so the
+    # cool-down from its start does not hold it (the hourly budget does)
+    prompt: bool = False
 
     @property
     def kind(self) -> str:
@@ -330,6 +333,7 @@ def _allocatable(
                 socket=p.socket,
                 process=p.process,
                 cause=CAUSE_NOT_ALLOCATABLE,
+                prompt=dropped_at_bridge_end(obs, p),
             )
     return findings
 
