@@ -498,6 +498,7 @@ PARSED_DOCUMENTS = {
     "doctor/textconf.py": "a TOML document as parsed, walked into dotted keys",
     "host/structconf.py": "YAML and TOML documents as parsed",
     "host/inventory.py": "the inventory file's JSON as parsed, read into Inventory",
+    "host/kubeapi.py": "the API server's JSON answers as parsed, read into typed pods",
 }
 UNTYPED_ROWS_ALLOWED = {
     "engine/passguard.py:entry": "a journal entry's keyword arguments (level, fields)",
