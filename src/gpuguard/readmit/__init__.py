@@ -31,6 +31,7 @@ from typing import Callable, Optional
 
 from gpuguard.checkpoint.reader import load as load_checkpoint
 from gpuguard.config.schema import Config
+from gpuguard.devices.kubeletstart import KubeletStart, KubeletStartWatch
 from gpuguard.errors import GpuguardError
 from gpuguard.host.offswitch import read_off_switch
 from gpuguard.host.paths import Root
@@ -80,6 +81,7 @@ class Readmit:
         self.plugins_dir = root.path(Path(self.inputs.cfg.kubelet.checkpoint_path).parent)
         # the decision made ahead, for the checkpoint as it was then (its identity)
         self.ahead: Optional[tuple[tuple[int, int, int], float, Decision]] = None
+        self.kstart: Optional[KubeletStartWatch] = None  # kubelet.sock's listener
 
     def checkpoint_key(self) -> tuple[int, int, int]:
         try:
@@ -105,14 +107,13 @@ class Readmit:
             return self.ahead[2]
         return self.decision()
 
-    def kubelet_sock(self) -> Optional[tuple[int, int]]:
-        """kubelet.sock's identity: its inode and change time (a kubelet start removes
-        the old socket and makes a new one, which may get the same inode number)."""
-        try:
-            st = os.stat(self.plugins_dir / "kubelet.sock")
-        except OSError:
-            return None
-        return st.st_ino, st.st_ctime_ns
+    def kubelet_sock(self) -> Optional[KubeletStart]:
+        """kubelet's current run, told by kubelet.sock's listener, else its inode
+        (devices/kubeletstart.py): a touch, chown or xattr change is no start. A stat
+        per call; the socket is connected to only when its stat changed."""
+        if self.kstart is None:
+            self.kstart = KubeletStartWatch(self.root, self.plugins_dir / "kubelet.sock")
+        return self.kstart.look()
 
     def run(self, stop: Callable[[], bool]) -> None:
         """Until ``stop()``: a kubelet.sock already there at the start is a kubelet
@@ -157,11 +158,11 @@ class Readmit:
     def on_kubelet_start(self) -> None:
         t0 = time.monotonic()
         sock = self.kubelet_sock()
-        started = sock[1] / 1e9 if sock is not None else time.time()
+        started = sock.wall() if sock is not None else time.time()
         rec = self.recorder
-        rec.kubelet_started(
-            f"{sock[0]}:{sock[1]}" if sock else "", started, time.time() + WATCH_SECONDS + 5
-        )
+        rec.kubelet_started(sock.key if sock else "", started, time.time() + WATCH_SECONDS + 5)
+        if sock is not None and sock.listener is None:
+            self.elog.warning(f"kubelet's start told by {sock.told_by()}"[:300])
         if self.rejected is not None:  # the pods kubelet rejects now, named (any mode)
             self.rejected.start(time.time() - 5)
         off = read_off_switch(self.root)

@@ -25,7 +25,14 @@ import time
 from typing import TYPE_CHECKING, Callable, Optional
 
 from gpuguard.actuate.units import UnitJobs
-from gpuguard.devices.plugins import GPU_NODE, NodeInfo, discover_plugins, list_nodes
+from gpuguard.devices.kubeletstart import KubeletStartWatch
+from gpuguard.devices.plugins import (
+    GPU_NODE,
+    KUBELET_SOCKET,
+    NodeInfo,
+    discover_plugins,
+    list_nodes,
+)
 from gpuguard.devices.processes import ProcessInfo, still_running
 from gpuguard.errors import GpuguardError
 from gpuguard.host.paths import Root
@@ -101,6 +108,7 @@ class DevicePluginStep:
         # [Systemd] KubeletUnits= (set each pass): only a trusted kubelet's start counts
         self.kubelet_units: tuple[str, ...] = ()
         self.read_allocatable = read_allocatable  # kubelet's podresources API (tests: a stub)
+        self.kubelet_watch: Optional[KubeletStartWatch] = None  # kubelet.sock's listener
 
     # -- persisted state -----------------------------------------------------------
 
@@ -148,8 +156,15 @@ class DevicePluginStep:
                 remembered[ident] = st.last
             elif now - st.last_seen < self.forget_after:
                 remembered[ident] = None
+        sock = root.path(cfg.socket_dir) / KUBELET_SOCKET
+        if self.kubelet_watch is None or self.kubelet_watch.path != sock:
+            self.kubelet_watch = KubeletStartWatch(root, sock)  # remembered across passes
         started = kubelet_started(
-            root, cfg.socket_dir, unit_started=unit_started, units=self.kubelet_units
+            root,
+            cfg.socket_dir,
+            unit_started=unit_started,
+            units=self.kubelet_units,
+            watch=self.kubelet_watch,
         )
         return PluginObservation(
             now=now,
@@ -159,6 +174,7 @@ class DevicePluginStep:
             containers=container_devs(root, snapshot.containers(self.cgroup_root)),
             remembered=remembered,
             bridge_registered=bridge_registered(root, started),
+            kubelet_told_by=run.told_by() if (run := self.kubelet_watch.current) else "",
         )
 
     def probe_nvml(self, root: Root, obs: PluginObservation) -> dict[str, NvmlResult]:
@@ -225,6 +241,12 @@ class DevicePluginStep:
         allocatable devices (one bounded gRPC call in a worker thread)."""
         inv = getattr(ctx, "known_inventory", None)  # a stand-in pass may have none
         gpus = len(inv.gpus) if inv is not None else 0
+        if gpus and inv is not None:  # which resources may be empty on purpose (MIG)
+            obs = dataclasses.replace(
+                obs,
+                whole_gpus=sum(not g.mig for g in inv.gpus),
+                mig_devices=sum(len(g.mig) for g in inv.gpus),
+            )
         if not gpus:
             gpus = sum(bool(GPU_NODE.fullmatch(os.path.basename(n.path))) for n in obs.host_nodes)
         obs = dataclasses.replace(obs, gpus=gpus)
