@@ -265,3 +265,17 @@ def test_the_not_registered_finding_says_what_told_kubelets_start() -> None:
     )
     (f,) = assess(o, registration_grace=120).findings
     assert f.kind == K_NOT_REGISTERED and f.fields["KUBELET_START_BY"] == told
+
+
+def test_the_bridge_says_when_only_the_inode_tells_kubelets_start(tmp_path: Path) -> None:
+    from unit.test_readmit import _node
+
+    _root, r, _bridge, said = _node(tmp_path)
+    sock = tmp_path / DP.lstrip("/") / "kubelet.sock"
+    sock.write_text("")  # not a socket: no listener to read, for good
+    r.on_kubelet_start()
+    assert "warning: kubelet's start told by kubelet.sock's inode only (not a socket)" in said
+    _root, r, _bridge, said = _node(tmp_path / "b")
+    with listener(tmp_path / "b" / DP.lstrip("/"), later=True):  # bound, listening soon
+        r.on_kubelet_start()
+    assert not any(s.startswith("warning:") for s in said), said

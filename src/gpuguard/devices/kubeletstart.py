@@ -126,6 +126,9 @@ class KubeletStart:
     # moves neither it nor the plugin sockets' ctimes it is compared with
     offset: float = field(default=0.0, compare=False)
     note: str = field(default="", compare=False)  # why the inode alone tells it
+    # the note's reason may be gone at the next look (nobody listening yet: kubelet
+    # between its bind and its listen), when the listener is read and the run kept
+    transient: bool = field(default=False, compare=False)
 
     @property
     def boot_s(self) -> Optional[float]:
@@ -157,7 +160,15 @@ def _start(lk: Look, now_boot: float) -> KubeletStart:
     else:
         key = f"inode:{lk.dev}:{lk.ino}"
     return KubeletStart(
-        key, lk.dev, lk.ino, lk.listener, lk.ctime_ns / 1e9, now_boot, _offset(), lk.why_not[:200]
+        key,
+        lk.dev,
+        lk.ino,
+        lk.listener,
+        lk.ctime_ns / 1e9,
+        now_boot,
+        _offset(),
+        lk.why_not[:200],
+        lk.transient,
     )
 
 

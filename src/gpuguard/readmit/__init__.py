@@ -161,7 +161,7 @@ class Readmit:
         started = sock.wall() if sock is not None else time.time()
         rec = self.recorder
         rec.kubelet_started(sock.key if sock else "", started, time.time() + WATCH_SECONDS + 5)
-        if sock is not None and sock.listener is None:
+        if sock is not None and sock.listener is None and not sock.transient:
             self.elog.warning(f"kubelet's start told by {sock.told_by()}"[:300])
         if self.rejected is not None:  # the pods kubelet rejects now, named (any mode)
             self.rejected.start(time.time() - 5)
