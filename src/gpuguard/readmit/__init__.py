@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 from gpuguard.checkpoint.model import PodDevicesEntry
 from gpuguard.checkpoint.reader import load as load_checkpoint
 from gpuguard.config.schema import Config
+from gpuguard.devices.kubeletstart import KubeletStart, KubeletStartWatch
 from gpuguard.errors import GpuguardError
 from gpuguard.host.offswitch import read_off_switch
 from gpuguard.host.paths import Root
@@ -121,6 +122,7 @@ class Readmit:
         # whether kubelet serves kubelet.sock now (tests: a stand-in)
         self.kubelet_listens: Callable[[], bool] = lambda: kubelet_listens(self.plugins_dir)
         self.handlers: list[threading.Thread] = []  # kubelet starts being handled
+        self.kstart: Optional[KubeletStartWatch] = None  # kubelet.sock's listener
 
     def checkpoint_key(self) -> tuple[int, int, int]:
         try:
@@ -155,19 +157,18 @@ class Readmit:
             return decide(entries, cfg.kubelet.resources, self.inputs.present, alive, api)
         return self.decision()
 
-    def kubelet_sock(self) -> Optional[tuple[int, int]]:
-        """kubelet.sock's identity: its inode and change time (a kubelet start removes
-        the old socket and makes a new one, which may get the same inode number)."""
-        try:
-            st = os.stat(self.plugins_dir / "kubelet.sock")
-        except OSError:
-            return None
-        return st.st_ino, st.st_ctime_ns
+    def kubelet_sock(self) -> Optional[KubeletStart]:
+        """kubelet's current run, told by kubelet.sock's listener, else its inode
+        (devices/kubeletstart.py): a touch, chown or xattr change is no start. A stat
+        per call; the socket is connected to only when its stat changed."""
+        if self.kstart is None:
+            self.kstart = KubeletStartWatch(self.root, self.plugins_dir / "kubelet.sock")
+        return self.kstart.look()
 
     def run_id(self) -> str:
         """The kubelet run now, as the state file names it ("" when none)."""
         sock = self.kubelet_sock()
-        return f"{sock[0]}:{sock[1]}" if sock else ""
+        return sock.key if sock else ""
 
     def resume(self, prior: Optional[ReadmitState]) -> None:
         """At this process's start: go on with the state an earlier process wrote; if it
@@ -269,10 +270,12 @@ class Readmit:
         have returned."""
         t0 = time.monotonic()
         sock = self.kubelet_sock()
-        started = sock[1] / 1e9 if sock is not None else time.time()
+        started = sock.wall() if sock is not None else time.time()
         rec = self.recorder
-        run = f"{sock[0]}:{sock[1]}" if sock else ""
+        run = sock.key if sock else ""
         rec.kubelet_started(run, started, time.time() + WATCH_SECONDS + 5)
+        if sock is not None and sock.listener is None and not sock.transient:
+            self.elog.warning(f"kubelet's start told by {sock.told_by()}"[:300])
         if self.rejected is not None:  # the pods kubelet rejects now, named (any mode)
             self.rejected.start(self.inputs.cfg)  # this kubelet's own records
         if self.withdrawal is not None:  # the previous kubelet's: never sent now
