@@ -29,14 +29,30 @@ runs is said, and written for the daemon (readmit/ended.py).
 
 Modules (docs/architecture.md has the map of the packages):
 
-- the re-admission bridge for kubelet 1.26+ (`gpuguard readmit`,
-  gpuguard-readmit.service; docs/checkpoint.md): the loop, one decision per kubelet
-  start, made ahead (`__init__.py`); what it offers: the checkpoint's held device IDs
-  present on the node, only while a GPU pod has no process (`plan.py`, pure); the
-  kubelet version from its unit's executable, cached by the file's identity, the pods
-  with processes, the plugin sockets (`observe.py`); its gRPC endpoints and registration
-  with grpcio (`serve.py`) and the four messages encoded by hand (`wire.py`); inotify on
-  kubelet's device-plugins directory (`watch.py`). It imports no step
+- the loop, one decision per kubelet start, made ahead (`__init__.py`); configuration
+  and loop errors contained (`contained.py`); its own end while kubelet runs said and
+  written for the daemon (`ended.py`)
+- what it offers (`plan.py`, pure): the checkpoint's held device IDs present on the
+  node, only while a GPU pod has no process of its own, never a pod the API server no
+  longer has; every device ID form of NVIDIA's plugin (`devids.py`), present by the
+  driver's view or, before the driver, by PCI + the GPU history (`presence.py`, pure;
+  the pods not offered named: `refusals.py`)
+- what it reads of the node: NVML at most once, in a child (`node.py`,
+  `nvmlchild.py`); pods alive by their own containers, never the sandbox (`alive.py`);
+  the API server's pods of this node, in a thread ahead of kubelet's start
+  (`apipods.py`, through host/kubeapi.py); the kubelet version from its unit's
+  executable, run as nobody, the plugin sockets (`observe.py`); why it stays off
+  (`offstate.py`)
+- its gRPC side: endpoints and registration with grpcio (`serve.py`), a failed call
+  said by its gRPC status (`rpcerror.py`), the messages encoded by hand (`wire.py`);
+  every device reported unhealthy once the pods are re-admitted (`withdraw.py`);
+  inotify on kubelet's device-plugins directory (`watch.py`)
+- the GPU pods kubelet rejected at its start, from kubelet's own records only: the
+  watch (`rejected.py`), where it reads them (`kubeletlog.py`: the journal through
+  python3-systemd's Reader on trusted fields, or `[Kubelet] LogFile=`), what a record
+  is (`klog.py`, pure); the state file and its bounded Recorder (`state.py`)
+
+It imports no step.
 """
 
 from __future__ import annotations
