@@ -28,6 +28,7 @@ import pytest
 
 from integration.cluster_node import (
     WORKLOADS,
+    ApiNode,
     bare_pod,
     boot_api,
     deleted_pod_scenario,
@@ -37,8 +38,8 @@ from integration.cluster_node import (
 )
 from integration.harness import systemd_ns as systemd_ns
 from integration.harness.cluster import ApiPod, show_api
+from integration.kubelet_node import READMIT, gpus_after
 from integration.kubelet_node import api as api
-from integration.kubelet_node import gpus_after
 from integration.kubelet_sites import NsFactory
 
 pytestmark = pytest.mark.root
@@ -96,4 +97,11 @@ def test_deleted_pod_no_pod_failed_by_the_bridge(
     assert not unimplemented, f"{len(unimplemented)} failed with Unimplemented: {show_api(pods)}"
     (again,) = [p for p in pods if p.uid == kept.uid]
     assert again.running, show_api(pods)
-    assert len(failed(pods)) <= 1, show_api(pods)
+    assert len(failed(pods)) <= 1, f"{show_api(pods)}\n{bridge_journal(n)}"
+
+
+def bridge_journal(n: ApiNode) -> str:
+    """The re-admission bridge's journal of this boot, for a failure's message."""
+    argv = ["journalctl", "--no-pager", "-o", "cat", "-u", READMIT]
+    out = n.ns.run(argv, timeout=30).stdout
+    return out if len(out) < 8000 else f"{out[:4000]}\n...\n{out[-4000:]}"

@@ -309,6 +309,10 @@ READERS: dict[str, tuple[frozenset[str], str]] = {
         "regular file checked (the reload sweep's path)",
     ),
     "devices/probe.py": (frozenset({"os.open"}), "opening the device node is the probe"),
+    "devices/kubeletstart.py": (
+        frozenset({"os.open"}),
+        "an O_PATH handle of kubelet.sock (nothing read): its stat and a connect to it",
+    ),
     "devices/cgroupchild.py": (
         frozenset({"os.open", "os.read"}),
         "the forked child joins cgroups (no link, non-blocking); the parent reads its pipe",

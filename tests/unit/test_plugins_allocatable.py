@@ -429,3 +429,62 @@ def test_the_bench_prints_its_figures() -> None:
     assert "{'nvidia.com/gpu': 2}" in res.stdout, res.stdout
     assert re.search(r"^later calls \(3\): p50 [\d.]+ ms", res.stdout, re.M), res.stdout
     assert re.search(r"^RSS: [\d.]+ MiB before", res.stdout, re.M), res.stdout
+
+
+# -- each resource judged on its own (a mixed-MIG node) ---------------------------------
+
+
+def judged(inventory: Any, *plugins: PluginInfo, alloc: dict[str, int]) -> Any:
+    """The step's pass from the inventory it knows to the reconciler's assessment."""
+    from gpuguard.config import Config
+    from gpuguard.steps.device_plugin import DevicePluginStep
+
+    step = DevicePluginStep()
+    step.read_allocatable = lambda root, socket_dir, timeout=0.5: counts(alloc)
+
+    class Ctx:
+        known_inventory = inventory
+
+    o = obs(*plugins, gpus=0)
+    coro = step._with_allocatable(Root(Path("/nonexistent")), Config().device_plugin, Ctx(), o)
+    return assess(asyncio.run(coro), registration_grace=GRACE)
+
+
+def mixed_node(mig_devices: int = 7, whole: int = 1) -> Any:
+    from gpuguard.host.inventory import Gpu, Inventory, MigDevice
+
+    migs = tuple(MigDevice(f"MIG-{i}", i, 0) for i in range(mig_devices))
+    gpus = [Gpu(f"GPU-w{i}", i, i, f"0000:0{i}:00.0") for i in range(whole)]
+    if mig_devices:
+        gpus.append(Gpu("GPU-m", whole, whole, "0000:09:00.0", mig=migs))
+    return Inventory(tuple(gpus), "test")
+
+
+MIXED = (plugin(), plugin("nvidia-mig-1g.10gb.sock"))
+
+
+def test_a_partial_drop_on_a_mixed_mig_node_is_a_finding() -> None:
+    """nvidia.com/gpu at 0 beside nvidia.com/mig-1g.10gb at 14, on a node with a GPU
+    without MIG: kubelet dropped the gpu resource's plugin (issue: a partial drop was
+    called OK because one resource was allocatable)."""
+    r = judged(mixed_node(), *MIXED, alloc={"nvidia.com/gpu": 0, "nvidia.com/mig-1g.10gb": 14})
+    (f,) = r.findings
+    assert f.kind == K_NOT_ALLOCATABLE and f.fields["RESOURCE"] == "nvidia.com/gpu"
+    assert "(1 without MIG)" in f.summary
+    assert [a.identity for a in r.actions] == ["nvidia.com/gpu"]
+    r = judged(mixed_node(), *MIXED, alloc={"nvidia.com/gpu": 1, "nvidia.com/mig-1g.10gb": 0})
+    assert [a.identity for a in r.actions] == ["nvidia.com/mig-1g.10gb"]
+    assert "of the node's 7 MIG devices" in r.findings[0].summary
+
+
+def test_a_resource_empty_on_purpose_is_no_finding() -> None:
+    """Every GPU in MIG mode under the mixed strategy: nvidia.com/gpu counts none; a node
+    without MIG devices: no MIG profile to allocate."""
+    every_gpu_mig = mixed_node(whole=0)
+    r = judged(every_gpu_mig, *MIXED, alloc={"nvidia.com/mig-1g.10gb": 7})
+    assert r.findings == () and r.actions == ()
+    r = judged(mixed_node(mig_devices=0, whole=2), *MIXED, alloc={"nvidia.com/gpu": 2})
+    assert r.findings == () and r.actions == ()
+    # strategy single (no profile served): every GPU is advertised as nvidia.com/gpu
+    r = judged(every_gpu_mig, plugin(), alloc={})
+    assert [a.identity for a in r.actions] == ["nvidia.com/gpu"]

@@ -103,6 +103,6 @@ def test_the_end_is_read_from_the_state_file_or_from_the_process_being_gone(
     assert read_bridge_end(_state(tmp_path / "d"), KUBELET) is None
 
     step = DevicePluginStep()
-    first = step.bridge_ended(gone, KUBELET, NOW)
-    assert first == NOW and step.bridge_ended(gone, KUBELET, NOW + 5) == NOW  # the first pass
-    assert step.bridge_ended(said, KUBELET, NOW + 5) == KUBELET + 9
+    first = step.bridge_end.ended(gone, KUBELET, NOW)
+    assert first == NOW and step.bridge_end.ended(gone, KUBELET, NOW + 5) == NOW  # the first pass
+    assert step.bridge_end.ended(said, KUBELET, NOW + 5) == KUBELET + 9

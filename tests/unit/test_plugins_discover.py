@@ -162,3 +162,19 @@ def test_kubelet_start_from_its_socket(host: Path) -> None:
     assert kubelet_started(Root(host), DP, unit_started=4e9) == 4e9
     sock.unlink()
     assert kubelet_started(Root(host), DP) is None  # no socket, no process: not running
+
+
+def test_a_step_of_the_wall_clock_does_not_make_a_plugin_another_process(host: Path) -> None:
+    """/proc/stat's btime is the wall clock minus the time since boot: a clock step
+    moves it, and with it every process's wall-clock start. The plugin the step
+    remembers (its socket gone: F4 restarts it) and the one a restart is verified
+    against stay the same process, told by their start since boot."""
+    from gpuguard.devices.processes import process_info, still_running
+
+    before = process_info(Root(host), 4242)
+    assert before is not None
+    (host / "proc/stat").write_text(f"cpu 1 2 3\nbtime {BTIME + 3600}\n")  # NTP's step
+    assert still_running(Root(host), before)
+    rest = ["S"] + ["0"] * 18 + ["501"] + ["0"] * 10  # the pid used again, later
+    (host / "proc/4242/stat").write_text(f"4242 (plugin) {' '.join(rest)}\n")
+    assert not still_running(Root(host), before)

@@ -234,7 +234,7 @@ def test_a_kubelet_start_is_recorded_with_what_the_bridge_did(tmp_path: Path) ->
     r.on_kubelet_start()
     s = written[-1]
     st = sock.stat()
-    assert s.kubelet_sock == f"{st.st_ino}:{st.st_ctime_ns}" and s.decision == "offered"
+    assert s.kubelet_sock == f"inode:{st.st_dev}:{st.st_ino}" and s.decision == "offered"
     assert [(g.resource, g.devices) for g in s.registrations] == [
         ("nvidia.com/gpu", ("GPU-a", "GPU-b"))
     ]

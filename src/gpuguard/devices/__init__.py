@@ -44,4 +44,7 @@ Modules (docs/architecture.md has the map of the packages):
   never a unit to stop or a configuration to read
 - `podnames.py`: a pod's namespace/name from the CRI annotations in its container's OCI
   bundle (containerd, CRI-O), for the command line
+- `kubeletstart.py`: kubelet's start told by kubelet.sock's listener (SO_PEERCRED, its
+  start since boot), else its inode, never its ctime: a touch, chown or xattr change is
+  no start (the bridge and the device plugin step)
 """

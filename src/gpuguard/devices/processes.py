@@ -5,7 +5,7 @@ and the init of the container it runs in. Read from /proc under the root."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional
 
@@ -33,6 +33,10 @@ class ProcessInfo:
     pod_uid: str = ""
     unit: str = ""  # the systemd service of a host-service plugin
     cgroup: str = ""
+    # seconds since boot (/proc/PID/stat's start, CLOCK_BOOTTIME), where read in this
+    # daemon's life: never written to a state file (a pid and a start since boot may
+    # come again in another boot), so one read back has None and the wall clock's start
+    boot_start: Optional[float] = field(default=None, compare=False)
 
     def describe(self) -> str:
         if self.kind == "container":
@@ -92,16 +96,24 @@ def boot_time(root: Root) -> float:
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def process_start(root: Root, pid: int, btime: Optional[float] = None) -> Optional[float]:
-    """Wall-clock start of ``pid`` (None: gone). Field 22 of /proc/<pid>/stat."""
+def start_ticks(root: Root, pid: int) -> Optional[int]:
+    """The start of ``pid`` in clock ticks since boot (None: gone). Field 22 of
+    /proc/<pid>/stat, after the command's closing parenthesis."""
     try:
         text = proc_text(root.path(f"/proc/{pid}/stat"))
     except OSError:
         return None
     rest = text[text.rfind(")") + 2 :].split()
     try:
-        ticks = int(rest[19])
+        return int(rest[19])
     except (IndexError, ValueError):
+        return None
+
+
+def process_start(root: Root, pid: int, btime: Optional[float] = None) -> Optional[float]:
+    """Wall-clock start of ``pid`` (None: gone): btime + its start since boot."""
+    ticks = start_ticks(root, pid)
+    if ticks is None:
         return None
     return (boot_time(root) if btime is None else btime) + ticks / _CLK_TCK
 
@@ -160,18 +172,31 @@ def read_cgroup(root: Root, pid: int) -> str:
 
 
 def process_info(root: Root, pid: int, btime: Optional[float] = None) -> Optional[ProcessInfo]:
-    start = process_start(root, pid, btime)
-    if start is None:
+    ticks = start_ticks(root, pid)
+    if ticks is None:
         return None
+    start = (boot_time(root) if btime is None else btime) + ticks / _CLK_TCK
     cg = read_cgroup(root, pid)
     kind, cid, runtime, pod, unit = classify_cgroup(cg)
-    return ProcessInfo(pid, start, _comm(root, pid), kind, cid, runtime, pod, unit, cg)
+    comm = _comm(root, pid)
+    return ProcessInfo(pid, start, comm, kind, cid, runtime, pod, unit, cg, ticks / _CLK_TCK)
 
 
 def still_running(root: Root, proc: ProcessInfo, btime: Optional[float] = None) -> bool:
     """Same pid and same start time: the very process, not a recycled pid."""
-    start = process_start(root, proc.pid, btime)
-    return start is not None and abs(start - proc.start) < 0.5
+    now = process_info(root, proc.pid, btime)
+    return now is not None and same_process(now, proc)
+
+
+def same_process(a: ProcessInfo, b: ProcessInfo) -> bool:
+    """The same pid and start: since boot where both were read so (a step of the wall
+    clock between the two reads moves their wall-clock starts, not these), else on the
+    wall clock within half a second (btime is whole seconds)."""
+    if a.pid != b.pid:
+        return False
+    if a.boot_start is not None and b.boot_start is not None:
+        return abs(a.boot_start - b.boot_start) < 0.5 / _CLK_TCK
+    return abs(a.start - b.start) < 0.5
 
 
 def _pids(root: Root) -> list[int]:

@@ -48,4 +48,13 @@ Modules (docs/architecture.md has the map of the packages):
   path is "off"), written and removed (`gpuguard disable`/`enable`), and how the daemon
   obeys it (checked before every pass and fast path: it stops, nothing more is written)
   and journals observe-only mode
+- `pathtrust.py`: a path only root controls, every directory down to it and through its
+  links checked, for what gpuguard loads or believes (NVML's library, the podresources
+  socket, kubelet's executable); `commands.run_as_nobody` runs such a file as nobody
+  without new privileges
+- `hpack.py`: RFC 7541's HPACK decoder, for the gRPC answers' grpc-status and
+  grpc-message (`unarygrpc.py`)
+- `kubeapi.py`: the re-admission bridge's read-only Kubernetes API client, with
+  kubelet's kubeconfig, the standard library's TLS, every call bounded in time and
+  size, its answer as frozen rows
 """

@@ -29,14 +29,30 @@ runs is said, and written for the daemon (readmit/ended.py).
 
 Modules (docs/architecture.md has the map of the packages):
 
-- the re-admission bridge for kubelet 1.26+ (`gpuguard readmit`,
-  gpuguard-readmit.service; docs/checkpoint.md): the loop, one decision per kubelet
-  start, made ahead (`__init__.py`); what it offers: the checkpoint's held device IDs
-  present on the node, only while a GPU pod has no process (`plan.py`, pure); the
-  kubelet version from its unit's executable, cached by the file's identity, the pods
-  with processes, the plugin sockets (`observe.py`); its gRPC endpoints and registration
-  with grpcio (`serve.py`) and the four messages encoded by hand (`wire.py`); inotify on
-  kubelet's device-plugins directory (`watch.py`). It imports no step
+- the loop, one decision per kubelet start, made ahead (`__init__.py`); configuration
+  and loop errors contained (`contained.py`); its own end while kubelet runs said and
+  written for the daemon (`ended.py`)
+- what it offers (`plan.py`, pure): the checkpoint's held device IDs present on the
+  node, only while a GPU pod has no process of its own, never a pod the API server no
+  longer has; every device ID form of NVIDIA's plugin (`devids.py`), present by the
+  driver's view or, before the driver, by PCI + the GPU history (`presence.py`, pure;
+  the pods not offered named: `refusals.py`)
+- what it reads of the node: NVML at most once, in a child (`node.py`,
+  `nvmlchild.py`); pods alive by their own containers, never the sandbox (`alive.py`);
+  the API server's pods of this node, in a thread ahead of kubelet's start
+  (`apipods.py`, through host/kubeapi.py); the kubelet version from its unit's
+  executable, run as nobody, the plugin sockets (`observe.py`); why it stays off
+  (`offstate.py`)
+- its gRPC side: endpoints and registration with grpcio (`serve.py`), a failed call
+  said by its gRPC status (`rpcerror.py`), the messages encoded by hand (`wire.py`);
+  every device reported unhealthy once the pods are re-admitted (`withdraw.py`);
+  inotify on kubelet's device-plugins directory (`watch.py`)
+- the GPU pods kubelet rejected at its start, from kubelet's own records only: the
+  watch (`rejected.py`), where it reads them (`kubeletlog.py`: the journal through
+  python3-systemd's Reader on trusted fields, or `[Kubelet] LogFile=`), what a record
+  is (`klog.py`, pure); the state file and its bounded Recorder (`state.py`)
+
+It imports no step.
 """
 
 from __future__ import annotations
@@ -51,6 +67,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 from gpuguard.checkpoint.model import PodDevicesEntry
 from gpuguard.checkpoint.reader import load as load_checkpoint
 from gpuguard.config.schema import Config
+from gpuguard.devices.kubeletstart import KubeletStart, KubeletStartWatch
 from gpuguard.errors import GpuguardError
 from gpuguard.host.offswitch import read_off_switch
 from gpuguard.host.paths import Root
@@ -121,6 +138,7 @@ class Readmit:
         # whether kubelet serves kubelet.sock now (tests: a stand-in)
         self.kubelet_listens: Callable[[], bool] = lambda: kubelet_listens(self.plugins_dir)
         self.handlers: list[threading.Thread] = []  # kubelet starts being handled
+        self.kstart: Optional[KubeletStartWatch] = None  # kubelet.sock's listener
 
     def checkpoint_key(self) -> tuple[int, int, int]:
         try:
@@ -155,19 +173,18 @@ class Readmit:
             return decide(entries, cfg.kubelet.resources, self.inputs.present, alive, api)
         return self.decision()
 
-    def kubelet_sock(self) -> Optional[tuple[int, int]]:
-        """kubelet.sock's identity: its inode and change time (a kubelet start removes
-        the old socket and makes a new one, which may get the same inode number)."""
-        try:
-            st = os.stat(self.plugins_dir / "kubelet.sock")
-        except OSError:
-            return None
-        return st.st_ino, st.st_ctime_ns
+    def kubelet_sock(self) -> Optional[KubeletStart]:
+        """kubelet's current run, told by kubelet.sock's listener, else its inode
+        (devices/kubeletstart.py): a touch, chown or xattr change is no start. A stat
+        per call; the socket is connected to only when its stat changed."""
+        if self.kstart is None:
+            self.kstart = KubeletStartWatch(self.root, self.plugins_dir / "kubelet.sock")
+        return self.kstart.look()
 
     def run_id(self) -> str:
         """The kubelet run now, as the state file names it ("" when none)."""
         sock = self.kubelet_sock()
-        return f"{sock[0]}:{sock[1]}" if sock else ""
+        return sock.key if sock else ""
 
     def resume(self, prior: Optional[ReadmitState]) -> None:
         """At this process's start: go on with the state an earlier process wrote; if it
@@ -269,10 +286,12 @@ class Readmit:
         have returned."""
         t0 = time.monotonic()
         sock = self.kubelet_sock()
-        started = sock[1] / 1e9 if sock is not None else time.time()
+        started = sock.wall() if sock is not None else time.time()
         rec = self.recorder
-        run = f"{sock[0]}:{sock[1]}" if sock else ""
+        run = sock.key if sock else ""
         rec.kubelet_started(run, started, time.time() + WATCH_SECONDS + 5)
+        if sock is not None and sock.listener is None and not sock.transient:
+            self.elog.warning(f"kubelet's start told by {sock.told_by()}"[:300])
         if self.rejected is not None:  # the pods kubelet rejects now, named (any mode)
             self.rejected.start(self.inputs.cfg)  # this kubelet's own records
         if self.withdrawal is not None:  # the previous kubelet's: never sent now

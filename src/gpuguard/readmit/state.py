@@ -61,8 +61,8 @@ class RejectedPod:
 
 @dataclass(frozen=True)
 class ReadmitState:
-    kubelet_sock: str  # kubelet.sock's "inode:ctime_ns": one kubelet start
-    kubelet_started: float  # Unix time kubelet.sock was made
+    kubelet_sock: str  # one kubelet start: "pid:PID:TICKS" of its listener, else "inode:DEV:INO"
+    kubelet_started: float  # Unix time kubelet started (devices/kubeletstart.py)
     decision: str  # offered | observe | skip | off | failed
     detail: str  # one line: why
     registrations: tuple[Registration, ...] = ()

@@ -37,7 +37,14 @@ import time
 from typing import TYPE_CHECKING, Callable, Optional
 
 from gpuguard.actuate.units import UnitJobs
-from gpuguard.devices.plugins import GPU_NODE, NodeInfo, discover_plugins, list_nodes
+from gpuguard.devices.kubeletstart import KubeletStartWatch
+from gpuguard.devices.plugins import (
+    GPU_NODE,
+    KUBELET_SOCKET,
+    NodeInfo,
+    discover_plugins,
+    list_nodes,
+)
 from gpuguard.devices.processes import ProcessInfo, still_running
 from gpuguard.errors import GpuguardError
 from gpuguard.host.paths import Root
@@ -45,7 +52,7 @@ from gpuguard.journal.conditions import Conditions, log_findings
 from gpuguard.model import Finding, Outcome
 from gpuguard.steps.device_plugin.actuate import PluginRestarter, check_new_plugin, verify
 from gpuguard.steps.device_plugin.allocatable import allocatable_judged
-from gpuguard.steps.device_plugin.bridge_end import SETTLE, read_bridge_end
+from gpuguard.steps.device_plugin.bridge_end import SETTLE, BridgeEndClock
 from gpuguard.steps.device_plugin.limits import HOUR, why_not
 from gpuguard.steps.device_plugin.observe import (
     PluginObservation,
@@ -114,8 +121,8 @@ class DevicePluginStep:
         # [Systemd] KubeletUnits= (set each pass): only a trusted kubelet's start counts
         self.kubelet_units: tuple[str, ...] = ()
         self.read_allocatable = read_allocatable  # kubelet's podresources API (tests: a stub)
-        # (the bridge's registration time, the first pass that found its process gone)
-        self.bridge_gone: Optional[tuple[float, float]] = None
+        self.bridge_end = BridgeEndClock()  # when the bridge's streams ended
+        self.kubelet_watch: Optional[KubeletStartWatch] = None  # kubelet.sock's listener
 
     # -- persisted state -----------------------------------------------------------
 
@@ -163,8 +170,15 @@ class DevicePluginStep:
                 remembered[ident] = st.last
             elif now - st.last_seen < self.forget_after:
                 remembered[ident] = None
+        sock = root.path(cfg.socket_dir) / KUBELET_SOCKET
+        if self.kubelet_watch is None or self.kubelet_watch.path != sock:
+            self.kubelet_watch = KubeletStartWatch(root, sock)  # remembered across passes
         started = kubelet_started(
-            root, cfg.socket_dir, unit_started=unit_started, units=self.kubelet_units
+            root,
+            cfg.socket_dir,
+            unit_started=unit_started,
+            units=self.kubelet_units,
+            watch=self.kubelet_watch,
         )
         return PluginObservation(
             now=now,
@@ -174,20 +188,9 @@ class DevicePluginStep:
             containers=container_devs(root, snapshot.containers(self.cgroup_root)),
             remembered=remembered,
             bridge_registered=bridge_registered(root, started),
-            bridge_ended=self.bridge_ended(root, started, now),
+            bridge_ended=self.bridge_end.ended(root, started, now),
+            kubelet_told_by=run.told_by() if (run := self.kubelet_watch.current) else "",
         )
-
-    def bridge_ended(self, root: Root, started: Optional[float], now: float) -> Optional[float]:
-        """When the bridge's streams of this kubelet run ended (bridge_end.py): the time
-        it wrote, else the first pass that found the registering process gone."""
-        end = read_bridge_end(root, started)
-        if end is None:
-            return None
-        if end.ended is not None:
-            return end.ended
-        if self.bridge_gone is None or self.bridge_gone[0] != end.registered_at:
-            self.bridge_gone = (end.registered_at, now)
-        return self.bridge_gone[1]
 
     def probe_nvml(self, root: Root, obs: PluginObservation) -> dict[str, NvmlResult]:
         """NVML in each served plugin's context, by identity (one probe per process)."""
@@ -257,6 +260,12 @@ class DevicePluginStep:
         allocatable devices (one bounded gRPC call in a worker thread)."""
         inv = getattr(ctx, "known_inventory", None)  # a stand-in pass may have none
         gpus = len(inv.gpus) if inv is not None else 0
+        if gpus and inv is not None:  # which resources may be empty on purpose (MIG)
+            obs = dataclasses.replace(
+                obs,
+                whole_gpus=sum(not g.mig for g in inv.gpus),
+                mig_devices=sum(len(g.mig) for g in inv.gpus),
+            )
         if not gpus:
             gpus = sum(bool(GPU_NODE.fullmatch(os.path.basename(n.path))) for n in obs.host_nodes)
         obs = dataclasses.replace(obs, gpus=gpus)

@@ -26,7 +26,12 @@ from typing import TYPE_CHECKING, Callable, Optional
 from gpuguard.actuate.containers import ContainerStopper
 from gpuguard.actuate.units import UnitJob
 from gpuguard.devices.plugins import NodeInfo, PluginInfo, discover_plugins, find_plugin, list_nodes
-from gpuguard.devices.processes import ProcessInfo, container_init_pid, still_running
+from gpuguard.devices.processes import (
+    ProcessInfo,
+    container_init_pid,
+    same_process,
+    still_running,
+)
 from gpuguard.host.paths import Root
 from gpuguard.steps.device_plugin.reconcile import K_RESTARTED, RestartPlugin, view_gaps
 
@@ -138,7 +143,7 @@ def check_new_plugin(
     p = find_plugin(discover_plugins(root, socket_dir, extra=extra), identity)
     if p is None or p.process is None:
         return None, ()
-    if p.process.pid == old.pid and abs(p.process.start - old.start) < 0.5:
+    if same_process(p.process, old):
         return None, ()
     view = p.dev if p.dev is not None else list_nodes(root.path(f"/proc/{p.process.pid}/root/dev"))
     gaps, _how = view_gaps(host_nodes, view, p.process.start)

@@ -4,16 +4,32 @@ kubelet 1.26+ takes the registration it handles last as a resource's endpoint an
 not close the replaced one's stream; when that stream ends (the re-admission bridge's,
 at a stop or a crash of gpuguard-readmit while kubelet runs), kubelet's handler looks
 the client up by resource name, disconnects the CURRENT plugin and marks every device
-unhealthy. The plugin keeps serving its socket, created after kubelet's start, so the
-socket-time rule (reconcile.py) sees nothing; the node advertises 0 GPUs until the
-plugin registers again, which a restart makes it do.
+of that resource unhealthy. The plugin keeps serving its socket, created after
+kubelet's start, so the socket-time rule (reconcile.py) sees nothing; the node
+advertises 0 of the resource until the plugin registers again, which a restart makes
+it do.
 
 So: once RegistrationGrace has passed since the latest kubelet start, when the node has
-GPUs, kubelet's podresources API (podresources.py) reports no allocatable device of any
-resource the node's plugins serve, and a plugin's socket is younger than kubelet but
-older than RegistrationGrace (a plugin registering now is not judged), that plugin is
-restarted (within the step's limits). "Any resource": a resource may be empty on
-purpose while another of the same GPUs is not (nvidia.com/gpu beside MIG profiles).
+GPUs, for each resource a plugin serves whose socket is younger than kubelet but older
+than RegistrationGrace (a plugin registering now is not judged): when kubelet's
+podresources API (podresources.py) reports no allocatable device of it although the
+node's inventory says it should have some, that plugin is restarted (within the step's
+limits). Each resource is judged on its own (a drop is per resource: ``nvidia.com/gpu``
+at 0 beside ``nvidia.com/mig-1g.10gb`` at 14 is a drop of the first). What the
+inventory (host/inventory.py: the GPUs and their MIG devices) says a resource should
+have, since a resource may be empty on purpose:
+
+- a MIG profile (``nvidia.com/mig-*``): some, when the node has a MIG device;
+- any other (``nvidia.com/gpu``, a renamed or shared one): some, when the node has a
+  GPU without MIG devices, or when no plugin serves a MIG profile (MIG strategy
+  ``none`` or ``single``: every GPU is advertised under it). Under the ``mixed``
+  strategy it counts only the GPUs without MIG, so with every GPU in MIG mode it may
+  be 0 on purpose. A GPU in MIG mode with no MIG device yet is taken as a GPU without
+  MIG (the inventory holds its MIG devices, not its mode).
+
+Where the inventory is not known (the GPUs counted from /dev/nvidiaN), which resource
+may be empty on purpose cannot be told: a drop is then judged only when every resource
+the node's plugins serve is at 0.
 kubelet counts only healthy devices, so a plugin that reports every GPU unhealthy looks
 the same; NVIDIA's plugin keeps a device it marked unhealthy so until it restarts
 (NVIDIA/k8s-device-plugin#234), so the restart (at most MaxRestartsPerHour) is the
@@ -40,6 +56,7 @@ from gpuguard.steps.registry import DEVICE_PLUGIN
 
 K_NOT_ALLOCATABLE = "plugin-not-allocatable"
 K_ALLOCATABLE_UNCHECKED = "plugin-allocatable-unchecked"
+MIG_PREFIX = "nvidia.com/mig-"  # NVIDIA's plugin's MIG profiles (strategy mixed)
 
 
 def dropped_at_bridge_end(obs: PluginObservation, p: PluginInfo) -> bool:
@@ -61,6 +78,21 @@ def allocatable_judged(obs: PluginObservation, grace: float) -> bool:
     return any(p.process is not None and p.resource for p in obs.plugins)
 
 
+def should_have(obs: PluginObservation, resource: str, mig_served: bool) -> str:
+    """What of the node's says ``resource`` should have allocatable devices ("": it may
+    be empty on purpose). ``mig_served``: a plugin serves a MIG profile."""
+    whole, mig = obs.whole_gpus, obs.mig_devices
+    if whole is None or mig is None:
+        return f"the node's {obs.gpus} GPUs"  # every served resource is at 0
+    if resource.startswith(MIG_PREFIX):
+        return f"the node's {mig} MIG devices" if mig else ""
+    if whole:
+        return f"the node's {obs.gpus} GPUs ({whole} without MIG)"
+    if not mig_served:
+        return f"the node's {obs.gpus} GPUs (no MIG profile served)"
+    return ""
+
+
 def not_allocatable(
     obs: PluginObservation, grace: float
 ) -> tuple[list[Finding], list[tuple[PluginInfo, str]]]:
@@ -80,8 +112,9 @@ def not_allocatable(
         )
         return [unchecked], []
     served = [p for p in obs.plugins if p.process is not None and p.resource]
-    if any(a.counts.get(p.resource, 0) for p in served):
-        return [], []
+    if obs.whole_gpus is None and any(a.counts.get(p.resource, 0) for p in served):
+        return [], []  # the inventory unknown: any resource may be empty on purpose
+    mig_served = any(p.resource.startswith(MIG_PREFIX) for p in served)
     findings: list[Finding] = []
     restart: list[tuple[PluginInfo, str]] = []
     for p in served:
@@ -90,7 +123,12 @@ def not_allocatable(
             continue  # the socket-time rule says it
         if obs.now < p.socket_ctime + grace and not dropped:
             continue  # it is registering now
-        why = f"kubelet reports 0 allocatable {p.resource} of the node's {obs.gpus} GPUs"
+        if a.counts.get(p.resource, 0):
+            continue
+        has = should_have(obs, p.resource, mig_served)
+        if not has:
+            continue  # may be empty on purpose
+        why = f"kubelet reports 0 allocatable {p.resource} of {has}"
         if dropped:
             why += " since the re-admission bridge's streams ended"
         fields = {

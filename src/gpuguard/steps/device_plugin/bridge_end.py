@@ -47,3 +47,22 @@ def read_bridge_end(root: Root, kubelet_started: Optional[float]) -> Optional[Br
     if start is not None and abs(start - s.pid_start) < 0.5:  # the very process
         return None
     return BridgeEnd(at, None, True)
+
+
+class BridgeEndClock:
+    """When the bridge's streams of this kubelet run ended: the time the bridge wrote,
+    else the first pass that found the registering process gone (kept across passes)."""
+
+    def __init__(self) -> None:
+        # (the bridge's registration time, the first pass that found its process gone)
+        self.gone: Optional[tuple[float, float]] = None
+
+    def ended(self, root: Root, started: Optional[float], now: float) -> Optional[float]:
+        end = read_bridge_end(root, started)
+        if end is None:
+            return None
+        if end.ended is not None:
+            return end.ended
+        if self.gone is None or self.gone[0] != end.registered_at:
+            self.gone = (end.registered_at, now)
+        return self.gone[1]

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence
 
 from gpuguard.devices.containers import ContainerCgroup
+from gpuguard.devices.kubeletstart import KubeletStartWatch
 from gpuguard.devices.kubelettrust import kubelets
 from gpuguard.devices.plugins import GPU_NODE, KUBELET_SOCKET, NodeInfo, PluginInfo, list_nodes
-from gpuguard.devices.processes import ProcessInfo, process_start
+from gpuguard.devices.processes import ProcessInfo, boot_time, process_start
 from gpuguard.host.paths import Root
 from gpuguard.steps.device_plugin.podresources import Allocatable
 
@@ -42,19 +42,19 @@ class PluginObservation:
     # allocatable (podresources.py); None: not asked (nothing to judge)
     gpus: int = 0
     allocatable: Optional[Allocatable] = None
+    # from the inventory: its GPUs without MIG devices, and its MIG devices (None: no
+    # inventory known, the GPUs counted from /dev); allocatable.py judges by them
+    whole_gpus: Optional[int] = None
+    mig_devices: Optional[int] = None
     # when gpuguard's re-admission bridge registered in this kubelet run (readmit/state.py):
     # a plugin socket older than that may have been replaced by it (F4)
     bridge_registered: Optional[float] = None
     # when the bridge's streams of this kubelet run ended (bridge_end.py): kubelet then
     # dropped the plugin that replaced them
     bridge_ended: Optional[float] = None
-
-
-def _ctime(p: Path) -> Optional[float]:
-    try:
-        return os.stat(p, follow_symlinks=False).st_ctime
-    except OSError:
-        return None
+    # what told kubelet's start (devices/kubeletstart.py): its socket's listener, or
+    # its inode only, and why ("": no kubelet.sock)
+    kubelet_told_by: str = ""
 
 
 def kubelet_started(
@@ -63,25 +63,35 @@ def kubelet_started(
     *,
     unit_started: Optional[float] = None,
     units: Sequence[str] = (),
+    watch: Optional[KubeletStartWatch] = None,
 ) -> Optional[float]:
-    """The latest kubelet (re)start: kubelet.sock's ctime (made by the device manager
-    at start-up), the unit's InactiveExitTimestamp, the start of a kubelet process
-    gpuguard trusts in one of `units` (devices/kubelettrust.py: a local user's process
-    named kubelet, started now, would make every plugin look unregistered and get it
-    restarted). None when kubelet does not seem to run (no kubelet.sock, no process)."""
-    times: list[float] = []
-    sock = _ctime(root.path(socket_dir) / KUBELET_SOCKET)
+    """The latest kubelet (re)start, Unix time, the later of the unit's
+    InactiveExitTimestamp and: the start of the process listening on kubelet.sock
+    (devices/kubeletstart.py: a touch, chown or xattr change of the socket moves
+    nothing; its boot-relative start put on the wall clock once, when first read, so
+    that a clock step moves it no more than the plugin sockets' ctimes it is compared
+    with); where no listener is read, the start of a kubelet process gpuguard trusts in
+    one of `units` (devices/kubelettrust.py: a local user's process named kubelet,
+    started now, would make every plugin look unregistered and get it restarted); where
+    neither is known, kubelet.sock's ctime as first seen for its inode (``watch``
+    remembers it across passes). None when kubelet does not seem to run (no
+    kubelet.sock, no process)."""
+    if watch is None:
+        watch = KubeletStartWatch(root, root.path(socket_dir) / KUBELET_SOCKET)
+    run = watch.look()
     pids = [p.pid for p in kubelets(root, units).trusted]
-    if sock is None and not pids:
+    if run is None and not pids:
         return None
-    if sock is not None:
-        times.append(sock)
+    times: list[float] = []
     if unit_started:
         times.append(unit_started)
-    for pid in pids:
-        s = process_start(root, pid)
-        if s is not None:
-            times.append(s)
+    if run is not None and run.listener is not None:
+        times.append(run.wall())  # the process that listens is kubelet
+    elif pids:
+        btime = boot_time(root)
+        times += [s for s in (process_start(root, pid, btime) for pid in pids) if s is not None]
+    elif run is not None:
+        times.append(run.wall())  # the inode only: its ctime as first seen
     return max(times) if times else None
 
 

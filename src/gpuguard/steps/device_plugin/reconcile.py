@@ -289,6 +289,8 @@ def _registration(
             "which may have replaced it"
         )
         fields = {"PLUGIN": ident, "KUBELET_STARTED": f"{k:.3f}"}
+        if obs.kubelet_told_by:  # its socket's listener, or its inode only (and why)
+            fields["KUBELET_START_BY"] = obs.kubelet_told_by
         if bridge is not None:
             fields["BRIDGE_REGISTERED"] = f"{bridge:.3f}"
         if proc is not None:

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
+from gpuguard.devices.kubeletstart import KubeletStartWatch
 from gpuguard.journal.conditions import Conditions, log_findings
 from gpuguard.readmit.rejected import WATCH_SECONDS
 from gpuguard.steps.readmit.exposure import cached_version, judge_exposure
@@ -33,9 +34,14 @@ class ReadmitStep:
         self.conditions = Conditions()
         self.run = ""  # the kubelet start (kubelet.sock) `cleared` belongs to
         self.cleared: frozenset[str] = frozenset()
+        self.watch: Optional[KubeletStartWatch] = None  # kubelet's start: its listener
 
     async def __call__(self, svc: Services, ctx: PassContext) -> None:
-        view = await asyncio.to_thread(observe, svc.root, svc.config.kubelet.checkpoint_path)
+        path = svc.config.kubelet.checkpoint_path
+        sock = svc.root.path(path).parent / "kubelet.sock"
+        if self.watch is None or self.watch.path != sock:
+            self.watch = KubeletStartWatch(svc.root, sock)
+        view = await asyncio.to_thread(observe, svc.root, path, self.watch)
         s = view.state
         if s is not None and s.kubelet_sock != self.run:
             self.run, self.cleared = s.kubelet_sock, frozenset()

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from gpuguard.devices.kubeletstart import KubeletStartWatch
 from gpuguard.host.paths import Root
 from gpuguard.host.statefile import load
 from gpuguard.readmit.observe import alive_pods
@@ -19,17 +20,16 @@ def pods_dir(checkpoint_path: str) -> str:
     return str(Path(checkpoint_path).parent.parent / "pods")
 
 
-def _ctime(path: Path) -> Optional[float]:
-    try:
-        return os.stat(path, follow_symlinks=False).st_ctime
-    except OSError:
-        return None
-
-
-def observe(root: Root, checkpoint_path: str) -> ReadmitView:
+def observe(
+    root: Root, checkpoint_path: str, watch: Optional[KubeletStartWatch] = None
+) -> ReadmitView:
+    """``watch``: kubelet.sock's, kept across passes (devices/kubeletstart.py)."""
     got = load(root.path(STATE_FILE), SPEC)
     s = got.value
-    sock = _ctime(root.path(checkpoint_path).parent / "kubelet.sock")
+    if watch is None:
+        watch = KubeletStartWatch(root, root.path(checkpoint_path).parent / "kubelet.sock")
+    run = watch.look()
+    sock = run.wall() if run is not None else None
     if s is None or not s.rejected:
         why = "" if got.absent else got.why
         return ReadmitView(s, why, frozenset(), frozenset(), kubelet_sock=sock)

@@ -28,7 +28,7 @@ class ReadmitView:
     alive: frozenset[str]  # rejected pod UIDs with a running process
     present: frozenset[str]  # rejected pod UIDs whose pod directory exists
     pods_seen: bool = True  # kubelet's pods directory was there to look in
-    kubelet_sock: Optional[float] = None  # kubelet.sock's ctime: kubelet's latest start
+    kubelet_sock: Optional[float] = None  # kubelet's latest start (its socket's listener)
 
 
 @dataclass(frozen=True)
