@@ -82,7 +82,13 @@ class Faults:
         node = self.node
         offered = len(self.bridge("readmit-offered"))
         node.reboot(gpus_after(node, "none", ""))
-        node.wait_pods(lambda p: all(n in p and p[n].running for n in F1_PODS), 60, "pods back")
+        try:
+            node.wait_pods(lambda p: all(n in p and p[n].running for n in F1_PODS), 60, "pods back")
+        except AssertionError as e:  # what the bridge did, for the failure's message
+            said = "\n".join(
+                f"{x.get('GPUGUARD_KIND')}: {x.get('MESSAGE')}" for x in node.ns.journal(READMIT)
+            )
+            raise AssertionError(f"{e}\nthe bridge's journal:\n{said[-6000:]}") from None
         assert len(self.bridge("readmit-offered")) > offered, "the bridge offered"
         wait_for(lambda: self.allocatable() == self.gpus, 30, "the plugin's GPUs allocatable")
 

@@ -279,3 +279,30 @@ def test_the_bridge_says_when_only_the_inode_tells_kubelets_start(tmp_path: Path
     with listener(tmp_path / "b" / DP.lstrip("/"), later=True):  # bound, listening soon
         r.on_kubelet_start()
     assert not any(s.startswith("warning:") for s in said), said
+
+
+def test_a_refusing_socket_just_changed_is_looked_at_again_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kubelet between its bind and listen refuses connections: the bridge looks again
+    within milliseconds while that lasts (a new socket with the old inode number is a
+    start only once its listener is read, and kubelet re-admits its pods 40-80 ms after
+    its start), but not for a stopped kubelet's socket that refuses for good."""
+    from gpuguard.devices import kubeletstart
+
+    d = sockdir(tmp_path)
+    w = KubeletStartWatch(Root(), d / "kubelet.sock")
+    with listener(d, later=True) as p:
+        assert w.look() is not None and w.unsettled  # bound, refused: look again soon
+        assert p.stdin is not None and p.stdout is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "listening"
+        told = w.look()
+        assert told is not None and told.listener is not None and not w.unsettled
+    # the process ended, its socket refuses: quick looks only for UNSETTLED seconds
+    w2 = KubeletStartWatch(Root(), d / "kubelet.sock")
+    assert w2.look() is not None and w2.unsettled
+    now = time.monotonic()
+    monkeypatch.setattr(kubeletstart.time, "monotonic", lambda: now + kubeletstart.UNSETTLED)
+    assert not w2.unsettled

@@ -94,3 +94,59 @@ def test_a_refused_register_is_journaled_with_its_status_and_details(short_root:
 def test_other_errors_say_their_first_line() -> None:
     assert rpcerror.describe(OSError("no such directory\nmore")) == ("no such directory", {})
     assert rpcerror.describe(RuntimeError()) == ("RuntimeError", {})
+
+
+def accepting_kubelet(sock: Path, seen: list[bytes]) -> Any:
+    grpc = pytest.importorskip("grpc")
+
+    def register(req: bytes, _ctx: Any) -> bytes:
+        seen.append(req)
+        return b""
+
+    service, method = wire.REGISTER.strip("/").split("/")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    handler = grpc.unary_unary_rpc_method_handler(register)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service, {method: handler}),)
+    )
+    server.add_insecure_port(f"unix://{sock}")
+    server.start()
+    return server
+
+
+def test_register_waits_out_a_kubelet_sock_that_refuses_for_a_moment(short_root: Path) -> None:
+    """kubelet.sock found while it refuses connections (bound but not yet listening, or
+    the old kubelet's socket just before the new one replaces it): the bridge tries
+    again within its deadline instead of failing the kubelet start's registration."""
+    pytest.importorskip("grpc")
+    import socket
+    import threading
+    import time
+
+    from gpuguard.readmit.serve import Bridge
+
+    plugins = short_root / "var/lib/kubelet/device-plugins"
+    plugins.mkdir(parents=True)
+    sock = plugins / "kubelet.sock"
+    refusing = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    refusing.bind(str(sock))  # bound, never listening: connect() is refused
+    seen: list[bytes] = []
+    servers: list[Any] = []
+
+    def kubelet_listens() -> None:
+        time.sleep(0.05)
+        refusing.close()
+        sock.unlink()
+        servers.append(accepting_kubelet(sock, seen))
+
+    t = threading.Thread(target=kubelet_listens)
+    bridge = Bridge(plugins, lambda _r, _n: None)
+    t.start()
+    try:
+        bridge.register("nvidia.com/gpu", ("GPU-a",), timeout=5.0)
+    finally:
+        t.join()
+        for s in servers:
+            s.stop(0)
+        bridge.stop()
+    assert seen == [wire.register_request("nvidia.com/gpu", "gpuguard/readmit-nvidia.com_gpu.sock")]

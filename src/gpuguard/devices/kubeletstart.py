@@ -41,6 +41,7 @@ from gpuguard.host.paths import Root
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 CONNECT_TIMEOUT = 0.5  # seconds; kubelet's server accepts at once
+UNSETTLED = 2.0  # seconds after a change of the socket that a refusal is looked at again
 # a connect that may succeed at the next look: nobody listens yet, the backlog is full
 _TRANSIENT = {errno.ECONNREFUSED, errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR}
 
@@ -195,6 +196,7 @@ class KubeletStartWatch:
         self.current: Optional[KubeletStart] = None
         self._stat: Optional[tuple[int, int, int]] = None
         self._again = False  # connect at the next look even with the same stat
+        self._changed = -1e9  # time.monotonic() of the last stat change
         self.connects = 0  # how often the socket was connected to (tests, bench)
 
     def look(self) -> Optional[KubeletStart]:
@@ -213,6 +215,8 @@ class KubeletStartWatch:
             self._stat = None
             return None
         self.connects += lk.why_not != "not a socket"
+        if (lk.dev, lk.ino, lk.ctime_ns) != self._stat:
+            self._changed = time.monotonic()
         self._stat = (lk.dev, lk.ino, lk.ctime_ns)
         self._again = lk.transient
         cur = self.current
@@ -225,3 +229,11 @@ class KubeletStartWatch:
         elif (lk.dev, lk.ino) != (cur.dev, cur.ino):  # same listener, new inode
             self.current = dataclasses.replace(cur, dev=lk.dev, ino=lk.ino)
         return self.current
+
+    @property
+    def unsettled(self) -> bool:
+        """The socket changed within UNSETTLED seconds and refused the last connect
+        (kubelet between its bind and listen): look again within milliseconds, as a
+        new socket that got the old inode number is told a start only by its
+        listener, and kubelet re-admits its pods 40-80 ms after it starts."""
+        return self._again and time.monotonic() - self._changed < UNSETTLED

@@ -89,6 +89,7 @@ if TYPE_CHECKING:  # the bridge's (cli/readmit.py); the daemon imports this pack
     from gpuguard.readmit.withdraw import Withdrawal
 
 POLL = 1.0  # seconds at most between looks for a new kubelet.sock (inotify wakes it)
+QUICK = 0.005  # seconds between looks while kubelet.sock refuses just after it changed
 REFRESH = 60.0  # configuration and inventory read again this often while idle
 AHEAD = 5.0  # the decision made ahead is made again this often (pods that died)
 
@@ -225,7 +226,9 @@ class Readmit:
         watch = DirWatch(self.plugins_dir)
         while not stop():
             try:
-                watch.wait(POLL)
+                # within milliseconds while kubelet.sock refuses just after it changed
+                unsettled = self.kstart is not None and self.kstart.unsettled
+                watch.wait(QUICK if unsettled else POLL)
                 sock = self.kubelet_sock()
                 if sock is None or sock == seen:
                     try:

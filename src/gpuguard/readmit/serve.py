@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from gpuguard.readmit import wire
 
 SUBDIR = "gpuguard"
+RETRY = 0.005  # seconds between Register tries while kubelet.sock refuses connections
 NO_ALLOCATE = (
     "gpuguard's re-admission bridge allocates no device: the device plugin has not registered yet"
 )
@@ -174,11 +176,26 @@ class Bridge:
             self.offers[resource] = ids
             self.withdrawn.discard(resource)  # a new registration: healthy again
         grpc = self.grpc
-        with grpc.insecure_channel(f"unix://{self.dir / 'kubelet.sock'}") as channel:
-            call = channel.unary_unary(
-                wire.REGISTER, request_serializer=_same, response_deserializer=_same
-            )
-            call(wire.register_request(resource, endpoint(resource)), timeout=timeout)
+        request = wire.register_request(resource, endpoint(resource))
+        deadline = time.monotonic() + timeout
+        while True:
+            # a fresh channel per try: a channel whose connect failed waits out gRPC's
+            # reconnect backoff (1 s), far past kubelet's re-admission (40-80 ms)
+            with grpc.insecure_channel(f"unix://{self.dir / 'kubelet.sock'}") as channel:
+                call = channel.unary_unary(
+                    wire.REGISTER, request_serializer=_same, response_deserializer=_same
+                )
+                left = deadline - time.monotonic()
+                try:
+                    call(request, timeout=max(left, 0.001))
+                    return
+                except grpc.RpcError as e:
+                    # kubelet.sock seen between kubelet's bind and listen, or the old
+                    # kubelet's socket just before the new one replaces it: refused
+                    # now, answered a few milliseconds later
+                    if e.code() != grpc.StatusCode.UNAVAILABLE or left <= RETRY:
+                        raise
+            time.sleep(RETRY)
 
     def stop(self) -> None:
         for server in self.servers.values():
