@@ -1,4 +1,4 @@
-"""The kubelets the suite runs (harness/kubelet.py): 1.20.2 and 1.34.9.
+"""The kubelets the suite runs (harness/kubelet.py): 1.20.2, 1.34.9 and 1.36.2.
 
 * ``1.20``: built from Debian 12's source package by ``scripts/build-kubelet`` and
   cached; configured by flags, as it was deployed then.
@@ -10,6 +10,8 @@
   removed (``--container-runtime``, most of the rest moved) are a
   KubeletConfiguration file (``--config``); ``failCgroupV1: false`` lets it run on
   cgroup v1 (the only layout these machines can run pods on: harness/kubelet.py).
+* ``1.36``: the same for ``kubelet-1.36.2.xz`` (``GPUGUARD_KUBELET_136=XZ``), run with
+  1.34's configuration (its README: the same fields work).
 
 Both speak the same deviceplugin v1beta1 API: the plugin double's code is generated
 from 1.20's tree's ``api.proto`` for either. Without the binary a test skips, and
@@ -34,11 +36,16 @@ from typing import Any, Dict, List, Mapping, Sequence
 
 from .sysns import REPO
 
-VERSIONS = ("1.20", "1.34")
+VERSIONS = ("1.20", "1.34", "1.36")
 SHARED = REPO.parent / "shared" / "kubelet"
 #: ``GPUGUARD_KUBELET_134`` names the xz where a checkout has no ../shared beside it
 XZ_134 = Path(os.environ.get("GPUGUARD_KUBELET_134", SHARED / "kubelet-1.34.9.xz"))
 SHA256_134 = "b540eb1c6009de11bca958cea1823a173e2cf285dd391b555e0dc1245f9a0047"
+#: ``GPUGUARD_KUBELET_136``: the same for 1.36.2
+XZ_136 = Path(os.environ.get("GPUGUARD_KUBELET_136", SHARED / "kubelet-1.36.2.xz"))
+SHA256_136 = "5402bb8b8a8b6f1748ff102427da1d830ac1ad56fc1b3cdf9d8127a6bad16b6e"
+#: version -> (the xz, its full version, the unpacked binary's sha256)
+PREBUILT = {"1.34": (XZ_134, "1.34.9", SHA256_134), "1.36": (XZ_136, "1.36.2", SHA256_136)}
 CACHE = Path(os.environ.get("GPUGUARD_TEST_CACHE", "/var/cache/gpuguard-tests"))
 #: the flags the suite gives its kubelets, as KubeletConfiguration fields for 1.34
 FLAG_FIELDS = {
@@ -58,11 +65,18 @@ def _sha256(path: Path) -> str:
 
 def unpack_134() -> Path:
     """kubelet 1.34.9 from ``../shared/kubelet/``, unpacked once into the test cache."""
+    return unpack("1.34")
+
+
+def unpack(version: str) -> Path:
+    """The prebuilt kubelet ``version`` (:data:`PREBUILT`) from ``../shared/kubelet/``,
+    unpacked once into the test cache and checked against its recorded sha256."""
     from conftest import _missing
 
-    if not XZ_134.is_file():
-        _missing(f"no kubelet 1.34 at {XZ_134} (../shared/kubelet/ beside the checkout)")
-    dest = CACHE / f"kubelet-1.34.9-{_sha256(XZ_134)[:16]}" / "kubelet"
+    xz, full, sha = PREBUILT[version]
+    if not xz.is_file():
+        _missing(f"no kubelet {version} at {xz} (../shared/kubelet/ beside the checkout)")
+    dest = CACHE / f"kubelet-{full}-{_sha256(xz)[:16]}" / "kubelet"
     if dest.is_file():
         return dest
     CACHE.mkdir(parents=True, exist_ok=True)
@@ -73,10 +87,10 @@ def unpack_134() -> Path:
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(".kubelet.tmp")
         with tmp.open("wb") as out:
-            subprocess.run(["xz", "-dc", str(XZ_134)], stdout=out, check=True, timeout=300)
-        if _sha256(tmp) != SHA256_134:
+            subprocess.run(["xz", "-dc", str(xz)], stdout=out, check=True, timeout=300)
+        if _sha256(tmp) != sha:
             tmp.unlink()
-            raise AssertionError(f"{XZ_134} unpacks to another binary than its README's sha256")
+            raise AssertionError(f"{xz} unpacks to another binary than its README's sha256")
         tmp.chmod(0o755)
         tmp.rename(dest)
     return dest
@@ -86,7 +100,7 @@ def unpack_134() -> Path:
 class Kubelet:
     """One kubelet version: its binary and how the suite runs it."""
 
-    version: str  # "1.20" or "1.34"
+    version: str  # "1.20", "1.34" or "1.36"
     binary: Path
 
     @property
@@ -167,6 +181,6 @@ def kubelet(version: str, build_1_20: Mapping[str, Path]) -> Kubelet:
     """The kubelet of ``version`` ("1.20": the cached build, from ``build_1_20``)."""
     if version == "1.20":
         return Kubelet(version, build_1_20["path"])
-    if version == "1.34":
-        return Kubelet(version, unpack_134())
+    if version in PREBUILT:
+        return Kubelet(version, unpack(version))
     raise ValueError(f"no kubelet {version!r}: one of {VERSIONS}")
