@@ -216,7 +216,8 @@ class GpuNode(KubeletNode):
 
     def start_gpuguard(self) -> None:
         assert self.gpuguard
-        self.ns.systemctl("start", "gpuguard.service")
+        if self.ns.systemctl("start", "gpuguard.service", check=False).returncode != 0:
+            raise AssertionError(f"gpuguard.service did not start:\n{self.log('gpuguard.service')}")
         self.ns.wait_active("gpuguard.service", timeout=30)
         settle(self.ns)
 
