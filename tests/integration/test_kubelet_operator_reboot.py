@@ -57,12 +57,16 @@ def test_operator_reboot_every_pod_back_on_its_slot(
     def back(p: Dict[str, Pod]) -> bool:
         return all(n in p and p[n].running for n in F1_PODS)
 
-    node.wait_pods(
-        back,
-        90,
-        f"{F1_PODS} Running again after the driver arrived",
-        never=lambda p: any(n in p and p[n].phase == "Failed" for n in F1_PODS),
-    )
+    try:
+        node.wait_pods(
+            back,
+            90,
+            f"{F1_PODS} Running again after the driver arrived",
+            never=lambda p: any(n in p and p[n].phase == "Failed" for n in F1_PODS),
+        )
+    except AssertionError:
+        print(node.log(READMIT, 60), node.log("gpuguard.service", 120), sep="\n")
+        raise
     t = time.monotonic()
     print(f"\noperator-reboot figures: kubelet={kubelet} uuids={case} "
           f"pods_back={len(F1_PODS)}/{len(F1_PODS)} "

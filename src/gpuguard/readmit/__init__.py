@@ -44,12 +44,12 @@ from gpuguard.checkpoint.reader import load as load_checkpoint
 from gpuguard.config.schema import Config
 from gpuguard.errors import GpuguardError
 from gpuguard.host.offswitch import read_off_switch
-from gpuguard.host.paths import Root
+from gpuguard.host.paths import GPU_HISTORY_FILE, Root
 from gpuguard.journal.log import EventLog
 from gpuguard.readmit import rpcerror
 from gpuguard.readmit.observe import alive_pods, other_sockets
 from gpuguard.readmit.plan import Decision, decide
-from gpuguard.readmit.presence import NodeDevices
+from gpuguard.readmit.presence import DRIVER_NOT_LOADED, THIS_BOOT, NodeDevices
 from gpuguard.readmit.refusals import refused_field
 from gpuguard.readmit.rejected import WATCH_SECONDS, RejectionWatch
 from gpuguard.readmit.serve import Bridge, endpoint
@@ -58,6 +58,7 @@ from gpuguard.readmit.watch import DirWatch
 
 POLL = 1.0  # seconds at most between looks for a new kubelet.sock (inotify wakes it)
 REFRESH = 60.0  # configuration and inventory read again this often while idle
+PCI_VIEWS = (DRIVER_NOT_LOADED, THIS_BOOT)  # presence.py's views without the driver
 AHEAD = 5.0  # the decision made ahead is made again this often (pods that died)
 
 
@@ -88,6 +89,7 @@ class Readmit:
         self.elog = elog
         self.read_inputs = read_inputs
         self.inputs = read_inputs()
+        self.inputs_history = self.history_key()  # the history the inputs were read with
         self.bridge = bridge
         self.rejected = rejected
         # what the daemon reads (readmit/state.py); a stand-in that writes nothing
@@ -103,10 +105,35 @@ class Readmit:
             return (0, 0, 0)
         return st.st_ino, st.st_mtime_ns, st.st_size
 
+    def history_key(self) -> tuple[int, int, int]:
+        """The GPU identity history's identity (inode, mtime, size); zeros when absent."""
+        try:
+            st = os.stat(self.root.path(GPU_HISTORY_FILE))
+        except OSError:
+            return (0, 0, 0)
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def refresh_pci_view(self) -> None:
+        """The PCI view (no driver at the bridge's start) read again when the history
+        changed since: the driver arrived and gpuguard (its daemon, or kubelet's
+        pre-start hook) remapped the checkpoint to the GPUs' new UUIDs and recorded
+        them, before the kubelet restart that brings the pods back. The driver's view
+        (NVML, the inventory file) is read again only every REFRESH seconds, as before.
+        (The history is gpuguard's own state file, written only by gpuguard as root.)"""
+        present = self.inputs.present
+        if not isinstance(present, NodeDevices) or present.evidence not in PCI_VIEWS:
+            return
+        key = self.history_key()
+        if key != self.inputs_history:
+            self.inputs = self.read_inputs()
+            self.inputs_history = key
+            self.ahead = None
+
     def prepare(self) -> None:
         """Decide ahead of kubelet's start, so that its start costs a stat and the
         registration: again whenever the checkpoint changed (gpuguard's pre-start hook
         writes it just before kubelet starts) and every AHEAD seconds (pods that died)."""
+        self.refresh_pci_view()
         key = self.checkpoint_key()
         now = time.monotonic()
         if self.ahead is None or self.ahead[0] != key or now - self.ahead[1] > AHEAD:
@@ -116,6 +143,7 @@ class Readmit:
 
     def decided(self) -> Decision:
         """The decision made ahead when the checkpoint is still the same, else now."""
+        self.refresh_pci_view()
         if self.ahead is not None and self.ahead[0] == self.checkpoint_key():
             return self.ahead[2]
         return self.decision()
@@ -154,6 +182,7 @@ class Readmit:
                 refreshed = 0.0
             if time.monotonic() - refreshed > REFRESH:
                 self.inputs = self.read_inputs()
+                self.inputs_history = self.history_key()
                 refreshed = time.monotonic()
         watch.close()
 
