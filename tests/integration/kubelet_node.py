@@ -334,7 +334,9 @@ def boot_on(
 
     require_tool(*REQUIRED_TOOLS)
     k = kubelet_of(kubelet)
-    binds, ro = prepare(tmp / "kubelet", api)
+    # the Operator-layout node (pci) runs a real one-process pause: gpuguard must tell a
+    # sandbox kept between failed container starts from a running container
+    binds, ro = prepare(tmp / "kubelet", api, real_pause=pci)
     ro[str(k.binary.parent)] = k.binary.parent
     devices = fake_proc_devices(tmp / "devices", uvm=uvm)
     ro |= {"/run/fake/devices": devices, "/proc/devices": devices}

@@ -13,10 +13,15 @@ fails them before, as NVIDIA's does without a driver; kubelet retries).
 * the same UUIDs: every pod Running again on its slot, the bridge's evidence PCI +
   history; the figures printed are the seconds from kubelet's start and from the
   driver's arrival to every pod Running (docs/checkpoint.md's bridge section);
-* new UUIDs (not yet a case here): the pods are re-admitted on the old ones; when
-  the driver arrives the daemon's checkpoint step (the inventory change wakes it, as on
-  kubelet 1.20: test_kubelet_late_driver.py) remaps them by slot and restarts kubelet
-  through its hook, but kubelet 1.34 then rejects them (docs/checkpoint.md).
+* new UUIDs (1.34): the pods were re-admitted on the old ones; when the driver
+  arrives the daemon's checkpoint step (the inventory change wakes it, as on kubelet
+  1.20: test_kubelet_late_driver.py) remaps them by slot, records the new UUIDs in the
+  history and restarts kubelet through its hook; the bridge, reading its PCI view
+  again for the changed history, offers the remapped UUIDs at that start, and every
+  pod runs on its slot's new GPU.
+
+The node's sandboxes run a one-process ``/pause`` (harness/kubelet.py's real_pause),
+so that a pod whose containers failed to start is not taken for a running one.
 """
 
 from __future__ import annotations
@@ -44,8 +49,7 @@ from integration.kubelet_node import api as api
 pytestmark = pytest.mark.root
 
 
-# ("1.34", "all"), new UUIDs, is not yet brought back: docs/checkpoint.md's bridge section
-@pytest.mark.parametrize(("kubelet", "case"), [("1.34", "none"), ("1.36", "none")])
+@pytest.mark.parametrize(("kubelet", "case"), [("1.34", "all"), ("1.34", "none"), ("1.36", "none")])
 def test_operator_reboot_every_pod_back_on_its_slot(
     systemd_ns: NsFactory, tmp_path: Path, api: Path, kubelet: str, case: str
 ) -> None:
