@@ -12,18 +12,27 @@ service (``nvidia-device-plugin.service``) or as a privileged static pod.
 A "reboot" (:meth:`GpuNode.reboot`) is what a node goes through when its instance is
 restarted or replaced: kubelet, the plugin and gpuguard stop, every pod's processes
 die, containerd starts again, the GPUs come back (maybe with other UUIDs, maybe fewer),
-then gpuguard starts (ordered before kubelet), kubelet, and the plugin.
+then gpuguard starts (ordered before kubelet), kubelet, and the plugin. With
+``driver="late"`` it is a GPU Operator node's boot: the driver's root
+(``/run/nvidia/driver``, the fake NVML library of tests/fakenvml naming the GPUs) and
+the GPU list (the inventory file) appear :data:`DRIVER_DELAY` s after kubelet's start,
+the plugin after them; until then gpuguard sees the GPUs only on the PCI bus (the
+namespace's /sys/bus/pci/devices, fake functions bound over it: ``boot(pci=True)``).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import pytest
 
+import fakenvml
+from fakenvml import FakeGpu
 from gpuguard.checkpoint import parse
 from gpuguard.devices.probe import probe_open
 from integration.gpu_scopes import UVM_MAJOR, fake_proc_devices, gpu_inventory
@@ -67,6 +76,32 @@ def readmit_units() -> Dict[str, str]:
 CONFIG = "[Inventory]\nFile=/etc/gpuguard/inventory.json\nAllowKubeletRestart=yes\n"
 
 
+# The GPU Operator's layout after a reboot (GpuNode.reboot(driver="late")): gpuguard
+# reads NVML from the driver container's root, nothing else tells it the GPUs
+DRIVER_ROOT = "/run/nvidia/driver"
+DRIVER_LIB = "usr/lib/x86_64-linux-gnu"
+OPERATOR_CONFIG = f"[Inventory]\nDriverRoot={DRIVER_ROOT}\n"
+DRIVER_DELAY = 8.0  # seconds from kubelet's start to the driver's arrival
+# where the GPU list waits, out of the plugin's and the runtime hook's sight
+LATE_INVENTORY = "/etc/gpuguard/.inventory.late"
+
+
+def fake_pci(base: Path, n: int) -> Path:
+    """The ``n`` GPUs of :func:`gpus`' slots as sysfs lists them with no driver bound
+    (3D controllers, NVIDIA's vendor ID), plus a host bridge."""
+    pci = base / "pci-devices"
+    functions = [("0000:00:00.0", "0x8086", "0x060000")]
+    for g in gpu_inventory(n)["gpus"]:
+        functions.append((str(g["pci_bus_id"])[4:].lower(), "0x10de", "0x030200"))
+    for address, vendor, klass in functions:
+        d = pci / address
+        d.mkdir(parents=True)
+        (d / "vendor").write_text(vendor + "\n")
+        (d / "class").write_text(klass + "\n")
+        (d / "device").write_text("0x2330\n")
+    return pci
+
+
 def gpus(n: int) -> List[Dict[str, Any]]:
     """``n`` GPUs in slots 0..n-1 (gpu_scopes' layout), each with a UUID of this boot."""
     return [{**g, "uuid": f"GPU-{uuid.uuid4()}"} for g in gpu_inventory(n)["gpus"]]
@@ -90,6 +125,7 @@ class GpuNode(KubeletNode):
         self.site = ""  # where it runs (integration/kubelet_sites.py), and what with:
         self.versions: Dict[str, str] = {}  # release, kubelet, systemd, containerd, ...
         self.install = ""  # how gpuguard got there ("none" without it)
+        self.driver_at = 0.0  # time.monotonic() at the driver's arrival (driver="late")
 
     # -- GPUs ------------------------------------------------------------------------------
     @property
@@ -180,12 +216,43 @@ class GpuNode(KubeletNode):
 
     def start_gpuguard(self) -> None:
         assert self.gpuguard
-        self.ns.systemctl("start", "gpuguard.service")
+        if self.ns.systemctl("start", "gpuguard.service", check=False).returncode != 0:
+            raise AssertionError(f"gpuguard.service did not start:\n{self.log('gpuguard.service')}")
         self.ns.wait_active("gpuguard.service", timeout=30)
         settle(self.ns)
 
+    def stage_driver(self) -> None:
+        """The GPU Operator's driver prepared out of sight: its root with the fake NVML
+        library naming the GPUs of the inventory, the GPU list moved aside, gpuguard
+        configured as on such a node (NVML from the driver root only)."""
+        gpus = self.inventory
+        staging = self.ns.path("/run/nvidia/.driver")
+        for d in (staging, self.ns.path(DRIVER_ROOT)):
+            shutil.rmtree(d, ignore_errors=True)
+        lib_dir = staging / DRIVER_LIB
+        fakenvml.build(lib_dir)
+        fakenvml.write_conf(
+            lib_dir, [FakeGpu(g["uuid"], g["minor"], g["pci_bus_id"]) for g in gpus]
+        )
+        self.ns.path(INVENTORY).rename(self.ns.path(LATE_INVENTORY))
+        if self.gpuguard:
+            self.ns.path("/etc/gpuguard/gpuguard.conf").write_text(OPERATOR_CONFIG)
+
+    def driver_arrives(self) -> float:
+        """The driver container's root appears at once (no uevent), and the GPU list
+        with it; returns time.monotonic() at that moment."""
+        t = time.monotonic()
+        self.ns.path("/run/nvidia/.driver").rename(self.ns.path(DRIVER_ROOT))
+        self.ns.path(LATE_INVENTORY).rename(self.ns.path(INVENTORY))
+        return t
+
     def reboot(
-        self, gpus: Sequence[Mapping[str, Any]], *, lose_state: bool = False, plugin: str = "late"
+        self,
+        gpus: Sequence[Mapping[str, Any]],
+        *,
+        lose_state: bool = False,
+        plugin: str = "late",
+        driver: str = "host",
     ) -> float:
         """The node restarted with ``gpus``; returns time.monotonic() at kubelet's start.
         ``lose_state``: gpuguard's state directory did not survive (a new disk).
@@ -195,7 +262,11 @@ class GpuNode(KubeletNode):
         DaemonSet's pod); ``fast``, as a unit right after kubelet's, already waiting
         for kubelet.sock (it registers 20-60 ms after the registration server: racing
         kubelet's re-admission); ``pod``, as the static pod it already is; ``none``: not
-        started (the test starts it)."""
+        started (the test starts it).
+        ``driver``: ``host``, there at boot; ``late``, the GPU Operator's layout: the
+        driver's root and the GPU list arrive :data:`DRIVER_DELAY` s after kubelet's
+        start (:attr:`driver_at`), after kubelet's re-admission, and the plugin
+        (``late`` only) after them."""
         self.stop_kubelet()
         self.ns.systemctl("stop", PLUGIN)
         if self.gpuguard:
@@ -204,6 +275,8 @@ class GpuNode(KubeletNode):
                 self.ns.run(["sh", "-c", "rm -rf /var/lib/gpuguard/*"], check=True)
         self.kill_all()
         self.set_gpus(gpus)
+        if driver == "late":
+            self.stage_driver()
         if self.gpuguard:
             self.start_gpuguard()
         t0 = self.start_kubelet()
@@ -213,6 +286,10 @@ class GpuNode(KubeletNode):
         # starts after kubelet has re-admitted its pods (each has a phase once judged).
         names = [p.stem for p in self.ns.path(MANIFESTS).glob("*.json")]
         self.wait_pods(lambda p: all(n in p and p[n].phase for n in names), 60, "re-admission")
+        if driver == "late":
+            assert plugin == "late", "the plugin waits for the driver"
+            time.sleep(max(0.0, t0 + DRIVER_DELAY - time.monotonic()))
+            self.driver_at = self.driver_arrives()
         if plugin == "late":
             self.start_plugin()
         elif plugin != "none":
@@ -249,6 +326,7 @@ def boot_on(
     extra_ro: Optional[Mapping[str, Path]] = None,
     containerd_extra: str = "",
     before_kubelet: Optional[Callable[[SystemdNamespace], None]] = None,
+    pci: bool = False,
 ) -> GpuNode:
     """A booted node on ``site`` (integration/kubelet_sites.py) with containerd and
     kubelet running (and gpuguard's daemon before kubelet, when ``gpuguard``); the
@@ -257,13 +335,16 @@ def boot_on(
     its version, "1.20", "1.34" or "1.36" (harness/kubelet_versions.py). A node with
     an API server (integration/cluster_node.py) adds its units (``extra_units``), their
     files (``extra_ro``), containerd's CNI section (``containerd_extra``), and starts
-    them before kubelet's first start (``before_kubelet``)."""
+    them before kubelet's first start (``before_kubelet``). ``pci``: the GPUs' slots on
+    the namespace's PCI bus (:func:`fake_pci`)."""
     require_systemd_ns()
     from conftest import require_tool
 
     require_tool(*REQUIRED_TOOLS)
     k = kubelet_of(kubelet)
-    binds, ro = prepare(tmp / "kubelet", api)
+    # the Operator-layout node (pci) runs a real one-process pause: gpuguard must tell a
+    # sandbox kept between failed container starts from a running container
+    binds, ro = prepare(tmp / "kubelet", api, real_pause=pci)
     if containerd_extra:
         with (tmp / "kubelet" / "containerd.toml").open("a") as f:
             f.write(containerd_extra)
@@ -271,6 +352,8 @@ def boot_on(
     ro |= extra_ro or {}
     devices = fake_proc_devices(tmp / "devices", uvm=uvm)
     ro |= {"/run/fake/devices": devices, "/proc/devices": devices}
+    if pci:
+        ro["/sys/bus/pci/devices"] = fake_pci(tmp, n_gpus)
     units = {
         "containerd.service": CONTAINERD_UNIT,
         "kubelet.service": kubelet_unit(k, tmp / "kubelet", flags),

@@ -285,3 +285,44 @@ def test_the_pods_kubelet_rejected_are_read_from_its_log() -> None:
         "UnexpectedAdmissionError",
     )
     assert r.message.startswith("Allocate failed due to no healthy devices present")
+
+
+@pytest.mark.parametrize(("evidence", "again"), [("PCI + history, driver not loaded", True),
+                                                 ("NVML libnvidia-ml.so.1", False)])  # fmt: skip
+def test_the_pci_view_is_read_again_when_the_history_changed(
+    tmp_path: Path, evidence: str, again: bool
+) -> None:
+    """A GPU Operator node: the bridge vouched from PCI + history before the driver; the
+    driver arrived with new UUIDs, gpuguard remapped the checkpoint (GPU-a, GPU-b) and
+    recorded them in the history, then restarted kubelet: the bridge's next decision
+    reads the node again and offers the remapped GPUs. The driver's view is not read
+    again for a history change (its own refresh, every REFRESH seconds)."""
+    from gpuguard.config import load_config
+    from gpuguard.host.paths import GPU_HISTORY_FILE
+    from gpuguard.readmit import Inputs
+    from gpuguard.readmit.presence import NodeDevices
+
+    root, r, bridge, said = _node(tmp_path)
+    seen = {"ids": frozenset({"GPU-old-a", "GPU-old-b"})}
+    reads: list[int] = []
+
+    def inputs() -> Inputs:
+        reads.append(1)
+        return Inputs(load_config(root), NodeDevices.of_ids(seen["ids"], evidence), "")
+
+    r.read_inputs = inputs
+    r.inputs = inputs()
+    r.prepare()
+    r.on_kubelet_start()
+    assert bridge.registered == [] and said[-1].startswith("readmit-skip:"), said
+    seen["ids"] = frozenset({"GPU-a", "GPU-b"})
+    history = root.path(GPU_HISTORY_FILE)
+    history.parent.mkdir(parents=True, exist_ok=True)
+    history.write_text("{}")
+    r.prepare()
+    r.on_kubelet_start()
+    assert len(reads) == (2 if again else 1)
+    if again:
+        assert bridge.registered == [("nvidia.com/gpu", ("GPU-a", "GPU-b"))]
+    else:
+        assert bridge.registered == []

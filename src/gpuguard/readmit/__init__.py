@@ -27,32 +27,17 @@ another, each with its own channel and deadline: a slow or failing one delays no
 other, and the loop keeps watching kubelet.sock meanwhile. Its own end while kubelet
 runs is said, and written for the daemon (readmit/ended.py).
 
-Modules (docs/architecture.md has the map of the packages):
-
-- the loop, one decision per kubelet start, made ahead (`__init__.py`); configuration
-  and loop errors contained (`contained.py`); its own end while kubelet runs said and
-  written for the daemon (`ended.py`)
-- what it offers (`plan.py`, pure): the checkpoint's held device IDs present on the
-  node, only while a GPU pod has no process of its own, never a pod the API server no
-  longer has; every device ID form of NVIDIA's plugin (`devids.py`), present by the
-  driver's view or, before the driver, by PCI + the GPU history (`presence.py`, pure;
-  the pods not offered named: `refusals.py`)
-- what it reads of the node: NVML at most once, in a child (`node.py`,
-  `nvmlchild.py`); pods alive by their own containers, never the sandbox (`alive.py`);
-  the API server's pods of this node, in a thread ahead of kubelet's start
-  (`apipods.py`, through host/kubeapi.py); the kubelet version from its unit's
-  executable, run as nobody, the plugin sockets (`observe.py`); why it stays off
-  (`offstate.py`)
-- its gRPC side: endpoints and registration with grpcio (`serve.py`), a failed call
-  said by its gRPC status (`rpcerror.py`), the messages encoded by hand (`wire.py`);
-  every device reported unhealthy once the pods are re-admitted (`withdraw.py`);
-  inotify on kubelet's device-plugins directory (`watch.py`)
-- the GPU pods kubelet rejected at its start, from kubelet's own records only: the
-  watch (`rejected.py`), where it reads them (`kubeletlog.py`: the journal through
-  python3-systemd's Reader on trusted fields, or `[Kubelet] LogFile=`), what a record
-  is (`klog.py`, pure); the state file and its bounded Recorder (`state.py`)
-
-It imports no step.
+Modules (docs/architecture.md has the map of the packages): the loop (`__init__.py`),
+its errors contained (`contained.py`), its own end said (`ended.py`); the offer
+(`plan.py`, pure) over every device ID form (`devids.py`), present by the driver or by
+PCI + history (`presence.py`; the pods left out: `refusals.py`); the node: NVML once, in
+a child (`node.py`, `nvmlchild.py`), pods alive by their own containers (`alive.py`),
+the API server's pods (`apipods.py`), kubelet's version and the plugin sockets
+(`observe.py`), why it stays off (`offstate.py`); gRPC: endpoints and registration
+(`serve.py`, `rpcerror.py`, `wire.py`), the withdrawal (`withdraw.py`), inotify
+(`watch.py`); kubelet's rejections from its own records (`rejected.py`,
+`kubeletlog.py`, `klog.py`) and the bounded state file (`state.py`). It imports no
+step.
 """
 
 from __future__ import annotations
@@ -70,14 +55,14 @@ from gpuguard.config.schema import Config
 from gpuguard.devices.kubeletstart import KubeletStart, KubeletStartWatch
 from gpuguard.errors import GpuguardError
 from gpuguard.host.offswitch import read_off_switch
-from gpuguard.host.paths import Root
+from gpuguard.host.paths import GPU_HISTORY_FILE, Root
 from gpuguard.journal.log import EventLog
 from gpuguard.readmit import rpcerror
 from gpuguard.readmit.contained import Contained
 from gpuguard.readmit.ended import kubelet_listens, registered_in, say_ended
 from gpuguard.readmit.observe import alive_pods, other_sockets
 from gpuguard.readmit.plan import Decision, Offer, decide
-from gpuguard.readmit.presence import NodeDevices
+from gpuguard.readmit.presence import DRIVER_NOT_LOADED, THIS_BOOT, NodeDevices
 from gpuguard.readmit.refusals import refused_field
 from gpuguard.readmit.rejected import WATCH_SECONDS, RejectionWatch
 from gpuguard.readmit.serve import Bridge, endpoint
@@ -91,6 +76,7 @@ if TYPE_CHECKING:  # the bridge's (cli/readmit.py); the daemon imports this pack
 POLL = 1.0  # seconds at most between looks for a new kubelet.sock (inotify wakes it)
 QUICK = 0.005  # seconds between looks while kubelet.sock refuses just after it changed
 REFRESH = 60.0  # configuration and inventory read again this often while idle
+PCI_VIEWS = (DRIVER_NOT_LOADED, THIS_BOOT)  # presence.py's views without the driver
 AHEAD = 5.0  # the decision made ahead is made again this often (pods that died)
 
 
@@ -123,6 +109,7 @@ class Readmit:
         self.elog = elog
         self.read_inputs = read_inputs
         self.inputs = read_inputs()
+        self.inputs_history = self.history_key()  # the history the inputs were read with
         self.bridge = bridge
         self.rejected = rejected
         # what the daemon reads (readmit/state.py); a stand-in that writes nothing
@@ -148,10 +135,32 @@ class Readmit:
             return (0, 0, 0)
         return st.st_ino, st.st_mtime_ns, st.st_size
 
+    def history_key(self) -> tuple[int, int, int]:
+        """The GPU identity history's identity (inode, mtime, size); zeros when absent."""
+        try:
+            st = os.stat(self.root.path(GPU_HISTORY_FILE))
+        except OSError:
+            return (0, 0, 0)
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def refresh_pci_view(self) -> None:
+        """The PCI view (no driver at the bridge's start) read again when the history
+        changed since: the driver arrived and gpuguard (its daemon, or kubelet's
+        pre-start hook) remapped the checkpoint to the GPUs' new UUIDs and recorded
+        them, before the kubelet restart that brings the pods back. The driver's view
+        (NVML, the inventory file) is read again only every REFRESH seconds, as before.
+        (The history is gpuguard's own state file, written only by gpuguard as root.)"""
+        present = self.inputs.present
+        if not isinstance(present, NodeDevices) or present.evidence not in PCI_VIEWS:
+            return
+        if self.history_key() != self.inputs_history and self.refresh():
+            self.ahead = None
+
     def prepare(self) -> None:
         """Decide ahead of kubelet's start, so that its start costs a stat and the
         registration: again whenever the checkpoint changed (gpuguard's pre-start hook
         writes it just before kubelet starts) and every AHEAD seconds (pods that died)."""
+        self.refresh_pci_view()
         key = self.checkpoint_key()
         now = time.monotonic()
         if self.ahead is None or self.ahead[0] != key or now - self.ahead[1] > AHEAD:
@@ -163,6 +172,7 @@ class Readmit:
         """The decision made ahead when the checkpoint is still the same (made again,
         from the same checkpoint and processes, for a new answer of the API server),
         else now."""
+        self.refresh_pci_view()
         if self.ahead is not None and self.ahead[0] == self.checkpoint_key():
             if self.api is None or self.made_of is None:
                 return self.ahead[2]
@@ -206,17 +216,20 @@ class Readmit:
             self.recorder.streams_ended(time.time())
             say_ended(self.elog, resources, "stop")
 
-    def refresh(self) -> None:
+    def refresh(self) -> bool:
         """The configuration and inventory read again; on an error the last good ones
         stay, said once per distinct error and written to the state file."""
+        history = self.history_key()
         try:
             inputs = self.read_inputs()
         except Exception as e:  # never exit: the streams kubelet holds would end
             self.recorder.config_error(self.contained.config_failed(e))
-            return
+            return False
         self.inputs = inputs
+        self.inputs_history = history
         if self.contained.config_read():
             self.recorder.config_error("")
+        return True
 
     def run(self, stop: Callable[[], bool]) -> None:
         """Until ``stop()``: a kubelet.sock already there at the start is a kubelet

@@ -181,8 +181,30 @@ def api_code(dest: Path) -> Path:
     return generate(kubelet_binary().parent / "api.proto", dest)
 
 
-def prepare(host_dir: Path, api_dir: Path) -> Tuple[Dict[str, Path], Dict[str, Path]]:
-    """Config, base spec, images and tunables in ``host_dir``: (binds, ro_binds)."""
+PAUSE_C = r"""
+#include <signal.h>
+#include <unistd.h>
+static void bye(int sig) { (void)sig; _exit(0); }
+int main(void) { signal(SIGTERM, bye); signal(SIGINT, bye); for (;;) pause(); }
+"""
+
+
+def pause_binary(host_dir: Path) -> bytes:
+    """A static one-process ``/pause`` (as Kubernetes' pause image runs), built with gcc."""
+    src = host_dir / "pause.c"
+    src.write_text(PAUSE_C)
+    out = host_dir / "pause"
+    subprocess.run(["gcc", "-static", "-O2", "-o", str(out), str(src)], check=True, timeout=120)
+    return out.read_bytes()
+
+
+def prepare(
+    host_dir: Path, api_dir: Path, *, real_pause: bool = False
+) -> Tuple[Dict[str, Path], Dict[str, Path]]:
+    """Config, base spec, images and tunables in ``host_dir``: (binds, ro_binds).
+    ``real_pause``: the sandbox runs one ``/pause`` process (:func:`pause_binary`), as a
+    real node's does, where gpuguard tells sandboxes from containers (readmit/alive.py);
+    else a busybox shell loop."""
     host_dir.mkdir(parents=True, exist_ok=True)
     (host_dir / "containerd.toml").write_text(CONTAINERD_CONFIG)
     spec = json.loads(
@@ -192,10 +214,9 @@ def prepare(host_dir: Path, api_dir: Path) -> Tuple[Dict[str, Path], Dict[str, P
     spec["hooks"] = {"prestart": [{"path": "/usr/bin/python3", "args": hook_argv}]}
     (host_dir / "base-spec.json").write_text(json.dumps(spec))
     pause = "trap 'exit 0' TERM INT; while :; do sleep 3600 & wait; done"
-    busybox_image(
-        host_dir / "images.tar",
-        [(BUSYBOX, ["/bin/sh"]), (PAUSE, ["/bin/sh", "-c", pause])],
-    )
+    extra = {"pause": pause_binary(host_dir)} if real_pause else {}
+    entry = ["/pause"] if real_pause else ["/bin/sh", "-c", pause]
+    busybox_image(host_dir / "images.tar", [(BUSYBOX, ["/bin/sh"]), (PAUSE, entry)], extra)
     for name, value in TUNABLES.items():
         p = host_dir / "sysctl" / name
         p.parent.mkdir(parents=True, exist_ok=True)

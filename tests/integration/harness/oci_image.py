@@ -17,13 +17,13 @@ import json
 import shutil
 import tarfile
 from pathlib import Path
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 APPLETS = ("sh", "sleep", "cat", "ls", "echo", "mknod", "stat", "env", "true")
 DIRS = ("proc", "sys", "dev", "tmp", "etc", "usr", "var", "run")
 
 
-def _layer(busybox: Path) -> bytes:
+def _layer(busybox: Path, extra: Mapping[str, bytes]) -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
 
@@ -41,6 +41,8 @@ def _layer(busybox: Path) -> bytes:
             add(d, tarfile.DIRTYPE, mode=0o1777 if d == "tmp" else 0o755)
         add("lib", tarfile.SYMTYPE, link="usr/lib", mode=0o777)
         add("lib64", tarfile.SYMTYPE, link="usr/lib64", mode=0o777)
+        for name, data in extra.items():
+            add(name, tarfile.REGTYPE, data=data, mode=0o755)
     return buf.getvalue()
 
 
@@ -50,10 +52,13 @@ def _blob(blobs: Dict[str, bytes], data: bytes) -> Dict[str, Any]:
     return {"digest": digest, "size": len(data)}
 
 
-def busybox_image(dest: Path, images: Sequence[Tuple[str, List[str]]]) -> Path:
-    """One tar holding each ``(name, entrypoint)`` image, all on the busybox layer."""
+def busybox_image(
+    dest: Path, images: Sequence[Tuple[str, List[str]]], extra: Mapping[str, bytes] = {}
+) -> Path:
+    """One tar holding each ``(name, entrypoint)`` image, all on the busybox layer
+    (with ``extra``'s executables, path -> content, in it)."""
     busybox = Path(shutil.which("busybox") or "/bin/busybox")
-    layer = _layer(busybox)
+    layer = _layer(busybox, extra)
     blobs: Dict[str, bytes] = {}
     layer_desc = {"mediaType": "application/vnd.oci.image.layer.v1.tar", **_blob(blobs, layer)}
     manifests = []
