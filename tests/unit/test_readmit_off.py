@@ -44,7 +44,8 @@ def run_bridge(
     ("mode", "version", "cause", "exposed"),
     [
         ("off", "1.34", offstate.ENV_OFF, True),
-        ("auto", None, offstate.UNKNOWN_VERSION, True),
+        ("auto", "", offstate.UNKNOWN_VERSION, True),  # a unit whose version is not told
+        ("auto", None, offstate.NO_KUBELET, None),  # no kubelet unit, none ever seen
         ("auto", "1.25", offstate.OLD_KUBELET, False),
         ("off", "1.25", offstate.ENV_OFF, False),
     ],
@@ -55,14 +56,15 @@ def test_the_bridge_writes_its_state_when_it_stays_off(
     mode: str,
     version: Optional[str],
     cause: str,
-    exposed: bool,
+    exposed: Optional[bool],
 ) -> None:
+    """``exposed`` None: no kubelet here, so nothing to find; doctor cannot judge."""
     s = run_bridge(tmp_path, monkeypatch, mode, version)
     assert (s.decision, s.off_cause) == ("off", cause)
     findings, _unknown = judge_exposure(s, False, "")
-    assert bool(findings) is exposed
+    assert bool(findings) is bool(exposed)
     verdict = check_bridge(read_bridge(Root(tmp_path))).verdict
-    assert verdict == (EXPOSED if exposed else OK)
+    assert verdict == (EXPOSED if exposed else OK if exposed is False else UNKNOWN)
 
 
 def test_without_grpcio_the_bridge_says_exposed(

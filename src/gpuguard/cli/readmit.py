@@ -105,8 +105,12 @@ def cmd_readmit(args: argparse.Namespace) -> int:
                 if mode == "off"
                 else offstate.OLD_KUBELET
                 if needed is False
+                else offstate.NO_KUBELET
+                if found is None and not (cached is not None and cached.needs_bridge)
                 else offstate.UNKNOWN_VERSION
             )
+            if cause == offstate.NO_KUBELET:
+                why = f"no kubelet here: {said} is loaded and none was ever seen"
             stay_off(root, elog, cause, why, version)
             notifier.ready("off")
             return 0

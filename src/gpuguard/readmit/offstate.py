@@ -20,7 +20,10 @@ OLD_KUBELET = "old-kubelet"  # before 1.26: kubelet re-admits without a plugin
 ENV_OFF = "env-off"  # GPUGUARD_READMIT=off
 UNKNOWN_VERSION = "unknown-version"  # kubelet's version could not be told
 NO_GRPCIO = "no-grpcio"  # python3-grpcio is not installed
-CAUSES = (SWITCH, OLD_KUBELET, ENV_OFF, UNKNOWN_VERSION, NO_GRPCIO)
+# no unit of [Systemd] KubeletUnits= is loaded and no kubelet was ever told here: no pod
+# to re-admit (a kubelet in another unit is the daemon's kubelet-process-untrusted)
+NO_KUBELET = "no-kubelet"
+CAUSES = (SWITCH, OLD_KUBELET, ENV_OFF, UNKNOWN_VERSION, NO_GRPCIO, NO_KUBELET)
 
 _ENV_FIX = (
     "remove GPUGUARD_READMIT=off from gpuguard-readmit.service's environment "
@@ -60,7 +63,7 @@ def exposure(state: Optional[ReadmitState]) -> Optional[Exposure]:
         return None
     cause = state.off_cause
     needed = needs_bridge(state.kubelet_version)
-    if cause in ("", SWITCH, OLD_KUBELET) or needed is False:
+    if cause in ("", SWITCH, OLD_KUBELET, NO_KUBELET) or needed is False:
         return None
     fix = FIXES.get(cause, "systemctl restart gpuguard-readmit")
     return Exposure(cause, state.detail, fix, certain=needed is True)
