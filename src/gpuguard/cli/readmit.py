@@ -9,9 +9,7 @@ import signal
 import time
 from pathlib import Path
 
-from gpuguard.cli.args import config_from as _config
-from gpuguard.cli.args import log_from as _log
-from gpuguard.cli.args import root_from as _root
+from gpuguard.cli.args import config_from, log_from, root_from
 from gpuguard.host.paths import Root
 from gpuguard.journal.log import EventLog
 from gpuguard.readmit import offstate
@@ -66,17 +64,17 @@ def cmd_readmit(args: argparse.Namespace) -> int:
     from gpuguard.readmit.state import SPEC, STATE_FILE, ReadmitState, Recorder, RejectedPod
     from gpuguard.readmit.withdraw import Withdrawal, allocate_refused, read_list
 
-    root = _root(args)
+    root = root_from(args)
     notifier = Notifier()
-    elog = _log(args, None, root)
+    elog = log_from(args, None, root)
     off = read_off_switch(root)
     if off is not None:
         elog.event("readmit-off", f"gpuguard is off ({off.describe()}): the bridge stays off")
         stay_off(root, elog, offstate.SWITCH, f"gpuguard is off ({off.describe()})", "")
         notifier.ready("off")
         return 0
-    cfg = _config(args, root)
-    elog = _log(args, cfg, root)
+    cfg = config_from(args, root)
+    elog = log_from(args, cfg, root)
     mode = os.environ.get("GPUGUARD_READMIT", "auto")
     found = unit_executable(cfg.systemd.kubelet_units)
     kubelet_unit = found[0] if found else cfg.systemd.kubelet_units[0]
@@ -118,7 +116,7 @@ def cmd_readmit(args: argparse.Namespace) -> int:
     node_reader = NodeReader(root)  # NVML once at most, in a child (readmit/node.py)
 
     def read_inputs() -> Inputs:
-        c = _config(args, root)
+        c = config_from(args, root)
         sock = root.path(Path(c.kubelet.checkpoint_path).parent / "kubelet.sock")
         node, problem = node_reader.read(
             c.inventory.file or "", c.inventory.driver_root or "", os.path.lexists(sock)
