@@ -71,6 +71,12 @@ def test_operator_reboot_every_pod_back_on_its_slot(
         )
     except AssertionError:
         print(node.log(READMIT, 60), node.log("gpuguard.service", 120), sep="\n")
+        # the three units' gpuguard lines in time order: the hook's (kubelet.service's
+        # ExecStartPre) against the bridge's view at that kubelet start
+        argv = ["journalctl", "--no-pager", "-o", "short-precise", "-n", "600",
+                "-u", "kubelet.service", "-u", READMIT, "-u", "gpuguard.service"]  # fmt: skip
+        print("\n".join(x for x in node.ns.run(argv).stdout.splitlines() if "gpuguard" in x))
+        print(node.ns.path("/var/lib/gpuguard/gpu-identity.json").read_text()[:4000])
         raise
     t = time.monotonic()
     print(f"\noperator-reboot figures: kubelet={kubelet} uuids={case} "

@@ -326,3 +326,27 @@ def test_the_pci_view_is_read_again_when_the_history_changed(
         assert bridge.registered == [("nvidia.com/gpu", ("GPU-a", "GPU-b"))]
     else:
         assert bridge.registered == []
+
+
+def test_a_refresh_after_the_decision_made_ahead_makes_it_stale(tmp_path: Path) -> None:
+    """The order seen on a GPU Operator node with new UUIDs: the pre-start hook wrote the
+    remapped checkpoint (the loop decided ahead on it, the history not yet written),
+    then the history; at kubelet's start the loop's own refresh (right after it handed
+    the start to its thread) read the new history first. The decision made ahead, from
+    the inputs before that refresh, must not be the one kubelet's start gets."""
+    from gpuguard.config import load_config
+    from gpuguard.readmit import Inputs
+
+    root, r, bridge, said = _node(tmp_path)
+    seen = {"ids": frozenset({"GPU-old-a", "GPU-old-b"})}
+
+    def inputs() -> Inputs:
+        return Inputs(load_config(root), seen["ids"], "")
+
+    r.read_inputs = inputs
+    r.inputs = inputs()
+    r.prepare()  # decided ahead: none of the checkpoint's GPUs present
+    seen["ids"] = frozenset({"GPU-a", "GPU-b"})
+    assert r.refresh()  # the loop's refresh, the checkpoint unchanged
+    r.on_kubelet_start()
+    assert bridge.registered == [("nvidia.com/gpu", ("GPU-a", "GPU-b"))], said

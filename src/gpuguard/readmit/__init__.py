@@ -42,7 +42,6 @@ step.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -60,7 +59,7 @@ from gpuguard.journal.log import EventLog
 from gpuguard.readmit import rpcerror
 from gpuguard.readmit.contained import Contained
 from gpuguard.readmit.ended import kubelet_listens, registered_in, say_ended
-from gpuguard.readmit.observe import alive_pods, other_sockets
+from gpuguard.readmit.observe import alive_pods, file_key, other_sockets
 from gpuguard.readmit.plan import Decision, Offer, decide
 from gpuguard.readmit.presence import DRIVER_NOT_LOADED, THIS_BOOT, NodeDevices
 from gpuguard.readmit.refusals import refused_field
@@ -117,8 +116,10 @@ class Readmit:
         self.plugins_dir = root.path(Path(self.inputs.cfg.kubelet.checkpoint_path).parent)
         self.api = api  # the API server's pods of this node (readmit/apipods.py)
         self.withdrawal = withdrawal  # after the re-admissions (readmit/withdraw.py)
-        # the decision made ahead, for the checkpoint as it was then (its identity)
-        self.ahead: Optional[tuple[tuple[int, int, int], float, Decision]] = None
+        # the decision made ahead, for the checkpoint as it was then (its identity) and
+        # the inputs it was made with: any refresh, in either thread, makes it stale
+        self.ahead: Optional[tuple[tuple[int, int, int], float, Decision, Inputs]] = None
+        self.lock = threading.RLock()  # the loop's refresh and prepare, the start's thread
         # what that decision was made of: a new answer of the API server is decided
         # again from them at kubelet's start, with no read (decide is pure)
         self.made_of: Optional[tuple[tuple[PodDevicesEntry, ...], frozenset[str], object]] = None
@@ -129,19 +130,10 @@ class Readmit:
         self.kstart: Optional[KubeletStartWatch] = None  # kubelet.sock's listener
 
     def checkpoint_key(self) -> tuple[int, int, int]:
-        try:
-            st = os.stat(self.root.path(self.inputs.cfg.kubelet.checkpoint_path))
-        except OSError:
-            return (0, 0, 0)
-        return st.st_ino, st.st_mtime_ns, st.st_size
+        return file_key(self.root.path(self.inputs.cfg.kubelet.checkpoint_path))
 
     def history_key(self) -> tuple[int, int, int]:
-        """The GPU identity history's identity (inode, mtime, size); zeros when absent."""
-        try:
-            st = os.stat(self.root.path(GPU_HISTORY_FILE))
-        except OSError:
-            return (0, 0, 0)
-        return st.st_ino, st.st_mtime_ns, st.st_size
+        return file_key(self.root.path(GPU_HISTORY_FILE))
 
     def refresh_pci_view(self) -> None:
         """The PCI view (no driver at the bridge's start) read again when the history
@@ -153,36 +145,41 @@ class Readmit:
         present = self.inputs.present
         if not isinstance(present, NodeDevices) or present.evidence not in PCI_VIEWS:
             return
-        if self.history_key() != self.inputs_history and self.refresh():
-            self.ahead = None
+        if self.history_key() != self.inputs_history:
+            self.refresh()  # the decision made ahead is then stale (its inputs)
 
     def prepare(self) -> None:
         """Decide ahead of kubelet's start, so that its start costs a stat and the
         registration: again whenever the checkpoint changed (gpuguard's pre-start hook
-        writes it just before kubelet starts) and every AHEAD seconds (pods that died)."""
-        self.refresh_pci_view()
-        key = self.checkpoint_key()
-        now = time.monotonic()
-        if self.ahead is None or self.ahead[0] != key or now - self.ahead[1] > AHEAD:
-            self.ahead = (key, now, self.decision())
-            for o in self.ahead[2].offers:  # its endpoint listening before kubelet starts
-                self.bridge.serve(o.resource)
+        writes it just before kubelet starts), the inputs were read again, and every
+        AHEAD seconds (pods that died)."""
+        with self.lock:
+            self.refresh_pci_view()
+            key = self.checkpoint_key()
+            now = time.monotonic()
+            a = self.ahead
+            if a is None or a[0] != key or a[3] is not self.inputs or now - a[1] > AHEAD:
+                self.ahead = (key, now, self.decision(), self.inputs)
+                for o in self.ahead[2].offers:  # its endpoint listening before kubelet starts
+                    self.bridge.serve(o.resource)
 
     def decided(self) -> Decision:
         """The decision made ahead when the checkpoint is still the same (made again,
         from the same checkpoint and processes, for a new answer of the API server),
         else now."""
-        self.refresh_pci_view()
-        if self.ahead is not None and self.ahead[0] == self.checkpoint_key():
-            if self.api is None or self.made_of is None:
-                return self.ahead[2]
-            entries, alive, key = self.made_of
-            api = self.api.view()
-            if api.key == key:
-                return self.ahead[2]
-            cfg = self.inputs.cfg
-            return decide(entries, cfg.kubelet.resources, self.inputs.present, alive, api)
-        return self.decision()
+        with self.lock:
+            self.refresh_pci_view()
+            a = self.ahead
+            if a is not None and a[0] == self.checkpoint_key() and a[3] is self.inputs:
+                if self.api is None or self.made_of is None:
+                    return a[2]
+                entries, alive, key = self.made_of
+                api = self.api.view()
+                if api.key == key:
+                    return a[2]
+                cfg = self.inputs.cfg
+                return decide(entries, cfg.kubelet.resources, self.inputs.present, alive, api)
+            return self.decision()
 
     def kubelet_sock(self) -> Optional[KubeletStart]:
         """kubelet's current run, told by kubelet.sock's listener, else its inode
@@ -219,14 +216,15 @@ class Readmit:
     def refresh(self) -> bool:
         """The configuration and inventory read again; on an error the last good ones
         stay, said once per distinct error and written to the state file."""
-        history = self.history_key()
-        try:
-            inputs = self.read_inputs()
-        except Exception as e:  # never exit: the streams kubelet holds would end
-            self.recorder.config_error(self.contained.config_failed(e))
-            return False
-        self.inputs = inputs
-        self.inputs_history = history
+        with self.lock:
+            history = self.history_key()
+            try:
+                inputs = self.read_inputs()
+            except Exception as e:  # never exit: the streams kubelet holds would end
+                self.recorder.config_error(self.contained.config_failed(e))
+                return False
+            self.inputs = inputs
+            self.inputs_history = history
         if self.contained.config_read():
             self.recorder.config_error("")
         return True

@@ -81,6 +81,15 @@ def unit_executable(units: Sequence[str]) -> Optional[tuple[str, str]]:
     return None
 
 
+def file_key(path: Path) -> tuple[int, int, int]:
+    """A file's identity (inode, mtime, size); zeros when absent."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return (0, 0, 0)
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
 def identity(st: os.stat_result) -> str:
     return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
 
