@@ -77,6 +77,10 @@ class Faults:
     def bridge(self, kind: str) -> List[Mapping[str, Any]]:
         return [e for e in self.node.ns.journal(READMIT) if e.get("GPUGUARD_KIND") == kind]
 
+    def said(self) -> str:
+        j = self.node.ns.journal(READMIT)
+        return "\n".join(f"{x.get('GPUGUARD_KIND')}: {x.get('MESSAGE')}" for x in j)[-6000:]
+
     def reboot(self) -> None:
         """A reboot after which the bridge holds kubelet's stream of its endpoint."""
         node = self.node
@@ -85,10 +89,7 @@ class Faults:
         try:
             node.wait_pods(lambda p: all(n in p and p[n].running for n in F1_PODS), 60, "pods back")
         except AssertionError as e:  # what the bridge did, for the failure's message
-            said = "\n".join(
-                f"{x.get('GPUGUARD_KIND')}: {x.get('MESSAGE')}" for x in node.ns.journal(READMIT)
-            )
-            raise AssertionError(f"{e}\nthe bridge's journal:\n{said[-6000:]}") from None
+            raise AssertionError(f"{e}\nthe bridge's journal:\n{self.said()}") from None
         assert len(self.bridge("readmit-offered")) > offered, "the bridge offered"
         wait_for(lambda: self.allocatable() == self.gpus, 30, "the plugin's GPUs allocatable")
 
@@ -140,7 +141,10 @@ def test_every_fault_of_the_bridge_ends_with_the_gpus_allocatable(
         assert ns.unit_property(PLUGIN, "InvocationID") != plugin_run
         found = events(ns, "plugin-not-allocatable")[-1]
         assert found["RESOURCE"] == RESOURCE and found["BRIDGE_ENDED"], found
-        (ended,) = wait_for(lambda: f.bridge("readmit-streams-ended")[said:], 10, "said")
+        try:  # the new process says so at its start (RestartSec=1s, then its imports)
+            (ended,) = wait_for(lambda: f.bridge("readmit-streams-ended")[said:], 30, "said")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; the bridge's journal:\n{f.said()}") from None
         assert ended["HOW"] == how and ended["RESOURCES"] == RESOURCE, ended
         f.healthy(case)
         time.sleep(2.5)  # the pass 2 s after the end: nothing more to do

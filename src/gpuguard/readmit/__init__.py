@@ -120,6 +120,7 @@ class Readmit:
         # the inputs it was made with: any refresh, in either thread, makes it stale
         self.ahead: Optional[tuple[tuple[int, int, int], float, Decision, Inputs]] = None
         self.lock = threading.RLock()  # the loop's refresh and prepare, the start's thread
+        self.start_decided = threading.Event()  # a start's thread has made its decision
         # what that decision was made of: a new answer of the API server is decided
         # again from them at kubelet's start, with no read (decide is pure)
         self.made_of: Optional[tuple[tuple[PodDevicesEntry, ...], frozenset[str], object]] = None
@@ -253,6 +254,9 @@ class Readmit:
                 if sock is not None and sock != seen:
                     seen = sock
                     self.handle_kubelet_start()
+                    # the configuration read again at a start, once the start's thread
+                    # has decided: never ahead of it on the lock (ms count there)
+                    self.start_decided.wait(1.0)
                     refreshed = 0.0
                 if time.monotonic() - refreshed > REFRESH:
                     refreshed = time.monotonic()
@@ -271,8 +275,11 @@ class Readmit:
                 self.on_kubelet_start()
             except Exception as e:  # never exit: the streams kubelet holds would end
                 self.contained.loop_failed("kubelet start not handled", e)
+            finally:
+                self.start_decided.set()
 
         self.handlers = [t for t in self.handlers if t.is_alive()]
+        self.start_decided.clear()
         t = threading.Thread(target=handle, name="readmit-kubelet-start", daemon=True)
         self.handlers.append(t)
         t.start()
@@ -316,6 +323,7 @@ class Readmit:
             rec.decided("off", f"gpuguard is off ({off.describe()})")
             return
         d = self.decided()
+        self.start_decided.set()
         judged = {"EVIDENCE": d.evidence, "REFUSED": refused_field(d.refused)}
         left = d.left_out_text()
         if not d.offers:
