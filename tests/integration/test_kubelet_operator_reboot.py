@@ -13,7 +13,7 @@ fails them before, as NVIDIA's does without a driver; kubelet retries).
 * the same UUIDs: every pod Running again on its slot, the bridge's evidence PCI +
   history; the figures printed are the seconds from kubelet's start and from the
   driver's arrival to every pod Running (docs/checkpoint.md's bridge section);
-* new UUIDs (1.34): the pods were re-admitted on the old ones; when the driver
+* new UUIDs (1.34, 1.36): the pods were re-admitted on the old ones; when the driver
   arrives the daemon's checkpoint step (the inventory change wakes it, as on kubelet
   1.20: test_kubelet_late_driver.py) remaps them by slot, records the new UUIDs in the
   history and restarts kubelet through its hook; the bridge, reading its PCI view
@@ -49,7 +49,9 @@ from integration.kubelet_node import api as api
 pytestmark = pytest.mark.root
 
 
-@pytest.mark.parametrize(("kubelet", "case"), [("1.34", "all"), ("1.34", "none"), ("1.36", "none")])
+@pytest.mark.parametrize(
+    ("kubelet", "case"), [("1.34", "all"), ("1.34", "none"), ("1.36", "all"), ("1.36", "none")]
+)
 def test_operator_reboot_every_pod_back_on_its_slot(
     systemd_ns: NsFactory, tmp_path: Path, api: Path, kubelet: str, case: str
 ) -> None:
