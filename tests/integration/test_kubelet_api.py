@@ -9,7 +9,9 @@ gpuguard installed (host driver: the GPUs are there when the node boots):
   the same (1.34) or every one new (1.36);
 * a Deployment's pod deleted through the API while the node is down, the plugin's pod
   held back 30 s after kubelet's start: no pod may fail with the bridge's Allocate
-  (``Unimplemented``) and at most one be rejected (what kubelet does without gpuguard).
+  (``Unimplemented``) and at most one be rejected (what kubelet does without gpuguard);
+  the bridge's report of a rejected pod names its ReplicaSet's replacement, Running,
+  or says it is lost.
 
 The Job restarts its container in place (``restartPolicy: OnFailure``): a reboot kills
 every container, and kubelet starts no container of a ``Never`` pod again (it ends
@@ -21,8 +23,9 @@ pod kubelet rejected would still show: Failed, counted, and a second pod made.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
-from typing import List
+from typing import Any, List, Mapping, Optional
 
 import pytest
 
@@ -36,6 +39,7 @@ from integration.cluster_node import (
     failed,
     job,
 )
+from integration.gpuguard_ns import wait_for
 from integration.harness import systemd_ns as systemd_ns
 from integration.harness.cluster import ApiPod, show_api
 from integration.kubelet_node import READMIT, gpus_after
@@ -98,6 +102,38 @@ def test_deleted_pod_no_pod_failed_by_the_bridge(
     (again,) = [p for p in pods if p.uid == kept.uid]
     assert again.running, show_api(pods)
     assert len(failed(pods)) <= 1, f"{show_api(pods)}\n{bridge_journal(n)}"
+    # the report of each pod kubelet rejected names its ReplicaSet's replacement, which
+    # runs, or says it is lost (readmit/fates.py, from the API server's pods of the node)
+    for p in failed(pods):
+        said = wait_for(lambda p=p: fate_said(n, p.uid), 60, f"the bridge's word on {p.name}")
+        print(f"{p.name}: {said['GPUGUARD_KIND']} {said['MESSAGE']}")
+        (first,) = [e for e in n.ns.journal(READMIT) if e.get("GPUGUARD_KIND") == "readmit-rejected"
+                    and e.get("POD_UID") == p.uid]  # fmt: skip
+        assert first["POD"] == f"default/{p.name}", first
+        if said["FATE"] == "lost":
+            assert "it is lost" in said["MESSAGE"], said
+            continue
+        (by,) = [q for q in n.of("gpu-web") if q.uid == said["REPLACEMENT_UID"]]
+        assert said["OWNER"] == p.owner and by.owner == p.owner, (said, show_api(pods))
+        assert by.running and by.uid != kept.uid, show_api(pods)
+        assert said["REPLACEMENT"] == f"default/{by.name}", said
+        assert f"replaced it with default/{by.name} ({by.uid})" in said["MESSAGE"], said
+
+
+def fate_said(n: ApiNode, uid: str) -> Optional[Mapping[str, Any]]:
+    """The bridge's latest word on rejected pod ``uid``'s fate once settled: lost, or
+    replaced by a pod the API server has Running (None before)."""
+    time.sleep(0.5)  # a journal read per half second
+    kinds = ("readmit-rejected", "readmit-pod-fate")
+    said = [e for e in n.ns.journal(READMIT) if e.get("GPUGUARD_KIND") in kinds
+            and e.get("POD_UID") == uid]  # fmt: skip
+    if not said:
+        return None
+    last = said[-1]
+    if last.get("FATE") == "lost":
+        return last
+    running = {q.uid for q in n.of("gpu-web") if q.running}
+    return last if last.get("REPLACEMENT_UID") in running else None
 
 
 def bridge_journal(n: ApiNode) -> str:

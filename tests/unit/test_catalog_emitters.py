@@ -40,6 +40,7 @@ from unit.test_container_findings import ALL_ALLOWED, OLD_UVM, _audit, _ent
 from unit.test_devices_audit import CTL, GPU0, RUNC_LIST
 from unit.test_plugins_nvml import GPU, NO_NS, UNKNOWN, observation, plugin
 from unit.test_readmit_api import allocate_entries, readmit_api_entries, withdrawal_entries
+from unit.test_readmit_fates import fate_entries
 
 Entries = list[dict[str, Any]]
 
@@ -292,6 +293,7 @@ def entries(tmp_path_factory: pytest.TempPathFactory) -> Entries:
         + readmit_api_entries(tmp / "readmit")
         + withdrawal_entries()
         + allocate_entries()
+        + fate_entries()
     )
 
 

@@ -50,6 +50,8 @@ def cmd_readmit(args: argparse.Namespace) -> int:
     from gpuguard.host.statefile import load
     from gpuguard.readmit import Inputs, Readmit
     from gpuguard.readmit.apipods import reader
+    from gpuguard.readmit.fates import Fate, Fates, say_fate, say_rejected, with_fate
+    from gpuguard.readmit.klog import at_start
     from gpuguard.readmit.node import NodeReader
     from gpuguard.readmit.observe import (
         CACHE,
@@ -161,14 +163,28 @@ def cmd_readmit(args: argparse.Namespace) -> int:
         notifier.ready("off")
         return 0
 
+    def started() -> float:
+        s = recorder.current()
+        return s.kubelet_started if s is not None else 0.0
+
+    def still(uid: str) -> bool:  # a rejection of the kubelet run that goes on
+        s = recorder.current()
+        return s is not None and any(p.pod_uid == uid for p in s.rejected)
+
+    def fate_said(pod: RejectedPod, f: Fate) -> None:
+        if still(pod.pod_uid):
+            recorder.fate(pod.pod_uid, f.fate, f.owner, f.replacement, f.replacement_uid)
+            say_fate(elog, with_fate(pod, f), started())
+
+    fates = Fates(lambda: api.view(), lambda: api.want(), fate_said, still)
+
     def named(r: Rejection) -> None:
-        recorder.rejected(RejectedPod(r.pod_uid, r.pod, r.reason, r.message, time.time()))
-        elog.event(
-            "readmit-rejected",
-            f"kubelet rejected GPU pod {r.pod} at its start: {r.message}",
-            level="warning",
-            fields={"POD": r.pod, "POD_UID": r.pod_uid, "REASON": r.reason},
+        pod = RejectedPod(
+            r.pod_uid, r.pod, r.reason, r.message, time.time(), r.at, at_start(r.at, started())
         )
+        pod = with_fate(pod, fates.add(pod))
+        recorder.rejected(pod)
+        say_rejected(elog, pod, started())
 
     prior = load(root.path(STATE_FILE), SPEC)
     if prior.absent:  # the daemon then knows the bridge is on

@@ -79,6 +79,7 @@ class OwnerRef:
     kind: str
     name: str
     uid: str
+    controller: bool = False  # the pod's managing controller (at most one per pod)
 
 
 @dataclass(frozen=True)
@@ -402,7 +403,12 @@ def parse_pods(answer: Any) -> tuple[ApiPod, ...]:
             continue
         refs = _get(meta, "ownerReferences")
         owners = tuple(
-            OwnerRef(_s(_get(o, "kind"), 64), _s(_get(o, "name")), _s(_get(o, "uid"), 64))
+            OwnerRef(
+                _s(_get(o, "kind"), 64),
+                _s(_get(o, "name")),
+                _s(_get(o, "uid"), 64),
+                _get(o, "controller") is True,
+            )
             for o in (refs if isinstance(refs, list) else [])[:16]
             if isinstance(o, dict)
         )

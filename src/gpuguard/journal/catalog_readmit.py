@@ -106,9 +106,25 @@ READMIT_KINDS: dict[str, tuple[str, str]] = {
         "Failed for good; a controller's pod is replaced on any free GPU. gpuguard's "
         "re-admission bridge reads kubelet's own records (its journal entries, or "
         "[Kubelet] LogFile=) for two minutes after each kubelet start and names once "
-        "each pod the checkpoint held GPUs for at that start: with gpuguard off or "
+        "each pod the checkpoint held GPUs for at that start, and each pod rejected "
+        "within 5 s of it (bound to the node while it was down): with gpuguard off or "
         "observing, a GPU gone for good, or a bridge that could not register, these are "
-        "the pods lost. " + _WHY,
+        'the pods lost. The message says "at its start" only for a rejection within '
+        "5 s of kubelet's start, else how long after it, and what became of the pod "
+        "as the API server's pods of this node tell it then (@FATE@: lost for a bare or "
+        "static pod, waiting while its controller @OWNER@ has not replaced it, replaced "
+        "with @REPLACEMENT@); readmit-pod-fate follows when that changes. " + _WHY,
+    ),
+    "readmit-pod-fate": (
+        "what became of a GPU pod kubelet rejected",
+        "After readmit-rejected, gpuguard's re-admission bridge reads the API server's "
+        "pods of this node (with kubelet's kubeconfig) every 5 s for up to 10 minutes "
+        "and says each new fate of the rejected pod once: replaced (a pod with the same "
+        "controller ownerReference on this node, created after the rejection, the "
+        "newest Running one: here @REPLACEMENT@ @REPLACEMENT_UID@), lost (a bare or static "
+        "pod, or no replacement on this node within 10 minutes: a warning), running "
+        "(it runs again) or deleted. The daemon's gpu-pod-rejected finding clears when "
+        "the pod runs again, is deleted, or is replaced and its replacement runs.",
     ),
     "readmit-unread": (
         "gpuguard's re-admission bridge cannot read kubelet's rejections at this start",

@@ -314,7 +314,7 @@ class Readmit:
         if sock is not None and sock.listener is None and not sock.transient:
             self.elog.warning(f"kubelet's start told by {sock.told_by()}"[:300])
         if self.rejected is not None:  # the pods kubelet rejects now, named (any mode)
-            self.rejected.start(self.inputs.cfg)  # this kubelet's own records
+            self.rejected.start(self.inputs.cfg, started)  # this kubelet's own records
         if self.withdrawal is not None:  # the previous kubelet's: never sent now
             self.withdrawal.cancel()
         off = read_off_switch(self.root)

@@ -44,6 +44,15 @@ POD_NAME = re.compile(r"[a-z0-9](?:[-a-z0-9.]{0,251}[a-z0-9])?")
 POD_UID = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.-]{{0,{POD_UID_MAX - 1}}}")
 DENIED = "Pod admission denied"
 SYNC_ADD = "SyncLoop ADD"
+# Seconds after kubelet's start within which a rejection is one "at its start": kubelet
+# judges the pods it finds at its start in its first sync of each source, static pods
+# 40-80 ms after it, API pods after its node sync, 1.4-1.6 s after it (measured on
+# kubelets 1.34.9 and 1.36.2); 5 s leaves room for a loaded node. A later rejection is
+# of a pod kubelet judged later (created after the start, or a GPU that came late).
+AT_START = 5.0
+# kubelet's start is its listener process's start (10 ms ticks): a record this much
+# before it is still its own; one earlier is a previous kubelet's (a reused PID)
+START_SLACK = 0.5
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,18 @@ class Rejection:
     pod: str  # namespace/name
     reason: str
     message: str
+    at: Optional[float] = None  # the record's own time (Unix), when read from a log line
+
+
+def after_start(at: Optional[float], start: Optional[float]) -> Optional[float]:
+    """Seconds from kubelet's start to a rejection (None when either is not known)."""
+    return None if at is None or start is None else max(at - start, 0.0)
+
+
+def at_start(at: Optional[float], start: Optional[float]) -> bool:
+    """Whether a rejection at ``at`` is one kubelet made at its ``start`` (AT_START)."""
+    after = after_start(at, start)
+    return after is not None and after <= AT_START
 
 
 def _unquote(body: str) -> str:
@@ -212,18 +233,26 @@ class Scan:
 
 @dataclass(frozen=True)
 class Found:
-    rejected: tuple[Rejection, ...]  # rejections of pods the checkpoint held: named
-    elsewhere: tuple[Rejection, ...]  # of other pods (not kubelet's re-admission)
+    rejected: tuple[Rejection, ...]  # of pods the checkpoint held, or AT_START: named
+    elsewhere: tuple[Rejection, ...]  # of other pods kubelet judged later
     admitted: Optional[float]  # the first admission, when found in these lines
 
 
 def scan(
-    state: Scan, lines: tuple[Line, ...], pid: Optional[int], held: frozenset[str]
+    state: Scan,
+    lines: tuple[Line, ...],
+    pid: Optional[int],
+    held: frozenset[str],
+    start: Optional[float] = None,
 ) -> tuple[Scan, Found]:
     """Judge ``lines`` (in order, all from the kubelet run whose PID is ``pid``: a
     text record with another PID in its header is no record of it; None: a source
     that has told the PID already) for the pods ``held`` (the UIDs, uid_key()'d, the
-    checkpoint held GPUs for at kubelet's start)."""
+    checkpoint held GPUs for at kubelet's start). ``start``: kubelet's start (Unix
+    time; None: not known): a record from before it is a previous kubelet's (whose PID
+    this one reuses), never this run's first admission nor its rejection; a pod not
+    held but rejected AT_START is one bound to the node while it was down, judged
+    with the re-admissions, and named as they are."""
     form, in_block, admitted, named = state.form, state.in_block, state.admitted, set(state.named)
     rejected: list[Rejection] = []
     elsewhere: list[Rejection] = []
@@ -244,13 +273,21 @@ def scan(
         elif rec.form != form:
             continue
         in_block = rec.opens_block
-        if rec.msg == SYNC_ADD and admitted is None:
-            admitted = found_admitted = record_time(rec, line.received)
+        if rec.msg != SYNC_ADD and rec.msg != DENIED:
+            continue
+        t = record_time(rec, line.received)
+        if start is not None and t < start - START_SLACK:
+            continue  # a previous kubelet's record
+        if rec.msg == SYNC_ADD:
+            if admitted is None:
+                admitted = found_admitted = t
             continue
         r = rejection(rec)
         if r is None or uid_key(r.pod_uid) in named:
             continue
+        r = replace(r, at=t)
         named.add(uid_key(r.pod_uid))
-        (rejected if uid_key(r.pod_uid) in held else elsewhere).append(r)
+        ours = uid_key(r.pod_uid) in held or at_start(t, start)
+        (rejected if ours else elsewhere).append(r)
     new = replace(state, form=form, in_block=in_block, admitted=admitted, named=frozenset(named))
     return new, Found(tuple(rejected), tuple(elsewhere), found_admitted)

@@ -7,12 +7,14 @@ minutes after each kubelet start the bridge reads that kubelet's own log records
 klog's header and kubelet's PID, or a JSON record, never a line inside a logged value)
 and journals each GPU pod rejected by the device manager once (``readmit-rejected``,
 with POD, POD_UID, REASON), whether or not it offered anything: with gpuguard off, in
-observe mode, or when a GPU is gone for good, these are the pods lost. Only the pods
-the checkpoint held GPUs for at kubelet's start are its re-admission's rejections: a
-rejection of another pod (a new pod kubelet judged later) is journaled at debug
-level and named nowhere. It also finds kubelet's first admission (its first
-``"SyncLoop ADD"``), for the margin between the bridge's devices healthy and that
-moment (readmit/state.py).
+observe mode, or when a GPU is gone for good, these are the pods lost. The pods the
+checkpoint held GPUs for at kubelet's start are its re-admission's rejections; a pod
+rejected within AT_START of the start was bound to the node while it was down and is
+named as they are (readmit/klog.py); a rejection of another pod (a new pod kubelet
+judged later) is journaled at debug level and named nowhere. Records from before
+kubelet's start are a previous kubelet's, never this run's. It also finds kubelet's
+first admission (its first ``"SyncLoop ADD"`` of this run), for the margin between
+the bridge's devices healthy and that moment (readmit/state.py).
 
 What kept it from reading (the journal or the file unreadable, journalctl failing,
 no kubelet process in the unit, the checkpoint unreadable) is said: journaled once
@@ -35,7 +37,15 @@ from gpuguard.errors import GpuguardError
 from gpuguard.host.echo import cut
 from gpuguard.host.paths import Root
 from gpuguard.readmit import kubeletlog
-from gpuguard.readmit.klog import Line, Rejection, Scan, klog_unix, scan, uid_key
+from gpuguard.readmit.klog import (
+    Line,
+    Rejection,
+    Scan,
+    after_start,
+    klog_unix,
+    scan,
+    uid_key,
+)
 from gpuguard.readmit.kubeletlog import (
     Journalctl,
     JournalReader,
@@ -103,6 +113,7 @@ class Watching:
     generation: int
     cfg: Config
     file_at: Optional[Position]
+    started: Optional[float] = None  # kubelet's start (Unix time; None: not told)
 
 
 class RejectionWatch:
@@ -132,14 +143,17 @@ class RejectionWatch:
         self.generation = 0
         self.told_fallback = False
 
-    def start(self, cfg: Config) -> None:
-        threading.Thread(target=self.follow, args=(self.begin(cfg),), daemon=True).start()
+    def start(self, cfg: Config, started: Optional[float] = None) -> None:
+        w = self.begin(cfg, started)
+        threading.Thread(target=self.follow, args=(w,), daemon=True).start()
 
-    def begin(self, cfg: Config) -> Watching:
-        """At kubelet's start (kubelet.sock just made): a log file's position now."""
+    def begin(self, cfg: Config, started: Optional[float] = None) -> Watching:
+        """At kubelet's start (kubelet.sock just made, kubelet's process started at
+        ``started``): a log file's position now."""
         self.generation += 1
         f = cfg.kubelet.log_file
-        return Watching(self.generation, cfg, position(self.root.path(f)) if f else None)
+        at = position(self.root.path(f)) if f else None
+        return Watching(self.generation, cfg, at, started)
 
     def open(self, w: Watching, run: KubeletRun) -> Source:
         if w.file_at is not None and w.cfg.kubelet.log_file:
@@ -197,16 +211,18 @@ class RejectionWatch:
                     continue
                 if w.generation != self.generation:
                     return
-                state, found = scan(state, lines, run.pid, held or frozenset())
+                state, found = scan(state, lines, run.pid, held or frozenset(), w.started)
                 if found.admitted is not None:
                     self.admitted(found.admitted)
                 for r in found.rejected:
                     self.say(r)
                 for r in found.elsewhere:
+                    after = after_start(r.at, w.started)
+                    when = f" {after:.0f} s after kubelet's start" if after is not None else ""
                     self.note(
                         "debug",
-                        f"kubelet rejected pod {r.pod} ({r.pod_uid}), which held no GPU in "
-                        f"its checkpoint at kubelet's start: not a re-admission: {r.message}",
+                        f"kubelet rejected pod {r.pod} ({r.pod_uid}){when}, which held no GPU "
+                        f"in its checkpoint at kubelet's start: not a re-admission: {r.message}",
                     )
         finally:
             source.close()

@@ -40,6 +40,7 @@ POD_UID_MAX = 64
 POD_MAX = 320  # namespace/name: 63 + 1 + 253 at most in Kubernetes
 REASON_MAX = 64
 MESSAGE_MAX = 400
+FATE_MAX = 16
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,14 @@ class RejectedPod:
     reason: str  # kubelet's (UnexpectedAdmissionError)
     message: str  # kubelet's, bounded
     seen_at: float  # Unix time the bridge read it
+    at: Optional[float] = None  # Unix time kubelet rejected it (its record's own)
+    at_start: bool = True  # within klog.AT_START of kubelet's start (or not told)
+    # its fate, from the API server's pods of this node (readmit/fates.py): "" not
+    # known, waiting, replaced, lost, deleted, running
+    fate: str = ""
+    owner: str = ""  # its controller, "Kind/name" ("" a bare or static pod, not known)
+    replacement: str = ""  # replaced: the new pod's namespace/name
+    replacement_uid: str = ""
 
 
 @dataclass(frozen=True)
@@ -136,6 +145,12 @@ def _rejected(v: Any, where: str) -> RejectedPod:
         o.text("reason", max_len=REASON_MAX),
         o.text("message", max_len=MESSAGE_MAX),
         o.real("seen_at"),
+        o.opt_real("at"),
+        o.flag("at_start", default=True),  # absent before it existed
+        o.text("fate", max_len=FATE_MAX, default=""),
+        o.text("owner", max_len=POD_MAX, default=""),
+        o.text("replacement", max_len=POD_MAX, default=""),
+        o.text("replacement_uid", max_len=POD_UID_MAX, default=""),
     )
 
 
@@ -184,6 +199,12 @@ def _render(s: ReadmitState) -> dict[str, Any]:
                 "reason": p.reason,
                 "message": p.message,
                 "seen_at": p.seen_at,
+                "at": p.at,
+                "at_start": p.at_start,
+                "fate": p.fate,
+                "owner": p.owner,
+                "replacement": p.replacement,
+                "replacement_uid": p.replacement_uid,
             }
             for p in s.rejected
         ],
@@ -234,6 +255,12 @@ def bounded_pod(pod: RejectedPod) -> RejectedPod:
         _t(pod.reason, REASON_MAX),
         _t(pod.message, MESSAGE_MAX),
         _time(pod.seen_at) or 0.0,
+        _time(pod.at),
+        pod.at_start,
+        _t(pod.fate, FATE_MAX),
+        _t(pod.owner, POD_MAX),
+        _t(pod.replacement, POD_MAX),
+        _t(pod.replacement_uid, POD_UID_MAX),
     )
 
 
@@ -384,6 +411,22 @@ class Recorder:
         def how(s: ReadmitState) -> ReadmitState:
             kept = tuple(p for p in s.rejected if p.pod_uid != pod.pod_uid)
             return replace(s, rejected=(*kept, pod)[-MAX_REJECTED:])
+
+        self._change(how)
+
+    def fate(self, pod_uid: str, fate: str, owner: str, by: str, by_uid: str) -> None:
+        """A rejected pod's fate as the API server's pods tell it (readmit/fates.py)."""
+
+        def how(s: ReadmitState) -> ReadmitState:
+            pods = tuple(
+                bounded_pod(
+                    replace(p, fate=fate, owner=owner, replacement=by, replacement_uid=by_uid)
+                )
+                if p.pod_uid == pod_uid
+                else p
+                for p in s.rejected
+            )
+            return replace(s, rejected=pods)
 
         self._change(how)
 

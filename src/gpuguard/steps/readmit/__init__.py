@@ -6,7 +6,8 @@ bridge that is off where kubelet needs it (exposure.py).
 Report only: it reads what gpuguard-readmit.service wrote (readmit/state.py). The
 bridge reads kubelet's journal for two minutes after each kubelet start; while it does,
 this step looks every few seconds (a kubelet start wakes it), and while a rejected pod
-is named, every 30 s (it clears when the pod runs again or is deleted).
+is named, every 30 s (it clears when the pod runs again, is deleted, or its controller
+replaced it and the replacement runs: readmit/fates.py).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def observe(
     uids = {p.pod_uid for p in s.rejected}
     pods = root.path(pods_dir(checkpoint_path))
     present = frozenset(u for u in uids if os.path.isdir(pods / u))
-    alive = alive_pods(root) & uids
+    alive = alive_pods(root) & (uids | {p.replacement_uid for p in s.rejected})
     seen = os.path.isdir(pods)  # absent or unreadable: no pod is taken as gone
     why = "" if seen else f"{pods}: not a directory"
     return ReadmitView(s, why, alive, present, seen, sock)

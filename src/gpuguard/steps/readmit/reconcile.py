@@ -2,10 +2,13 @@
 from the re-admission bridge's state (readmit/state.py), and whether each still is.
 
 A rejected pod is a finding (``gpu-pod-rejected``, an error) until it runs again (a
-process in one of its containers) or is gone (kubelet removed its pod directory: the
-pod was deleted). kubelet's checkpoint is no witness: a rejected pod's entry goes when
-any new pod gets a device, while the pod itself stays Failed. A pod seen running since
-its rejection stays cleared for that kubelet run, even once its containers end.
+process in one of its containers, or the API server says Running), is gone (kubelet
+removed its pod directory, or the API server has it no more: the pod was deleted), or
+its controller replaced it and the replacement runs (a process in one of its
+containers). The finding says which (readmit/fates.py). kubelet's checkpoint is no
+witness: a rejected pod's entry goes when any new pod gets a device, while the pod
+itself stays Failed. A pod seen running since its rejection stays cleared for that
+kubelet run, even once its containers end.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from gpuguard.model import Finding
+from gpuguard.readmit.fates import DELETED, REPLACED, RUNNING, describe, fate_fields, fate_text
 from gpuguard.readmit.state import ReadmitState
 
 RECONCILER = "readmit"
@@ -25,7 +29,7 @@ MARGIN = "readmit_margin_seconds:"  # a gauge's name, before its resource
 class ReadmitView:
     state: Optional[ReadmitState]
     unreadable: str  # why the bridge's state could not be used ("" when read or absent)
-    alive: frozenset[str]  # rejected pod UIDs with a running process
+    alive: frozenset[str]  # rejected pod UIDs (and their replacements') with a running process
     present: frozenset[str]  # rejected pod UIDs whose pod directory exists
     pods_seen: bool = True  # kubelet's pods directory was there to look in
     kubelet_sock: Optional[float] = None  # kubelet's latest start (its socket's listener)
@@ -54,18 +58,18 @@ def judge(view: ReadmitView, cleared: frozenset[str]) -> Judgement:
         if p.pod_uid in now_cleared:
             continue
         gone = view.pods_seen and p.pod_uid not in view.present
-        if p.pod_uid in view.alive or gone:
+        replaced = p.fate == REPLACED and p.replacement_uid in view.alive
+        if p.pod_uid in view.alive or gone or replaced or p.fate in (RUNNING, DELETED):
             now_cleared.add(p.pod_uid)
             continue
         findings.append(
             Finding(
                 K_REJECTED,
                 RECONCILER,
-                f"kubelet rejected GPU pod {p.pod} at its start and it has not run since: "
-                f"{p.reason}: {p.message}",
+                f"{describe(p, s.kubelet_started)} and it has not run since: "
+                f"{p.reason}: {p.message}; {fate_text(p)}",
                 {
-                    "POD": p.pod,
-                    "POD_UID": p.pod_uid,
+                    **fate_fields(p),
                     "REASON": p.reason,
                     "KUBELET_MESSAGE": p.message,
                     "KUBELET_STARTED": f"{s.kubelet_started:.3f}",
