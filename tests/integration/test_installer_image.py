@@ -27,6 +27,7 @@ import yaml
 
 from integration.fleet_node import installed, kubelet, kubelet_starts, start_kubelet
 from integration.harness.containerd import PrivateContainerd
+from integration.installer_images import Buildah, build_image
 from integration.pkgroot import (
     DEBIAN_PATH,
     PackageRoot,
@@ -44,44 +45,6 @@ def tree(path: Path) -> Set[str]:
     return {str(p) for p in path.rglob("*")} if path.exists() else set()
 
 
-def host_var_lib_read_only(argv: List[str]) -> List[str]:
-    """``argv`` in a private mount namespace whose /var/lib is read-only.
-
-    buildah's image library keeps a blob-info cache at /var/lib/containers/cache for
-    root whatever --root says, and falls back to memory when it cannot create it: the
-    read-only view keeps the host's /var/lib as it was without a path of its own."""
-    script = 'mount --bind /var/lib /var/lib && mount -o remount,bind,ro /var/lib && exec "$@"'
-    return ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", *argv]
-
-
-class Buildah:
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.args = [
-            "--root",
-            str(tmp / "storage"),
-            "--runroot",
-            str(tmp / "runroot"),
-            "--storage-driver",
-            "vfs",
-        ]
-        (tmp / "tmp").mkdir()
-
-    def env(self) -> Dict[str, str]:
-        return {"PATH": DEBIAN_PATH, "TMPDIR": str(self.tmp / "tmp"), "LC_ALL": "C.UTF-8"}
-
-    def __call__(self, *argv: str) -> str:
-        res = subprocess.run(
-            host_var_lib_read_only(["buildah", *self.args, *argv]),
-            env=self.env(),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert res.returncode == 0, f"buildah {argv}: {res.returncode}\n{res.stderr}"
-        return res.stdout.strip()
-
-
 @pytest.fixture(scope="module")
 def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dict[str, object]]:
     require_pkgroot_tools()
@@ -91,21 +54,8 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dict[str, object
     host_containers = tree(HOST_CONTAINERS)
     tmp = tmp_path_factory.mktemp("image")
     buildah = Buildah(tmp)
-    dist = tmp / "dist"
-    dist.mkdir()
     pkgs = built_packages("")
-    for pkg in pkgs.values():
-        (dist / pkg.name).write_bytes(pkg.read_bytes())
-    env = {**buildah.env(), "DIST": str(dist), "BUILDAH_ARGS": " ".join(buildah.args)}
-    res = subprocess.run(
-        host_var_lib_read_only([str(REPO / "deploy" / "build-image")]),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert res.returncode == 0, f"{res.returncode}\n{res.stdout}\n{res.stderr}"
-    tag = f"localhost/gpuguard-installer:{source_version()}-1".replace("+", "_").replace("~", "_")
+    tag = build_image(buildah, pkgs)
     container = buildah("from", tag)
     try:
         yield {

@@ -22,7 +22,10 @@ Everything is the test's own and loopback only (the namespace has only ``lo``):
 * etcd's data in the namespace's /var (the test's overlay), without fsync;
 * kubelet's network: containerd's CNI configuration names a no-op plugin
   (:data:`CNI_CONF`), so the runtime reports its network ready and the Node goes
-  Ready; every pod is ``hostNetwork: true``, so the plugin never runs.
+  Ready; the test's own pods are ``hostNetwork: true``; a pod that is not (deploy/'s
+  installer) gets its own network namespace with only ``lo``, the no-op standing in for
+  the ``loopback`` plugin that containerd 1.7 calls too, and an address
+  that nothing carries (:data:`POD_PLUGIN`).
 
 Units stop with the namespace (its poweroff), as everything else inside.
 """
@@ -78,6 +81,15 @@ SERVER_UNITS = ("etcd.service", "kube-apiserver.service")
 CLIENT_UNITS = ("kube-controller-manager.service", "kube-scheduler.service")
 CNI_CONF = {"cniVersion": "0.4.0", "name": "gg-hostnetwork", "type": "gg-noop"}
 NOOP_PLUGIN = '#!/bin/sh\necho \'{"cniVersion": "0.4.0"}\'\n'
+#: the network's plugin: containerd takes a pod's address from its result's eth0, and
+#: refuses a sandbox without one ("failed to find network info"); nothing is made (the
+#: pod has only ``lo``) and every such pod is said to have this one address.
+POD_PLUGIN = (
+    "#!/bin/sh\n"
+    'echo \'{"cniVersion": "0.4.0", '
+    '"interfaces": [{"name": "eth0", "sandbox": "\'"$CNI_NETNS"\'"}], '
+    '"ips": [{"version": "4", "address": "10.88.0.2/32", "interface": 0}]}\'\n'
+)
 #: containerd's CRI plugin reads CNI from here (harness/kubelet.py's configuration + this)
 CONTAINERD_CNI = f"""
 [plugins."io.containerd.grpc.v1.cri".cni]
@@ -222,9 +234,12 @@ def control_plane(host_dir: Path, bins: Mapping[str, Path], node: str) -> Contro
     (cni / "net.d").mkdir(parents=True)
     (cni / "bin").mkdir()
     (cni / "net.d" / "10-gg-hostnetwork.conf").write_text(json.dumps(CNI_CONF))
-    plugin = cni / "bin" / CNI_CONF["type"]
-    plugin.write_text(NOOP_PLUGIN)
-    plugin.chmod(0o755)
+    # containerd 1.7 also calls "loopback" for a pod of its own network namespace
+    # (deploy/'s installer is not hostNetwork): lo is all such a pod has here.
+    for name, text in ((CNI_CONF["type"], POD_PLUGIN), ("loopback", NOOP_PLUGIN)):
+        plugin = cni / "bin" / name
+        plugin.write_text(text)
+        plugin.chmod(0o755)
     return ControlPlane(host_dir, dict(bins), node)
 
 
