@@ -69,6 +69,7 @@ class Sampler:
     violations: List[Tuple[float, str]] = field(default_factory=list)  # (monotonic, what)
     slowest: float = 0.0
     errors: List[str] = field(default_factory=list)
+    at_driver: Dict[str, str] = field(default_factory=dict)  # pod -> phase, driver's arrival
     _env: Dict[str, Tuple[str, str]] = field(default_factory=dict)  # cid -> (pod, visible)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: Optional[threading.Thread] = None
@@ -84,12 +85,18 @@ class Sampler:
 
     def _run(self) -> None:
         last_submit = 0.0
+        # from the driver's arrival on: the plugin registers then, and until the remap
+        # kubelet holds the re-admitted pods on their old IDs. Nothing before it, so
+        # that kubelet's re-admission at its start is not slowed by the sampling.
+        while not self._stop.is_set() and not self.node.ns.path(DRIVER_ROOT).exists():
+            self._stop.wait(0.02)
+        for _ in range(5):  # kubelet's /pods read again if it did not answer
+            if self._stop.is_set() or self.at_driver:
+                break
+            self.at_driver = {n: p.phase for n, p in self.node.pods().items()}
         while not self._stop.is_set():
             t = time.monotonic()
-            # from the driver's arrival on: the plugin registers then, and until the
-            # remap kubelet holds the re-admitted pods on their old IDs
-            driver = self.node.ns.path(DRIVER_ROOT).exists()
-            if driver and len(self.submitted) < MAX_NEW and t - last_submit >= SUBMIT_EVERY:
+            if len(self.submitted) < MAX_NEW and t - last_submit >= SUBMIT_EVERY:
                 name = f"new-{len(self.submitted)}"
                 pod = gpu_pod(name)
                 self.names[pod["metadata"]["uid"]] = name
@@ -211,11 +218,17 @@ def test_operator_reboot_no_gpu_held_twice(
     print(f"\nheld-twice figures: kubelet={kubelet} gpus={N_GPUS} samples={sampler.samples} "
           f"new_pods={len(sampler.submitted)} admitted={len(admitted)} "
           f"violations={len(sampler.violations)} "
+          f"of_running_containers={sum('running containers' in w for _t, w in sampler.violations)} "
           f"first_violation_s_after_driver={first:.1f} "
           f"slowest_sample_s={sampler.slowest:.2f} "
           f"sample_errors={len(sampler.errors)}")  # fmt: skip
     if sampler.violations or back_failed is not None:
         print(node.log(READMIT, 60), node.log("gpuguard.service", 120), sep="\n")
+    lost = {n: sampler.at_driver.get(n, "") for n in F1_PODS}
+    if any(phase in ("Failed", "") for phase in lost.values()):
+        # kubelet's re-admission at its start, before the driver (the bridge's
+        # registration too late for it), not what this test samples: no xfail
+        pytest.fail(f"the original pods were not re-admitted before the driver: {lost}")
     assert not sampler.violations, [what for _t, what in sampler.violations[:10]]
     if back_failed is not None:
         raise back_failed
