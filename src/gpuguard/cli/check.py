@@ -145,12 +145,14 @@ def _check(args: argparse.Namespace, root: Root, hook: Optional[HookRun]) -> int
     if args.only is None and _devices_first(root, snapshot):
         import asyncio
 
+        from gpuguard.engine.executor import ChangeExecutor
         from gpuguard.engine.oneshot import OneShotServices, check_steps, run_check_pass
         from gpuguard.host.systemd import bus_address_for
         from gpuguard.steps.registry import CHECKPOINT
 
+        apply = ChangeExecutor(dry_run=settings.dry_run)
         svc = OneShotServices(
-            root, cfg, log, settings.dry_run, opt(args, "bus") or bus_address_for(root.prefix)
+            root, cfg, log, apply, opt(args, "bus") or bus_address_for(root.prefix)
         )
         steps = check_steps({CHECKPOINT: checkpoint})
         results = asyncio.run(run_check_pass(svc, steps, inventory, snapshot))

@@ -266,7 +266,7 @@ class CheckpointStep:
         cooled = self.clock() - self.last_restart > self.COOLDOWN
         return CheckSettings.from_config(
             svc.config.kubelet,
-            dry_run=svc.dry_run,
+            dry_run=svc.apply.dry_run,
             reason="daemon: " + ctx.work.reasons[0],
             bus_address=svc.bus_address,
             may_restart=cooled and not starting,
@@ -329,7 +329,7 @@ class CheckpointStep:
         except GpuguardError as e:
             if self.given is not None:
                 raise  # `gpuguard check`: the error is its exit code
-            if isinstance(e, KubeletError) and settings.restart_kubelet and not svc.dry_run:
+            if isinstance(e, KubeletError) and settings.restart_kubelet and not svc.apply.dry_run:
                 # A restart job that failed or was canceled (kubelet stopped meanwhile)
                 # counts too: otherwise every pass would try again, a restart loop.
                 self.last_restart = self.clock()

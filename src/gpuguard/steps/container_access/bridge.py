@@ -226,9 +226,9 @@ class Bridges:
         made: list[Made] = []
         now = self.clock()
         for c, cg, denied in bridge_targets(view, self.backoff.failures, now, self.dir_of):
-            r = attach(cg, _pairs(denied), self.cache, self.loaded, dry_run=svc.dry_run)
+            r = attach(cg, _pairs(denied), self.cache, self.loaded, dry_run=svc.apply.dry_run)
             made.append((c, cg, denied, time.monotonic(), r))
-        return self._made(made, svc.dry_run, record)
+        return self._made(made, svc.apply.dry_run, record)
 
     def claim(self, units: Optional[set[str]] = None) -> dict[str, BridgeAttach]:
         """The pending bridges of `units` (all: None), now the caller's to follow up."""
@@ -258,11 +258,13 @@ class Bridges:
                 denied = bridge_nodes(c, cg, ent, seen, self.backoff.failures, tuple(ids), now)
                 if denied:
                     loaded = self.loaded
-                    r = attach(cg, _pairs(denied), self.cache, loaded, dry_run=svc.dry_run, fd=fd)
+                    r = attach(
+                        cg, _pairs(denied), self.cache, loaded, dry_run=svc.apply.dry_run, fd=fd
+                    )
                     made.append((c, cg, denied, time.monotonic(), r))
             finally:
                 os.close(fd)
-        out = self._made(made, svc.dry_run, record)
+        out = self._made(made, svc.apply.dry_run, record)
         self.cache.forget_unseen()
         self.release()
         return out, access
@@ -345,10 +347,10 @@ class Bridges:
         from gpuguard.host.systemd import SystemdError
 
         a = detach_of(b, "systemd applied the scope's DeviceAllow=: its program is attached")
-        if svc.dry_run:
+        if svc.apply.dry_run:
             return Outcome(a, "dry-run", "would detach the bridge once systemd's program is there")
         for i in range(DETACH_TRIES):
-            got = detach(a, dry_run=svc.dry_run)
+            got = detach(a, dry_run=svc.apply.dry_run)
             if got is not None:
                 o, admitted = got
                 if not admitted:
@@ -380,7 +382,7 @@ class Bridges:
                 pod_uid=c.pod_uid,
                 container_id=c.container_id,
             )
-            got = detach(a, dry_run=svc.dry_run)
+            got = detach(a, dry_run=svc.apply.dry_run)
             if got is not None:
                 out.append(got[0])
         return out

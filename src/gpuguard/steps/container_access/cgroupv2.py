@@ -319,8 +319,10 @@ class CgroupV2:
         for a in actions:
             if not isinstance(a, V2ProgramReplace):
                 continue
-            o = await asyncio.to_thread(apply_program_replace, a, svc.root, dry_run=svc.dry_run)
-            if not svc.dry_run:
+            o = await asyncio.to_thread(
+                apply_program_replace, a, svc.root, dry_run=svc.apply.dry_run
+            )
+            if not svc.apply.dry_run:
                 ids = view.programs.get(a.container_id)
                 self.backoff.record(a.cgroup_dir, ids, o.status == "done", o.detail, self.clock())
             out.append(o)

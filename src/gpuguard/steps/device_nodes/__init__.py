@@ -108,7 +108,7 @@ class DeviceNodesStep:
         findings, actions = plan_nodes(
             view, create_nodes=cfg.create_nodes, create_links=cfg.create_char_links
         )
-        if svc.dry_run or not (cfg.create_nodes or cfg.create_char_links):
+        if svc.apply.dry_run or not (cfg.create_nodes or cfg.create_char_links):
             # left as they are: journaled once while they last, not at every pass
             log_findings(svc.log, self.conditions, "device_nodes", findings, lasting_clears=True)
         else:
@@ -117,7 +117,7 @@ class DeviceNodesStep:
         ctx.findings += findings
         if actions:
             actuator = DeviceNodeActuator(
-                svc.root, svc.log, nvidia_modprobe=cfg.nvidia_modprobe, dry_run=svc.dry_run
+                svc.root, svc.log, nvidia_modprobe=cfg.nvidia_modprobe, dry_run=svc.apply.dry_run
             )
             outcomes = await asyncio.to_thread(apply_all, actuator, actions)
             ctx.outcomes += outcomes

@@ -309,7 +309,7 @@ class DevicePluginStep:
         now = self.clock()
         st = self.state.setdefault(a.identity, PluginState())
         why = why_not(cfg, st, a, now, backoff_base=self.backoff_base, backoff_max=self.backoff_max)
-        if why is None and svc.dry_run:
+        if why is None and svc.apply.dry_run:
             why = ("dry-run", f"dry run: would restart it via {restarter.plan(a.process)}")
         if why is not None:
             code, sentence = why
@@ -333,7 +333,7 @@ class DevicePluginStep:
         st.declined = ""
         st.restarts.append(now)
         self._save(root, elog)  # counted before acting: a crash cannot reset the budget
-        units = UnitJobs(svc.systemd, elog, dry_run=svc.dry_run) if svc.systemd else None
+        units = UnitJobs(svc.systemd, elog, dry_run=svc.apply.dry_run) if svc.systemd else None
         res = await restarter.restart(root, a, units)
         if not res.ok:
             st.failures += 1
