@@ -309,8 +309,14 @@ class DevicePluginStep:
         now = self.clock()
         st = self.state.setdefault(a.identity, PluginState())
         why = why_not(cfg, st, a, now, backoff_base=self.backoff_base, backoff_max=self.backoff_max)
-        if why is None and svc.apply.dry_run:
-            why = ("dry-run", f"dry run: would restart it via {restarter.plan(a.process)}")
+        if why is None:  # a dry-run declines here, saying how the real run restarts it
+            why = svc.apply.choose(
+                made=lambda: None,
+                described=lambda: (
+                    "dry-run",
+                    f"dry run: would restart it via {restarter.plan(a.process)}",
+                ),
+            )
         if why is not None:
             code, sentence = why
             if code == "cool-down":
@@ -333,7 +339,7 @@ class DevicePluginStep:
         st.declined = ""
         st.restarts.append(now)
         self._save(root, elog)  # counted before acting: a crash cannot reset the budget
-        units = UnitJobs(svc.systemd, elog, dry_run=svc.apply.dry_run) if svc.systemd else None
+        units = UnitJobs(svc.systemd, elog) if svc.systemd else None
         res = await restarter.restart(root, a, units)
         if not res.ok:
             st.failures += 1
