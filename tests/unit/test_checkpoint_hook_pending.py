@@ -74,7 +74,9 @@ def inventory() -> Inventory:
 
 
 def settings(**kw: Any) -> CheckSettings:
-    s = CheckSettings.from_config(Config().kubelet, dry_run=False, reason="test", bus_address="")
+    s = CheckSettings.from_config(
+        Config().kubelet, apply=ChangeExecutor(), reason="test", bus_address=""
+    )
     return replace(s, kubelet_unit=UNIT, **kw)
 
 

@@ -30,9 +30,14 @@ class ChangeExecutor:
 
     def __init__(self, *, dry_run: bool = False, observe: bool = False) -> None:
         self._cli_dry_run = dry_run  # --dry-run: kept across reloads
-        self._dry_run = dry_run or observe  # Mode=observe, DryRun=yes
+        self._observe = observe  # Mode=observe, DryRun=yes
+        self._off = False  # the off switch, once seen
         self.made: Counter[str] = Counter()
         self.described: Counter[str] = Counter()
+
+    @property
+    def _dry_run(self) -> bool:
+        return self._cli_dry_run or self._observe or self._off
 
     @property
     def mode(self) -> Mode:
@@ -44,14 +49,21 @@ class ChangeExecutor:
         """The flag as the status file and the hooks' environment serialise it."""
         return self._dry_run
 
+    @property
+    def records_own_state(self) -> bool:
+        """Whether gpuguard's own state (the GPU identity history) is recorded: when
+        changes are made, and in observe mode (not under --dry-run nor the off switch:
+        nothing at all is written then)."""
+        return not self._dry_run or (self._observe and not self._cli_dry_run and not self._off)
+
     def reconfigure(self, observe: bool) -> bool:
         """A reload's `Mode=observe`/`DryRun=`; True when it turned describing on."""
-        was, self._dry_run = self._dry_run, self._cli_dry_run or observe
+        was, self._observe = self._dry_run, observe
         return self._dry_run and not was
 
     def switch_off(self) -> None:
         """The off switch is set: nothing more is made."""
-        self._dry_run = True
+        self._off = True
 
     def run(self, change: Change[T]) -> T:
         if self._dry_run:
