@@ -18,6 +18,7 @@ from conftest import log_to_stderr
 from gpuguard import cli, exitcodes
 from gpuguard.config import load_config, parse_config
 from gpuguard.engine.daemon import Daemon
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.engine.passes import PassContext, Work
 from gpuguard.host.notify import Notifier
 from gpuguard.host.offswitch import OFF_SWITCH, read_off_switch
@@ -205,7 +206,7 @@ def test_observe_mode_is_a_dry_run_everywhere(
     (root / "etc/gpuguard/gpuguard.conf").write_text("[Daemon]\nMode=repair\n")
     d.reload_config()
     assert not d.apply.dry_run
-    d2 = Daemon(root=r, config=load_config(r), config_path=None, dry_run=True,
+    d2 = Daemon(root=r, config=load_config(r), config_path=None, apply=ChangeExecutor(dry_run=True),
                 log=EventLog(stream=io.StringIO()), notifier=Notifier(""),
                 inventory_path=None, bus_address="unix:path=/none", steps={})  # fmt: skip
     d2.reload_config()

@@ -76,7 +76,7 @@ class Daemon:
         sources: Optional[Sources] = None,
         step_order: Sequence[str] = STEP_ORDER,
         wakes: Wakes = WAKES,
-        dry_run: bool = False,
+        apply: Optional[ChangeExecutor] = None,
         metrics: Optional[MetricsOutput] = None,
         executor: Optional[Executor] = None,
     ) -> None:
@@ -97,7 +97,7 @@ class Daemon:
         self.executor = executor
         self.bus_address = bus_address or bus_address_for(root.prefix)
         # every change through one executor, which holds the mode (engine/executor.py)
-        self.apply = ChangeExecutor(dry_run=dry_run, observe=config.daemon.observe)
+        self.apply = apply or ChangeExecutor(observe=config.daemon.observe)
         self.step_order = tuple(step_order)
         self.runner = PassRunner(steps, self.step_order, wakes=wakes)
         self.steps = self.runner.steps  # in step_order

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
 
 from gpuguard.actuate.change import AsyncChange, Change
 from gpuguard.actuate.safewrite import UnsafeWriteError, open_control_file
@@ -25,6 +25,7 @@ from gpuguard.model import Outcome
 from gpuguard.steps.container_access.actions import CgroupV1Allow, UnitDropInRemove
 
 if TYPE_CHECKING:
+    from gpuguard.actuate.bpf import Replacement
     from gpuguard.actuate.containers import ContainerStopper
     from gpuguard.host.paths import Root
     from gpuguard.host.systemd import Systemd
@@ -201,27 +202,37 @@ def dropin_remove_change(a: UnitDropInRemove, root: Root) -> Change[Outcome]:
     return Change("dropin-remove", make, describe)
 
 
-def apply_program_replace(a: V2ProgramReplace, root: Root, *, dry_run: bool) -> Outcome:
+def program_replace_change(a: V2ProgramReplace, root: Root) -> Change[Outcome]:
     """V2Remedy=inplace: previous program + the lost nodes, checked by a probe of each
-    node from inside the cgroup. Blocking (bpf(2), probe forks): call from a thread."""
-    from gpuguard.actuate.bpf import BpfReplaceError, replace_device_program
-    from gpuguard.devices.probe import probe_open_all
+    node from inside the cgroup. Blocking (bpf(2), probe forks): run it from a thread."""
+    from gpuguard.actuate.bpf import BpfReplaceError, replace_change
 
     cg = Path(a.cgroup_dir)
     where = Path(a.probe_dir or a.cgroup_dir)  # where the container's process is
     numbers = [(int(ma), int(mi)) for ma, mi in (n.split(":") for n in a.numbers)]
 
     def verify() -> bool:  # the kernel's word on every node, from one child in the cgroup
+        from gpuguard.devices.probe import probe_open_all
+
         res = probe_open_all([root.path(n) for n in a.nodes], [where])
         return all(r.verdict is True for r in res)
 
-    try:
-        r = replace_device_program(cg, numbers, verify, dry_run=dry_run, program_id=a.program_id)
-    except BpfReplaceError as e:
-        return Outcome(a, "failed", str(e))
-    except OSError as e:  # the old program is attached until the detach, which is last
-        return Outcome(a, "failed", f"{cg}: {e.strerror}; the old program stays")
-    return Outcome(a, "dry-run" if dry_run else "done", r.describe())
+    change = replace_change(cg, numbers, verify, program_id=a.program_id)
+
+    def outcome(half: Callable[[], Replacement], status: str) -> Outcome:
+        try:
+            r = half()
+        except BpfReplaceError as e:
+            return Outcome(a, "failed", str(e))
+        except OSError as e:  # the old program is attached until the detach, which is last
+            return Outcome(a, "failed", f"{cg}: {e.strerror}; the old program stays")
+        return Outcome(a, status, r.describe())
+
+    return Change(
+        change.what,
+        lambda: outcome(change.make, "done"),
+        lambda: outcome(change.describe, "dry-run"),
+    )
 
 
 POD_RESTART_WINDOW = 3600.0  # V2Remedy=restart-container: one restart per pod per hour

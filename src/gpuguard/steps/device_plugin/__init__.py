@@ -310,13 +310,8 @@ class DevicePluginStep:
         st = self.state.setdefault(a.identity, PluginState())
         why = why_not(cfg, st, a, now, backoff_base=self.backoff_base, backoff_max=self.backoff_max)
         if why is None:  # a dry-run declines here, saying how the real run restarts it
-            why = svc.apply.choose(
-                made=lambda: None,
-                described=lambda: (
-                    "dry-run",
-                    f"dry run: would restart it via {restarter.plan(a.process)}",
-                ),
-            )
+            how = f"dry run: would restart it via {restarter.plan(a.process)}"  # access(2) only
+            why = svc.apply.pick(made=None, described=("dry-run", how))
         if why is not None:
             code, sentence = why
             if code == "cool-down":
