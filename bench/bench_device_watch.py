@@ -30,6 +30,7 @@ from gpuguard.config import load_config  # noqa: E402
 from gpuguard.devices.containers import ContainerCgroup  # noqa: E402
 from gpuguard.devices.entitlement import Entitlement, VisibleDevices  # noqa: E402
 from gpuguard.devices.nodes import ROLE_GPU, DeviceNode  # noqa: E402
+from gpuguard.engine.executor import ChangeExecutor  # noqa: E402
 from gpuguard.host.paths import Root  # noqa: E402
 from gpuguard.journal.log import EventLog  # noqa: E402
 from gpuguard.steps.container_access.cgroupv1 import CgroupV1  # noqa: E402
@@ -47,7 +48,7 @@ class Svc:
         self.config = load_config(root)
         self.log = EventLog(level="error", stream=io.StringIO())
         self.systemd = None
-        self.dry_run = False
+        self.apply = ChangeExecutor()
 
 
 def one(n: int, ticks: int, interval: float) -> str:

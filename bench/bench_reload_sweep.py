@@ -41,6 +41,7 @@ from gpuguard.actuate.bpfbridge import detach_bridges  # noqa: E402
 from gpuguard.devices.containers import ContainerCgroup  # noqa: E402
 from gpuguard.devices.entitlement import Entitlement, VisibleDevices  # noqa: E402
 from gpuguard.devices.nodes import ROLE_CTL, ROLE_GPU, DeviceNode  # noqa: E402
+from gpuguard.engine.executor import ChangeExecutor  # noqa: E402
 from gpuguard.steps.container_access import ContainerAccessStep  # noqa: E402
 from integration.harness.bpfdev import (  # noqa: E402
     DEFAULT_RULES,
@@ -144,7 +145,7 @@ def main(argv: Sequence[str] = ()) -> int:
         ]
         step.state.observer.know(pairs)
         devices = types.SimpleNamespace(regrant=True, durable_grants=False)
-        svc = types.SimpleNamespace(dry_run=False, systemd=None, log=quiet,
+        svc = types.SimpleNamespace(apply=ChangeExecutor(), systemd=None, log=quiet,
                                     config=types.SimpleNamespace(devices=devices))  # fmt: skip
 
         def v1_once() -> float:
@@ -181,7 +182,7 @@ def main(argv: Sequence[str] = ()) -> int:
             for c, _ in pairs:
                 assert c.cgroup_v2 is not None
                 attach_sd(c.cgroup_v2)
-                detach_bridges(c.cgroup_v2, dry_run=False)
+                detach_bridges(c.cgroup_v2)
 
         print("  v2 bridge (look, bridge, verify):",
               measure(args.runs, n, v2_once, v2_reset, args.profile))  # fmt: skip

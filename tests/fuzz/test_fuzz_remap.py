@@ -31,6 +31,7 @@ from fuzz.budget import budget
 from gpuguard.checkpoint import Checkpoint, PodDevicesEntry, allocresp, marshal, parse, verify
 from gpuguard.checkpoint.history import Generation, GpuIdentity, History
 from gpuguard.checkpoint.spew import checksum
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.host.inventory import Gpu, Inventory
 from gpuguard.journal.log import EventLog
 from gpuguard.steps.checkpoint.actuate import CheckpointActuator
@@ -241,7 +242,7 @@ def test_remap_over_generations(s: Scene) -> None:
         (action,) = plan(a, path=path, raw=marshal(s.cp), policy="rewrite")
         log = EventLog(stream=io.StringIO())
         for dry in (True, False):
-            actuator = CheckpointActuator(Path(tmp) / "backups", 3, log, dry_run=dry)
-            outcome = actuator.apply(action)
+            actuator = CheckpointActuator(Path(tmp) / "backups", 3, log)
+            outcome = ChangeExecutor(dry_run=dry).run(actuator.change(action))
             assert outcome.status == ("dry-run" if dry else "done"), outcome.detail
             assert path.read_bytes() == (marshal(s.cp) if dry else action.content)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional, Sequence
 
 from gpuguard.config import Config, DevicePluginConfig
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.engine.oneshot import OneShotServices
 from gpuguard.engine.passes import PassContext, Work
 from gpuguard.host.paths import Root
@@ -42,7 +43,9 @@ def make_svc(root: Path, **dp: Any) -> tuple[OneShotServices, io.StringIO]:
     cfg = Config(device_plugin=dataclasses.replace(DevicePluginConfig(), socket_dir=DP, **dp))
     out = io.StringIO()
     log = EventLog(stream=out, level="debug")
-    return OneShotServices(Root(root), cfg, log, dry_run=False, bus_address=""), out
+    return OneShotServices(
+        Root(root), cfg, log, apply=ChangeExecutor(dry_run=False), bus_address=""
+    ), out
 
 
 async def _none() -> None:

@@ -27,10 +27,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpuguard.actuate.bpf import BpfReplaceError, LoadedPrograms
-from gpuguard.actuate.bpfbridge import attach_bridge, detach_bridges
+from gpuguard.actuate.bpfbridge import attach_bridge, bridge_change, detach_bridges
 from gpuguard.devices.bpfprog import ACC_RW, DeviceProgram, DevRule, build, grant_nodes
 from gpuguard.devices.bpfread import BRIDGE_NAME, ProgramCache
 from gpuguard.devices.probe import query_device_programs
+from gpuguard.engine.executor import ChangeExecutor
 from integration.harness.bpfdev import attach, detach_all, detach_one, names, verdicts
 from integration.test_bpf_inplace import KERNEL_EXAMPLES, NODES, RUNC, rule_lists
 from integration.test_bpf_inplace import cgroup as cgroup
@@ -91,18 +92,18 @@ def test_bridge_then_systemd_admits_no_more_than_before_plus_lost(
     only_sd = all(admits(runtime, n) for n in lost) and not all(admits(sd, n) for n in lost)
     if not only_sd:  # the runtime's program denies too, or nothing denies: no bridge
         with pytest.raises(BpfReplaceError, match=r"no bridge|no attached program denies"):
-            attach_bridge(cg, lost, lambda: True, dry_run=False)
+            attach_bridge(cg, lost, lambda: True)
         assert sorted(query_device_programs(cg)) == programs
         assert verdicts(cg, nodes) == before
         return
-    attach_bridge(cg, lost, lambda: True, dry_run=False)
+    attach_bridge(cg, lost, lambda: True)
     bridged = verdicts(cg, nodes)
     assert BRIDGE_NAME in names(cg) and "sd_devices" not in names(cg)
     for n in NODES:  # the kernel's word: before plus the lost nodes, at most
         assert bridged[n] == (before[n] or (n in lost)), (n, before[n], bridged[n])
     # systemd applies the DeviceAllow= gpuguard set: its rules plus the lost nodes
     attach(cg, build(grant_nodes(sd, lost)), b"sd_devices")
-    d = detach_bridges(cg, dry_run=False)
+    d = detach_bridges(cg)
     assert len(d.bridges) == 1 and d.waiting == ()
     assert names(cg) == ["legacy_hook", "sd_devices"] and rt_id in query_device_programs(cg)
     after = verdicts(cg, nodes)
@@ -128,15 +129,15 @@ def test_dry_run_changes_nothing_then_bridge_and_detach(
     before = verdicts(cg, nodes)
     assert before[(195, 0)] is False and before[(1, 3)] is True
     ids = sorted(query_device_programs(cg))
-    dry = attach_bridge(cg, [(195, 0)], lambda: True, dry_run=True, **via)
+    dry = ChangeExecutor(dry_run=True).run(bridge_change(cg, [(195, 0)], lambda: True, **via))
     assert dry.new_id == 0 and sorted(query_device_programs(cg)) == ids
     assert verdicts(cg, nodes) == before
-    r = attach_bridge(cg, [(195, 0)], lambda: True, dry_run=False, **via)
+    r = attach_bridge(cg, [(195, 0)], lambda: True, **via)
     assert r.program.describe() == "allow c 195:0 rw; allow c 1:3 rw; else deny"
     assert r.new_id in query_device_programs(cg)
     assert verdicts(cg, nodes) == {**before, (195, 0): True}
     # no program of systemd's attached: the bridge stands in for it and stays
-    d = detach_bridges(cg, dry_run=False)
+    d = detach_bridges(cg)
     assert d.bridges == () and d.waiting == (r.new_id,)
     assert verdicts(cg, nodes)[(195, 0)] is True
 
@@ -148,11 +149,11 @@ def test_no_bridge_for_three_programs_a_frozen_cgroup_or_a_foreign_denial(
     attach(cg, build(RUNC), b"runc_like")  # denies 195:0 and is not systemd's
     before = verdicts(cg, nodes)
     with pytest.raises(BpfReplaceError, match="not systemd's alone"):
-        attach_bridge(cg, [(195, 0)], lambda: True, dry_run=False)
+        attach_bridge(cg, [(195, 0)], lambda: True)
     attach(cg, build(SD), b"sd_devices")
     attach(cg, build(grant_nodes(RUNC, [(195, 0)])), b"legacy_hook")
     with pytest.raises(BpfReplaceError, match="3 device programs attached"):
-        attach_bridge(cg, [(195, 0)], lambda: True, dry_run=False)
+        attach_bridge(cg, [(195, 0)], lambda: True)
     detach_all(cg)
     attach(cg, build(grant_nodes(RUNC, [(195, 0)])), b"legacy_hook")
     attach(cg, build(SD), b"sd_devices")
@@ -160,7 +161,7 @@ def test_no_bridge_for_three_programs_a_frozen_cgroup_or_a_foreign_denial(
     (cg / "cgroup.freeze").write_text("1")
     try:
         with pytest.raises(BpfReplaceError, match="frozen"):
-            attach_bridge(cg, [(195, 0)], lambda: True, dry_run=False)
+            attach_bridge(cg, [(195, 0)], lambda: True)
     finally:
         (cg / "cgroup.freeze").write_text("0")
     assert sorted(query_device_programs(cg)) == ids
@@ -174,7 +175,7 @@ def test_a_bridge_that_does_not_verify_is_rolled_back(cleanup: Path, nodes: Node
     ids = sorted(query_device_programs(cg))
     before = verdicts(cg, nodes)
     with pytest.raises(BpfReplaceError, match="old program is back"):
-        attach_bridge(cg, [(195, 0)], lambda: False, dry_run=False)
+        attach_bridge(cg, [(195, 0)], lambda: False)
     assert sorted(query_device_programs(cg)) == ids
     assert verdicts(cg, nodes) == before
 
@@ -199,7 +200,7 @@ def test_a_program_swapped_meanwhile_is_not_replaced(
 
     monkeypatch.setattr(bpfbridge, "_open", swapped_meanwhile)
     with pytest.raises(BpfReplaceError, match=r"no longer attached.*nothing changed"):
-        attach_bridge(cg, [(195, 0)], lambda: True, dry_run=False)
+        attach_bridge(cg, [(195, 0)], lambda: True)
     assert names(cg) == ["legacy_hook", "sd_devices"] and sd_id not in query_device_programs(cg)
     assert verdicts(cg, nodes)[(195, 0)] is False
 
@@ -227,7 +228,7 @@ def test_kernels_without_replace_attach_then_detach(
     attach(cg, build(grant_nodes(RUNC, [(195, 0)])), b"legacy_hook")
     attach(cg, build(SD), b"sd_devices")
     before = verdicts(cg, nodes)
-    attach_bridge(cg, [(195, 0)], lambda: True, dry_run=False)
+    attach_bridge(cg, [(195, 0)], lambda: True)
     assert names(cg) == [BRIDGE_NAME, "legacy_hook"]
     assert verdicts(cg, nodes) == {**before, (195, 0): True}
     assert flags_seen == [bpf.BPF_F_ALLOW_MULTI | bpf.BPF_F_REPLACE, bpf.BPF_F_ALLOW_MULTI, 0]

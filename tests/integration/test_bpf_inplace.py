@@ -33,11 +33,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import require_root, require_tool
-from gpuguard.actuate.bpf import BpfReplaceError, replace_device_program
+from gpuguard.actuate.bpf import BpfReplaceError, replace_change, replace_device_program
 from gpuguard.devices.bpfprog import ACC_RW, DeviceProgram, DevRule, build
 from gpuguard.devices.probe import probe_open, query_device_programs
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.host.paths import Root
-from gpuguard.steps.container_access.actuate import apply_program_replace
+from gpuguard.steps.container_access.actuate import program_replace_change
 from gpuguard.steps.container_access.reconcile import V2ProgramReplace
 from integration.harness.bpfdev import OTHER_SHAPE, attach, detach_all, verdicts
 
@@ -115,14 +116,14 @@ def test_lost_node_admitted_in_place(cgroup: Path, nodes: dict[tuple[int, int], 
     before = verdicts(cgroup, nodes)
     assert before[(195, 0)] is False and before[(1, 3)] is True
 
-    dry = replace_device_program(cgroup, [(195, 0)], _verify(cgroup, nodes, []), dry_run=True)
+    dry = ChangeExecutor(dry_run=True).run(
+        replace_change(cgroup, [(195, 0)], _verify(cgroup, nodes, []))
+    )
     assert (dry.new_id, query_device_programs(cgroup)) == (0, (old,))
     assert dry.program.describe().startswith("allow c 195:0 rw; allow c 1:3 rwm")
     assert verdicts(cgroup, nodes) == before
 
-    r = replace_device_program(
-        cgroup, [(195, 0)], _verify(cgroup, nodes, [(195, 0)]), dry_run=False
-    )
+    r = replace_device_program(cgroup, [(195, 0)], _verify(cgroup, nodes, [(195, 0)]))
     assert query_device_programs(cgroup) == (r.new_id,) and r.new_id != old
     assert verdicts(cgroup, nodes) == {**before, (195, 0): True}
     p = probe_open(nodes[(195, 0)], [cgroup])
@@ -146,7 +147,7 @@ def test_kernel_admits_previous_plus_lost_only(
     old = attach(cgroup, build(DeviceProgram(tuple(rules), default)))
     assert query_device_programs(cgroup) == (old,)
     before = verdicts(cgroup, nodes)
-    r = replace_device_program(cgroup, lost, lambda: True, dry_run=False)
+    r = replace_device_program(cgroup, lost, lambda: True)
     after = verdicts(cgroup, nodes)
     assert query_device_programs(cgroup) == (r.new_id,)
     for n in NODES:  # the kernel's word: exactly before plus the lost nodes
@@ -159,7 +160,7 @@ def test_unknown_shape_is_refused_and_kept(
     old = attach(cgroup, OTHER_SHAPE)
     before = verdicts(cgroup, nodes)
     with pytest.raises(BpfReplaceError, match=f"program {old} left as it is: instruction 2"):
-        replace_device_program(cgroup, [(195, 0)], lambda: True, dry_run=False)
+        replace_device_program(cgroup, [(195, 0)], lambda: True)
     assert query_device_programs(cgroup) == (old,)
     assert verdicts(cgroup, nodes) == before
 
@@ -171,9 +172,7 @@ def test_frozen_cgroup_keeps_the_old_program(
     (cgroup / "cgroup.freeze").write_text("1")
     # the probe's child would freeze on joining: refused before any swap
     with pytest.raises(BpfReplaceError, match=r"the cgroup is frozen .* the old program stays"):
-        replace_device_program(
-            cgroup, [(195, 0)], _verify(cgroup, nodes, [(195, 0)]), dry_run=False
-        )
+        replace_device_program(cgroup, [(195, 0)], _verify(cgroup, nodes, [(195, 0)]))
     assert query_device_programs(cgroup) == (old,)
     # frozen between the check and the probe: the probe times out, the swap is undone
     with pytest.raises(BpfReplaceError, match="the old program is back"):
@@ -183,7 +182,7 @@ def test_frozen_cgroup_keeps_the_old_program(
             return probe_open(nodes[(195, 0)], [cgroup], timeout=5).verdict is True
 
         (cgroup / "cgroup.freeze").write_text("0")
-        replace_device_program(cgroup, [(195, 0)], freeze_then_probe, dry_run=False)
+        replace_device_program(cgroup, [(195, 0)], freeze_then_probe)
     assert query_device_programs(cgroup) == (old,)
     (cgroup / "cgroup.freeze").write_text("0")
     assert verdicts(cgroup, nodes)[(195, 0)] is False
@@ -196,10 +195,9 @@ def test_without_capabilities_a_clear_error(
     old = attach(cgroup, build(RUNC))
     code = (
         "import sys; from pathlib import Path\n"
-        "from gpuguard.actuate.bpf import BpfReplaceError, replace_device_program\n"
+        "from gpuguard.actuate.bpf import BpfReplaceError, replace_change, replace_device_program\n"
         "try:\n"
-        f"    replace_device_program(Path({str(cgroup)!r}), [(195, 0)], lambda: True,\n"
-        "                           dry_run=False)\n"
+        f"    replace_device_program(Path({str(cgroup)!r}), [(195, 0)], lambda: True)\n"
         "except BpfReplaceError as e:\n"
         "    print(e); sys.exit(3)\n"
     )
@@ -230,11 +228,11 @@ def _action(cg: Path, nodes: dict[tuple[int, int], Path]) -> V2ProgramReplace:
 def test_step_actuator_dry_run_then_real(cgroup: Path, nodes: dict[tuple[int, int], Path]) -> None:
     old = attach(cgroup, build(RUNC))
     a = _action(cgroup, nodes)
-    o = apply_program_replace(a, Root(Path("/")), dry_run=True)
+    o = ChangeExecutor(dry_run=True).run(program_replace_change(a, Root(Path("/"))))
     assert o.status == "dry-run" and "allow c 195:0 rw" in o.detail and "(dry-run)" in o.detail
     assert query_device_programs(cgroup) == (old,)
     assert verdicts(cgroup, nodes)[(195, 0)] is False
-    o = apply_program_replace(a, Root(Path("/")), dry_run=False)
+    o = ChangeExecutor().run(program_replace_change(a, Root(Path("/"))))
     assert o.status == "done", o.detail
     assert verdicts(cgroup, nodes)[(195, 0)] is True
 
@@ -249,7 +247,7 @@ def test_ancestor_denies_so_the_swap_is_rolled_back(
     ctr.mkdir()
     try:
         old = attach(ctr, build(RUNC))
-        o = apply_program_replace(_action(ctr, nodes), Root(Path("/")), dry_run=False)
+        o = ChangeExecutor().run(program_replace_change(_action(ctr, nodes), Root(Path("/"))))
         assert o.status == "failed" and "the old program is back" in o.detail
         assert query_device_programs(ctr) == (old,)
         assert verdicts(ctr, nodes)[(195, 0)] is False

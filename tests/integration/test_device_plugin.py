@@ -33,6 +33,7 @@ import pytest
 
 from conftest import require_root, require_tool
 from gpuguard.actuate.containers import ContainerStopper
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.engine.oneshot import OneShotServices
 from gpuguard.engine.passes import PassContext
 from gpuguard.steps.device_plugin import DevicePluginStep
@@ -280,7 +281,9 @@ def test_container_findings_spare_the_plugin_and_are_journaled_once(node: Node) 
     pids = [plugin_pid, node.c.task_pid(workload), node.c.task_pid(old)]
     root = access_root(node, pids)
     svc, out = make_svc(node.root)
-    svc = OneShotServices(Root(root), svc.config, svc.log, dry_run=True, bus_address="")
+    svc = OneShotServices(
+        Root(root), svc.config, svc.log, apply=ChangeExecutor(dry_run=True), bus_address=""
+    )
     step = ContainerAccessStep()
     for _ in range(3):  # three passes (audits)
         ctx = plugin_pass("periodic audit")

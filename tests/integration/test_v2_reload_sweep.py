@@ -26,6 +26,7 @@ from gpuguard.devices.bpfread import BRIDGE_NAME
 from gpuguard.devices.containers import ContainerCgroup
 from gpuguard.devices.entitlement import Entitlement, VisibleDevices
 from gpuguard.devices.nodes import ROLE_GPU, DeviceNode
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.model import Outcome
 from gpuguard.steps.container_access.bridge import Bridges
 from gpuguard.steps.container_access.cgroupv2 import CgroupV2
@@ -100,7 +101,7 @@ def test_sweep_bridges_exactly_the_lost_scopes(base: Path, nodes: dict[Any, Path
     (base / "gone").rmdir()
     durable = {covered[0].unit: {GPU.numbers}, sd_denies[0].unit: {GPU.numbers}}
     b = bridges(durable)
-    svc = types.SimpleNamespace(dry_run=False)
+    svc = types.SimpleNamespace(apply=ChangeExecutor())
     out, access = b.sweep([lost, kept, covered, sd_denies, gone], svc)  # type: ignore[arg-type]
 
     assert sorted(out) == sorted([lost[0].container_id, sd_denies[0].container_id])
@@ -126,7 +127,7 @@ def test_sweep_refuses_a_frozen_scope_and_holds_it_back(base: Path, nodes: dict[
     cg = frozen[0].cgroup_v2
     (cg / "cgroup.freeze").write_text("1")
     b = bridges({})
-    svc = types.SimpleNamespace(dry_run=False)
+    svc = types.SimpleNamespace(apply=ChangeExecutor())
     out, _ = b.sweep([frozen], svc)  # type: ignore[arg-type]
     ((_t, o),) = out.values()
     assert o.status == "failed" and "frozen" in o.detail, o.detail
@@ -141,7 +142,7 @@ def test_sweep_refuses_a_frozen_scope_and_holds_it_back(base: Path, nodes: dict[
 def test_sweep_dry_run_changes_nothing(base: Path, nodes: dict[Any, Path]) -> None:
     lost = scope(base, "lost", (HOOK, b"legacy_hook"), (SD_LOST, b"sd_devices"))
     b = bridges({})
-    out, _ = b.sweep([lost], types.SimpleNamespace(dry_run=True))  # type: ignore[arg-type]
+    out, _ = b.sweep([lost], types.SimpleNamespace(apply=ChangeExecutor(dry_run=True)))  # type: ignore[arg-type]
     ((_t, o),) = out.values()
     assert o.status == "dry-run" and "195:0" in o.detail
     assert names(lost[0].cgroup_v2) == ["legacy_hook", "sd_devices"]

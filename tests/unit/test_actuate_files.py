@@ -21,6 +21,7 @@ from gpuguard.actuate.files import (
     prune_backups,
     remove_stale_temps,
 )
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.journal.log import EventLog
 from gpuguard.steps.checkpoint.actuate import CheckpointActuator
 from gpuguard.steps.checkpoint.reconcile import DeleteCheckpoint, RewriteCheckpoint, sha256
@@ -231,12 +232,12 @@ def test_actuator_refuses_a_missing_or_odd_file(tmp_path: Path, node: Path) -> N
 def test_dry_run_touches_nothing(tmp_path: Path, node: Path) -> None:
     (node.parent / f"{TEMP_PREFIX}{node.name}.old").write_bytes(b"left by a crash")
     before = tree(tmp_path)
-    act, out = actuator(tmp_path, dry_run=True)
+    act, out = actuator(tmp_path)
     for action in (
         rewrite(node),
         DeleteCheckpoint("checkpoint", "x", str(node), path=node, expected_sha256=sha256(OLD)),
     ):
-        outcome = act.apply(action)
+        outcome = ChangeExecutor(dry_run=True).run(act.change(action))
         assert outcome.status == "dry-run" and outcome.detail.startswith("would ")
     assert tree(tmp_path) == before
     assert not (tmp_path / "backups").exists()

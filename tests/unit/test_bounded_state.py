@@ -15,6 +15,7 @@ from typing import Any
 
 from fakenode import FakeContainer, build_node
 from gpuguard.config import load_config
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.engine.oneshot import OneShotServices
 from gpuguard.engine.passes import PassContext, Work
 from gpuguard.host.paths import Root
@@ -57,7 +58,7 @@ def test_container_churn_leaves_no_trace(tmp_path: Path) -> None:
     conf.parent.mkdir(parents=True, exist_ok=True)
     conf.write_text(f"[Inventory]\nFile={inventory}\n[Devices]\nDurableGrants=no\n")
     svc = OneShotServices(
-        Root(root), load_config(Root(root)), EventLog(stream=io.StringIO()), dry_run=False,
+        Root(root), load_config(Root(root)), EventLog(stream=io.StringIO()), apply=ChangeExecutor(),
         bus_address="",
     )  # fmt: skip
     step = ContainerAccessStep()

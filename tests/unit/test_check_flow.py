@@ -18,6 +18,7 @@ import pytest
 from conftest import CHECKPOINTS, REPO, log_to_stderr
 from gpuguard import cli, exitcodes
 from gpuguard.checkpoint import marshal, parse, verify
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.host.inventory import parse_inventory
 from gpuguard.steps.checkpoint.reconcile import DEFAULT_RESOURCES, analyse
 
@@ -288,12 +289,19 @@ def test_the_check_settings_come_from_kubelet_config_one_way() -> None:
     from gpuguard.steps.checkpoint.report import CheckSettings
 
     k = dataclasses.replace(KubeletConfig(), policy="report", unit="k.service", backup_keep=3)
-    s = CheckSettings.from_config(k, dry_run=True, reason="why", bus_address=None)
+    s = CheckSettings.from_config(
+        k, apply=ChangeExecutor(dry_run=True), reason="why", bus_address=None
+    )
     assert (s.policy, s.kubelet_unit, s.backup_keep, s.resources) == (
         "report", "k.service", 3, tuple(k.resources))  # fmt: skip
-    assert (s.restart_kubelet, s.dry_run, s.reason) == (k.restart_kubelet, True, "why")
+    assert (s.restart_kubelet, s.apply.dry_run, s.reason) == (k.restart_kubelet, True, "why")
     later = CheckSettings.from_config(
-        k, dry_run=False, reason="", bus_address=None, policy="delete", may_restart=False
+        k,
+        apply=ChangeExecutor(dry_run=False),
+        reason="",
+        bus_address=None,
+        policy="delete",
+        may_restart=False,
     )
     assert (later.policy, later.restart_kubelet) == ("delete", False)
     builders = [

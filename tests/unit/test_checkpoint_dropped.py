@@ -12,6 +12,7 @@ import pytest
 
 from gpuguard.checkpoint import Checkpoint, PodDevicesEntry, dropped, marshal
 from gpuguard.checkpoint.spew import checksum
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.engine.snapshot import HostSnapshot
 from gpuguard.errors import BadInputError
 from gpuguard.host.paths import DROPPED_ENTRIES_FILE, Root
@@ -102,9 +103,9 @@ def _setup(tmp_path: Path, *entries: PodDevicesEntry) -> tuple[Path, bytes, Path
     return path, raw, Root(tmp_path).path(DROPPED_ENTRIES_FILE)
 
 
-def _actuator(tmp_path: Path, rec: Path, dry_run: bool = False) -> CheckpointActuator:
+def _actuator(tmp_path: Path, rec: Path) -> CheckpointActuator:
     log = EventLog(stream=io.StringIO(), level="debug")
-    return CheckpointActuator(tmp_path / "backups", 3, log, dry_run=dry_run, dropped_file=rec)
+    return CheckpointActuator(tmp_path / "backups", 3, log, dropped_file=rec)
 
 
 def test_rewrite_records_the_entries_it_drops(tmp_path: Path) -> None:
@@ -118,7 +119,8 @@ def test_rewrite_records_the_entries_it_drops(tmp_path: Path) -> None:
         expected_sha256=sha256(raw),
         dropped=(A,),
     )
-    assert _actuator(tmp_path, rec, dry_run=True).apply(action).status == "dry-run"
+    dry = ChangeExecutor(dry_run=True).run(_actuator(tmp_path, rec).change(action))
+    assert dry.status == "dry-run"
     assert not rec.exists()
     assert _actuator(tmp_path, rec).apply(action).status == "done"
     (r,) = dropped.read(rec)

@@ -18,6 +18,7 @@ from typing import Any, Optional
 import pytest
 
 from gpuguard.config import Config
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.engine.oneshot import OneShotServices
 from gpuguard.engine.passes import PassContext, Work
 from gpuguard.host.inventory import Inventory, parse_inventory
@@ -73,7 +74,9 @@ def inventory() -> Inventory:
 
 
 def settings(**kw: Any) -> CheckSettings:
-    s = CheckSettings.from_config(Config().kubelet, dry_run=False, reason="test", bus_address="")
+    s = CheckSettings.from_config(
+        Config().kubelet, apply=ChangeExecutor(), reason="test", bus_address=""
+    )
     return replace(s, kubelet_unit=UNIT, **kw)
 
 
@@ -140,7 +143,7 @@ def test_the_daemon_looks_again_after_leaving_it_to_the_hook(
     now = time.monotonic()
     ctx = PassContext(Work(frozenset({"checkpoint"}), ("test",), now, now), load)
     ctx.step = "checkpoint"  # as the runner sets it
-    svc = OneShotServices(Root(root), Config(), EventLog(level="error"), False, "")
+    svc = OneShotServices(Root(root), Config(), EventLog(level="error"), ChangeExecutor(), "")
     asyncio.run(CheckpointStep()(svc, ctx))
     (again,) = ctx.followups
     assert again.step == "checkpoint" and again.delay == CheckpointStep.HOOK_RECHECK

@@ -12,6 +12,7 @@ from typing import Any, List, Optional
 import pytest
 
 from gpuguard.config import Config
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.engine.oneshot import OneShotServices
 from gpuguard.engine.passes import PassContext, Work
 from gpuguard.errors import KubeletError
@@ -65,7 +66,7 @@ def _run_passes(
     monkeypatch.setattr(check, "check_checkpoint", fake_check)
     clock = Clock()
     step = CheckpointStep(clock=clock)
-    svc = OneShotServices(Root(tmp_path), Config(), EventLog(level="error"), False, "")
+    svc = OneShotServices(Root(tmp_path), Config(), EventLog(level="error"), ChangeExecutor(), "")
     for t in times:
         clock.now = t
         asyncio.run(step(svc, _ctx()))
@@ -106,7 +107,7 @@ def test_the_daemons_first_pass_never_restarts_kubelet(
 
     monkeypatch.setattr(check, "check_checkpoint", fake_check)
     step = CheckpointStep(clock=Clock())
-    svc = OneShotServices(Root(tmp_path), Config(), EventLog(level="error"), False, "")
+    svc = OneShotServices(Root(tmp_path), Config(), EventLog(level="error"), ChangeExecutor(), "")
     first_pass_done = aio.Event()  # made in the loop that uses it (Python 3.9)
     svc.first_pass_done = first_pass_done  # type: ignore[attr-defined]
     ctx = _ctx()

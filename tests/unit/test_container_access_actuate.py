@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.model import Outcome
-from gpuguard.steps.container_access.actuate import apply_device_allow, confirm_v1, write_v1
+from gpuguard.steps.container_access.actuate import confirm_v1, device_allow_change, v1_change
 from gpuguard.steps.container_access.reconcile import CgroupV1Allow, UnitDeviceAllow
 
 RULES = ("c 195:0 rw", "c 195:255 rw")
@@ -15,7 +16,7 @@ RULES = ("c 195:0 rw", "c 195:255 rw")
 
 def apply_allow(a: CgroupV1Allow, *, dry_run: bool) -> Outcome:
     """What the step does for each container: write, then read back."""
-    return confirm_v1(write_v1(a, dry_run=dry_run))
+    return confirm_v1(ChangeExecutor(dry_run=dry_run).run(v1_change(a)))
 
 
 def allow(cgroup: Path) -> CgroupV1Allow:
@@ -56,9 +57,9 @@ def test_a_container_gone_is_a_failure_naming_the_file(tmp_path: Path) -> None:
 def test_device_allow_dry_run_and_bus_down() -> None:
     a = UnitDeviceAllow("container_access", "durable", "s", unit="cri-containerd-x.scope",
                         devices=(("/dev/char/195:0", "rw"),))  # fmt: skip
-    dry = asyncio.run(apply_device_allow(a, None, None, dry_run=True))
+    dry = asyncio.run(ChangeExecutor(dry_run=True).run_async(device_allow_change(a, None, None)))
     assert (dry.status, dry.detail) == ("dry-run", "would set DeviceAllow= /dev/char/195:0")
-    down = asyncio.run(apply_device_allow(a, None, None, dry_run=False))
+    down = asyncio.run(ChangeExecutor(dry_run=False).run_async(device_allow_change(a, None, None)))
     assert (down.status, down.detail) == ("failed", "system bus down; the next pass retries")
 
 

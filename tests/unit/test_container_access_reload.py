@@ -17,6 +17,7 @@ import pytest
 from gpuguard.devices.containers import ContainerCgroup
 from gpuguard.devices.entitlement import Entitlement
 from gpuguard.devices.rules import allows, parse_devices_list
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.steps.container_access.cgroups import Cgroups
 from gpuguard.steps.container_access.devcgroup import Swept
 from gpuguard.steps.container_access.reconcile import CgroupV1Allow
@@ -35,7 +36,7 @@ Pair = tuple[ContainerCgroup, Entitlement]
 def sweep_v1(
     pairs: Sequence[Pair], durable: Mapping[str, AbstractSet[str]], *, dry_run: bool
 ) -> Swept:
-    svc: Any = types.SimpleNamespace(dry_run=dry_run)
+    svc: Any = types.SimpleNamespace(apply=ChangeExecutor(dry_run=dry_run))
     layouts = Cgroups()
     layouts.durable.update({u: set(n) for u, n in durable.items()})
     return layouts.v1.sweep(pairs, svc)

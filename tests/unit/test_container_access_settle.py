@@ -22,6 +22,7 @@ import pytest
 
 from gpuguard.config import Config
 from gpuguard.devices.rules import parse_devices_list
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.engine.oneshot import OneShotServices
 from gpuguard.engine.passes import PassContext, Work
 from gpuguard.host.paths import Root
@@ -79,7 +80,11 @@ def one_pass(
     (None: unchanged, a real loss)."""
     out = io.StringIO()
     svc = OneShotServices(
-        Root(tmp_path), Config(), EventLog(stream=out, level="debug"), dry_run=False, bus_address=""
+        Root(tmp_path),
+        Config(),
+        EventLog(stream=out, level="debug"),
+        apply=ChangeExecutor(dry_run=False),
+        bus_address="",
     )
     obs = FileView(tmp_path)
     obs.devices_list.write_text(RUNC_LIST)

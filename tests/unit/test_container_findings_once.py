@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from gpuguard.config import Config
 from gpuguard.devices.rules import parse_devices_list
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.engine.oneshot import OneShotServices
 from gpuguard.engine.passes import PassContext, Work
 from gpuguard.host.paths import Root
@@ -45,7 +46,11 @@ def one_pass(
     cfg = Config()
     cfg = dataclasses.replace(cfg, devices=dataclasses.replace(cfg.devices, durable_grants=False))
     svc = OneShotServices(
-        Root(tmp_path), cfg, EventLog(stream=out, level="debug"), dry_run=True, bus_address=""
+        Root(tmp_path),
+        cfg,
+        EventLog(stream=out, level="debug"),
+        apply=ChangeExecutor(dry_run=True),
+        bus_address="",
     )
     step = ContainerAccessStep()
     step.state.observer = observer or SameView(view)  # type: ignore[assignment]
@@ -112,7 +117,11 @@ def test_observe_mode_journals_a_lasting_loss_once(tmp_path: Path) -> None:
     cfg = Config()
     cfg = dataclasses.replace(cfg, devices=dataclasses.replace(cfg.devices, durable_grants=False))
     svc = OneShotServices(
-        Root(tmp_path), cfg, EventLog(stream=out, level="info"), dry_run=True, bus_address=""
+        Root(tmp_path),
+        cfg,
+        EventLog(stream=out, level="info"),
+        apply=ChangeExecutor(dry_run=True),
+        bus_address="",
     )
     step = ContainerAccessStep()
     step.state.observer = SameView(view)  # type: ignore[assignment]

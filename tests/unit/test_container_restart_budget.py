@@ -9,6 +9,7 @@ from typing import Any
 
 from gpuguard.actuate.containers import ContainerStopper
 from gpuguard.config import Config
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.engine.oneshot import OneShotServices
 from gpuguard.host.paths import Root
 from gpuguard.journal.log import EventLog
@@ -36,7 +37,11 @@ def test_one_restart_per_pod_per_window(tmp_path: Path) -> None:
     step = ContainerAccessStep(clock=lambda: now[0], stopper=stopper("/bin/true"))
     cfg = Config()
     svc = OneShotServices(
-        Root(tmp_path), cfg, EventLog(level="error"), dry_run=False, bus_address=""
+        Root(tmp_path),
+        cfg,
+        EventLog(level="error"),
+        apply=ChangeExecutor(dry_run=False),
+        bus_address="",
     )
     assert other(step, _restart("pod-a"), svc).status == "done"
     now[0] += 60
@@ -51,7 +56,11 @@ def test_a_failed_attempt_counts_too(tmp_path: Path) -> None:
     step = ContainerAccessStep(clock=lambda: 5.0, stopper=stopper("/bin/false"))
     cfg = Config()
     svc = OneShotServices(
-        Root(tmp_path), cfg, EventLog(level="error"), dry_run=False, bus_address=""
+        Root(tmp_path),
+        cfg,
+        EventLog(level="error"),
+        apply=ChangeExecutor(dry_run=False),
+        bus_address="",
     )
     assert other(step, _restart("pod-a"), svc).status == "failed"
     assert other(step, _restart("pod-a"), svc).status == "declined"

@@ -10,6 +10,7 @@ import types
 from typing import Any
 
 from gpuguard.config import Config
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.steps.container_access.cgroups import Cgroups
 from gpuguard.steps.container_access.observe import AccessView
 from unit.test_devices_audit import CID, CTL, GPU0, _container, _ent
@@ -35,7 +36,9 @@ def test_the_v2_layout_leaves_a_hybrid_hosts_containers_alone() -> None:
     layouts = Cgroups()
     hybrid = _container(driver="systemd", v1=True, unit=True)
     view = AccessView((hybrid,), {hybrid.key: _ent(GIVEN)}, {(CID, GPU0.numbers): False}, {})
-    svc: Any = types.SimpleNamespace(config=Config(), systemd=object(), dry_run=True)
+    svc: Any = types.SimpleNamespace(
+        config=Config(), systemd=object(), apply=ChangeExecutor(dry_run=True)
+    )
     assert layouts.v2.regrant_fast(view, svc) == ([], False)
     assert layouts.v2.before_durable(view, frozenset({str(hybrid.unit)}), svc) == []
     assert layouts.v2.bridges.pending == {}

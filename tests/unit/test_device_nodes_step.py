@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import require_root
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.host.inventory import Gpu, Inventory
 from gpuguard.host.paths import Root
 from gpuguard.journal.log import EventLog
@@ -75,7 +76,9 @@ def test_actuator_makes_them_with_numbers_modes_and_links(tmp_path: Path) -> Non
     require_root()
     root = _root(tmp_path)
     _, actions = plan_nodes(observe_nodes(root, INV), create_nodes=True, create_links=True)
-    outcomes = apply_all(DeviceNodeActuator(root, EventLog(level="error")), actions)
+    outcomes = apply_all(
+        DeviceNodeActuator(root, EventLog(level="error")), actions, ChangeExecutor()
+    )
     assert {o.status for o in outcomes} == {"done"}
     st = os.lstat(root.path("/dev/nvidia-uvm"))
     assert stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) == 511 and os.minor(st.st_rdev) == 0
@@ -107,7 +110,7 @@ def test_wrong_link_is_replaced_atomically(tmp_path: Path) -> None:
     _, actions = plan_nodes(observe_nodes(root, INV), create_nodes=True, create_links=True)
     replace = [a for a in actions if isinstance(a, CreateCharLink) and a.replace]
     assert [a.link for a in replace] == ["/dev/char/195:0"]
-    apply_all(DeviceNodeActuator(root, EventLog(level="error")), actions)
+    apply_all(DeviceNodeActuator(root, EventLog(level="error")), actions, ChangeExecutor())
     assert os.readlink(root.path("/dev/char/195:0")) == "../nvidia0"
     assert not [p for p in root.path("/dev/char").iterdir() if p.name.startswith(".")]
 
@@ -123,7 +126,9 @@ def test_dry_run_touches_nothing(tmp_path: Path) -> None:
     root = _root(tmp_path)
     _, actions = plan_nodes(observe_nodes(root, INV), create_nodes=True, create_links=True)
     before = sorted(p.name for p in root.path("/dev").iterdir())
-    outcomes = apply_all(DeviceNodeActuator(root, EventLog(level="error"), dry_run=True), actions)
+    outcomes = apply_all(
+        DeviceNodeActuator(root, EventLog(level="error")), actions, ChangeExecutor(dry_run=True)
+    )
     assert {o.status for o in outcomes} == {"dry-run"}
     assert sorted(p.name for p in root.path("/dev").iterdir()) == before
 

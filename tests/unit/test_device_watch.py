@@ -15,6 +15,7 @@ from gpuguard.config import load_config
 from gpuguard.devices.containers import ContainerCgroup
 from gpuguard.devices.entitlement import Entitlement, VisibleDevices
 from gpuguard.devices.nodes import ROLE_GPU, DeviceNode
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.host.paths import Root
 from gpuguard.journal.log import EventLog
 from gpuguard.model import Action, Finding, Outcome
@@ -33,7 +34,7 @@ class Svc:
         self.stream = io.StringIO()
         self.log = EventLog(level="debug", stream=self.stream)
         self.systemd: Optional[object] = object()
-        self.dry_run = dry_run
+        self.apply = ChangeExecutor(dry_run=dry_run)
 
 
 def _pair(n: int, *nodes: DeviceNode) -> Pair:

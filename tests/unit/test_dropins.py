@@ -21,9 +21,10 @@ from gpuguard.actuate.dropins import (
     remove_dropin,
     write_device_dropin,
 )
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.host.paths import Root
 from gpuguard.host.systemd import SystemdError
-from gpuguard.steps.container_access.actuate import apply_device_allow, apply_dropin_remove
+from gpuguard.steps.container_access.actuate import device_allow_change, dropin_remove_change
 from gpuguard.steps.container_access.durable import plan_dropin_removal
 from gpuguard.steps.container_access.reconcile import UnitDeviceAllow
 from unit.test_new_scope_read import _scope
@@ -139,7 +140,9 @@ def _allow(unit: str = UNIT) -> UnitDeviceAllow:
 
 def test_the_grant_writes_its_drop_in_before_the_call(host: Path) -> None:
     bus = Bus(host)
-    o = asyncio.run(apply_device_allow(_allow(), bus, Root(host), dry_run=False))  # type: ignore[arg-type]
+    o = asyncio.run(
+        ChangeExecutor(dry_run=False).run_async(device_allow_change(_allow(), bus, Root(host)))
+    )  # type: ignore[arg-type]
     assert bus.calls == [(UNIT, True)]
     assert o.status == "done" and f"{_dir(host) / DROPIN_NAME} written first" in o.detail
     assert read_dropin(Root(host), UNIT) == [GPU0, CTL]
@@ -147,7 +150,9 @@ def test_the_grant_writes_its_drop_in_before_the_call(host: Path) -> None:
 
 def test_a_failed_call_keeps_the_drop_in_and_says_so(host: Path) -> None:
     bus = Bus(host, fail=True)
-    o = asyncio.run(apply_device_allow(_allow(), bus, Root(host), dry_run=False))  # type: ignore[arg-type]
+    o = asyncio.run(
+        ChangeExecutor(dry_run=False).run_async(device_allow_change(_allow(), bus, Root(host)))
+    )  # type: ignore[arg-type]
     assert o.status == "failed" and "timeout" in o.detail and "written first" in o.detail
     assert read_dropin(Root(host), UNIT) == [GPU0, CTL]  # the container's own nodes
 
@@ -156,14 +161,18 @@ def test_no_drop_in_still_calls_systemd(tmp_path: Path) -> None:
     (tmp_path / "run/systemd").mkdir(parents=True)
     (tmp_path / "run/systemd/system").write_text("not a directory")
     bus = Bus(tmp_path)
-    o = asyncio.run(apply_device_allow(_allow(), bus, Root(tmp_path), dry_run=False))  # type: ignore[arg-type]
+    o = asyncio.run(
+        ChangeExecutor(dry_run=False).run_async(device_allow_change(_allow(), bus, Root(tmp_path)))
+    )  # type: ignore[arg-type]
     assert o.status == "done" and "no drop-in:" in o.detail and "is systemd running" in o.detail
     assert bus.calls == [(UNIT, False)]
 
 
 def test_dry_run_says_what_the_real_run_writes_and_writes_nothing(host: Path) -> None:
     bus = Bus(host)
-    o = asyncio.run(apply_device_allow(_allow(), bus, Root(host), dry_run=True))  # type: ignore[arg-type]
+    o = asyncio.run(
+        ChangeExecutor(dry_run=True).run_async(device_allow_change(_allow(), bus, Root(host)))
+    )  # type: ignore[arg-type]
     assert o.status == "dry-run" and bus.calls == []
     assert o.detail == (
         f"would write {_dir(host) / DROPIN_NAME} and set DeviceAllow= "
@@ -172,7 +181,9 @@ def test_dry_run_says_what_the_real_run_writes_and_writes_nothing(host: Path) ->
     assert list((host / "run/systemd/system").iterdir()) == []
     # no systemd runtime unit directory: the real run writes no drop-in, nor says the dry run
     (host / "run/systemd/system").rmdir()
-    o = asyncio.run(apply_device_allow(_allow(), bus, Root(host), dry_run=True))  # type: ignore[arg-type]
+    o = asyncio.run(
+        ChangeExecutor(dry_run=True).run_async(device_allow_change(_allow(), bus, Root(host)))
+    )  # type: ignore[arg-type]
     assert o.detail == "would set DeviceAllow= /dev/char/195:0, /dev/char/195:255"
 
 
@@ -186,9 +197,12 @@ def test_removal_is_planned_for_scopes_not_live_and_checked_again(host: Path) ->
     assert [a.unit for a in plan] == [gone, back]
     _scope(host, (42,), unit=back)  # started again after the pass looked
     by_unit = {a.unit: a for a in plan}
-    dry = apply_dropin_remove(by_unit[gone], root, dry_run=True)
+    dry = ChangeExecutor(dry_run=True).run(dropin_remove_change(by_unit[gone], root))
     assert dry.status == "dry-run" and (_dir(host, gone) / DROPIN_NAME).is_file()
-    assert apply_dropin_remove(by_unit[back], root, dry_run=False).status == "skipped"
-    done = apply_dropin_remove(by_unit[gone], root, dry_run=False)
+    assert (
+        ChangeExecutor(dry_run=False).run(dropin_remove_change(by_unit[back], root)).status
+        == "skipped"
+    )
+    done = ChangeExecutor(dry_run=False).run(dropin_remove_change(by_unit[gone], root))
     assert done.status == "done" and str(_dir(host, gone)) in done.detail
     assert list_dropins(root) == {back, live}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.host.paths import KUBELET_CHECKPOINT, Root
 from gpuguard.steps.gpu_count import observe_counts
 from gpuguard.steps.gpu_count.reconcile import GpuCounts, findings, registered_gpus
@@ -55,7 +56,7 @@ def test_step_logs_and_appends_its_finding(tmp_path: Path) -> None:
     write_checkpoint(tmp_path, UUIDS)
     out = io.StringIO()
     root = Root(tmp_path)
-    svc = OneShotServices(root, load_config(root), EventLog(stream=out), False, "")
+    svc = OneShotServices(root, load_config(root), EventLog(stream=out), ChangeExecutor(), "")
 
     async def inventory() -> object:
         return INVENTORY

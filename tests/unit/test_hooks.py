@@ -90,7 +90,7 @@ def run(
             outcomes=outcomes,
             timeout=timeout,
             env_base=env if env is not None else {"PATH": os.environ["PATH"]},
-            dry_run=dry_run,
+            mode="observe" if dry_run else "repair",
             host="node-1",
         )
     )

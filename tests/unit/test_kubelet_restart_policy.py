@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from gpuguard.config import Config, load_config
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.host.inventory import Inventory, parse_inventory
 from gpuguard.host.paths import Root
 from gpuguard.host.systemd import UnitState
@@ -88,7 +89,12 @@ def known(root: Path, uid: str) -> None:
 
 def settings(cfg: Config, unit: str, daemon: bool = True, **kw: Any) -> CheckSettings:
     s = CheckSettings.from_config(
-        cfg.kubelet, dry_run=False, reason="test", bus_address="", daemon=daemon, **kw
+        cfg.kubelet,
+        apply=ChangeExecutor(dry_run=False),
+        reason="test",
+        bus_address="",
+        daemon=daemon,
+        **kw,
     )
     return replace(s, kubelet_unit=unit)
 

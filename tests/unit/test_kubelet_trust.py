@@ -18,6 +18,7 @@ import pytest
 from gpuguard.config import Config
 from gpuguard.devices import kubelettrust
 from gpuguard.devices.kubelettrust import exe_path_trusted, kubelet_unit, kubelets
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.host.paths import Root
 from gpuguard.host.systemd import UnitState
 from gpuguard.journal.log import EventLog
@@ -94,7 +95,9 @@ def test_an_untrusted_kubelet_is_a_finding_never_a_job(tmp_path: Path, how: str)
     (root / CHECKPOINT).write_bytes(FIXTURE.read_bytes())  # stale: an F1 repair is planned
     hostile(root, how)
     (root / "proc/300/cmdline").write_bytes(b"kubelet\0")
-    s = CheckSettings.from_config(Config().kubelet, dry_run=False, reason="t", bus_address="")
+    s = CheckSettings.from_config(
+        Config().kubelet, apply=ChangeExecutor(), reason="t", bus_address=""
+    )
     s = replace(s, kubelet_unit="", kubelet_units=("kubelet.service",))
     out = io.StringIO()
     log = EventLog(stream=out, level="debug")

@@ -11,6 +11,7 @@ import pytest
 
 from gpuguard.devices.containers import CgroupLayout, find_scope, with_fresh_pids
 from gpuguard.devices.entitlement import own_dev_pending
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.host.paths import Root
 from gpuguard.steps.container_access.newscope import PodDeviceIds, read_new_scope
 
@@ -116,7 +117,7 @@ def test_durable_grants_off_leaves_new_scopes_to_the_pass() -> None:
         root = Root(Path("/nonexistent"))
         config = cfg
         log = EventLog(level="error")
-        dry_run = False
+        apply = ChangeExecutor()
         bus_address = ""
         systemd = None
 

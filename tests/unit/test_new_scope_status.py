@@ -11,6 +11,7 @@ from typing import Any, Optional
 import pytest
 
 from gpuguard.config import Config
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.host.paths import Root
 from gpuguard.journal.log import EventLog
 from gpuguard.model import Outcome
@@ -26,7 +27,7 @@ class Svc:
     root = Root(Path("/nonexistent"))
     config = Config()
     log = EventLog(level="error")
-    dry_run = False
+    apply = ChangeExecutor()
     bus_address = ""
     systemd = object()  # a bus is up; the grant below is the test's own
 

@@ -18,6 +18,7 @@ from conftest import log_to_stderr
 from gpuguard import cli, exitcodes
 from gpuguard.config import load_config, parse_config
 from gpuguard.engine.daemon import Daemon
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.engine.passes import PassContext, Work
 from gpuguard.host.notify import Notifier
 from gpuguard.host.offswitch import OFF_SWITCH, read_off_switch
@@ -146,14 +147,14 @@ def test_the_daemon_stops_when_it_sees_the_switch(root: Path) -> None:
     now = time.monotonic()
     asyncio.run(d._run_pass(Work(frozenset({"s"}), ("test",), now, now)))
     d.on_event(Event(EventKind.SYSTEMD_RELOADED, "reload", urgent=True, at=now))
-    assert step.ran == ["step", "reload fast path"] and not d.dry_run
+    assert step.ran == ["step", "reload fast path"] and not d.apply.dry_run
     (root / OFF_SWITCH.lstrip("/")).write_text("maintenance\n")
     asyncio.run(d._run_pass(Work(frozenset({"s"}), ("test",), now, now)))
     d.on_event(Event(EventKind.SYSTEMD_RELOADED, "reload", urgent=True, at=now))
     scope = "cri-containerd-" + "a" * 64 + ".scope"
     d.on_event(Event(EventKind.SCOPE_STARTED, "new scope", unit=scope))
     assert step.ran == ["step", "reload fast path"], "a step ran after the switch was set"
-    assert d.dry_run and d.coalescer._stopping
+    assert d.apply.dry_run and d.coalescer._stopping
     entries = [json.loads(line) for line in out.getvalue().splitlines()]
     assert [e["kind"] for e in entries].count("gpuguard-disabled") == 1
     status, why = read_status(r, alive=False)  # the fake root has no /proc
@@ -201,15 +202,15 @@ def test_observe_mode_is_a_dry_run_everywhere(
     d = Daemon(root=r, config=cfg, config_path=None, log=EventLog(stream=io.StringIO()),
                notifier=Notifier(""), inventory_path=None, bus_address="unix:path=/none",
                steps={})  # fmt: skip
-    assert d.dry_run
+    assert d.apply.dry_run
     (root / "etc/gpuguard/gpuguard.conf").write_text("[Daemon]\nMode=repair\n")
     d.reload_config()
-    assert not d.dry_run
-    d2 = Daemon(root=r, config=load_config(r), config_path=None, dry_run=True,
+    assert not d.apply.dry_run
+    d2 = Daemon(root=r, config=load_config(r), config_path=None, apply=ChangeExecutor(dry_run=True),
                 log=EventLog(stream=io.StringIO()), notifier=Notifier(""),
                 inventory_path=None, bus_address="unix:path=/none", steps={})  # fmt: skip
     d2.reload_config()
-    assert d2.dry_run, "a reload dropped the command line's --dry-run"
+    assert d2.apply.dry_run, "a reload dropped the command line's --dry-run"
 
 
 # ------------------------------------------------- a configured inventory file is a simulation

@@ -21,6 +21,7 @@ from gpuguard.config import Config, DevicePluginConfig
 from gpuguard.devices.nodes import ROLE_OTHER
 from gpuguard.devices.plugins import NodeInfo, PluginInfo
 from gpuguard.devices.processes import ProcessInfo
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.engine.oneshot import OneShotServices
 from gpuguard.engine.passes import Work
 from gpuguard.engine.snapshot import HostSnapshot
@@ -300,7 +301,11 @@ def run(tmp_path: Path, **dp: Any) -> tuple[Ctx, FakeRestarter, list[dict[str, A
     cfg = Config(device_plugin=dataclasses.replace(DevicePluginConfig(), **dp))
     out = io.StringIO()
     svc = OneShotServices(
-        Root(tmp_path), cfg, EventLog(stream=out, level="debug"), dry_run=False, bus_address=""
+        Root(tmp_path),
+        cfg,
+        EventLog(stream=out, level="debug"),
+        apply=ChangeExecutor(dry_run=False),
+        bus_address="",
     )
     r = FakeRestarter()
     ctx = Ctx()

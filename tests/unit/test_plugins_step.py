@@ -19,6 +19,7 @@ from gpuguard.config import Config, DevicePluginConfig
 from gpuguard.devices.nodes import ROLE_OTHER
 from gpuguard.devices.plugins import NodeInfo, PluginInfo
 from gpuguard.devices.processes import ProcessInfo
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.engine.oneshot import OneShotServices
 from gpuguard.engine.passes import Work
 from gpuguard.engine.snapshot import HostSnapshot
@@ -112,7 +113,11 @@ def make(tmp_path: Path, **dp: Any) -> tuple[OneShotServices, io.StringIO]:
     cfg = Config(device_plugin=dataclasses.replace(DevicePluginConfig(), **dp))
     out = io.StringIO()
     return OneShotServices(
-        Root(tmp_path), cfg, EventLog(stream=out, level="debug"), dry_run=False, bus_address=""
+        Root(tmp_path),
+        cfg,
+        EventLog(stream=out, level="debug"),
+        apply=ChangeExecutor(dry_run=False),
+        bus_address="",
     ), out
 
 
@@ -233,7 +238,7 @@ def test_restart_off_and_dry_run_decline_with_a_journal_entry(
         ({}, True, "dry-run", "dry-run"),
     ]:
         svc, out = make(tmp_path, cool_down=0.0, **kw)
-        svc.dry_run = dry
+        svc.apply = ChangeExecutor(dry_run=dry)
         r = FakeRestarter()
         ctx = run(Step(Clock(), r), svc)
         assert r.calls == [] and ctx.outcomes[0].status == status

@@ -14,6 +14,7 @@ from gpuguard.devices.containers import ContainerCgroup
 from gpuguard.devices.entitlement import Entitlement, VisibleDevices
 from gpuguard.devices.nodes import ROLE_GPU, DeviceNode
 from gpuguard.devices.scopepolicy import ScopeDevices, apply_unit_text
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.host.paths import Root
 from gpuguard.journal.log import EventLog
 from gpuguard.model import Outcome
@@ -41,7 +42,7 @@ class Svc:
         self.config = load_config(self.root)
         self.log = EventLog(level="error", stream=io.StringIO())
         self.systemd: Optional[object] = object()
-        self.dry_run = False
+        self.apply = ChangeExecutor()
 
 
 def _pair() -> tuple[ContainerCgroup, Entitlement]:

@@ -11,6 +11,7 @@ import pytest
 
 from gpuguard.config import Config
 from gpuguard.devices import containers
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.engine.oneshot import OneShotServices
 from gpuguard.engine.passes import PassContext, Work
 from gpuguard.engine.snapshot import HostSnapshot
@@ -39,7 +40,9 @@ def test_one_walk_of_the_kubepods_tree_per_pass(
 
     monkeypatch.setattr(containers, "walk", counting)
     cfg = Config()
-    svc = OneShotServices(root, cfg, EventLog(level="error"), dry_run=True, bus_address="")
+    svc = OneShotServices(
+        root, cfg, EventLog(level="error"), apply=ChangeExecutor(dry_run=True), bus_address=""
+    )
     steps = build_steps([s for s in STEPS if s.name in (CONTAINER_ACCESS, DEVICE_PLUGIN)])
 
     async def inventory() -> Optional[Inventory]:

@@ -11,6 +11,7 @@ import pytest
 
 from gpuguard.config import Config
 from gpuguard.devices import nodes
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.engine.oneshot import OneShotServices
 from gpuguard.engine.passes import PassContext, Work
 from gpuguard.engine.snapshot import HostSnapshot
@@ -33,7 +34,9 @@ def test_one_read_of_proc_devices_per_pass(tmp_path: Path, monkeypatch: pytest.M
 
     monkeypatch.setattr(nodes, "read_kernel_text", counting)
     cfg = Config()
-    svc = OneShotServices(root, cfg, EventLog(level="error"), dry_run=True, bus_address="")
+    svc = OneShotServices(
+        root, cfg, EventLog(level="error"), apply=ChangeExecutor(dry_run=True), bus_address=""
+    )
     steps = build_steps([s for s in STEPS if s.name in (DEVICE_NODES, CONTAINER_ACCESS)])
 
     async def inventory() -> Optional[Inventory]:

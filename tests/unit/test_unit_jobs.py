@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from gpuguard.actuate.units import FAILED_KIND, UnitJob, UnitJobs, Verb
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.host.systemd import SystemdError, UnitState
 from gpuguard.journal.catalog import KINDS, message_id
 from gpuguard.journal.log import EventLog
@@ -49,10 +50,10 @@ def job(verb: Verb, unit: str = "kubelet.service") -> UnitJob:
     return UnitJob(verb, unit, "to repair its checkpoint", "kubelet-stop", {"REASON": "check"})
 
 
-def run(sd: FakeSystemd, j: UnitJob, **kw: Any) -> tuple[Any, list[dict[str, Any]]]:
+def run(sd: FakeSystemd, j: UnitJob, *, dry_run: bool = False) -> tuple[Any, list[dict[str, Any]]]:
     out = io.StringIO()
-    jobs = UnitJobs(sd, EventLog(stream=out, level="debug"), **kw)  # type: ignore[arg-type]
-    res = asyncio.run(jobs.run(j))
+    jobs = UnitJobs(sd, EventLog(stream=out, level="debug"))  # type: ignore[arg-type]
+    res = asyncio.run(ChangeExecutor(dry_run=dry_run).run_async(jobs.change(j)))
     return res, [json.loads(line) for line in out.getvalue().splitlines()]
 
 
@@ -103,7 +104,7 @@ def test_a_failed_job_and_a_bus_error_are_results_and_unit_job_failed() -> None:
 def test_dry_run_queues_nothing_and_journals_nothing() -> None:
     sd = FakeSystemd()
     res, entries = run(sd, job("restart"), dry_run=True)
-    assert res.dry_run and not res.ok and sd.calls == [] and entries == []
+    assert res.described and not res.ok and sd.calls == [] and entries == []
 
 
 def test_the_timeout_is_passed() -> None:

@@ -1,4 +1,5 @@
-"""Actuators: the only code that writes. Each checks before it writes and honours dry-run.
+"""Actuators: the only code that writes. Each checks before it writes; a change that a
+dry-run describes is offered as a `Change` (`change.py`) the engine's executor runs.
 
 Modules (docs/architecture.md has the map of the packages):
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Tuple
 
+from gpuguard.actuate.change import Change
 from gpuguard.devices.bpfprog import (
     DeviceProgram,
     UnknownProgramShape,
@@ -215,21 +216,57 @@ def replace_device_program(
     nodes: Sequence[Tuple[int, int]],
     verify: Callable[[], bool],
     *,
-    dry_run: bool,
     program_id: int = 0,
 ) -> Replacement:
     """Give ``cgroup_dir`` read/write on the char ``nodes`` on top of its program
     (``program_id``: that one of those attached, which must still be; 0: the only one).
 
     Raises BpfReplaceError (the old program attached, as before) on any failure,
-    including ``verify()`` returning False after the swap."""
-    where = f"{cgroup_dir}: "
-    if not dry_run and is_frozen(cgroup_dir):
+    including ``verify()`` returning False after the swap. The making half of
+    `replace_change`."""
+    if is_frozen(cgroup_dir):
         # The probe's child would freeze on joining it: no swap can be verified now.
         raise BpfReplaceError(
-            f"{where}the cgroup is frozen (cgroup.events: frozen 1); the old program stays; "
-            "gpuguard tries again after its back-off, once the container is thawed"
+            f"{cgroup_dir}: the cgroup is frozen (cgroup.events: frozen 1); the old program "
+            "stays; gpuguard tries again after its back-off, once the container is thawed"
         )
+    old_id, old_fd, new = _planned_replacement(cgroup_dir, nodes, program_id)
+    try:
+        return Replacement(
+            str(cgroup_dir), old_id, swap_program(cgroup_dir, old_fd, new, verify), new
+        )
+    finally:
+        os.close(old_fd)
+
+
+def replace_change(
+    cgroup_dir: Path,
+    nodes: Sequence[Tuple[int, int]],
+    verify: Callable[[], bool],
+    *,
+    program_id: int = 0,
+) -> Change[Replacement]:
+    """`replace_device_program` as a change: its description reads the program and
+    plans the new one (new id 0), as the real swap would, and swaps nothing."""
+
+    def describe() -> Replacement:
+        old_id, old_fd, new = _planned_replacement(cgroup_dir, nodes, program_id)
+        os.close(old_fd)
+        return Replacement(str(cgroup_dir), old_id, 0, new)
+
+    return Change(
+        "v2-program-replace",
+        lambda: replace_device_program(cgroup_dir, nodes, verify, program_id=program_id),
+        describe,
+    )
+
+
+def _planned_replacement(
+    cgroup_dir: Path, nodes: Sequence[Tuple[int, int]], program_id: int
+) -> Tuple[int, int, DeviceProgram]:
+    """The program to replace (its id and an open fd, the caller's to close) and the
+    one that replaces it."""
+    where = f"{cgroup_dir}: "
     try:
         ids = query_device_programs(cgroup_dir)
     except OSError as e:
@@ -259,14 +296,10 @@ def replace_device_program(
             raise BpfReplaceError(f"{where}cannot read program {old_id}: {e.strerror}") from None
         except (UnknownProgramShape, ProgramUnreadable) as e:
             raise BpfReplaceError(f"{where}program {old_id} left as it is: {e}") from None
-        new = grant_nodes(prev, nodes)
-        if dry_run:
-            return Replacement(str(cgroup_dir), old_id, 0, new)
-        return Replacement(
-            str(cgroup_dir), old_id, swap_program(cgroup_dir, old_fd, new, verify), new
-        )
-    finally:
+        return old_id, old_fd, grant_nodes(prev, nodes)
+    except BaseException:
         os.close(old_fd)
+        raise
 
 
 def swap_program(

@@ -23,6 +23,7 @@ from gpuguard.actuate.bpf import (
     is_frozen,
     swap_program,
 )
+from gpuguard.actuate.change import Change
 from gpuguard.devices.bpfprog import ACC_RW, DeviceProgram, grant_nodes, parse
 from gpuguard.devices.bpfread import (
     BRIDGE_NAME,
@@ -90,7 +91,6 @@ def attach_bridge(
     nodes: Sequence[Tuple[int, int]],
     verify: Callable[[], bool],
     *,
-    dry_run: bool,
     loaded: Optional[LoadedPrograms] = None,
     cache: Optional[ProgramCache] = None,
     cg_fd: Optional[int] = None,
@@ -100,10 +100,50 @@ def attach_bridge(
     (nothing changed) unless exactly one program denies and it is systemd's, next to at
     most one other (the runtime's), or when the cgroup is frozen. ``cache``: the
     programs the caller judged the cgroup by (bpfread.ProgramCache); ``cg_fd``: the
-    cgroup's directory, open (the caller closes it)."""
+    cgroup's directory, open (the caller closes it). The making half of `bridge_change`."""
+    if is_frozen(cgroup_dir, cg_fd):
+        raise BpfReplaceError(
+            f"{cgroup_dir}: the cgroup is frozen (cgroup.events: frozen 1); no bridge"
+        )
+    old, new = _planned_bridge(cgroup_dir, nodes, cache, cg_fd)
+    old_fd = _open(cgroup_dir, old)
+    try:
+        new_id = swap_program(cgroup_dir, old_fd, new, verify, BRIDGE_NAME, loaded, cg_fd)
+    finally:
+        os.close(old_fd)
+    return Replacement(str(cgroup_dir), old.prog_id, new_id, new)
+
+
+def bridge_change(
+    cgroup_dir: Path,
+    nodes: Sequence[Tuple[int, int]],
+    verify: Callable[[], bool],
+    *,
+    loaded: Optional[LoadedPrograms] = None,
+    cache: Optional[ProgramCache] = None,
+    cg_fd: Optional[int] = None,
+) -> Change[Replacement]:
+    """`attach_bridge` as a change: its description judges the programs and plans the
+    bridge (new id 0) as the real attach would, and attaches nothing."""
+
+    def describe() -> Replacement:
+        old, new = _planned_bridge(cgroup_dir, nodes, cache, cg_fd)
+        return Replacement(str(cgroup_dir), old.prog_id, 0, new)
+
+    def make() -> Replacement:
+        return attach_bridge(cgroup_dir, nodes, verify, loaded=loaded, cache=cache, cg_fd=cg_fd)
+
+    return Change("v2-bridge-attach", make, describe)
+
+
+def _planned_bridge(
+    cgroup_dir: Path,
+    nodes: Sequence[Tuple[int, int]],
+    cache: Optional[ProgramCache],
+    cg_fd: Optional[int],
+) -> Tuple[_Attached, DeviceProgram]:
+    """systemd's program that denies ``nodes`` and the bridge that stands in for it."""
     where = f"{cgroup_dir}: "
-    if not dry_run and is_frozen(cgroup_dir, cg_fd):
-        raise BpfReplaceError(f"{where}the cgroup is frozen (cgroup.events: frozen 1); no bridge")
     progs = _attached(cgroup_dir, cache, cg_fd)
     others = [p for p in progs if p.name != BRIDGE_NAME]
 
@@ -134,14 +174,7 @@ def attach_bridge(
     old = denying[0]
     assert old.program is not None
     new = grant_nodes(old.program, nodes)
-    if dry_run:
-        return Replacement(str(cgroup_dir), old.prog_id, 0, new)
-    old_fd = _open(cgroup_dir, old)
-    try:
-        new_id = swap_program(cgroup_dir, old_fd, new, verify, BRIDGE_NAME, loaded, cg_fd)
-    finally:
-        os.close(old_fd)
-    return Replacement(str(cgroup_dir), old.prog_id, new_id, new)
+    return old, new
 
 
 @dataclass(frozen=True)
@@ -151,17 +184,16 @@ class Detached:
     waiting: Tuple[int, ...]  # bridges left: no program of systemd's attached yet
 
 
-def detach_bridges(cgroup_dir: Path, *, dry_run: bool) -> Detached:
+def detach_bridges(cgroup_dir: Path) -> Detached:
     """Detach gpuguard's bridges from ``cgroup_dir`` once a program of systemd's is
-    attached again; while none is, each bridge stands in for systemd's and stays."""
+    attached again; while none is, each bridge stands in for systemd's and stays. The
+    making half of `detach_change`."""
     progs = _attached(cgroup_dir)
     bridges = [p for p in progs if p.name == BRIDGE_NAME]
     sd = [p for p in progs if p.name == SYSTEMD_NAME]
     theirs = tuple(p.program for p in sd if p.program is not None)
     if not bridges or not sd:
         return Detached((), theirs, tuple(p.prog_id for p in bridges))
-    if dry_run:
-        return Detached(tuple(p.prog_id for p in bridges), theirs, ())
     done: List[int] = []
     cg = open_cgroup(cgroup_dir)
     try:
@@ -184,3 +216,18 @@ def detach_bridges(cgroup_dir: Path, *, dry_run: bool) -> Detached:
     finally:
         os.close(cg)
     return Detached(tuple(done), theirs, ())
+
+
+def detach_change(cgroup_dir: Path) -> Change[Detached]:
+    """`detach_bridges` as a change: its description names the bridges it would detach."""
+
+    def describe() -> Detached:
+        progs = _attached(cgroup_dir)
+        bridges = [p for p in progs if p.name == BRIDGE_NAME]
+        sd = [p for p in progs if p.name == SYSTEMD_NAME]
+        theirs = tuple(p.program for p in sd if p.program is not None)
+        if not bridges or not sd:
+            return Detached((), theirs, tuple(p.prog_id for p in bridges))
+        return Detached(tuple(p.prog_id for p in bridges), theirs, ())
+
+    return Change("v2-bridge-detach", lambda: detach_bridges(cgroup_dir), describe)

@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Mapping, Optional
 
+from gpuguard.actuate.change import AsyncChange
+
 if TYPE_CHECKING:  # dbus-next costs import time; a healthy node never needs it
     from gpuguard.host.systemd import Systemd
     from gpuguard.journal.log import EventLog
@@ -53,7 +55,7 @@ class JobResult:
     unit: str
     result: str  # systemd's job result ("done", "failed", "timeout" ...); "" if none ran
     error: str = ""  # why no result came: the bus, or systemd refused the job
-    dry_run: bool = False
+    described: bool = False  # no job: a dry-run's description of it
     already: bool = False  # no job: the unit was already in the state asked for
 
     @property
@@ -69,10 +71,17 @@ class JobResult:
 class UnitJobs:
     """Built per pass (or per `gpuguard check`) from the bus connection and the log."""
 
-    def __init__(self, systemd: Systemd, log: EventLog, *, dry_run: bool = False) -> None:
+    def __init__(self, systemd: Systemd, log: EventLog) -> None:
         self.systemd = systemd
         self.log = log
-        self.dry_run = dry_run
+
+    def change(self, job: UnitJob, *, timeout: Optional[float] = None) -> AsyncChange[JobResult]:
+        """``job`` as a change for the executor: a dry-run queues and journals nothing."""
+        return AsyncChange(
+            f"unit-{job.verb}",
+            lambda: self.run(job, timeout=timeout),
+            lambda: JobResult(job.verb, job.unit, "", described=True),
+        )
 
     async def _already(self, job: UnitJob) -> bool:
         states = _ALREADY.get(job.verb)
@@ -87,9 +96,9 @@ class UnitJobs:
         return state.load_state == "loaded" and state.active_state in states
 
     async def run(self, job: UnitJob, *, timeout: Optional[float] = None) -> JobResult:
-        """Queue ``job`` and await its result (``timeout``: None, host/systemd.py's wait)."""
-        if self.dry_run:
-            return JobResult(job.verb, job.unit, "", dry_run=True)
+        """Queue ``job`` and await its result (``timeout``: None, host/systemd.py's wait).
+        The making half of `change`, which callers that may be dry-runs give the
+        executor."""
         if await self._already(job):
             return JobResult(job.verb, job.unit, "done", already=True)
         from gpuguard.host.systemd import SystemdError

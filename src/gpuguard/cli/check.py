@@ -122,9 +122,11 @@ def _check(args: argparse.Namespace, root: Root, hook: Optional[HookRun]) -> int
     log.facts_as_text = False  # the report below prints them: each fact once
     for why in hook.unusable if hook is not None else ():
         log.warning(f"kubelet pre-start: ignoring {why}")  # one line per unusable file
+    from gpuguard.engine.executor import ChangeExecutor
+
     settings = CheckSettings.from_config(
         k,
-        dry_run=args.dry_run or cfg.daemon.observe,
+        apply=ChangeExecutor(dry_run=args.dry_run, observe=cfg.daemon.observe),
         reason=args.reason,
         bus_address=opt(args, "bus"),
         policy=args.policy or "",
@@ -132,7 +134,6 @@ def _check(args: argparse.Namespace, root: Root, hook: Optional[HookRun]) -> int
         kubelet_stopped=args.kubelet_stopped,
         simulation=_simulation(args, cfg, inventory),
         kubelet_units=cfg.systemd.kubelet_units,
-        observe=cfg.daemon.observe and not args.dry_run,
     )
     from gpuguard.engine.snapshot import HostSnapshot
 
@@ -149,9 +150,8 @@ def _check(args: argparse.Namespace, root: Root, hook: Optional[HookRun]) -> int
         from gpuguard.host.systemd import bus_address_for
         from gpuguard.steps.registry import CHECKPOINT
 
-        svc = OneShotServices(
-            root, cfg, log, settings.dry_run, opt(args, "bus") or bus_address_for(root.prefix)
-        )
+        bus = opt(args, "bus") or bus_address_for(root.prefix)
+        svc = OneShotServices(root, cfg, log, settings.apply, bus)
         steps = check_steps({CHECKPOINT: checkpoint})
         results = asyncio.run(run_check_pass(svc, steps, inventory, snapshot))
         devices = [r for r in results if r.name != CHECKPOINT]

@@ -56,6 +56,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     fix_mmap_threshold()  # big transient blocks from mmap, not the heap (memtrim.py)
 
     from gpuguard.engine.daemon import Daemon
+    from gpuguard.engine.executor import ChangeExecutor
     from gpuguard.host.notify import Notifier
     from gpuguard.host.systemd import bus_address_for
     from gpuguard.host.workers import worker_pool
@@ -87,7 +88,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         bus_address=bus,
         steps=build_steps(),  # steps/registry.py: every step, in STEP_ORDER, which says why
         sources=build_sources(root, cfg, log, bus, udev=not args.no_udev),
-        dry_run=args.dry_run,
+        apply=ChangeExecutor(dry_run=args.dry_run, observe=cfg.daemon.observe),
         metrics=MetricsOutput(MetricsState(), renderer=_load_renderer),
         executor=worker_pool(),
     )

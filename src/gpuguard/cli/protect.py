@@ -18,6 +18,7 @@ import argparse
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from gpuguard import exitcodes
+from gpuguard.actuate.change import Change
 from gpuguard.cli.args import config_from, log_from, opt, root_from
 from gpuguard.errors import GpuguardError
 
@@ -52,11 +53,14 @@ def cmd_protect(args: argparse.Namespace) -> int:
     if plan is None:
         print("gpuguard protect: no NVIDIA driver registered: no GPU container to protect")
         return exitcodes.OK
+    from gpuguard.engine.executor import ChangeExecutor
+
+    apply = ChangeExecutor(dry_run=args.dry_run)
     failed = 0
     for p in plan:
         if p.add:
-            failed += not _write(root, log, p, reason, dry_run=args.dry_run)
-    _summary(plan, failed, dry_run=args.dry_run)
+            failed += not apply.run(_write(root, log, p, reason))
+    _summary(plan, failed, apply.pick(made="made", described="would make"))
     return exitcodes.FINDINGS if failed else exitcodes.OK
 
 
@@ -92,7 +96,8 @@ def _plan(root: Root, cfg: Config) -> Optional[tuple[Protection, ...]]:
     return plan_protect(view, dropins)
 
 
-def _write(root: Root, log: EventLog, p: Protection, reason: str, *, dry_run: bool) -> bool:
+def _write(root: Root, log: EventLog, p: Protection, reason: str) -> Change[bool]:
+    """The protection's drop-in as a change: True unless the write failed."""
     from gpuguard.actuate.dropins import DropInError, would_write, write_device_dropin
 
     lines = " ".join(f"DeviceAllow={d} {perm}" for d, perm in p.add)
@@ -103,29 +108,33 @@ def _write(root: Root, log: EventLog, p: Protection, reason: str, *, dry_run: bo
         "DEVICE": ",".join(p.nodes),
         "REASON": reason,
     }
-    if dry_run:
+
+    def describe() -> bool:
         where = would_write(root, p.unit)
         print(f"dry-run:   {p.unit}: would add {lines} to {where or 'its drop-in'} ({reason})")
         return True
-    try:
-        path = write_device_dropin(root, p.unit, p.add)
-    except DropInError as e:
-        log.event(KIND, f"{p.unit}: not protected: {e.message}", level="error", fields=fields)
-        return False
-    log.event(
-        KIND,
-        f"{p.unit}: its present grant made durable ({lines} in {path}) {reason}",
-        level="notice",
-        fields={**fields, "PATH": path},
-    )
-    return True
+
+    def make() -> bool:
+        try:
+            path = write_device_dropin(root, p.unit, p.add)
+        except DropInError as e:
+            log.event(KIND, f"{p.unit}: not protected: {e.message}", level="error", fields=fields)
+            return False
+        log.event(
+            KIND,
+            f"{p.unit}: its present grant made durable ({lines} in {path}) {reason}",
+            level="notice",
+            fields={**fields, "PATH": path},
+        )
+        return True
+
+    return Change("protect", make, describe)
 
 
-def _summary(plan: Sequence[Protection], failed: int, *, dry_run: bool) -> None:
+def _summary(plan: Sequence[Protection], failed: int, verb: str) -> None:
     added = sum(1 for p in plan if p.add)
     held = sum(1 for p in plan if not p.add and p.kept)
     left = [p for p in plan if p.denied or p.unknown]
-    verb = "would make" if dry_run else "made"
     print(
         f"gpuguard protect: {len(plan)} GPU container(s) in a systemd scope: {verb} "
         f"{added - failed} grant(s) durable, {held} durable already, {failed} failed"

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 from gpuguard.config import Config, load_config
 from gpuguard.engine import report
 from gpuguard.engine.coalescer import Coalescer
+from gpuguard.engine.executor import ChangeExecutor
 from gpuguard.engine.fastpaths import run_fast_paths
 from gpuguard.engine.gcpause import freeze_long_lived, thaw
 from gpuguard.engine.inventory_reader import InventoryReader
@@ -75,7 +76,7 @@ class Daemon:
         sources: Optional[Sources] = None,
         step_order: Sequence[str] = STEP_ORDER,
         wakes: Wakes = WAKES,
-        dry_run: bool = False,
+        apply: Optional[ChangeExecutor] = None,
         metrics: Optional[MetricsOutput] = None,
         executor: Optional[Executor] = None,
     ) -> None:
@@ -95,8 +96,8 @@ class Daemon:
         # where the blocking reads run (asyncio.to_thread): main bounds it (workers.py)
         self.executor = executor
         self.bus_address = bus_address or bus_address_for(root.prefix)
-        self.cli_dry_run = dry_run  # --dry-run: kept across reloads
-        self.dry_run = dry_run or config.daemon.observe  # Mode=observe, DryRun=yes
+        # every change through one executor, which holds the mode (engine/executor.py)
+        self.apply = apply or ChangeExecutor(observe=config.daemon.observe)
         self.step_order = tuple(step_order)
         self.runner = PassRunner(steps, self.step_order, wakes=wakes)
         self.steps = self.runner.steps  # in step_order
@@ -179,7 +180,7 @@ class Daemon:
                 self.log.warning("systemd did not answer in 10s; going on without it for now")
         if self.switched_off():
             return 0
-        if self.dry_run:
+        if self.apply.mode == "observe":
             journal_observe(self.log, "start-up")
         self.on_event(Event(EventKind.START_UP, "start-up", urgent=True))
         pass_task = asyncio.create_task(self.coalescer.run())
@@ -250,14 +251,15 @@ class Daemon:
     def switched_off(self) -> bool:
         """The off switch is set: nothing more is written, and the daemon stops."""
         if self.off_switch.seen is None and self.off_switch.check() is not None:
-            self.dry_run = True
+            self.apply.switch_off()
             self._write_status()
             self.notifier.stopping("stopping: gpuguard is disabled (gpuguard enable)")
             self.coalescer.stop()
         return self.off_switch.seen is not None
 
     def stop(self, why: str = "stop") -> None:
-        self.dry_run = self.dry_run or self.off_switch.check(quiet=True) is not None
+        if self.off_switch.check(quiet=True) is not None:
+            self.apply.switch_off()
         self.log.event("daemon-stopping", f"{why}: finishing the current pass and exiting")
         self.notifier.stopping(f"stopping ({why})")
         self.coalescer.stop()
@@ -278,8 +280,7 @@ class Daemon:
         for warning in new.warnings:
             self.log.warning(warning)  # a deprecated key, still read
         self.inventory_reader.reconfigure(new)
-        was, self.dry_run = self.dry_run, self.cli_dry_run or new.daemon.observe
-        if self.dry_run and not was:
+        if self.apply.reconfigure(new.daemon.observe):
             journal_observe(self.log, "configuration reloaded")
         self.log.set_level(new.daemon.log_level)
         c, d = self.coalescer, new.daemon
@@ -309,9 +310,11 @@ class Daemon:
         ctx = PassContext(
             work, reader.read, previous_inventory=self.inventory, driver_wait=lambda: reader.pending
         )
-        if self.dry_run:  # plan on the last pass's planned nodes and links, as the real
-            # run acts on the ones it made then (its follow-up pass: durable grants)
-            ctx.snapshot = self._snapshot_with(self._planned)
+        # a dry-run plans on the last pass's planned nodes and links, as the real run
+        # acts on the ones it made then (its follow-up pass: durable grants)
+        ctx.snapshot = self.apply.choose(
+            made=lambda: None, described=lambda: self._snapshot_with(self._planned)
+        )
         results = await self.runner.run(self, ctx, work.reconcilers)
         for r in results:
             self.ledger.record(
@@ -325,8 +328,11 @@ class Daemon:
             )
         steps_ms = {r.name: r.ms for r in results}
         duration = time.monotonic() - t0
-        if self.dry_run and ctx.snapshot is not None:
-            self._planned = ctx.snapshot.planned
+        if ctx.snapshot is not None:
+            snap = ctx.snapshot
+            self._planned = self.apply.choose(
+                made=lambda: self._planned, described=lambda: snap.planned
+            )
         if ctx.known_inventory is not None:
             self.inventory = ctx.known_inventory
         changed = [o for o in ctx.outcomes if o.status == "done"]
@@ -408,7 +414,7 @@ class Daemon:
             outcomes=ctx.outcomes,
             timeout=self.config.daemon.hook_timeout,
             env_base=dict(os.environ),
-            dry_run=self.dry_run,
+            mode=self.apply.mode,
         )
         for r in results:
             kind = "hook-run" if r.ok else "hook-failed"

@@ -25,6 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Dict, List, Mapping, Sequence, Tuple
 
+from gpuguard.engine.executor import Mode
 from gpuguard.host.paths import HOOKS_DIR, Root
 from gpuguard.model import Finding, Outcome
 
@@ -167,7 +168,7 @@ def hook_environment(
     event: str,
     findings: Sequence[Finding],
     outcomes: Sequence[Outcome],
-    dry_run: bool,
+    mode: Mode,
 ) -> Dict[str, str]:
     """`env_base` minus the daemon's own systemd variables, plus GPUGUARD_*."""
     env = {k: v for k, v in env_base.items() if k not in _DAEMON_ONLY}
@@ -178,7 +179,7 @@ def hook_environment(
         GPUGUARD_FINDINGS=str(len(findings)),
         GPUGUARD_ACTIONS=str(len(outcomes)),
         GPUGUARD_KINDS=" ".join(kinds),
-        GPUGUARD_DRY_RUN="1" if dry_run else "0",
+        GPUGUARD_DRY_RUN="1" if mode == "observe" else "0",
     )
     return env
 
@@ -316,13 +317,14 @@ async def run_hooks(
     outcomes: Sequence[Outcome],
     timeout: float,
     env_base: Mapping[str, str],
-    dry_run: bool = False,
+    mode: Mode = "repair",
     host: str | None = None,
 ) -> List[HookResult]:
     """Run `hooks` one after another and return what each did; never raises for a hook.
 
     stdin gets one JSON document: {"event", "findings", "actions", "time", "host",
-    "dry_run"}; "actions" are the pass's outcomes (action plus status). `env_base` is
+    "dry_run"}; "actions" are the pass's outcomes (action plus status), "dry_run" true
+    in the observe `mode` (engine/executor.py). `env_base` is
     the environment to start from (gpuguard's own, usually); see hook_environment().
     """
     if not hooks:
@@ -333,10 +335,8 @@ async def run_hooks(
         "actions": [o.to_json() for o in outcomes],
         "time": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
         "host": host if host is not None else socket.gethostname(),
-        "dry_run": dry_run,
+        "dry_run": mode == "observe",
     }
     payload = json.dumps(document, sort_keys=True).encode() + b"\n"
-    env = hook_environment(
-        env_base, event=event, findings=findings, outcomes=outcomes, dry_run=dry_run
-    )
+    env = hook_environment(env_base, event=event, findings=findings, outcomes=outcomes, mode=mode)
     return [await _run_one(hook, payload, env, timeout) for hook in hooks]

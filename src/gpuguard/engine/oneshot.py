@@ -23,6 +23,7 @@ from gpuguard.steps.registry import CHECK_ORDER, STEPS, build_steps
 
 if TYPE_CHECKING:
     from gpuguard.devices.containers import ContainerCgroup
+    from gpuguard.engine.executor import ChangeExecutor
     from gpuguard.host.systemd import Systemd
     from gpuguard.steps.registry import Step
 
@@ -38,7 +39,7 @@ class OneShotServices:
     root: Root
     config: Config
     log: EventLog
-    dry_run: bool
+    apply: ChangeExecutor
     bus_address: str
     client: Optional[Systemd] = None
 

@@ -16,6 +16,7 @@ from gpuguard.model import Finding, Outcome
 from gpuguard.steps.events import EventKind
 
 if TYPE_CHECKING:
+    from gpuguard.engine.executor import ChangeExecutor
     from gpuguard.engine.snapshot import HostSnapshot
     from gpuguard.host.systemd import Systemd
 
@@ -122,7 +123,7 @@ class Services(Protocol):
     root: Root
     config: Config
     log: EventLog
-    dry_run: bool
+    apply: ChangeExecutor  # makes or, under dry-run, describes every change
     bus_address: str
 
     @property

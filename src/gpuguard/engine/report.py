@@ -18,6 +18,7 @@ from gpuguard.steps.registry import ReloadFastPath, ResetRepairTimes
 
 if TYPE_CHECKING:
     from gpuguard.config import Config
+    from gpuguard.engine.executor import ChangeExecutor
     from gpuguard.engine.operation import OffSwitchGate
     from gpuguard.host.paths import Root
     from gpuguard.host.systemd import Systemd
@@ -39,7 +40,7 @@ class Reporting(Protocol):
     @property
     def log(self) -> EventLog: ...
     @property
-    def dry_run(self) -> bool: ...
+    def apply(self) -> ChangeExecutor: ...
     @property
     def steps(self) -> Mapping[str, Step]: ...
     @property
@@ -90,7 +91,7 @@ def daemon_status(d: Reporting) -> Status:
         started=d.started_wall,
         passes=d.passes,
         bus_connected=d.systemd is not None,
-        dry_run=d.dry_run,
+        dry_run=d.apply.mode == "observe",
         reload_signal=reload_signal(d.sd_source),
         first_pass=d.first_pass,
         last_pass=d.last_pass,
@@ -99,7 +100,7 @@ def daemon_status(d: Reporting) -> Status:
         recent_changes=d.ledger.recent_changes(),
         node=node,
         conditions=conditions,
-        mode="observe" if d.dry_run else "repair",
+        mode=d.apply.mode,
         off_switch=d.off_switch.seen,
     )
 

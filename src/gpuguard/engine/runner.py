@@ -123,9 +123,8 @@ class PassRunner:
         planned = {o.action for r in results for o in r.outcomes}
         for r in await self.run(svc, ctx, again & marked):
             findings = tuple(f for f in r.findings if f not in seen)
-            outcomes = r.outcomes
-            if svc.dry_run:
-                outcomes = tuple(o for o in outcomes if o.action not in planned)
+            fresh = tuple(o for o in r.outcomes if o.action not in planned)
+            outcomes = svc.apply.pick(made=r.outcomes, described=fresh)
             results.append(
                 StepResult(r.name, findings, outcomes, r.error, r.ms, r.gauges, r.unknown)
             )

@@ -102,7 +102,7 @@ def _remember_gpus(
     from gpuguard import exitcodes
 
     inputs = report.remap_inputs
-    if inputs is None or (s.dry_run and not s.observe):
+    if inputs is None or not s.apply.records_own_state:
         return report
     # kept entries (no history: one present and one changed GPU) leave the rest matching
     matches = report.exit_code == exitcodes.OK or (report.left_stale and not report.actions)
@@ -196,7 +196,6 @@ def analyse_checkpoint(
         backup_dir=root.path(s.backup_dir),
         backup_keep=s.backup_keep,
         log=log,
-        dry_run=s.dry_run,
         dropped_file=root.path(DROPPED_ENTRIES_FILE),
     )
     if s.kubelet_stopped:
@@ -266,7 +265,7 @@ class CheckpointStep:
         cooled = self.clock() - self.last_restart > self.COOLDOWN
         return CheckSettings.from_config(
             svc.config.kubelet,
-            dry_run=svc.dry_run,
+            apply=svc.apply,
             reason="daemon: " + ctx.work.reasons[0],
             bus_address=svc.bus_address,
             may_restart=cooled and not starting,
@@ -275,7 +274,6 @@ class CheckpointStep:
             kubelet_waits=starting,
             daemon=True,
             restart_not_for=self.at_start,
-            observe=svc.config.daemon.observe and not getattr(svc, "cli_dry_run", False),
         )
 
     def run_alone(
@@ -329,7 +327,8 @@ class CheckpointStep:
         except GpuguardError as e:
             if self.given is not None:
                 raise  # `gpuguard check`: the error is its exit code
-            if isinstance(e, KubeletError) and settings.restart_kubelet and not svc.dry_run:
+            restarted = svc.apply.pick(made=settings.restart_kubelet, described=False)
+            if isinstance(e, KubeletError) and restarted:
                 # A restart job that failed or was canceled (kubelet stopped meanwhile)
                 # counts too: otherwise every pass would try again, a restart loop.
                 self.last_restart = self.clock()

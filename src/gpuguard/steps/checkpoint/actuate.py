@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
+from gpuguard.actuate.change import Change
 from gpuguard.actuate.files import (
     UnsafeDirError,
     atomic_replace,
@@ -42,16 +43,24 @@ class CheckpointActuator:
     backup_dir: Path
     backup_keep: int
     log: EventLog
-    dry_run: bool = False
     # where the dropped pod entries are recorded (paths.DROPPED_ENTRIES_FILE under the
     # root); None only in tests of the file mechanics
     dropped_file: Optional[Path] = None
 
-    def apply(self, action: Action) -> Outcome:
+    def change(self, action: Action) -> Change[Outcome]:
+        """The repair as a change for the executor."""
         if not isinstance(action, (RewriteCheckpoint, DeleteCheckpoint)):
             raise TypeError(f"not a checkpoint action: {action!r}")
-        if self.dry_run:
-            return Outcome(action, "dry-run", "would " + action.describe())
+        return Change(
+            action.kind,
+            lambda: self.apply(action),
+            lambda: Outcome(action, "dry-run", "would " + action.describe()),
+        )
+
+    def apply(self, action: Action) -> Outcome:
+        """The making half of `change`."""
+        if not isinstance(action, (RewriteCheckpoint, DeleteCheckpoint)):
+            raise TypeError(f"not a checkpoint action: {action!r}")
         path = action.path
         remove_stale_temps(path.parent, path.name)
         try:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Optional
 
 from gpuguard import exitcodes
+from gpuguard.actuate.change import AsyncChange
 from gpuguard.actuate.units import UnitJob, UnitJobs, Verb
 from gpuguard.devices.processes import kubelet_pids
 from gpuguard.errors import KubeletError
@@ -233,10 +234,27 @@ async def _restart_with_hook(
         f"restart {s.kubelet_unit} through systemd; its ExecStartPre= hook repairs the file "
         "between stop and start"
     )
-    if s.dry_run:
+
+    def describe() -> CheckReport:
         report.result = "dry run: nothing modified, kubelet not restarted"
         report.exit_code = exitcodes.FINDINGS
         return report
+
+    change = AsyncChange(
+        "kubelet-restart", lambda: _restart_verified(k, systemd, s, report, log, pods), describe
+    )
+    return await s.apply.run_async(change)
+
+
+async def _restart_verified(
+    k: _Kubelet,
+    systemd: Systemd,
+    s: CheckSettings,
+    report: CheckReport,
+    log: EventLog,
+    pods: tuple[str, ...],
+) -> CheckReport:
+    """The restart and its verdict: the hook's token, the job, the token read back."""
     token = kubelet_hook.new_token()
     try:
         kubelet_hook.write_request(k.root, token)
@@ -301,8 +319,24 @@ async def _stop_repair_start(
     report.coordination = (
         f"the gpuguard drop-in is not active for {s.kubelet_unit}: stop it, repair, start it"
     )
-    if s.dry_run:
-        return apply_repair(report, actuator, s)
+    change = AsyncChange(
+        "kubelet-stop-start",
+        lambda: _stopped_repair(k, systemd, s, report, actuator, log, pods),
+        lambda: apply_repair(report, actuator, s),  # the repair described; no job
+    )
+    return await s.apply.run_async(change)
+
+
+async def _stopped_repair(
+    k: _Kubelet,
+    systemd: Systemd,
+    s: CheckSettings,
+    report: CheckReport,
+    actuator: CheckpointActuator,
+    log: EventLog,
+    pods: tuple[str, ...],
+) -> CheckReport:
+    """Stop kubelet, repair, start it again (the repair's own writes: the executor's)."""
     k.on_restart()
     jobs = UnitJobs(systemd, log)
     why = f"to repair {report.checkpoint} while it is stopped (no gpuguard drop-in)"

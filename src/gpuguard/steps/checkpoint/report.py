@@ -10,6 +10,7 @@ from gpuguard.model import Action, Finding, Outcome
 
 if TYPE_CHECKING:
     from gpuguard.config import KubeletConfig
+    from gpuguard.engine.executor import ChangeExecutor
     from gpuguard.steps.checkpoint.actuate import CheckpointActuator
     from gpuguard.steps.checkpoint.remap import RemapInputs
 
@@ -23,7 +24,7 @@ class CheckSettings:
     backup_keep: int
     kubelet_unit: str  # "": the unit kubelet runs in (kubelet.pick_unit)
     restart_kubelet: bool
-    dry_run: bool
+    apply: ChangeExecutor  # makes or, under dry-run, describes the repair and restarts
     kubelet_stopped: bool  # we run as kubelet's ExecStartPre=: kubelet is not up
     bus_address: Optional[str]
     reason: str = "check"
@@ -41,16 +42,13 @@ class CheckSettings:
     restart_gate: str = ""
     # pods whose entries were stale when the daemon started: never restarted for
     restart_not_for: frozenset[str] = frozenset()
-    # Mode=observe (not --dry-run, not the off switch): nothing on the node changes,
-    # but gpuguard's own state, the GPU identity history, is recorded
-    observe: bool = False
 
     @classmethod
     def from_config(
         cls,
         k: KubeletConfig,
         *,
-        dry_run: bool,
+        apply: ChangeExecutor,
         reason: str,
         bus_address: Optional[str],
         policy: str = "",  # "": [Kubelet] Policy=
@@ -61,7 +59,6 @@ class CheckSettings:
         kubelet_waits: bool = False,
         daemon: bool = False,  # True: RestartPolicy= gates the restart (restart_gate)
         restart_not_for: frozenset[str] = frozenset(),
-        observe: bool = False,
     ) -> CheckSettings:
         """The one way from [Kubelet] to a check's settings (`gpuguard check`, the daemon)."""
         return cls(
@@ -72,7 +69,7 @@ class CheckSettings:
             backup_keep=k.backup_keep,
             kubelet_unit=k.unit or "",
             restart_kubelet=k.restart_kubelet and k.restart_policy != "never" and may_restart,
-            dry_run=dry_run,
+            apply=apply,
             kubelet_stopped=kubelet_stopped,
             bus_address=bus_address,
             reason=reason,
@@ -81,7 +78,6 @@ class CheckSettings:
             kubelet_waits=kubelet_waits,
             restart_gate=k.restart_policy if daemon else "",
             restart_not_for=restart_not_for,
-            observe=observe,
         )
 
 
@@ -187,7 +183,7 @@ class CheckReport:
 def apply_repair(
     report: CheckReport, actuator: CheckpointActuator, s: CheckSettings
 ) -> CheckReport:
-    report.outcomes = [actuator.apply(a) for a in report.actions]
+    report.outcomes = [s.apply.run(actuator.change(a)) for a in report.actions]
     statuses = {o.status for o in report.outcomes}
     if statuses == {"done"}:
         report.result = "repaired"

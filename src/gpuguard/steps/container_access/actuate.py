@@ -1,7 +1,8 @@
 """The container access step's writes: grants written to a v1 devices cgroup,
 DeviceAllow= set on a container's systemd scope, and a v2 device program replaced. Each
-honours dry-run and returns the Outcome the step journals (one entry per change, with
-the action's reason).
+change is offered as a `Change` (what makes it, what describes it) that the engine's
+executor runs one half of; either half returns the Outcome the step journals (one entry
+per change, with the action's reason).
 
 Control files are written with one write(2) per rule and without O_CREAT/O_TRUNC: the
 kernel parses each write as one rule (devcgroup_access_write), and cgroupfs files
@@ -13,8 +14,9 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
 
+from gpuguard.actuate.change import AsyncChange, Change
 from gpuguard.actuate.safewrite import UnsafeWriteError, open_control_file
 from gpuguard.devices.rules import DeviceRules, allows, parse_rule, parsed_devices_list
 from gpuguard.errors import GpuguardError
@@ -23,6 +25,7 @@ from gpuguard.model import Outcome
 from gpuguard.steps.container_access.actions import CgroupV1Allow, UnitDropInRemove
 
 if TYPE_CHECKING:
+    from gpuguard.actuate.bpf import Replacement
     from gpuguard.actuate.containers import ContainerStopper
     from gpuguard.host.paths import Root
     from gpuguard.host.systemd import Systemd
@@ -76,29 +79,34 @@ def read_devices_list(cgroup_dir: Path) -> Optional[DeviceRules]:
 _parsed_rule = functools.lru_cache(maxsize=256)(parse_rule)
 
 
-def write_grants(
-    cgroup_dir: Path, rules: Sequence[str], *, dry_run: bool, through: Sequence[Path] = ()
-) -> tuple[str, str]:
-    """The direct re-grant: microseconds, CUDA works again at once. Returns an
-    Outcome's status and detail; the caller builds the action after its last write
-    (cgroupv1.py's reload sweep: building one costs more than the write). A `done` from here is
-    provisional until `confirm_v1` has read it back: callers write every container
-    first (each one's access back as soon as possible), then confirm them all."""
+def grants_change(
+    cgroup_dir: Path, rules: Sequence[str], through: Sequence[Path] = ()
+) -> Change[tuple[str, str]]:
+    """The direct re-grant: microseconds, CUDA works again at once. Either half returns
+    an Outcome's status and detail; the caller builds the action after its last write
+    (cgroupv1.py's reload sweep: building one costs more than the write). A `done` from
+    here is provisional until `confirm_v1` has read it back: callers write every
+    container first (each one's access back as soon as possible), then confirm them all."""
     above = "".join(f" (and first to {d})" for d in through)
-    if dry_run:
+
+    def make() -> tuple[str, str]:
+        try:
+            for d in (*through, cgroup_dir):
+                write_allow(d, rules)
+        except (CgroupWriteError, OSError) as e:
+            return "failed", str(e)
+        return "done", "wrote " + "; ".join(rules) + above
+
+    def describe() -> tuple[str, str]:
         return "dry-run", "would write " + "; ".join(rules) + above
-    try:
-        for d in (*through, cgroup_dir):
-            write_allow(d, rules)
-    except (CgroupWriteError, OSError) as e:
-        return "failed", str(e)
-    return "done", "wrote " + "; ".join(rules) + above
+
+    return Change("v1-grant", make, describe)
 
 
-def write_v1(a: CgroupV1Allow, *, dry_run: bool) -> Outcome:
-    """`write_grants` for an action planned by a pass."""
-    through = [Path(d) for d in a.through]
-    return Outcome(a, *write_grants(Path(a.cgroup_dir), a.rules, dry_run=dry_run, through=through))
+def v1_change(a: CgroupV1Allow) -> Change[Outcome]:
+    """`grants_change` for an action planned by a pass."""
+    g = grants_change(Path(a.cgroup_dir), a.rules, [Path(d) for d in a.through])
+    return Change(g.what, lambda: Outcome(a, *g.make()), lambda: Outcome(a, *g.describe()))
 
 
 def confirm_v1(o: Outcome) -> Outcome:
@@ -132,91 +140,114 @@ def confirm_v1(o: Outcome) -> Outcome:
     return o
 
 
-async def apply_device_allow(
-    a: UnitDeviceAllow, sd: Optional[Systemd], root: Optional[Root], *, dry_run: bool
-) -> Outcome:
+def device_allow_change(
+    a: UnitDeviceAllow, sd: Optional[Systemd], root: Optional[Root]
+) -> AsyncChange[Outcome]:
     """The durable grant: a runtime DeviceAllow= that systemd re-applies on every reload.
     With a root, the scope's drop-in first (actuate/dropins.py: durable against a reload
     at once, whatever systemd is busy with), then the call for systemd's running state;
     done only once systemd has answered."""
-    from dbus_next import Variant
-
-    from gpuguard.actuate.dropins import DropInError, would_write, write_device_dropin
-    from gpuguard.host.systemd import SystemdError
-
     paths = [d for d, _ in a.devices]
-    if dry_run:
+
+    async def make() -> Outcome:
+        from dbus_next import Variant
+
+        from gpuguard.actuate.dropins import DropInError, write_device_dropin
+        from gpuguard.host.systemd import SystemdError
+
+        dropin = ""
+        if root is not None:
+            try:
+                dropin = f"; {write_device_dropin(root, a.unit, a.devices)} written first"
+            except DropInError as e:  # the call alone still makes it durable
+                dropin = f"; no drop-in: {e.message}"
+        if sd is None:
+            return Outcome(a, "failed", f"system bus down{dropin}; the next pass retries")
+        value = Variant("a(ss)", [[dev, perm] for dev, perm in a.devices])
+        try:
+            await sd.set_unit_properties(a.unit, a.runtime, [("DeviceAllow", value)])
+        except SystemdError as e:
+            return Outcome(a, "failed", f"{e}{dropin}")
+        return Outcome(a, "done", f"DeviceAllow={' '.join(paths)}{dropin}")
+
+    def describe() -> Outcome:
+        from gpuguard.actuate.dropins import would_write
+
         path = would_write(root, a.unit) if root is not None else None
         first = f"would write {path} and " if path is not None else "would "
         return Outcome(a, "dry-run", f"{first}set DeviceAllow= {', '.join(paths)}")
-    dropin = ""
-    if root is not None:
-        try:
-            dropin = f"; {write_device_dropin(root, a.unit, a.devices)} written first"
-        except DropInError as e:  # the call alone still makes it durable
-            dropin = f"; no drop-in: {e.message}"
-    if sd is None:
-        return Outcome(a, "failed", f"system bus down{dropin}; the next pass retries")
-    value = Variant("a(ss)", [[dev, perm] for dev, perm in a.devices])
-    try:
-        await sd.set_unit_properties(a.unit, a.runtime, [("DeviceAllow", value)])
-    except SystemdError as e:
-        return Outcome(a, "failed", f"{e}{dropin}")
-    return Outcome(a, "done", f"DeviceAllow={' '.join(paths)}{dropin}")
+
+    return AsyncChange("device-allow", make, describe)
 
 
-def apply_dropin_remove(a: UnitDropInRemove, root: Root, *, dry_run: bool) -> Outcome:
+def dropin_remove_change(a: UnitDropInRemove, root: Root) -> Change[Outcome]:
     """Remove a gone scope's drop-in, once its cgroup is checked gone here (a scope that
-    started after the pass looked keeps its own). Blocking: call from a thread."""
+    started after the pass looked keeps its own). Blocking: run it from a thread."""
     from gpuguard.actuate.dropins import DropInError, dropin_path, remove_dropin
     from gpuguard.devices.containers import find_scope
 
-    if find_scope(root, a.unit) is not None:
-        return Outcome(a, "skipped", "the scope exists: its drop-in stays")
-    if dry_run:
+    def make() -> Outcome:
+        if find_scope(root, a.unit) is not None:
+            return Outcome(a, "skipped", "the scope exists: its drop-in stays")
+        try:
+            return Outcome(a, "done", f"removed {remove_dropin(root, a.unit)}")
+        except DropInError as e:
+            return Outcome(a, "failed", e.message)
+
+    def describe() -> Outcome:
+        if find_scope(root, a.unit) is not None:
+            return Outcome(a, "skipped", "the scope exists: its drop-in stays")
         return Outcome(a, "dry-run", f"would remove {root.path(dropin_path(a.unit))}")
-    try:
-        return Outcome(a, "done", f"removed {remove_dropin(root, a.unit)}")
-    except DropInError as e:
-        return Outcome(a, "failed", e.message)
+
+    return Change("dropin-remove", make, describe)
 
 
-def apply_program_replace(a: V2ProgramReplace, root: Root, *, dry_run: bool) -> Outcome:
+def program_replace_change(a: V2ProgramReplace, root: Root) -> Change[Outcome]:
     """V2Remedy=inplace: previous program + the lost nodes, checked by a probe of each
-    node from inside the cgroup. Blocking (bpf(2), probe forks): call from a thread."""
-    from gpuguard.actuate.bpf import BpfReplaceError, replace_device_program
-    from gpuguard.devices.probe import probe_open_all
+    node from inside the cgroup. Blocking (bpf(2), probe forks): run it from a thread."""
+    from gpuguard.actuate.bpf import BpfReplaceError, replace_change
 
     cg = Path(a.cgroup_dir)
     where = Path(a.probe_dir or a.cgroup_dir)  # where the container's process is
     numbers = [(int(ma), int(mi)) for ma, mi in (n.split(":") for n in a.numbers)]
 
     def verify() -> bool:  # the kernel's word on every node, from one child in the cgroup
+        from gpuguard.devices.probe import probe_open_all
+
         res = probe_open_all([root.path(n) for n in a.nodes], [where])
         return all(r.verdict is True for r in res)
 
-    try:
-        r = replace_device_program(cg, numbers, verify, dry_run=dry_run, program_id=a.program_id)
-    except BpfReplaceError as e:
-        return Outcome(a, "failed", str(e))
-    except OSError as e:  # the old program is attached until the detach, which is last
-        return Outcome(a, "failed", f"{cg}: {e.strerror}; the old program stays")
-    return Outcome(a, "dry-run" if dry_run else "done", r.describe())
+    change = replace_change(cg, numbers, verify, program_id=a.program_id)
+
+    def outcome(half: Callable[[], Replacement], status: str) -> Outcome:
+        try:
+            r = half()
+        except BpfReplaceError as e:
+            return Outcome(a, "failed", str(e))
+        except OSError as e:  # the old program is attached until the detach, which is last
+            return Outcome(a, "failed", f"{cg}: {e.strerror}; the old program stays")
+        return Outcome(a, status, r.describe())
+
+    return Change(
+        change.what,
+        lambda: outcome(change.make, "done"),
+        lambda: outcome(change.describe, "dry-run"),
+    )
 
 
 POD_RESTART_WINDOW = 3600.0  # V2Remedy=restart-container: one restart per pod per hour
 
 
-async def decline_or_restart(
+def decline_or_restart(
     a: Action,
     pod_restarts: dict[str, float],
     now: float,
     stopper: ContainerStopper,
-    dry_run: bool,
-) -> Outcome:
+) -> Outcome | AsyncChange[Outcome]:
     """A v2 container without a scope: V2Remedy=report declines; restart-container stops
     it through the CRI, at most once per pod per POD_RESTART_WINDOW (`pod_restarts`:
-    pod UID -> when we last stopped one of its containers)."""
+    pod UID -> when we last stopped one of its containers). A decline is an Outcome,
+    a stop the change that makes it."""
     from gpuguard.steps.container_access.reconcile import RestartContainer, V2ReportOnly
 
     if isinstance(a, V2ReportOnly):
@@ -238,10 +269,16 @@ async def decline_or_restart(
             f"pod {a.pod_uid} was already restarted {now - last:.0f}s ago (at most one "
             f"restart per pod per {POD_RESTART_WINDOW / 60:.0f} min); recreate it by hand",
         )
-    if dry_run:
-        return Outcome(a, "dry-run", "would stop the container through the CRI")
-    pod_restarts[a.pod_uid] = now
-    res = await stopper.stop(a.container_id)
-    if not res.ok:
-        return Outcome(a, "failed", res.detail[:200])
-    return Outcome(a, "done", f"stopped ({res.detail}); kubelet recreates it")
+    restart = a
+
+    async def make() -> Outcome:
+        pod_restarts[restart.pod_uid] = now
+        res = await stopper.stop(restart.container_id)
+        if not res.ok:
+            return Outcome(restart, "failed", res.detail[:200])
+        return Outcome(restart, "done", f"stopped ({res.detail}); kubelet recreates it")
+
+    def describe() -> Outcome:
+        return Outcome(restart, "dry-run", "would stop the container through the CRI")
+
+    return AsyncChange("container-restart", make, describe)

@@ -57,6 +57,7 @@ from typing import (
 )
 
 from gpuguard.actuate.bpf import LoadedPrograms, Replacement
+from gpuguard.actuate.change import AsyncChange, Change
 from gpuguard.devices.bpfprog import ACC_RW
 from gpuguard.devices.bpfread import ProgramCache, judge
 from gpuguard.devices.probe import open_cgroup
@@ -75,9 +76,11 @@ from gpuguard.steps.container_access.view import AccessKey, AccessView
 from gpuguard.steps.registry import CONTAINER_ACCESS
 
 if TYPE_CHECKING:
+    from gpuguard.actuate.bpfbridge import Detached
     from gpuguard.devices.containers import ContainerCgroup
     from gpuguard.devices.entitlement import Entitlement
     from gpuguard.devices.nodes import DeviceNode
+    from gpuguard.engine.executor import ChangeExecutor
     from gpuguard.engine.passes import Services
     from gpuguard.host.systemd import Systemd
     from gpuguard.steps.container_access.inplace import Backoff
@@ -85,7 +88,9 @@ if TYPE_CHECKING:
 Pair = tuple["ContainerCgroup", "Entitlement"]  # a known container and what it was given
 Written = tuple[float, Outcome]  # when a bridge was made, and how it went
 # a bridge made or refused: the scope, its cgroup, its nodes, when, and the swap or why not
-Made = tuple["ContainerCgroup", Path, "tuple[DeviceNode, ...]", float, Union[Replacement, str]]
+# the bridge made ("done") or described ("dry-run"), or why none was
+Attached = Union[tuple[str, Replacement], str]
+Made = tuple["ContainerCgroup", Path, "tuple[DeviceNode, ...]", float, Attached]
 Grant = Callable[[UnitDeviceAllow, "Services", "Optional[Systemd]"], Awaitable[Outcome]]
 # one known scope's access now, outside a pass (cgroupv2.py): its cgroup's programs read
 # through the loop's cache (their ids into the list), its directory open
@@ -128,24 +133,28 @@ def attach(
     nodes: Sequence[tuple[int, int]],
     cache: ProgramCache,
     loaded: LoadedPrograms,
-    *,
-    dry_run: bool,
+    apply: ChangeExecutor,
     fd: Optional[int] = None,
-) -> Union[Replacement, str]:
+) -> Attached:
     """The bridge's swap, verified by the kernel's programs read back (no fork: this
-    runs inline on the loop right after a reload); a failure (nothing changed): why.
-    `fd`: the cgroup's directory, open (the look, the swap and the verification share
-    it)."""
+    runs inline on the loop right after a reload), made or described by `apply`; a
+    failure (nothing changed): why. `fd`: the cgroup's directory, open (the look, the
+    swap and the verification share it)."""
     from gpuguard.actuate.bpf import BpfReplaceError
-    from gpuguard.actuate.bpfbridge import attach_bridge
+    from gpuguard.actuate.bpfbridge import bridge_change
 
     def verify() -> bool:
         verdicts = judge(cache, cgroup_dir, nodes, fd=fd)
         return verdicts is not None and all(verdicts.values())
 
+    change = bridge_change(cgroup_dir, nodes, verify, loaded=loaded, cache=cache, cg_fd=fd)
     try:
-        return attach_bridge(
-            cgroup_dir, nodes, verify, dry_run=dry_run, loaded=loaded, cache=cache, cg_fd=fd
+        return apply.run(
+            Change(
+                change.what,
+                lambda: ("done", change.make()),
+                lambda: ("dry-run", change.describe()),
+            )
         )
     except BpfReplaceError as e:
         return f"{e}; DeviceAllow= alone repairs it"
@@ -153,19 +162,35 @@ def attach(
         return f"{cgroup_dir}: {e.strerror}; DeviceAllow= alone repairs it"
 
 
-def detach(a: BridgeDetach, *, dry_run: bool) -> Optional[tuple[Outcome, bool]]:
-    """Detach the cgroup's bridges if systemd's program is attached again; None while
-    none is (the bridge stays, standing in for it) or when no bridge is there. With the
-    outcome: whether systemd's program admits the bridged nodes."""
+def detach(a: BridgeDetach, apply: ChangeExecutor) -> Optional[tuple[Outcome, bool]]:
+    """Detach the cgroup's bridges if systemd's program is attached again (or, under
+    dry-run, say so); None while none is (the bridge stays, standing in for it) or
+    when no bridge is there. With the outcome: whether systemd's program admits the
+    bridged nodes."""
     from gpuguard.actuate.bpf import BpfReplaceError
-    from gpuguard.actuate.bpfbridge import detach_bridges
+    from gpuguard.actuate.bpfbridge import detach_change
+
+    change = detach_change(Path(a.cgroup_dir))
+
+    def made() -> Optional[tuple[Outcome, bool]]:
+        return _detached(a, change.make())
+
+    def described() -> Optional[tuple[Outcome, bool]]:
+        d = change.describe()
+        if not d.bridges:
+            return None
+        ids = ", ".join(map(str, d.bridges))
+        return Outcome(a, "dry-run", f"would detach bridge {ids}"), True
 
     try:
-        d = detach_bridges(Path(a.cgroup_dir), dry_run=dry_run)
+        return apply.run(Change(change.what, made, described))
     except BpfReplaceError as e:
         return Outcome(a, "failed", str(e)), False
     except OSError as e:
         return Outcome(a, "failed", f"{a.cgroup_dir}: {e.strerror}; the bridge stays"), False
+
+
+def _detached(a: BridgeDetach, d: Detached) -> Optional[tuple[Outcome, bool]]:
     if not d.bridges:
         return None
     still = [
@@ -174,8 +199,6 @@ def detach(a: BridgeDetach, *, dry_run: bool) -> Optional[tuple[Outcome, bool]]:
         if not all(p.admits("c", ma, mi, ACC_RW) for p in d.systemd)
     ]
     ids = ", ".join(map(str, d.bridges))
-    if dry_run:
-        return Outcome(a, "dry-run", f"would detach bridge {ids}"), True
     if still:
         return Outcome(
             a,
@@ -226,9 +249,9 @@ class Bridges:
         made: list[Made] = []
         now = self.clock()
         for c, cg, denied in bridge_targets(view, self.backoff.failures, now, self.dir_of):
-            r = attach(cg, _pairs(denied), self.cache, self.loaded, dry_run=svc.dry_run)
+            r = attach(cg, _pairs(denied), self.cache, self.loaded, svc.apply)
             made.append((c, cg, denied, time.monotonic(), r))
-        return self._made(made, svc.dry_run, record)
+        return self._made(made, record)
 
     def claim(self, units: Optional[set[str]] = None) -> dict[str, BridgeAttach]:
         """The pending bridges of `units` (all: None), now the caller's to follow up."""
@@ -258,11 +281,11 @@ class Bridges:
                 denied = bridge_nodes(c, cg, ent, seen, self.backoff.failures, tuple(ids), now)
                 if denied:
                     loaded = self.loaded
-                    r = attach(cg, _pairs(denied), self.cache, loaded, dry_run=svc.dry_run, fd=fd)
+                    r = attach(cg, _pairs(denied), self.cache, loaded, svc.apply, fd)
                     made.append((c, cg, denied, time.monotonic(), r))
             finally:
                 os.close(fd)
-        out = self._made(made, svc.dry_run, record)
+        out = self._made(made, record)
         self.cache.forget_unseen()
         self.release()
         return out, access
@@ -270,7 +293,6 @@ class Bridges:
     def _made(
         self,
         made: Sequence[Made],
-        dry_run: bool,
         record: bool,
     ) -> dict[str, Written]:
         """The journal's actions and outcomes for bridges made (or refused), after the
@@ -284,7 +306,8 @@ class Bridges:
                 if record:
                     self.backoff.record(b.cgroup_dir, programs_now(b), False, r, self.clock())
                 continue
-            out[c.container_id] = (at, Outcome(b, "dry-run" if dry_run else "done", r.describe()))
+            status, rep = r
+            out[c.container_id] = (at, Outcome(b, status, rep.describe()))
             self.pending[b.unit] = (b, allow)
         return out
 
@@ -342,13 +365,24 @@ class Bridges:
     async def detach_after(self, b: BridgeAttach, svc: Services) -> Optional[Outcome]:
         """Once systemd's program (from the DeviceAllow= just set) is attached, detach
         the bridge; left to the next pass if it does not come within a few seconds."""
+        a = detach_of(b, "systemd applied the scope's DeviceAllow=: its program is attached")
+        return await svc.apply.run_async(
+            AsyncChange(
+                "v2-bridge-detach",
+                lambda: self._detach_when_there(a, b, svc),
+                lambda: Outcome(
+                    a, "dry-run", "would detach the bridge once systemd's program is there"
+                ),
+            )
+        )
+
+    async def _detach_when_there(
+        self, a: BridgeDetach, b: BridgeAttach, svc: Services
+    ) -> Optional[Outcome]:
         from gpuguard.host.systemd import SystemdError
 
-        a = detach_of(b, "systemd applied the scope's DeviceAllow=: its program is attached")
-        if svc.dry_run:
-            return Outcome(a, "dry-run", "would detach the bridge once systemd's program is there")
         for i in range(DETACH_TRIES):
-            got = detach(a, dry_run=svc.dry_run)
+            got = detach(a, svc.apply)
             if got is not None:
                 o, admitted = got
                 if not admitted:
@@ -380,7 +414,7 @@ class Bridges:
                 pod_uid=c.pod_uid,
                 container_id=c.container_id,
             )
-            got = detach(a, dry_run=svc.dry_run)
+            got = detach(a, svc.apply)
             if got is not None:
                 out.append(got[0])
         return out

@@ -4,7 +4,7 @@ A container is served by the first layout that claims it from its record in the 
 snapshot: v1 where a v1 devices cgroup exists (on a hybrid host it decides, though the
 kernel runs the cgroup2 programs too), v2 where only a cgroup2 path does; one with
 neither has nothing gpuguard can judge. The durable grant, a scope's DeviceAllow=
-(with its drop-in first: actuate.apply_device_allow), is the same on both and is
+(with its drop-in first: actuate.device_allow_change), is the same on both and is
 recorded in `durable` (unit -> device numbers), which the fast paths and the pass share.
 """
 
@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from gpuguard.model import Outcome
-from gpuguard.steps.container_access.actuate import apply_device_allow
+from gpuguard.steps.container_access.actuate import device_allow_change
 from gpuguard.steps.container_access.cgroupv1 import CgroupV1
 from gpuguard.steps.container_access.cgroupv2 import CgroupV2
 from gpuguard.steps.container_access.devcgroup import DeviceCgroup
@@ -68,7 +68,7 @@ class Cgroups:
 
     async def grant(self, a: UnitDeviceAllow, svc: Services, sd: Optional[Systemd]) -> Outcome:
         """The durable grant: the scope's DeviceAllow=, recorded once systemd took it."""
-        outcome = await apply_device_allow(a, sd, svc.root, dry_run=svc.dry_run)
+        outcome = await svc.apply.run_async(device_allow_change(a, sd, svc.root))
         if outcome.status == "done":
             self.durable.setdefault(a.unit, set()).update(a.numbers)
         return outcome

@@ -29,9 +29,9 @@ from gpuguard.model import Action, Finding, Outcome
 from gpuguard.steps.container_access.actions import CgroupV1Allow
 from gpuguard.steps.container_access.actuate import (
     confirm_v1,
+    grants_change,
     read_devices_list,
-    write_grants,
-    write_v1,
+    v1_change,
 )
 from gpuguard.steps.container_access.devcgroup import Grant, Swept, Written
 from gpuguard.steps.container_access.reconcile import (
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from gpuguard.devices.containers import ContainerCgroup
     from gpuguard.devices.entitlement import Entitlement
     from gpuguard.devices.nodes import DeviceNode
+    from gpuguard.engine.executor import ChangeExecutor
     from gpuguard.engine.passes import Services
     from gpuguard.host.paths import Root
     from gpuguard.steps.container_access.actions import UnitDeviceAllow
@@ -92,8 +93,7 @@ def regrant(
     cgroup_dir: Path,
     nodes: Sequence[DeviceNode],
     access: Mapping[tuple[str, str], Optional[bool]],
-    *,
-    dry_run: bool,
+    apply: ChangeExecutor,
 ) -> Optional[V1Write]:
     """Write back every node of `nodes` (what `c` was given) that `access` judges denied
     (False) on its v1 devices cgroup `cgroup_dir`; None when there is nothing to write."""
@@ -103,7 +103,7 @@ def regrant(
     rules = [n.allow_line("rw") for n in denied]
     above = c.cgroup_v1_devices
     through = (above,) if above is not None and above != cgroup_dir else ()
-    status, detail = write_grants(cgroup_dir, rules, dry_run=dry_run, through=through)
+    status, detail = apply.run(grants_change(cgroup_dir, rules, through))
     return V1Write(c, cgroup_dir, denied, time.monotonic(), status, detail)
 
 
@@ -266,7 +266,7 @@ class CgroupV1:
         self, actions: Sequence[Action], view: AccessView, svc: Services
     ) -> list[Outcome]:
         # every container written before any is read back (the first has access at once)
-        wrote = [write_v1(a, dry_run=svc.dry_run) for a in actions if isinstance(a, CgroupV1Allow)]
+        wrote = [svc.apply.run(v1_change(a)) for a in actions if isinstance(a, CgroupV1Allow)]
         return [confirm_v1(o) for o in wrote]
 
     # -- the fast re-grant --------------------------------------------------------
@@ -285,7 +285,7 @@ class CgroupV1:
             self._read((pair,), s, remember=False, access=seen)
             seen = outside_apply((c,), {c.key: ent}, seen, durable, frozenset()) or seen
             s.access.update(seen)
-            w = regrant(c, self._dir(c), ent.nodes, seen, dry_run=svc.dry_run)
+            w = regrant(c, self._dir(c), ent.nodes, seen, svc.apply)
             if w is not None:
                 writes.append(w)
 
@@ -299,7 +299,7 @@ class CgroupV1:
         for c in view.containers:
             if self.claims(c):
                 ent = view.entitlements[c.key]
-                w = regrant(c, self._dir(c), ent.nodes, view.access, dry_run=svc.dry_run)
+                w = regrant(c, self._dir(c), ent.nodes, view.access, svc.apply)
                 if w is not None:
                     wrote.append(w)
         # every container written before any is read back

@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, AbstractSet, Callable, Container, Mapping, Optional, Sequence
 
+from gpuguard.actuate.change import Change
 from gpuguard.devices.bpfread import BRIDGE_NAME, ProgramCache, effective_programs, systemd_held
 from gpuguard.devices.probe import probe_open, probe_open_all, query_device_programs
 from gpuguard.model import Action, Finding, Outcome
@@ -45,7 +47,7 @@ from gpuguard.steps.container_access.actions import (
     V2ProgramReplace,
     V2ReportOnly,
 )
-from gpuguard.steps.container_access.actuate import apply_program_replace
+from gpuguard.steps.container_access.actuate import program_replace_change
 from gpuguard.steps.container_access.bridge import Bridges
 from gpuguard.steps.container_access.devcgroup import Grant, Report, Swept, Written
 from gpuguard.steps.container_access.durable import keep_open
@@ -319,12 +321,19 @@ class CgroupV2:
         for a in actions:
             if not isinstance(a, V2ProgramReplace):
                 continue
-            o = await asyncio.to_thread(apply_program_replace, a, svc.root, dry_run=svc.dry_run)
-            if not svc.dry_run:
-                ids = view.programs.get(a.container_id)
-                self.backoff.record(a.cgroup_dir, ids, o.status == "done", o.detail, self.clock())
-            out.append(o)
+            change = program_replace_change(a, svc.root)
+            made = functools.partial(self._replaced, change.make, a, view)
+            change = Change(change.what, made, change.describe)  # a swap made feeds the back-off
+            out.append(await asyncio.to_thread(svc.apply.run, change))
         return out
+
+    def _replaced(
+        self, make: Callable[[], Outcome], a: V2ProgramReplace, view: AccessView
+    ) -> Outcome:
+        o = make()
+        ids = view.programs.get(a.container_id)
+        self.backoff.record(a.cgroup_dir, ids, o.status == "done", o.detail, self.clock())
+        return o
 
     # -- the fast re-grant --------------------------------------------------------
 

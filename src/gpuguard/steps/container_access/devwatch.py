@@ -140,7 +140,10 @@ class DeviceWatch:
                 svc.log.debug(f"container {c.container_id[:12]}: device cgroup changed, no loss")
                 continue
             lost_any = True
-            if svc.dry_run or not svc.config.devices.regrant:
+            if not (
+                svc.config.devices.regrant
+                and svc.apply.choose(made=lambda: True, described=lambda: False)
+            ):
                 continue  # observe mode, Regrant=no: the pass reports it, once
             view = AccessView.of((c,), {c.key: ent}, fresh)
             actions = cg.plan_regrant(c, denied, svc.config.devices.v2_remedy)

@@ -26,7 +26,7 @@ from gpuguard.actuate.containers import ContainerStopper
 from gpuguard.actuate.dropins import list_dropins
 from gpuguard.journal.conditions import FindingId, finding_id, log_findings
 from gpuguard.model import Action, Finding, Outcome
-from gpuguard.steps.container_access.actuate import apply_dropin_remove, decline_or_restart
+from gpuguard.steps.container_access.actuate import decline_or_restart, dropin_remove_change
 from gpuguard.steps.container_access.devcgroup import DeviceCgroup
 from gpuguard.steps.container_access.durable import keep_open, plan_dropin_removal, plan_durable
 from gpuguard.steps.container_access.fastpaths import repair_known
@@ -155,7 +155,10 @@ def journal(
     event, journaled each time it happens; one left as it is (observe mode, Regrant=no)
     is a state, journaled once while it lasts."""
     events = [f for f in findings if f.kind not in CONDITION_KINDS]
-    if svc.dry_run or not svc.config.devices.regrant:
+    repairs = svc.config.devices.regrant and svc.apply.choose(
+        made=lambda: True, described=lambda: False
+    )
+    if not repairs:
         scope = f"{RECONCILER}:events"
         log_findings(svc.log, s.conditions, scope, events, already=logged, lasting_clears=True)
     else:
@@ -221,7 +224,8 @@ async def remedy(s: AccessState, a: Action, svc: Services) -> Outcome:
     """A loss with no grant to make (V2Remedy=report, restart-container)."""
     rt = svc.config.runtime
     stopper = s.stopper or ContainerStopper(crictl=rt.crictl, cri_endpoint=rt.cri_endpoint)
-    return await decline_or_restart(a, s.pod_restarts, s.clock(), stopper, svc.dry_run)
+    got = decline_or_restart(a, s.pod_restarts, s.clock(), stopper)
+    return got if isinstance(got, Outcome) else await svc.apply.run_async(got)
 
 
 async def remove_dropins(s: AccessState, view: AccessView, svc: Services) -> list[Outcome]:
@@ -229,6 +233,6 @@ async def remove_dropins(s: AccessState, view: AccessView, svc: Services) -> lis
     them), whatever DurableGrants= says now."""
     live = {c.unit for c in view.containers if c.unit} | s.busy()
     return [
-        await asyncio.to_thread(apply_dropin_remove, gone, svc.root, dry_run=svc.dry_run)
+        await asyncio.to_thread(svc.apply.run, dropin_remove_change(gone, svc.root))
         for gone in plan_dropin_removal(list_dropins(svc.root), live)
     ]

@@ -140,7 +140,10 @@ class AccessState:
         findings += unreadable_findings(view.containers, view.broken)
         # Nothing is repaired (observe mode, Regrant=no): a loss is a state, journaled
         # when it appears or changes (fullpass.journal), not again at every event.
-        held = self.held() if svc.dry_run or not svc.config.devices.regrant else {}
+        repairs = svc.config.devices.regrant and svc.apply.choose(
+            made=lambda: True, described=lambda: False
+        )
+        held = {} if repairs else self.held()
         for f in findings:
             if held.get(finding_key(f)) != f"{f.severity}: {f.summary}":
                 svc.log.finding(f)

@@ -32,6 +32,7 @@ from gpuguard.steps.device_nodes.actuate import DeviceNodeActuator
 from gpuguard.steps.events import EventKind
 
 if TYPE_CHECKING:
+    from gpuguard.engine.executor import ChangeExecutor
     from gpuguard.engine.passes import PassContext, Services
     from gpuguard.engine.snapshot import Planned
 
@@ -75,10 +76,12 @@ def plan_nodes(
     )
 
 
-def apply_all(actuator: DeviceNodeActuator, actions: Sequence[Action]) -> list[Outcome]:
+def apply_all(
+    actuator: DeviceNodeActuator, actions: Sequence[Action], apply: ChangeExecutor
+) -> list[Outcome]:
     # Nodes before links: a link is only planned for a node that exists or is created.
     ordered = sorted(actions, key=lambda a: a.kind != "device-node-created")
-    return [actuator.apply(a) for a in ordered]
+    return [apply.run(actuator.change(a)) for a in ordered]
 
 
 def _plan_for_later_steps(planned: Planned, view: NodesView, outcomes: Sequence[Outcome]) -> None:
@@ -108,7 +111,8 @@ class DeviceNodesStep:
         findings, actions = plan_nodes(
             view, create_nodes=cfg.create_nodes, create_links=cfg.create_char_links
         )
-        if svc.dry_run or not (cfg.create_nodes or cfg.create_char_links):
+        creates = svc.apply.pick(made=cfg.create_nodes or cfg.create_char_links, described=False)
+        if not creates:
             # left as they are: journaled once while they last, not at every pass
             log_findings(svc.log, self.conditions, "device_nodes", findings, lasting_clears=True)
         else:
@@ -116,10 +120,8 @@ class DeviceNodesStep:
                 svc.log.finding(f)
         ctx.findings += findings
         if actions:
-            actuator = DeviceNodeActuator(
-                svc.root, svc.log, nvidia_modprobe=cfg.nvidia_modprobe, dry_run=svc.dry_run
-            )
-            outcomes = await asyncio.to_thread(apply_all, actuator, actions)
+            actuator = DeviceNodeActuator(svc.root, svc.log, nvidia_modprobe=cfg.nvidia_modprobe)
+            outcomes = await asyncio.to_thread(apply_all, actuator, actions, svc.apply)
             ctx.outcomes += outcomes
             _plan_for_later_steps(host.planned, view, outcomes)
             made = ("done", "dry-run")  # a dry-run's follow-up plans on its planned links

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from gpuguard.actuate.change import Change
 from gpuguard.actuate.safewrite import UnsafeWriteError, check_real_dir, chmod_node
 from gpuguard.host.commands import CommandError, run
 from gpuguard.host.paths import Root
@@ -40,13 +41,19 @@ class DeviceNodeActuator:
     root: Root
     log: EventLog
     nvidia_modprobe: str = "/usr/bin/nvidia-modprobe"
-    dry_run: bool = False
+
+    def change(self, action: Action) -> Change[Outcome]:
+        """Creating a node or a link, for the executor; each half journals its outcome
+        (a dry-run's as every step's dry-run outcome is)."""
+        return Change(action.kind, lambda: self.apply(action), lambda: self._describe(action))
+
+    def _describe(self, action: Action) -> Outcome:
+        outcome = Outcome(action, "dry-run", "would " + action.describe())
+        self.log.outcome(outcome)
+        return outcome
 
     def apply(self, action: Action) -> Outcome:
-        if self.dry_run:  # journaled as every step's dry-run outcome is
-            outcome = Outcome(action, "dry-run", "would " + action.describe())
-            self.log.outcome(outcome)
-            return outcome
+        """The making half of `change`."""
         try:
             if isinstance(action, CreateDeviceNode):
                 outcome = self._node(action)

@@ -309,8 +309,9 @@ class DevicePluginStep:
         now = self.clock()
         st = self.state.setdefault(a.identity, PluginState())
         why = why_not(cfg, st, a, now, backoff_base=self.backoff_base, backoff_max=self.backoff_max)
-        if why is None and svc.dry_run:
-            why = ("dry-run", f"dry run: would restart it via {restarter.plan(a.process)}")
+        if why is None:  # a dry-run declines here, saying how the real run restarts it
+            how = f"dry run: would restart it via {restarter.plan(a.process)}"  # access(2) only
+            why = svc.apply.pick(made=None, described=("dry-run", how))
         if why is not None:
             code, sentence = why
             if code == "cool-down":
@@ -333,7 +334,7 @@ class DevicePluginStep:
         st.declined = ""
         st.restarts.append(now)
         self._save(root, elog)  # counted before acting: a crash cannot reset the budget
-        units = UnitJobs(svc.systemd, elog, dry_run=svc.dry_run) if svc.systemd else None
+        units = UnitJobs(svc.systemd, elog) if svc.systemd else None
         res = await restarter.restart(root, a, units)
         if not res.ok:
             st.failures += 1
