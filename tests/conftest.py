@@ -122,3 +122,40 @@ def _hook_deadline_in_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[
 
     monkeypatch.setattr(kubelet_hook.HookRun, "arm", arm)
     yield expired
+
+
+# The re-admission bridge races kubelet 1.26+: kubelet re-admits its pods 40-80 ms after
+# its registration server starts, and the bridge registers 15-35 ms after kubelet.sock
+# appears, 50-80 ms when the node's 2 cores are busy with kubelet's own start
+# (docs/checkpoint.md). A real-kubelet test that fails because kubelet rejected a pod
+# at that moment ("no healthy devices present") is run once more and said so in the
+# summary; a second such failure, or any other failure, stands.
+RACE_LOST = "Allocate failed due to no healthy devices present"
+_race_reruns: list[str] = []
+
+
+def pytest_runtest_protocol(item: pytest.Item, nextitem: Any) -> Any:
+    from _pytest.runner import runtestprotocol
+
+    if not item.module.__name__.rsplit(".", 1)[-1].startswith("test_kubelet"):  # type: ignore[attr-defined]
+        return None
+    item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    reports = runtestprotocol(item, nextitem=nextitem, log=False)
+    lost = [r for r in reports if r.failed and RACE_LOST in str(r.longrepr)]
+    if lost and not hasattr(item, "_race_rerun"):
+        item._race_rerun = True  # type: ignore[attr-defined]
+        _race_reruns.append(item.nodeid)
+        item._initrequest()  # type: ignore[attr-defined]  # fresh function-scoped fixtures
+        reports = runtestprotocol(item, nextitem=nextitem, log=False)
+    for r in reports:
+        item.ihook.pytest_runtest_logreport(report=r)
+    item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+    return True
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for nodeid in _race_reruns:
+        terminalreporter.write_line(
+            f"RERUN {nodeid}: kubelet rejected a pod before the bridge registered "
+            "(the re-admission race lost once)"
+        )
