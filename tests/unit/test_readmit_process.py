@@ -343,3 +343,23 @@ def test_kubelet_listens_only_while_it_serves_its_socket() -> None:
             p.unlink()
         deep.rmdir()
         d.rmdir()
+
+
+def test_a_run_first_told_by_its_inode_is_the_same_run_to_a_later_process() -> None:
+    """The bridge's first look found kubelet.sock between kubelet's bind and listen and
+    recorded the run by its inode; the process after a SIGKILL reads the listener. The
+    same run when the listener started before the run was recorded; a later kubelet on
+    a socket that got the same inode number is not."""
+    from gpuguard.devices.kubeletstart import KubeletStart, Listener
+    from gpuguard.readmit.ended import same_run
+
+    def now(started_boot_s: float) -> KubeletStart:
+        listener = Listener(4242, 0, int(started_boot_s * 100))
+        return KubeletStart("pid:4242:x", 7, 99, listener, 0.0, 0.0, offset=1000.0)
+
+    recorded_at = 1000.0 + 50.0  # the socket's ctime at the first look (Unix time)
+    assert same_run("inode:7:99", recorded_at, now(45.0))  # kubelet started at +45 s
+    assert not same_run("inode:7:99", recorded_at, now(80.0))  # a later kubelet
+    assert not same_run("inode:7:98", recorded_at, now(45.0))  # another socket
+    assert same_run("pid:4242:x", recorded_at, now(80.0))  # told by its listener
+    assert not same_run("", recorded_at, now(45.0)) and not same_run("inode:7:99", 0.0, None)

@@ -201,7 +201,7 @@ class Readmit:
         if prior is None:
             return
         self.recorder.resume(prior)
-        resources = registered_in(prior, self.run_id())
+        resources = registered_in(prior, self.kubelet_sock())
         if resources and self.kubelet_listens():
             self.recorder.streams_ended(time.time())
             say_ended(self.elog, resources, "gone")
@@ -209,7 +209,7 @@ class Readmit:
     def stopping(self) -> None:
         """At SIGTERM, before the servers stop: said and written first, so that the
         daemon, woken by this process's end, finds the time."""
-        resources = registered_in(self.recorder.current(), self.run_id())
+        resources = registered_in(self.recorder.current(), self.kubelet_sock())
         if resources and self.kubelet_listens():
             self.recorder.streams_ended(time.time())
             say_ended(self.elog, resources, "stop")

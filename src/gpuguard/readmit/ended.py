@@ -19,6 +19,7 @@ import socket
 from pathlib import Path
 from typing import Optional
 
+from gpuguard.devices.kubeletstart import KubeletStart
 from gpuguard.journal.log import EventLog
 from gpuguard.readmit.state import ReadmitState
 
@@ -44,10 +45,30 @@ def kubelet_listens(plugins_dir: Path) -> bool:
         os.close(fd)
 
 
-def registered_in(state: Optional[ReadmitState], run: str) -> tuple[str, ...]:
-    """The resources registered in kubelet run ``run`` (kubelet.sock's identity, as the
-    state holds it) whose streams have not been said to end: () when none."""
-    if state is None or not run or state.kubelet_sock != run or state.streams_ended is not None:
+def same_run(recorded: str, recorded_at: float, now: Optional[KubeletStart]) -> bool:
+    """Whether the kubelet run a state names (its kubelet.sock key and start) is ``now``.
+    A run first told by its socket's inode (kubelet between its bind and its listen at
+    the bridge's first look) keeps that key, where a later process, finding kubelet
+    listening, reads its listener: the same run when the socket is that inode and its
+    listener started before the run was recorded (devices/kubeletstart.same_run)."""
+    if now is None or not recorded:
+        return False
+    if recorded == now.key:
+        return True
+    began = now.boot_s
+    return (
+        recorded == f"inode:{now.dev}:{now.ino}"
+        and began is not None
+        and now.offset + began <= recorded_at + 1.0  # the wall clock's rounding
+    )
+
+
+def registered_in(state: Optional[ReadmitState], now: Optional[KubeletStart]) -> tuple[str, ...]:
+    """The resources registered in the kubelet run ``now`` whose streams have not been
+    said to end: () when none."""
+    if state is None or state.streams_ended is not None:
+        return ()
+    if not same_run(state.kubelet_sock, state.kubelet_started, now):
         return ()
     return tuple(r.resource for r in state.registrations)
 
