@@ -137,7 +137,8 @@ _race_reruns: list[str] = []
 def pytest_runtest_protocol(item: pytest.Item, nextitem: Any) -> Any:
     from _pytest.runner import runtestprotocol
 
-    if not item.module.__name__.rsplit(".", 1)[-1].startswith("test_kubelet"):  # type: ignore[attr-defined]
+    module = getattr(getattr(item, "module", None), "__name__", "")
+    if not module.rsplit(".", 1)[-1].startswith("test_kubelet"):
         return None
     item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
     reports = runtestprotocol(item, nextitem=nextitem, log=False)
