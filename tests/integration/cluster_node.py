@@ -27,8 +27,8 @@ from integration.harness.cluster import (
 )
 from integration.harness.kubelet import NODE
 from integration.harness.pods import PLUGIN_SCRIPT, VENV_PYTHON, busybox_pod, plugin_pod
-from integration.kubelet_node import READMIT, GpuNode, boot, gpus_after
-from integration.kubelet_sites import NsFactory
+from integration.kubelet_node import READMIT, GpuNode, boot_on, gpus_after
+from integration.kubelet_sites import HostSite, NsFactory, Site
 
 GATE = "/run/gg-plugin-gate"
 GATE_FILE = f"{GATE}/toolkit-ready"
@@ -229,12 +229,13 @@ class ApiNode:
         return None
 
 
-def boot_api(
-    factory: NsFactory, tmp: Path, api: Path, *, gpuguard: bool, kubelet: str, n_gpus: int = 3
-) -> ApiNode:
-    """A GPU node whose kubelet (``kubelet``: "1.34", "1.36") is registered as Node
-    ``gpunode`` with the control plane started before it, Ready, the plugin's
-    DaemonSet's pod registered."""
+def boot_registered(
+    site: Site, tmp: Path, api: Path, *, bridge_reads_api: bool, **kw: Any
+) -> Tuple[GpuNode, Cluster]:
+    """:func:`boot_on` ``site`` with the control plane started before kubelet, kubelet
+    registered as Node ``gpunode``, Ready. ``bridge_reads_api``: gpuguard's configuration
+    names kubelet's kubeconfig (the bridge asks the API server with kubelet's identity,
+    host/kubeapi.py). ``extra_ro`` is bound beside the control plane's binaries."""
     bins = require_cluster()
     cp = control_plane(tmp / "cluster", bins, NODE)
     clusters: List[Cluster] = []
@@ -243,27 +244,42 @@ def boot_api(
         clusters.append(Cluster(ns, cp))
         clusters[0].start()
 
-    node = boot(
-        factory,
+    node = boot_on(
+        site,
         tmp,
         api,
-        gpuguard=gpuguard,
-        n_gpus=n_gpus,
-        plugin=False,
-        kubelet=kubelet,
         flags=[f"--kubeconfig={cp.node_kubeconfig}"],
-        # the bridge asks the API server with kubelet's own identity (host/kubeapi.py)
-        config=f"[Kubelet]\nKubeconfig={cp.node_kubeconfig}\n",
+        config=f"[Kubelet]\nKubeconfig={cp.node_kubeconfig}\n" if bridge_reads_api else "",
         extra_units=cp.units(),
-        extra_ro=cp.ro_binds(),
+        extra_ro={**cp.ro_binds(), **kw.pop("extra_ro", {})},
         containerd_extra=CONTAINERD_CNI,
         before_kubelet=start,
+        **kw,
     )
     (cluster,) = clusters
     try:
         cluster.wait(lambda: cluster.node_ready(NODE), 90, f"Node {NODE} Ready")
     except AssertionError as e:
         raise AssertionError(f"{e}\n{node.log(lines=60)}") from None
+    return node, cluster
+
+
+def boot_api(
+    factory: NsFactory, tmp: Path, api: Path, *, gpuguard: bool, kubelet: str, n_gpus: int = 3
+) -> ApiNode:
+    """A GPU node whose kubelet (``kubelet``: "1.34", "1.36") is registered as Node
+    ``gpunode`` with the control plane started before it, Ready, the plugin's
+    DaemonSet's pod registered."""
+    node, cluster = boot_registered(
+        HostSite(factory),
+        tmp,
+        api,
+        bridge_reads_api=True,
+        gpuguard=gpuguard,
+        n_gpus=n_gpus,
+        plugin=False,
+        kubelet=kubelet,
+    )
     out = ApiNode(node, cluster)
     out.start_plugin()
     return out

@@ -33,21 +33,19 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 
-from integration.cluster_node import bare_pod
+from integration.cluster_node import bare_pod, boot_registered
 from integration.fleet_node import installed
 from integration.gpu_scopes import FAKE_DRIVER
+from integration.harness.cluster import INNER as CLUSTER_INNER
 from integration.harness.cluster import (
-    CONTAINERD_CNI,
     ApiPod,
     Cluster,
-    control_plane,
     require_cluster,
     show_api,
 )
-from integration.harness.cluster import INNER as CLUSTER_INNER
 from integration.harness.kubelet import NODE, Container
 from integration.installer_images import Buildah, build_image, save_image
-from integration.kubelet_node import GpuNode, boot_on
+from integration.kubelet_node import GpuNode
 from integration.kubelet_node import api as api
 from integration.kubelet_sites import CONFIG_DROPIN, RootSite
 from integration.pkgroot import built_packages, require_pkgroot_tools, source_version
@@ -170,33 +168,16 @@ class Fleet:
 
 
 def boot_fleet(tmp: Path, api: Path, images: Path) -> Tuple[GpuNode, Cluster]:
-    bins = require_cluster()
-    cp = control_plane(tmp / "cluster", bins, NODE)
-    clusters: List[Cluster] = []
-
-    def start(ns: Any) -> None:
-        clusters.append(Cluster(ns, cp))
-        clusters[0].start()
-
-    node = boot_on(
+    return boot_registered(
         RootSite(SUITE),
         tmp,
         api,
+        bridge_reads_api=False,  # preseed_config names kubelet's identity
         gpuguard=False,  # the DaemonSet installs it
         n_gpus=2,
         kubelet="1.34",
-        flags=[f"--kubeconfig={cp.node_kubeconfig}"],
-        extra_units=cp.units(),
-        extra_ro={**cp.ro_binds(), IMAGES: images},
-        containerd_extra=CONTAINERD_CNI,
-        before_kubelet=start,
+        extra_ro={IMAGES: images},
     )
-    (cluster,) = clusters
-    try:
-        cluster.wait(lambda: cluster.node_ready(NODE), 90, f"Node {NODE} Ready")
-    except AssertionError as e:
-        raise AssertionError(f"{e}\n{node.log(lines=60)}") from None
-    return node, cluster
 
 
 def preseed_config(node: GpuNode, kubeconfig: str) -> None:
