@@ -190,11 +190,6 @@ class Readmit:
             self.kstart = KubeletStartWatch(self.root, self.plugins_dir / "kubelet.sock")
         return self.kstart.look()
 
-    def run_id(self) -> str:
-        """The kubelet run now, as the state file names it ("" when none)."""
-        sock = self.kubelet_sock()
-        return sock.key if sock else ""
-
     def resume(self, prior: Optional[ReadmitState]) -> None:
         """At this process's start: go on with the state an earlier process wrote; if it
         registered in the kubelet run that still goes on, its streams have ended."""
